@@ -1,0 +1,116 @@
+"""ModelConfig: the static description of a model, and the presets.
+
+A ModelConfig is a frozen (hence hashable) dataclass, so it can be passed to
+``jax.jit`` as a static argument. Invalid values raise ``ValueError`` at
+construction, naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh")
+NORMS = ("pre", "post")
+POSITIONS = ("learned", "sinusoidal")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256  # byte-level tokenizer; training replaces it by the tokenizer's size
+    d_model: int = 128  # residual stream width D
+    n_heads: int = 8  # D must be divisible by n_heads; Dh = D // n_heads
+    n_layers: int = 3  # L, the leading axis of every params["blocks"] leaf
+    d_ff: int = 512  # hidden width F of the feed-forward layer (4 * D, as in GPT-2)
+    max_seq_len: int = 64  # longest sequence T the position table covers
+    activation: str = "gelu"  # feed-forward nonlinearity: gelu (erf) | gelu_tanh | relu | tanh
+    norm: str = "pre"  # pre: x + f(LN(x)) and a final LN; post: LN(x + f(x))
+    positions: str = "learned"  # learned table or fixed sinusoidal (sin even, cos odd)
+    causal: bool = True  # mask future positions (a decoder); False for a bidirectional encoder
+    ln_eps: float = 1e-5  # added to the variance inside layer norm
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"ModelConfig.d_model ({self.d_model}) must be divisible by "
+                f"n_heads ({self.n_heads})"
+            )
+        for name, allowed in (
+            ("activation", ACTIVATIONS),
+            ("norm", NORMS),
+            ("positions", POSITIONS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(
+                    f"ModelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}"
+                )
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"ModelConfig.causal must be True or False, got {self.causal!r}")
+        if isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float)) or not self.ln_eps > 0:
+            raise ValueError(f"ModelConfig.ln_eps must be a positive number, got {self.ln_eps!r}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# The three systems this project grew from, plus a tiny model for tests.
+PRESETS: dict[str, ModelConfig] = {
+    # loopos: a GPT-style pre-LN decoder with GELU, 3 layers of width 128.
+    "loopos": ModelConfig(
+        d_model=128, n_heads=8, n_layers=3, d_ff=512, max_seq_len=64,
+        activation="gelu", norm="pre", positions="learned",
+    ),
+    # sunfish: the original Transformer's post-LN block, ReLU, sinusoidal positions; trained with Adam.
+    "sunfish": ModelConfig(
+        d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=64,
+        activation="relu", norm="post", positions="sinusoidal",
+    ),
+    # cllm: a small decoder whose feed-forward layer uses tanh.
+    "cllm": ModelConfig(
+        d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=64,
+        activation="tanh", norm="pre", positions="learned",
+    ),
+    # tiny: for tests; every dimension different so shape errors show.
+    "tiny": ModelConfig(
+        d_model=16, n_heads=2, n_layers=2, d_ff=24, max_seq_len=16,
+        activation="gelu", norm="pre", positions="learned",
+    ),
+}
+
+# The training recipe each preset comes with (flags of `jaxformer train` override them).
+PRESET_TRAINING: dict[str, dict[str, Any]] = {
+    "loopos": dict(optimizer="adamw", lr=3e-3, schedule="cosine", warmup_steps=20,
+                   clip_norm=1.0, weight_decay=0.01, batch_size=16, seq_len=64),
+    "sunfish": dict(optimizer="adam", lr=3e-3, schedule="cosine", warmup_steps=20,
+                    clip_norm=1.0, batch_size=16, seq_len=64),
+    "cllm": dict(optimizer="adamw", lr=3e-3, schedule="cosine", warmup_steps=20,
+                 clip_value=5.0, weight_decay=0.01, batch_size=16, seq_len=64),
+    "tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """The ModelConfig of a preset, with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

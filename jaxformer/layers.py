@@ -1,0 +1,169 @@
+"""The forward of each layer, as pure functions over its slice of the params.
+
+Shape letters, used everywhere: B batch, T time, D d_model, H heads,
+Dh = D // H head width, F d_ff, V vocab, L layers.
+
+These functions are the single definition of the forward math. The manual
+backward passes in ``manual_grads/`` call the small pieces below
+(``layer_norm_stats``, ``split_heads``, ``attention_probs``, ...) to recompute
+nothing and keep exactly what their backward needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.config import ModelConfig
+
+# ----------------------------------------------------------------------------
+# linear and activations
+
+
+def linear(x, w, b):
+    """x @ w + b over any leading dims: x (..., I), w (I, O), b (O,) -> (..., O)."""
+    return x @ w + b
+
+
+def gelu(x):
+    """GELU, exact: x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2)))."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x / math.sqrt(2.0)))
+
+
+GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(x):
+    """GELU, tanh approximation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + jnp.tanh(GELU_TANH_C * (x + 0.044715 * x**3)))
+
+
+def relu(x):
+    return jnp.maximum(x, 0)
+
+
+def tanh(x):
+    return jnp.tanh(x)
+
+
+ACTIVATION_FNS = {"gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu, "tanh": tanh}
+
+
+def activation(name: str, x):
+    return ACTIVATION_FNS[name](x)
+
+
+# ----------------------------------------------------------------------------
+# layer norm
+
+
+def layer_norm_stats(x, eps):
+    """Normalize over the last axis: x (..., D) -> xhat (..., D), rstd (..., 1)."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    xc = x - mean
+    var = jnp.mean(xc * xc, axis=-1, keepdims=True)
+    rstd = jax.lax.rsqrt(var + eps)
+    return xc * rstd, rstd
+
+
+def layer_norm(p, x, eps):
+    """p = {"scale": (D,), "bias": (D,)}; x (..., D) -> (..., D)."""
+    xhat, _ = layer_norm_stats(x, eps)
+    return xhat * p["scale"] + p["bias"]
+
+
+# ----------------------------------------------------------------------------
+# multi-head attention
+
+
+def split_heads(x, n_heads):
+    """(B, T, D) -> (B, H, T, Dh): head h takes features h*Dh:(h+1)*Dh."""
+    B, T, D = x.shape
+    return x.reshape(B, T, n_heads, D // n_heads).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x):
+    """(B, H, T, Dh) -> (B, T, D), the inverse of split_heads."""
+    B, H, T, Dh = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
+
+
+def causal_mask(T):
+    """(T, T) bool, True where query t may attend to key s (s <= t)."""
+    return jnp.tril(jnp.ones((T, T), dtype=bool))
+
+
+def attention_probs(q, k, causal):
+    """q, k (B, H, T, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, T, T), future masked if causal."""
+    scores = (q @ jnp.swapaxes(k, -1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        T = q.shape[-2]
+        scores = jnp.where(causal_mask(T), scores, jnp.finfo(scores.dtype).min)
+    scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    e = jnp.exp(scores)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def attention(p, x, n_heads, causal):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D)."""
+    q = split_heads(linear(x, p["wq"], p["bq"]), n_heads)  # (B, H, T, Dh)
+    k = split_heads(linear(x, p["wk"], p["bk"]), n_heads)  # (B, H, T, Dh)
+    v = split_heads(linear(x, p["wv"], p["bv"]), n_heads)  # (B, H, T, Dh)
+    probs = attention_probs(q, k, causal)  # (B, H, T, T)
+    return linear(merge_heads(probs @ v), p["wo"], p["bo"])
+
+
+# ----------------------------------------------------------------------------
+# feed-forward
+
+
+def feed_forward(p, x, activation_name):
+    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> (..., D)."""
+    h = linear(x, p["w_in"], p["b_in"])
+    return linear(activation(activation_name, h), p["w_out"], p["b_out"])
+
+
+# ----------------------------------------------------------------------------
+# embeddings
+
+
+def sinusoidal_positions(T, D, dtype=jnp.float32):
+    """(T, D) table: sin(t / 10000^(2i/D)) at feature 2i, cos(...) at feature 2i+1."""
+    t = jnp.arange(T, dtype=jnp.promote_types(dtype, jnp.float32))[:, None]
+    i = jnp.arange(0, D, 2, dtype=t.dtype)[None, :]
+    angle = t / (10000.0 ** (i / D))  # (T, ceil(D/2))
+    table = jnp.zeros((T, D), t.dtype)
+    table = table.at[:, 0::2].set(jnp.sin(angle))
+    table = table.at[:, 1::2].set(jnp.cos(angle[:, : D // 2]))
+    return table.astype(dtype)
+
+
+def positions(params, T, config: ModelConfig, dtype):
+    """The (T, D) position term added to the token embeddings."""
+    if config.positions == "learned":
+        return params["pos_embed"][:T]
+    return sinusoidal_positions(T, config.d_model, dtype)
+
+
+def embed(params, inputs, config: ModelConfig):
+    """inputs int (B, T) -> tok_embed[inputs] + positions (B, T, D)."""
+    x = jnp.take(params["tok_embed"], inputs, axis=0)
+    return x + positions(params, inputs.shape[-1], config, x.dtype)
+
+
+# ----------------------------------------------------------------------------
+# the residual block
+
+
+def block(p, x, config: ModelConfig):
+    """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D)."""
+    eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
+    if config.norm == "pre":
+        x = x + attention(p["attn"], layer_norm(p["ln1"], x, eps), H, causal)
+        x = x + feed_forward(p["ffn"], layer_norm(p["ln2"], x, eps), act)
+    else:
+        x = layer_norm(p["ln1"], x + attention(p["attn"], x, H, causal), eps)
+        x = layer_norm(p["ln2"], x + feed_forward(p["ffn"], x, act), eps)
+    return x

@@ -1,0 +1,94 @@
+"""The whole model: forward(params, inputs, config) -> logits, and the loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.config import ModelConfig
+from jaxformer.layers import block, embed, layer_norm, linear
+
+
+def _concrete(x) -> bool:
+    """True when x holds values (an eager call), False under jit/grad tracing."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def validate_tokens(name: str, ids, config: ModelConfig) -> None:
+    """Raise ValueError unless ids is an integer (B, T) array with T <= max_seq_len and
+    every id in [0, vocab_size). Shapes and dtypes are checked under jit too; values
+    only in eager calls (a traced value cannot be inspected)."""
+    if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+        raise ValueError(f"{name} must be an integer array of shape (B, T), got {type(ids).__name__}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must have an integer dtype, got {ids.dtype}")
+    if ids.ndim != 2:
+        raise ValueError(f"{name} must have shape (B, T), got shape {tuple(ids.shape)}")
+    if ids.shape[1] > config.max_seq_len:
+        raise ValueError(
+            f"{name} has sequence length {ids.shape[1]}, longer than "
+            f"max_seq_len={config.max_seq_len}"
+        )
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(ids.shape)}")
+    if _concrete(ids):
+        values = np.asarray(ids)
+        bad = (values < 0) | (values >= config.vocab_size)
+        if bad.any():
+            pos = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"{name} holds token id {int(values[pos])} at position {pos}, outside "
+                f"[0, vocab_size={config.vocab_size})"
+            )
+
+
+def validate_batch(batch, config: ModelConfig) -> None:
+    """Raise ValueError naming the key, shape or token id that makes ``batch`` unusable."""
+    if not isinstance(batch, dict) or "inputs" not in batch or "targets" not in batch:
+        raise ValueError("batch must be a dict with keys 'inputs' and 'targets' (and optionally 'mask')")
+    validate_tokens("batch['inputs']", batch["inputs"], config)
+    validate_tokens("batch['targets']", batch["targets"], config)
+    shape = tuple(batch["inputs"].shape)
+    for key in ("targets", "mask"):
+        if batch.get(key) is not None and tuple(jnp.shape(batch[key])) != shape:
+            raise ValueError(
+                f"batch['{key}'] has shape {tuple(jnp.shape(batch[key]))}, "
+                f"batch['inputs'] has {shape}"
+            )
+
+
+def forward(params, inputs, config: ModelConfig):
+    """inputs int (B, T) -> logits (B, T, V), in the dtype of the params."""
+    validate_tokens("inputs", inputs, config)
+    x = embed(params, inputs, config)  # (B, T, D)
+
+    def layer(x, p):
+        return block(p, x, config), None
+
+    x, _ = jax.lax.scan(layer, x, params["blocks"])
+    if config.norm == "pre":
+        x = layer_norm(params["ln_f"], x, config.ln_eps)
+    return linear(x, params["head"]["w"], params["head"]["b"])  # (B, T, V)
+
+
+def cross_entropy(logits, targets, mask=None):
+    """Mean of -log softmax(logits)[target] over positions where mask is 1.
+
+    logits (..., V), targets int (...), mask (...) or None. With a mask of all
+    zeros the loss is 0 (no position counts).
+    """
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = logz - target_logit
+    if mask is None:
+        return jnp.mean(nll)
+    mask = mask.astype(nll.dtype)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def loss_fn(params, batch, config: ModelConfig):
+    """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?}."""
+    validate_batch(batch, config)
+    logits = forward(params, batch["inputs"], config)
+    return cross_entropy(logits, batch["targets"], batch.get("mask"))

@@ -1,0 +1,75 @@
+"""init_params(key, config) -> the parameter pytree of DESIGN.md.
+
+Weights are drawn from N(0, 0.02^2) (GPT-2's init), the two projections that
+write into the residual stream (attention ``wo``, feed-forward ``w_out``) are
+scaled down by 1/sqrt(2 * n_layers) so the stream's variance does not grow with
+depth; biases start at zero, layer-norm scales at one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+def init_params(key: jax.Array, config: ModelConfig, dtype=jnp.float32) -> dict:
+    """Random parameters for ``config``; every leaf has dtype ``dtype``."""
+    V, D, F, L, S = (config.vocab_size, config.d_model, config.d_ff,
+                     config.n_layers, config.max_seq_len)
+    keys = iter(jax.random.split(key, 9))
+
+    def normal(shape, std=INIT_STD):
+        return (std * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
+    ones = lambda *shape: jnp.ones(shape, dtype)  # noqa: E731
+    out_std = INIT_STD / (2 * L) ** 0.5
+
+    params = {"tok_embed": normal((V, D))}
+    if config.positions == "learned":
+        params["pos_embed"] = normal((S, D))
+    params["blocks"] = {
+        "ln1": {"scale": ones(L, D), "bias": zeros(L, D)},
+        "attn": {
+            "wq": normal((L, D, D)), "bq": zeros(L, D),
+            "wk": normal((L, D, D)), "bk": zeros(L, D),
+            "wv": normal((L, D, D)), "bv": zeros(L, D),
+            "wo": normal((L, D, D), out_std), "bo": zeros(L, D),
+        },
+        "ln2": {"scale": ones(L, D), "bias": zeros(L, D)},
+        "ffn": {
+            "w_in": normal((L, D, F)), "b_in": zeros(L, F),
+            "w_out": normal((L, F, D), out_std), "b_out": zeros(L, D),
+        },
+    }
+    if config.norm == "pre":
+        params["ln_f"] = {"scale": ones(D), "bias": zeros(D)}
+    params["head"] = {"w": normal((D, V)), "b": zeros(V)}
+    return params
+
+
+def count_params(params) -> int:
+    return sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+def check_params(params, config: ModelConfig) -> None:
+    """Raise ValueError naming the first leaf whose path or shape does not fit ``config``."""
+    expected = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+    exp_leaves = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
+    got_leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    fmt = jax.tree_util.keystr
+    missing = [fmt(p) for p in exp_leaves if p not in got_leaves]
+    extra = [fmt(p) for p in got_leaves if p not in exp_leaves]
+    if missing or extra:
+        raise ValueError(
+            f"params do not match the config: missing {missing or 'nothing'}, "
+            f"unexpected {extra or 'nothing'}"
+        )
+    for path, leaf in exp_leaves.items():
+        shape = tuple(getattr(got_leaves[path], "shape", ()))
+        if shape != leaf.shape:
+            raise ValueError(f"params{fmt(path)} has shape {shape}, the config needs {leaf.shape}")
