@@ -1,0 +1,254 @@
+"""The forward model: config validation, every option builds and runs, shapes,
+dtypes, the loss at init, and clear errors for bad input."""
+
+import itertools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxformer as jf
+from jaxformer import layers
+from jaxformer.config import ACTIVATIONS, NORMS, POSITIONS, PRESETS, ModelConfig
+from jaxformer.params import check_params
+
+TINY = dict(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)
+
+
+def batch_for(config, B=3, T=7, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, config.vocab_size, size=(B, T + 1)).astype(np.int32)
+    return {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("d_model", 10, "divisible by n_heads"),
+        ("activation", "swish", "ModelConfig.activation"),
+        ("norm", "sandwich", "ModelConfig.norm"),
+        ("positions", "rotary", "ModelConfig.positions"),
+        ("vocab_size", 0, "ModelConfig.vocab_size"),
+        ("n_layers", -1, "ModelConfig.n_layers"),
+        ("d_ff", 2.5, "ModelConfig.d_ff"),
+        ("max_seq_len", True, "ModelConfig.max_seq_len"),
+        ("ln_eps", 0.0, "ModelConfig.ln_eps"),
+        ("causal", "yes", "ModelConfig.causal"),
+    ],
+)
+def test_invalid_config_names_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**TINY, "n_heads": 4, "d_model": 12, field: value})
+
+
+def test_config_is_hashable_and_round_trips():
+    config = ModelConfig(**TINY)
+    assert hash(config) == hash(ModelConfig(**TINY))
+    assert ModelConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="unknown ModelConfig field"):
+        ModelConfig.from_dict({**config.to_dict(), "dropout": 0.1})
+
+
+def test_presets_match_the_original_systems():
+    loopos = PRESETS["loopos"]
+    assert (loopos.norm, loopos.activation, loopos.n_layers, loopos.d_model,
+            loopos.n_heads, loopos.d_ff) == ("pre", "gelu", 3, 128, 8, 512)
+    sunfish = PRESETS["sunfish"]
+    assert (sunfish.norm, sunfish.activation, sunfish.positions) == ("post", "relu", "sinusoidal")
+    assert PRESETS["cllm"].activation == "tanh"
+    with pytest.raises(ValueError, match="unknown preset"):
+        jf.get_preset("gpt5")
+
+
+# ---------------------------------------------------------------------------- params
+
+
+@pytest.mark.parametrize("norm, positions", list(itertools.product(NORMS, POSITIONS)))
+def test_param_layout(norm, positions):
+    config = ModelConfig(**TINY, norm=norm, positions=positions)
+    V, D, F, L, S = 11, 12, 20, 2, 9
+    params = jf.init_params(jax.random.PRNGKey(0), config)
+    expected = {
+        "tok_embed": (V, D),
+        "blocks": {
+            "ln1": {"scale": (L, D), "bias": (L, D)},
+            "attn": {k: (L, D, D) if k.startswith("w") else (L, D)
+                     for k in ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo")},
+            "ln2": {"scale": (L, D), "bias": (L, D)},
+            "ffn": {"w_in": (L, D, F), "b_in": (L, F), "w_out": (L, F, D), "b_out": (L, D)},
+        },
+        "head": {"w": (D, V), "b": (V,)},
+    }
+    if positions == "learned":
+        expected["pos_embed"] = (S, D)
+    if norm == "pre":
+        expected["ln_f"] = {"scale": (D,), "bias": (D,)}
+    shapes = jax.tree_util.tree_map(lambda x: x.shape, params)
+    assert shapes == expected
+    check_params(params, config)
+
+
+def test_check_params_names_the_bad_leaf():
+    config = ModelConfig(**TINY)
+    params = jf.init_params(jax.random.PRNGKey(0), config)
+    params["head"]["w"] = params["head"]["w"][:, :5]
+    with pytest.raises(ValueError, match=r"\['head'\]\['w'\] has shape \(12, 5\)"):
+        check_params(params, config)
+    del params["head"]
+    with pytest.raises(ValueError, match="missing"):
+        check_params(params, config)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_everything_follows_the_params_dtype(dtype):
+    config = ModelConfig(**TINY, positions="sinusoidal")
+    params = jf.init_params(jax.random.PRNGKey(0), config, dtype=dtype)
+    chex.assert_trees_all_equal_dtypes(params, jax.tree_util.tree_map(lambda x: jnp.zeros((), dtype), params))
+    batch = batch_for(config)
+    assert jf.forward(params, batch["inputs"], config).dtype == dtype
+    assert jf.loss_fn(params, batch, config).dtype == dtype
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+OPTIONS = list(itertools.product(ACTIVATIONS, NORMS, POSITIONS, (True, False)))
+
+
+@pytest.mark.parametrize("activation, norm, positions, causal", OPTIONS)
+def test_every_option_builds_and_runs(activation, norm, positions, causal):
+    config = ModelConfig(**TINY, activation=activation, norm=norm, positions=positions, causal=causal)
+    params = jf.init_params(jax.random.PRNGKey(1), config, dtype=jnp.float64)
+    batch = batch_for(config)
+    logits = jax.jit(jf.forward, static_argnums=2)(params, batch["inputs"], config)
+    chex.assert_shape(logits, (3, 7, 11))
+    chex.assert_tree_all_finite(logits)
+    loss = jf.loss_fn(params, batch, config)
+    # Small init: the model's prediction is close to uniform.
+    assert abs(float(loss) - math.log(config.vocab_size)) < 0.1
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_and_start_near_uniform(name):
+    config = PRESETS[name]
+    params = jf.init_params(jax.random.PRNGKey(0), config)
+    batch = batch_for(config, B=2, T=min(16, config.max_seq_len))
+    loss = jax.jit(jf.loss_fn, static_argnums=2)(params, batch, config)
+    assert abs(float(loss) - math.log(config.vocab_size)) < 0.15
+
+
+def test_causal_model_does_not_see_the_future():
+    config = ModelConfig(**TINY, causal=True)
+    params = jf.init_params(jax.random.PRNGKey(2), config, dtype=jnp.float64)
+    inputs = batch_for(config)["inputs"]
+    changed = inputs.at[:, 4].set((inputs[:, 4] + 1) % config.vocab_size)
+    a, b = jf.forward(params, inputs, config), jf.forward(params, changed, config)
+    np.testing.assert_array_equal(a[:, :4], b[:, :4])
+    assert not np.allclose(a[:, 4:], b[:, 4:])
+    # Not causal: earlier positions see the change too.
+    config = config.replace(causal=False)
+    a, b = jf.forward(params, inputs, config), jf.forward(params, changed, config)
+    assert not np.allclose(a[:, :4], b[:, :4])
+
+
+def test_attention_heads_use_their_column_blocks():
+    """Head h reads columns h*Dh:(h+1)*Dh of wq/wk/wv: compare with one head at a time."""
+    rng = np.random.default_rng(0)
+    B, T, D, H = 2, 5, 12, 3
+    Dh = D // H
+    p = {k: jnp.asarray(rng.normal(size=(D, D) if k[0] == "w" else (D,))) for k in
+         ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo")}
+    x = jnp.asarray(rng.normal(size=(B, T, D)))
+    out = layers.attention(p, x, H, causal=True)
+    heads = []
+    for h in range(H):
+        cols = slice(h * Dh, (h + 1) * Dh)
+        q, k, v = (x @ p[w][:, cols] + p[b][cols] for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+        s = q @ np.swapaxes(k, -1, -2) / np.sqrt(Dh)
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        prob = np.exp(s - s.max(-1, keepdims=True))
+        heads.append((prob / prob.sum(-1, keepdims=True)) @ v)
+    expected = np.concatenate(heads, axis=-1) @ p["wo"] + p["bo"]
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_layer_norm_normalizes():
+    x = jnp.asarray(np.random.default_rng(0).normal(3.0, 2.0, size=(4, 6, 10)))
+    y = layers.layer_norm({"scale": jnp.ones(10), "bias": jnp.zeros(10)}, x, 1e-5)
+    np.testing.assert_allclose(y.mean(-1), 0, atol=1e-12)
+    np.testing.assert_allclose(y.var(-1), 1, rtol=1e-5)
+
+
+def test_activations_match_jax_nn():
+    x = jnp.linspace(-6, 6, 101)
+    np.testing.assert_allclose(layers.gelu(x), jax.nn.gelu(x, approximate=False), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(layers.gelu_tanh(x), jax.nn.gelu(x, approximate=True), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(layers.relu(x), jax.nn.relu(x))
+
+
+def test_sinusoidal_positions():
+    table = layers.sinusoidal_positions(7, 6, jnp.float64)
+    t, i = 5, 2  # feature 2i = 4 is sin, 2i + 1 = 5 is cos, both at frequency 10000^(-4/6)
+    np.testing.assert_allclose(table[t, 2 * i], np.sin(t / 10000 ** (2 * i / 6)), rtol=1e-12)
+    np.testing.assert_allclose(table[t, 2 * i + 1], np.cos(t / 10000 ** (2 * i / 6)), rtol=1e-12)
+    assert layers.sinusoidal_positions(4, 5).shape == (4, 5)  # odd width
+
+
+def test_cross_entropy_matches_log_softmax_and_mask():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 5, 7)) * 1e4)  # large: must stay finite
+    targets = jnp.asarray(rng.integers(0, 7, size=(2, 5)))
+    mask = jnp.asarray(rng.integers(0, 2, size=(2, 5)))
+    nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(jf.cross_entropy(logits, targets), nll.mean(), rtol=1e-12)
+    np.testing.assert_allclose(jf.cross_entropy(logits, targets, mask),
+                               (nll * mask).sum() / mask.sum(), rtol=1e-12)
+    assert float(jf.cross_entropy(logits, targets, jnp.zeros_like(mask))) == 0.0
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = ModelConfig(**TINY)
+    return config, jf.init_params(jax.random.PRNGKey(0), config)
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        (np.full((2, 4), 11, np.int32), r"token id 11 at position \(0, 0\), outside \[0, vocab_size=11\)"),
+        (np.array([[0, 1, -1]], np.int32), r"token id -1 at position \(0, 2\)"),
+        (np.zeros((2, 4), np.float32), "integer dtype"),
+        (np.zeros((4,), np.int32), r"shape \(B, T\)"),
+        (np.zeros((1, 10), np.int32), "sequence length 10, longer than max_seq_len=9"),
+        (np.zeros((1, 0), np.int32), "empty"),
+        ([[1, 2]], "integer array"),
+    ],
+)
+def test_forward_rejects_bad_inputs(tiny, inputs, message):
+    config, params = tiny
+    with pytest.raises(ValueError, match=message):
+        jf.forward(params, inputs, config)
+
+
+def test_loss_fn_rejects_bad_batches(tiny):
+    config, params = tiny
+    good = batch_for(config)
+    with pytest.raises(ValueError, match="keys 'inputs' and 'targets'"):
+        jf.loss_fn(params, {"inputs": good["inputs"]}, config)
+    with pytest.raises(ValueError, match=r"batch\['targets'\] holds token id 99"):
+        jf.loss_fn(params, {**good, "targets": good["targets"].at[1, 1].set(99)}, config)
+    with pytest.raises(ValueError, match=r"batch\['mask'\] has shape \(3, 6\)"):
+        jf.loss_fn(params, {**good, "mask": jnp.ones((3, 6))}, config)
+    # Under jit the shape checks still run (values cannot be inspected there).
+    with pytest.raises(ValueError, match="longer than max_seq_len"):
+        jax.jit(jf.loss_fn, static_argnums=2)(
+            params, {"inputs": jnp.zeros((1, 12), jnp.int32), "targets": jnp.zeros((1, 12), jnp.int32)}, config)
