@@ -33,11 +33,12 @@ def gelu(x):
 
 
 GELU_TANH_C = math.sqrt(2.0 / math.pi)
+GELU_TANH_A = 0.044715  # the cubic coefficient of the tanh approximation
 
 
 def gelu_tanh(x):
     """GELU, tanh approximation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))."""
-    return 0.5 * x * (1.0 + jnp.tanh(GELU_TANH_C * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + jnp.tanh(GELU_TANH_C * (x + GELU_TANH_A * x**3)))
 
 
 def relu(x):
@@ -147,9 +148,14 @@ def positions(params, T, config: ModelConfig, dtype):
     return sinusoidal_positions(T, config.d_model, dtype)
 
 
+def token_embedding(table, ids):
+    """table (V, D), ids int (...) -> the rows table[ids] (..., D)."""
+    return jnp.take(table, ids, axis=0)
+
+
 def embed(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> tok_embed[inputs] + positions (B, T, D)."""
-    x = jnp.take(params["tok_embed"], inputs, axis=0)
+    x = token_embedding(params["tok_embed"], inputs)
     return x + positions(params, inputs.shape[-1], config, x.dtype)
 
 

@@ -1,0 +1,17 @@
+"""The main job: hand-derived gradients against jax.grad for the presets, with reports.
+
+    python experiments/compare_grads.py                        # loopos, sunfish, cllm, float32
+    python experiments/compare_grads.py --dtype float64 --fd   # plus finite differences
+    python experiments/compare_grads.py --help
+
+Writes report.json, report.md and rel_errors.png to --out (default runs/compare_grads);
+exits 1, naming the leaf, when any gradient is over tolerance. The logic is in
+jaxformer/compare.py (also run by `jaxformer compare-grads`).
+"""
+
+import sys
+
+from jaxformer.compare import main
+
+if __name__ == "__main__":
+    sys.exit(main())

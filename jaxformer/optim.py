@@ -1,0 +1,169 @@
+"""Optimizers and learning-rate schedules, built from optax's own pieces.
+
+    make_optimizer("adamw", lr=3e-3, schedule="cosine", warmup_steps=20, total_steps=300,
+                   clip_norm=1.0, weight_decay=0.01)
+
+is the chain
+
+    clip(clip_value) -> clip_by_global_norm(clip_norm) -> [add_decayed_weights]
+    -> scale_by_adam -> [add_decayed_weights, adamw] -> scale_by_learning_rate(schedule)
+
+wrapped in ``optax.inject_hyperparams`` (so the learning rate of the last update
+sits in the optimizer state, see ``current_lr``) and, with ``accum_steps > 1``,
+in ``optax.MultiSteps`` (gradients of ``accum_steps`` calls are averaged into
+one update). Steps in schedules count optimizer updates, not micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _check_number(name, value, *, minimum=0.0, strict=False, maximum=None):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if (strict and not value > minimum) or value < minimum:
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
+                  total_steps: int | None = None, final_lr_fraction: float = 0.1) -> optax.Schedule:
+    """Learning rate as a function of the update count.
+
+    constant: lr, after a linear warmup (update i < warmup_steps uses lr * (i + 1) / warmup_steps).
+    cosine:   linear warmup to lr, then cosine decay to final_lr_fraction * lr at total_steps.
+    linear:   linear warmup to lr, then linear decay to final_lr_fraction * lr at total_steps.
+    """
+    _check_number("lr", lr)
+    _check_int("warmup_steps", warmup_steps, 0)
+    _check_number("final_lr_fraction", final_lr_fraction, maximum=1.0)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    lr = float(lr)
+    # warmup: update i < warmup_steps uses lr * (i + 1) / warmup_steps
+    warmup = optax.linear_schedule(lr / warmup_steps, lr, warmup_steps - 1) if warmup_steps else None
+    if schedule == "constant":
+        if warmup is None:
+            return optax.constant_schedule(lr)
+        return optax.join_schedules([warmup, optax.constant_schedule(lr)], [warmup_steps])
+    if total_steps is None:
+        raise ValueError(f"the {schedule} schedule needs total_steps")
+    _check_int("total_steps", total_steps, 1)
+    if total_steps <= warmup_steps:
+        raise ValueError(
+            f"the {schedule} schedule needs total_steps ({total_steps}) > warmup_steps ({warmup_steps})"
+        )
+    end = lr * final_lr_fraction
+    decay_steps = total_steps - warmup_steps
+    if schedule == "cosine":
+        decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=final_lr_fraction)
+    else:
+        decay = optax.linear_schedule(lr, end, decay_steps)
+    if warmup is None:
+        return decay
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def decay_mask(params):
+    """True for the leaves weight decay applies to: weight matrices and embeddings
+    (dict keys starting with "w" or ending in "embed"), not biases or norm scales.
+    Leaves outside dicts fall back to "has at least 2 dims"."""
+
+    def is_decayed(path, leaf):
+        last = path[-1] if path else None
+        key = getattr(last, "key", None)
+        if isinstance(key, str):
+            return key.startswith("w") or key.endswith("embed")
+        return jnp.ndim(leaf) >= 2
+
+    return jax.tree_util.tree_map_with_path(is_decayed, params)
+
+
+def make_optimizer(
+    name: str = "adam",
+    lr: float = 1e-3,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    clip_value: float | None = None,
+    clip_norm: float | None = None,
+    weight_decay: float = 0.0,
+    momentum: float = 0.9,
+    accum_steps: int = 1,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    final_lr_fraction: float = 0.1,
+) -> optax.GradientTransformation:
+    """The optimizer ``name`` (sgd | momentum | adam | adamw) with its clipping,
+    weight decay, schedule and gradient accumulation. See the module docstring.
+
+    clip_value: clip every gradient entry to [-clip_value, clip_value] (None: off).
+    clip_norm: rescale the gradient when its global norm exceeds clip_norm (None: off).
+    weight_decay: decoupled (AdamW) for adamw; added to the gradient (L2) otherwise.
+    accum_steps: average the gradients of this many calls into one update.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    for label, value in (("clip_value", clip_value), ("clip_norm", clip_norm)):
+        if value is not None:
+            _check_number(label, value, strict=True)
+    _check_number("weight_decay", weight_decay)
+    _check_number("momentum", momentum, maximum=1.0)
+    _check_int("accum_steps", accum_steps, 1)
+    lr_schedule = make_schedule(lr, schedule, warmup_steps, total_steps, final_lr_fraction)
+
+    parts = []
+    if clip_value is not None:
+        parts.append(optax.clip(float(clip_value)))
+    if clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(float(clip_norm)))
+    if weight_decay and name != "adamw":
+        parts.append(optax.add_decayed_weights(float(weight_decay), mask=decay_mask))
+    if name == "momentum":
+        parts.append(optax.trace(decay=float(momentum)))
+    elif name in ("adam", "adamw"):
+        parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    if weight_decay and name == "adamw":
+        parts.append(optax.add_decayed_weights(float(weight_decay), mask=decay_mask))
+
+    def with_lr(learning_rate):
+        return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+
+    optimizer = optax.inject_hyperparams(with_lr)(learning_rate=lr_schedule)
+    if accum_steps > 1:
+        optimizer = optax.MultiSteps(optimizer, every_k_schedule=accum_steps).gradient_transformation()
+    return optimizer
+
+
+def current_lr(opt_state):
+    """The learning rate of the last update (the first one's before any), read from
+    the state of an optimizer built by ``make_optimizer``; NaN for other optimizers."""
+
+    def find(node):
+        hyper = getattr(node, "hyperparams", None)
+        if isinstance(hyper, dict) and "learning_rate" in hyper:
+            return hyper["learning_rate"]
+        if isinstance(node, (tuple, list)):  # chains and NamedTuple states (MultiSteps, ...)
+            for child in node:
+                found = find(child)
+                if found is not None:
+                    return found
+        return None
+
+    found = find(opt_state)
+    return jnp.asarray(jnp.nan if found is None else found, jnp.float32)

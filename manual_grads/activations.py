@@ -1,0 +1,94 @@
+"""Elementwise activations: gelu (exact, erf), gelu_tanh, relu, tanh.
+
+Each residual type names its activation, so ``activation_bwd(res, dy)`` needs
+no name: the backward of a residual is ``ACTIVATION_BWD[type(res)]``.
+Activations have no parameters: a backward returns dx alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.layers import ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C
+
+
+class GeluRes(NamedTuple):
+    x: jax.Array  # (...) the input
+
+
+class GeluTanhRes(NamedTuple):
+    x: jax.Array  # (...) the input
+
+
+class ReluRes(NamedTuple):
+    x: jax.Array  # (...) the input
+
+
+class TanhRes(NamedTuple):
+    y: jax.Array  # (...) the output tanh(x)
+
+
+def gelu_fwd(x):
+    return ACTIVATION_FNS["gelu"](x), GeluRes(x)
+
+
+def gelu_bwd(res: GeluRes, dy):
+    """Undoes ``y = 0.5 * x * (1 + erf(x / sqrt(2)))``:
+    dy/dx = Phi(x) + x * phi(x), with phi the standard normal density."""
+    x = res.x
+    cdf = 0.5 * (1.0 + jax.lax.erf(x / math.sqrt(2.0)))
+    pdf = jnp.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    return dy * (cdf + x * pdf)
+
+
+def gelu_tanh_fwd(x):
+    return ACTIVATION_FNS["gelu_tanh"](x), GeluTanhRes(x)
+
+
+def gelu_tanh_bwd(res: GeluTanhRes, dy):
+    """Undoes ``y = 0.5 * x * (1 + tanh(u))``, u = c * (x + a x^3):
+    dy/dx = 0.5 * (1 + tanh(u)) + 0.5 * x * (1 - tanh(u)^2) * c * (1 + 3 a x^2)."""
+    x = res.x
+    th = jnp.tanh(GELU_TANH_C * (x + GELU_TANH_A * x**3))
+    du_dx = GELU_TANH_C * (1.0 + 3.0 * GELU_TANH_A * x * x)
+    return dy * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * du_dx)
+
+
+def relu_fwd(x):
+    return ACTIVATION_FNS["relu"](x), ReluRes(x)
+
+
+def relu_bwd(res: ReluRes, dy):
+    """Undoes ``y = max(x, 0)``: dy/dx = 1 where x > 0, 0 where x < 0, and 1/2
+    at x == 0 (the subgradient jax.grad of jnp.maximum picks at a tie)."""
+    x = res.x
+    slope = jnp.where(x > 0, 1.0, jnp.where(x == 0, 0.5, 0.0)).astype(dy.dtype)
+    return dy * slope
+
+
+def tanh_fwd(x):
+    y = ACTIVATION_FNS["tanh"](x)
+    return y, TanhRes(y)
+
+
+def tanh_bwd(res: TanhRes, dy):
+    """Undoes ``y = tanh(x)``: dy/dx = 1 - y^2."""
+    return dy * (1.0 - res.y * res.y)
+
+
+ACTIVATION_FWD = {"gelu": gelu_fwd, "gelu_tanh": gelu_tanh_fwd, "relu": relu_fwd, "tanh": tanh_fwd}
+ACTIVATION_BWD = {GeluRes: gelu_bwd, GeluTanhRes: gelu_tanh_bwd, ReluRes: relu_bwd, TanhRes: tanh_bwd}
+
+
+def activation_fwd(name: str, x):
+    """The activation called ``name`` (a ModelConfig.activation) of x (...)."""
+    return ACTIVATION_FWD[name](x)
+
+
+def activation_bwd(res, dy):
+    """dy (...) -> dx (...), for the activation whose residual is ``res``."""
+    return ACTIVATION_BWD[type(res)](res, dy)

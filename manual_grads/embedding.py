@@ -1,0 +1,88 @@
+"""Embeddings: token rows, learned positions, sinusoidal positions.
+
+    x = tok_embed[inputs] + positions[:T]      (B, T, D)
+
+Token ids are integers: their cotangent is None. Sinusoidal positions have no
+parameters, so nothing flows back through them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.config import ModelConfig
+from jaxformer.layers import sinusoidal_positions, token_embedding
+
+
+class TokenEmbedRes(NamedTuple):
+    ids: jax.Array  # (B, T) int, the token ids
+    table: jax.Array  # (V, D) tok_embed; kept for its shape
+
+
+def token_embed_fwd(table, ids):
+    """table (V, D), ids int (B, T) -> x (B, T, D)."""
+    return token_embedding(table, ids), TokenEmbedRes(ids, table)
+
+
+def token_embed_bwd(res: TokenEmbedRes, dx):
+    """dx (B, T, D) -> (dtable (V, D), None).
+
+    Undoes ``x = table[ids]``: a scatter-add of the rows of dx into the rows
+    they were read from; an id that appears n times accumulates n rows.
+    """
+    ids, table = res
+    D = table.shape[-1]
+    dtable = jnp.zeros(table.shape, dx.dtype).at[ids.reshape(-1)].add(dx.reshape(-1, D))
+    return dtable, None
+
+
+class LearnedPosRes(NamedTuple):
+    table: jax.Array  # (max_seq_len, D) pos_embed; kept for its shape
+
+
+def learned_positions_fwd(table, T):
+    """table (max_seq_len, D) -> its first T rows (T, D)."""
+    return table[:T], LearnedPosRes(table)
+
+
+def learned_positions_bwd(res: LearnedPosRes, dpos):
+    """dpos (T, D) -> dtable (max_seq_len, D): undoes ``pos = table[:T]``; rows
+    past T were not read and get zero."""
+    T = dpos.shape[0]
+    return jnp.zeros(res.table.shape, dpos.dtype).at[:T].set(dpos)
+
+
+def sinusoidal_positions_fwd(T, D, dtype):
+    """The fixed (T, D) table; no parameters, so the residual is None."""
+    return sinusoidal_positions(T, D, dtype), None
+
+
+class EmbedRes(NamedTuple):
+    tok: TokenEmbedRes
+    pos: LearnedPosRes | None  # None for sinusoidal positions
+
+
+def embed_fwd(p, inputs, config: ModelConfig):
+    """p = {"tok_embed": (V, D), "pos_embed": (max_seq_len, D) if learned};
+    inputs int (B, T) -> x (B, T, D)."""
+    T = inputs.shape[-1]
+    tok, tok_res = token_embed_fwd(p["tok_embed"], inputs)  # (B, T, D)
+    if config.positions == "learned":
+        pos, pos_res = learned_positions_fwd(p["pos_embed"], T)  # (T, D)
+    else:
+        pos, pos_res = sinusoidal_positions_fwd(T, config.d_model, tok.dtype)  # (T, D)
+    return tok + pos, EmbedRes(tok_res, pos_res)
+
+
+def embed_bwd(res: EmbedRes, dx):
+    """dx (B, T, D) -> (dp with p's keys, None for the integer inputs).
+
+    Undoes ``x = tok + pos``: tok gets dx, pos (broadcast over B) gets dx summed over B.
+    """
+    dp = {"tok_embed": token_embed_bwd(res.tok, dx)[0]}
+    if res.pos is not None:
+        dp["pos_embed"] = learned_positions_bwd(res.pos, dx.sum(axis=0))
+    return dp, None

@@ -1,0 +1,39 @@
+"""Layer norm over the last axis: y = (x - mean) * rstd * scale + bias."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from jaxformer.layers import layer_norm_stats
+
+
+class LayerNormRes(NamedTuple):
+    xhat: jax.Array  # (..., D) the normalized input (x - mean) * rstd
+    rstd: jax.Array  # (..., 1) 1 / sqrt(var + eps)
+    scale: jax.Array  # (D,)
+
+
+def layer_norm_fwd(p, x, eps):
+    """p = {"scale": (D,), "bias": (D,)}; x (..., D) -> y (..., D)."""
+    xhat, rstd = layer_norm_stats(x, eps)  # (..., D), (..., 1): kept for the backward
+    y = xhat * p["scale"] + p["bias"]
+    return y, LayerNormRes(xhat, rstd, p["scale"])
+
+
+def layer_norm_bwd(res: LayerNormRes, dy):
+    """dy (..., D) -> ({"scale": (D,), "bias": (D,)}, dx (..., D)).
+
+    Undoes ``y = xhat * scale + bias`` then ``xhat = (x - mean) * rstd``; the
+    gradient reaches x directly and through the mean and the variance:
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
+    """
+    xhat, rstd, scale = res
+    D = xhat.shape[-1]
+    dscale = (dy * xhat).reshape(-1, D).sum(axis=0)  # (D,)
+    dbias = dy.reshape(-1, D).sum(axis=0)  # (D,)
+    dxhat = dy * scale  # (..., D)
+    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                 - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return {"scale": dscale, "bias": dbias}, dx

@@ -1,0 +1,51 @@
+"""Softmax cross entropy, fused with its backward.
+
+    loss = sum_i w_i * (logsumexp(logits_i) - logits_i[target_i])
+    w_i  = mask_i / max(sum(mask), 1)     (1 / N without a mask)
+    dlogits_i = dloss * w_i * (softmax(logits_i) - onehot(target_i))
+
+The softmax subtracts the row max, so logits of magnitude 1e4 are fine. The
+mask is treated as a constant: its cotangent, like the integer targets', is None.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model import cross_entropy
+
+
+class CrossEntropyRes(NamedTuple):
+    probs: jax.Array  # (..., V) softmax(logits)
+    targets: jax.Array  # (...) int
+    weights: jax.Array  # (...) each position's share of the mean: mask / max(sum(mask), 1)
+
+
+def position_weights(targets, mask, dtype):
+    """(...) weight of each position in the mean: mask / max(sum(mask), 1), or 1 / N."""
+    if mask is None:
+        return jnp.full(targets.shape, 1.0 / targets.size, dtype)
+    mask = mask.astype(dtype)
+    return mask / jnp.maximum(jnp.sum(mask), 1)
+
+
+def cross_entropy_fwd(logits, targets, mask=None):
+    """logits (..., V), targets int (...), mask (...) or None -> scalar loss."""
+    loss = cross_entropy(logits, targets, mask)
+    probs = jax.nn.softmax(logits, axis=-1)  # (..., V): kept for the backward
+    return loss, CrossEntropyRes(probs, targets, position_weights(targets, mask, logits.dtype))
+
+
+def cross_entropy_bwd(res: CrossEntropyRes, dloss):
+    """dloss () -> (dlogits (..., V), None, None).
+
+    Undoes ``nll = logsumexp(logits) - logits[target]`` and the weighted mean:
+    dlogits = dloss * w * (softmax(logits) - onehot(target)).
+    """
+    probs, targets, weights = res
+    onehot = jax.nn.one_hot(targets, probs.shape[-1], dtype=probs.dtype)  # (..., V)
+    dlogits = (dloss * weights)[..., None] * (probs - onehot)  # (..., V)
+    return dlogits, None, None

@@ -1,0 +1,152 @@
+"""Checkpoints: round trip, exact resume, and clear errors for bad checkpoints."""
+
+import shutil
+
+import chex
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxformer import checkpoint
+from jaxformer.checkpoint import CheckpointError
+from jaxformer.optim import make_optimizer
+from jaxformer.train import init_state, read_metrics, train
+from test_train import tiny_settings, write_corpus
+
+N = 4  # steps before the interruption
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+def _state(seed=0, accum_steps=1):
+    """A small state with every kind of optimizer state node (inject_hyperparams,
+    MultiSteps, masked weight decay, adam moments)."""
+    optimizer = make_optimizer("adamw", lr=1e-3, schedule="cosine", warmup_steps=2, total_steps=10,
+                               clip_norm=1.0, weight_decay=0.1, accum_steps=accum_steps)
+    params = {"blocks": {"w": jnp.arange(24.0, dtype=jnp.float32).reshape(2, 3, 4) + seed,
+                         "b": jnp.zeros((2, 4), jnp.float32)},
+              "head": {"w": jnp.ones((4, 5), jnp.float64) * seed}}
+    return init_state(params, optimizer, seed)
+
+
+META = {"config": {"d_model": 16}, "settings": {"steps": 10}, "tokenizer": {"kind": "char", "chars": ["a", "é"]}}
+
+
+def test_round_trip(tmp_path):
+    state = _state(accum_steps=2)._replace(step=jnp.int32(7), data_index=jnp.int32(9))
+    path = checkpoint.save(tmp_path, state, META)
+    assert path == tmp_path.absolute() / "checkpoints" / "7"
+    template = _state(seed=1, accum_steps=2)
+    restored = checkpoint.restore(tmp_path, template)
+    chex.assert_trees_all_equal(restored, state)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    meta = checkpoint.read_meta(tmp_path)
+    assert meta["step"] == 7 and meta["tokenizer"] == META["tokenizer"]
+    assert checkpoint.latest_step(tmp_path) == 7
+
+
+def test_keeps_the_latest_few(tmp_path):
+    state = _state()
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, state._replace(step=jnp.int32(step)), META, keep=2)
+    assert checkpoint.all_steps(tmp_path) == [3, 4]
+    restored = checkpoint.restore(tmp_path, state, step=3)
+    assert int(restored.step) == 3
+    with pytest.raises(CheckpointError, match="no checkpoint for step 1"):
+        checkpoint.restore(tmp_path, state, step=1)
+
+
+def test_missing_checkpoint_names_the_path(tmp_path):
+    with pytest.raises(CheckpointError, match=f"no checkpoint found in {tmp_path}"):
+        checkpoint.read_meta(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        checkpoint.restore(tmp_path / "nowhere", _state())
+
+
+def test_corrupted_checkpoint_names_the_path(tmp_path):
+    state = _state()
+    checkpoint.save(tmp_path, state, META)
+    step_dir = tmp_path / "checkpoints" / "0"
+    for f in (step_dir / "state").rglob("*"):  # garble every data file of the state
+        if f.is_file() and f.name != "commit_success.txt":
+            f.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=f"cannot restore checkpoint {step_dir}"):
+        checkpoint.restore(tmp_path, state)
+    (step_dir / "meta" / "metadata").write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"checkpoint {step_dir}"):
+        checkpoint.read_meta(tmp_path)
+
+
+def test_wrong_shapes_are_refused(tmp_path):
+    checkpoint.save(tmp_path, _state(), META)
+    other = _state()._replace(params={"w": jnp.zeros((2, 2))})
+    with pytest.raises(CheckpointError, match="cannot restore checkpoint|another structure"):
+        checkpoint.restore(tmp_path, other)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # orbax's other item save, never awaited
+def test_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    state = _state()._replace(step=jnp.int32(2))
+    checkpoint.save(tmp_path, state, META)
+
+    def broken_write(*args, **kwargs):
+        raise OSError("disk full")
+
+    # the array write fails part way through the save of step 3
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", broken_write)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(tmp_path, state._replace(step=jnp.int32(3)), META)
+    monkeypatch.undo()
+    assert checkpoint.all_steps(tmp_path) == [2]
+    chex.assert_trees_all_equal(checkpoint.restore(tmp_path, _state()), state)
+    # a leftover temporary folder from a crash is ignored as well
+    (tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp-123").mkdir()
+    assert checkpoint.latest_step(tmp_path) == 2
+
+
+def _losses(run_dir):
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_metrics(run_dir)]
+
+
+def test_resume_equals_an_uninterrupted_run(corpus, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    full = train(tiny_settings(corpus, steps=2 * N, eval_every=2), straight, progress=False)
+    train(tiny_settings(corpus, steps=N, eval_every=2), resumed, progress=False)
+    # a line logged after the checkpoint (as by a run killed before its next save) is dropped
+    with open(resumed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99, "loss": 0.0}\n')
+    again = train(tiny_settings(corpus, steps=2 * N, eval_every=2), resumed, resume=True, progress=False)
+    assert [r["step"] for r in again.records] == list(range(N + 1, 2 * N + 1))
+    assert _losses(resumed) == _losses(straight)  # exactly, val_loss included
+    assert len(_losses(straight)) == 2 * N
+    chex.assert_trees_all_equal(again.state, full.state)
+
+
+def test_resume_refuses_another_config(corpus, tmp_path):
+    train(tiny_settings(corpus, steps=2), tmp_path, progress=False)
+    other_model = tiny_settings(corpus, steps=4).replace(preset="sunfish")
+    with pytest.raises(CheckpointError, match="model config differs in") as info:
+        train(other_model, tmp_path, resume=True, progress=False)
+    message = str(info.value)
+    assert str(tmp_path) in message
+    for field in ("activation", "d_model", "n_layers", "norm", "positions"):
+        assert f"{field}: " in message
+    with pytest.raises(CheckpointError, match=r"train settings differ in lr: 0.01 \(checkpoint\) vs 0.5"):
+        train(tiny_settings(corpus, steps=4, lr=0.5), tmp_path, resume=True, progress=False)
+
+
+def test_resume_without_checkpoint(corpus, tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        train(tiny_settings(corpus, steps=2), tmp_path / "empty", resume=True, progress=False)
+
+
+def test_resume_from_a_copied_run_folder(corpus, tmp_path):
+    """The run folder is self-contained: a copy resumes too."""
+    train(tiny_settings(corpus, steps=2), tmp_path / "a", progress=False)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    result = train(tiny_settings(corpus, steps=3), tmp_path / "b", resume=True, progress=False)
+    assert [r["step"] for r in result.records] == [3]

@@ -1,0 +1,113 @@
+"""The `jaxformer` command: train then generate in-process, errors as one line, --help."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jaxformer.cli import main
+from test_train import write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+def _train_args(corpus, out, *extra):
+    return ["train", "--preset", "tiny", "--corpus", corpus, "--steps", "3", "--out", str(out),
+            "--log-every", "1", "--eval-batches", "2", "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def run_dir(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    assert main(_train_args(corpus, out)) == 0
+    return out
+
+
+def _one_line_error(capsys, code, expected_code=2):
+    err = capsys.readouterr().err
+    assert code == expected_code, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_train_writes_a_run_folder(run_dir, capsys):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "val_loss" in records[-1]
+    assert (run_dir / "loss.png").exists()
+    assert (run_dir / "checkpoints" / "3").is_dir()
+
+
+def test_generate_from_the_run(run_dir, capsys):
+    capsys.readouterr()
+    code = main(["generate", "--run", str(run_dir), "--prompt", "the cat", "--max-new-tokens", "8",
+                 "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("the cat") and len(out.rstrip("\n")) >= len("the cat")
+    code = main(["generate", "--run", str(run_dir), "--prompt", "the cat", "--max-new-tokens", "8",
+                 "--temperature", "0"])
+    assert code == 0 and capsys.readouterr().out == out  # greedy: the same text again
+
+
+def test_resume_continues_with_the_saved_settings(run_dir, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    assert main(["train", "--out", str(copy), "--resume", "--steps", "5", "--no-progress"]) == 0
+    steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    # a differing model is refused, naming the fields
+    code = main(["train", "--out", str(copy), "--resume", "--preset", "cllm", "--steps", "9",
+                 "--no-progress"])
+    line = _one_line_error(capsys, code)
+    assert "model config differs in activation: 'gelu' (checkpoint) vs 'tanh' (requested)" in line
+    assert "d_model: 16 (checkpoint) vs 64 (requested)" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--preset", "huge", "--out", "x"], "invalid choice: 'huge'"),
+    (["train", "--preset", "tiny"], "the following arguments are required: --out"),
+    (["train", "--preset", "tiny", "--steps", "0", "--out", "x"], "expected a positive integer"),
+    (["train", "--preset", "tiny", "--lr", "-1", "--out", "{tmp}/a", "--corpus", "{corpus}"],
+     "lr must be >= 0"),
+    (["train", "--preset", "tiny", "--seq-len", "99", "--out", "{tmp}/a", "--corpus", "{corpus}"],
+     "seq_len 99 exceeds the tiny model's max_seq_len 16"),
+    (["train", "--preset", "tiny", "--corpus", "{tmp}/missing.txt", "--out", "{tmp}/a"],
+     "missing.txt' does not exist"),
+    (["train", "--out", "{tmp}/none", "--resume"], "no checkpoint found in"),
+    (["generate", "--run", "{tmp}/none", "--prompt", "x"], "no checkpoint found in"),
+    (["generate", "--run", "{run}", "--prompt", "x", "--temperature", "-1"],
+     "temperature must be a finite number >= 0"),
+    (["generate", "--run", "{run}", "--prompt", ""], "the prompt is empty"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_bad_input_is_one_error_line_and_exit_code_2(args, message, tmp_path, corpus, run_dir, capsys):
+    args = [a.format(tmp=tmp_path, corpus=corpus, run=run_dir) for a in args]
+    line = _one_line_error(capsys, main(args))
+    assert message in line, line
+
+
+def test_manual_grads_flag(corpus, tmp_path, capsys):
+    try:
+        from manual_grads import value_and_grad  # noqa: F401
+    except (ImportError, AttributeError):
+        code = main(_train_args(corpus, tmp_path / "m", "--grads", "manual"))
+        assert "manual gradients are not available" in _one_line_error(capsys, code)
+    else:
+        pytest.skip("manual_grads is available; the manual training path is tested with it")
+
+
+def test_help_in_a_subprocess():
+    exe = shutil.which("jaxformer")
+    cmd = [exe] if exe else [sys.executable, "-m", "jaxformer.cli"]
+    result = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for word in ("train", "generate", "compare-grads", "examples:"):
+        assert word in result.stdout
+    assert main(["train", "--help"]) == 0

@@ -1,0 +1,82 @@
+"""manual_grads.embedding against jax.vjp of jaxformer.layers.embed, in float64."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.config import ModelConfig
+from jaxformer.layers import embed, sinusoidal_positions, token_embedding
+from manual_grads.check import assert_trees_close
+from manual_grads.embedding import (embed_bwd, embed_fwd, learned_positions_bwd,
+                                    learned_positions_fwd, token_embed_bwd, token_embed_fwd)
+
+
+def make(seed, config, B, T):
+    rng = np.random.default_rng(seed)
+    p = {"tok_embed": rng.standard_normal((config.vocab_size, config.d_model))}
+    if config.positions == "learned":
+        p["pos_embed"] = rng.standard_normal((config.max_seq_len, config.d_model))
+    ids = jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32)
+    return p, ids, rng.standard_normal((B, T, config.d_model))
+
+
+def manual(p, ids, dx, config):
+    x, res = embed_fwd(p, ids, config)
+    return x, embed_bwd(res, dx)
+
+
+@partial(jax.jit, static_argnums=3)
+def reference(p, ids, dx, config):
+    x, vjp = jax.vjp(lambda p: embed(p, ids, config), p)
+    return x, vjp(dx)[0]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("B,T", [(3, 5), (1, 1), (2, 12)])
+def test_embed_matches_autodiff(positions, B, T, jit):
+    config = ModelConfig(vocab_size=7, d_model=6, n_heads=2, max_seq_len=12, positions=positions)
+    p, ids, dx = make(0, config, B, T)
+    x, (dp, d_ids) = (jax.jit(manual, static_argnums=3) if jit else manual)(p, ids, dx, config)
+    x_ref, dp_ref = reference(p, ids, dx, config)
+    np.testing.assert_allclose(x, x_ref, rtol=1e-14, atol=1e-14)
+    assert d_ids is None
+    assert_trees_close(dp_ref, dp, rtol=1e-10)  # also fails on a missing or extra leaf
+    assert set(dp) == set(p)  # no pos_embed when positions are sinusoidal
+
+
+def test_repeated_ids_accumulate():
+    table = np.arange(12.0).reshape(4, 3)
+    ids = jnp.array([[0, 0, 2], [0, 1, 2]], jnp.int32)
+    dx = np.random.default_rng(1).standard_normal((2, 3, 3))
+    x, res = token_embed_fwd(table, ids)
+    np.testing.assert_array_equal(x, token_embedding(table, ids))
+    dtable, d_ids = token_embed_bwd(res, dx)
+    assert d_ids is None
+    np.testing.assert_allclose(dtable[0], dx[0, 0] + dx[0, 1] + dx[1, 0], rtol=1e-15)
+    np.testing.assert_allclose(dtable[1], dx[1, 1], rtol=1e-15)
+    np.testing.assert_allclose(dtable[2], dx[0, 2] + dx[1, 2], rtol=1e-15)
+    np.testing.assert_array_equal(dtable[3], 0.0)  # never read
+
+
+def test_learned_positions_rows_past_T_get_zero():
+    table = np.random.default_rng(2).standard_normal((8, 3))
+    pos, res = learned_positions_fwd(table, 5)
+    np.testing.assert_array_equal(pos, table[:5])
+    dtable = learned_positions_bwd(res, np.ones((5, 3)))
+    np.testing.assert_array_equal(dtable[:5], 1.0)
+    np.testing.assert_array_equal(dtable[5:], 0.0)
+
+
+def test_sinusoidal_positions_have_no_parameters():
+    config = ModelConfig(vocab_size=5, d_model=7, n_heads=1, max_seq_len=9, positions="sinusoidal")
+    p, ids, dx = make(3, config, 2, 9)
+    x, res = embed_fwd(p, ids, config)
+    assert res.pos is None
+    np.testing.assert_allclose(x - p["tok_embed"][np.asarray(ids)], np.broadcast_to(sinusoidal_positions(9, 7, jnp.float64), x.shape),
+                               rtol=1e-14, atol=1e-14)
+    dp, _ = embed_bwd(res, dx)
+    assert set(dp) == {"tok_embed"}

@@ -1,0 +1,84 @@
+"""manual_grads.losses against jax.vjp of jaxformer.model.cross_entropy, in float64."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.model import cross_entropy
+from manual_grads.check import assert_trees_close
+from manual_grads.losses import cross_entropy_bwd, cross_entropy_fwd
+
+
+def make(seed, B, T, V, scale=3.0):
+    rng = np.random.default_rng(seed)
+    logits = scale * rng.standard_normal((B, T, V))
+    targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    return logits, targets, float(rng.standard_normal())
+
+
+def masks(seed, B, T):
+    rng = np.random.default_rng(seed)
+    mostly_zero = (rng.random((B, T)) < 0.2).astype(np.float64)
+    mostly_zero.flat[0] = 1.0
+    return {"none": None, "mostly_zero": mostly_zero, "bool": rng.random((B, T)) < 0.5,
+            "int": (rng.random((B, T)) < 0.5).astype(np.int32), "zeros": np.zeros((B, T))}
+
+
+def manual(logits, targets, mask, dloss):
+    loss, res = cross_entropy_fwd(logits, targets, mask)
+    return loss, cross_entropy_bwd(res, dloss)
+
+
+@jax.jit
+def reference(logits, targets, mask, dloss):
+    loss, vjp = jax.vjp(lambda lg: cross_entropy(lg, targets, mask), logits)
+    return loss, vjp(dloss)[0]
+
+
+def check(logits, targets, mask, dloss, jit):
+    loss, (dlogits, d_targets, d_mask) = (jax.jit(manual) if jit else manual)(logits, targets, mask, dloss)
+    loss_ref, dlogits_ref = reference(logits, targets, mask, dloss)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-12, atol=1e-12)
+    assert d_targets is None and d_mask is None
+    assert_trees_close(dlogits_ref, dlogits, rtol=1e-10)
+    return loss, dlogits
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("mask", ["none", "mostly_zero", "bool", "int"])
+def test_cross_entropy_matches_autodiff(mask, jit):
+    logits, targets, dloss = make(0, 3, 5, 7)
+    check(logits, targets, masks(1, 3, 5)[mask], dloss, jit)
+
+
+@pytest.mark.parametrize("B,T,V", [(1, 1, 2), (2, 3, 1), (4, 9, 11)])
+def test_cross_entropy_shapes(B, T, V):
+    logits, targets, dloss = make(2, B, T, V)
+    check(logits, targets, masks(3, B, T)["mostly_zero"], dloss, jit=True)
+    check(logits, targets, None, dloss, jit=True)
+
+
+def test_all_zero_mask_gives_zero_loss_and_gradient():
+    logits, targets, _ = make(4, 2, 3, 5)
+    loss, dlogits = check(logits, targets, np.zeros((2, 3)), 1.0, jit=False)
+    assert float(loss) == 0.0
+    np.testing.assert_array_equal(dlogits, 0.0)
+
+
+@pytest.mark.parametrize("mask", ["none", "mostly_zero"])
+def test_stable_for_huge_logits(mask):
+    """Logits of magnitude 1e4: the loss and its gradient stay finite and equal
+    autodiff's, and each row of the fused gradient sums to zero."""
+    logits, targets, _ = make(5, 2, 4, 6, scale=1e4)
+    loss, dlogits = check(logits, targets, masks(6, 2, 4)[mask], 1.0, jit=False)
+    assert np.isfinite(float(loss)) and float(loss) >= 0.0
+    assert np.all(np.isfinite(dlogits))
+    np.testing.assert_allclose(np.asarray(dlogits).sum(-1), 0.0, atol=1e-15)
+
+
+def test_fused_gradient_is_softmax_minus_onehot():
+    logits, targets, _ = make(7, 1, 2, 3)
+    _, (dlogits, _, _) = manual(logits, targets, None, 1.0)
+    expected = (jax.nn.softmax(logits) - jax.nn.one_hot(targets, 3, dtype=jnp.float64)) / 2
+    np.testing.assert_allclose(dlogits, expected, rtol=1e-14, atol=1e-16)

@@ -1,0 +1,154 @@
+"""Optimizers and schedules: each option against the update it should make."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxformer.optim import current_lr, decay_mask, make_optimizer, make_schedule
+
+ATOL, RTOL = 1e-12, 1e-12  # float64 throughout (x64 is on in tests)
+
+
+def _params():
+    return {"w": jnp.array([[1.0, -2.0], [3.0, 0.5]]), "b": jnp.array([0.5, -1.0])}
+
+
+def _grads():
+    return {"w": jnp.array([[10.0, -0.5], [0.25, -8.0]]), "b": jnp.array([2.0, -3.0])}
+
+
+def _one_update(opt, grads=None, params=None):
+    params = _params() if params is None else params
+    state = opt.init(params)
+    updates, state = opt.update(_grads() if grads is None else grads, state, params)
+    return updates, state
+
+
+def _close(a, b, atol=ATOL, rtol=RTOL):
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=rtol), a, b)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="lion"), "unknown optimizer"),
+    (dict(schedule="exp"), "unknown schedule"),
+    (dict(lr=-1.0), "lr must be >= 0"),
+    (dict(lr="big"), "lr must be a number"),
+    (dict(clip_value=0.0), "clip_value must be > 0"),
+    (dict(clip_norm=-1.0), "clip_norm must be > 0"),
+    (dict(weight_decay=-0.1), "weight_decay must be >= 0"),
+    (dict(accum_steps=0), "accum_steps must be an integer >= 1"),
+    (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(schedule="cosine"), "needs total_steps"),
+    (dict(schedule="cosine", warmup_steps=10, total_steps=10), "total_steps (10) > warmup_steps (10)"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        make_optimizer(**kwargs)
+    assert message in str(info.value)
+
+
+def test_sgd_is_minus_lr_times_grad():
+    updates, state = _one_update(make_optimizer("sgd", lr=0.1))
+    _close(updates, jax.tree_util.tree_map(lambda g: -0.1 * g, _grads()))
+    assert float(current_lr(state)) == pytest.approx(0.1)
+
+
+def test_momentum_matches_optax():
+    ours = make_optimizer("momentum", lr=0.1, momentum=0.8)
+    ref = optax.sgd(0.1, momentum=0.8)
+    p, s1, s2 = _params(), ours.init(_params()), ref.init(_params())
+    for _ in range(3):
+        u1, s1 = ours.update(_grads(), s1, p)
+        u2, s2 = ref.update(_grads(), s2, p)
+        _close(u1, u2)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_and_adamw_match_optax(name):
+    p = _params()
+    if name == "adam":
+        ours, ref = make_optimizer("adam", lr=0.01), optax.adam(0.01)
+    else:  # decay on weights only, as optax.adamw with the same mask
+        ours = make_optimizer("adamw", lr=0.01, weight_decay=0.1)
+        ref = optax.adamw(0.01, weight_decay=0.1, mask={"w": True, "b": False})
+    s1, s2 = ours.init(p), ref.init(p)
+    for _ in range(3):
+        u1, s1 = ours.update(_grads(), s1, p)
+        u2, s2 = ref.update(_grads(), s2, p)
+        _close(u1, u2, atol=1e-12, rtol=1e-10)
+        p = optax.apply_updates(p, u1)
+
+
+def test_clip_value_clips_every_entry():
+    updates, _ = _one_update(make_optimizer("sgd", lr=1.0, clip_value=5.0))
+    _close(updates, jax.tree_util.tree_map(lambda g: -jnp.clip(g, -5, 5), _grads()))
+
+
+def test_clip_norm_bounds_the_global_norm():
+    updates, _ = _one_update(make_optimizer("sgd", lr=1.0, clip_norm=1.0))
+    assert float(optax.tree.norm(updates)) == pytest.approx(1.0)
+    scale = 1.0 / float(optax.tree.norm(_grads()))
+    _close(updates, jax.tree_util.tree_map(lambda g: -scale * g, _grads()))
+
+
+def test_weight_decay_for_sgd_adds_to_weights_not_biases():
+    updates, _ = _one_update(make_optimizer("sgd", lr=0.1, weight_decay=0.5))
+    p, g = _params(), _grads()
+    _close(updates["w"], -0.1 * (g["w"] + 0.5 * p["w"]))
+    _close(updates["b"], -0.1 * g["b"])
+
+
+def test_decay_mask_on_model_params():
+    from jaxformer import get_preset, init_params
+
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), get_preset("tiny")))
+    mask = decay_mask(params)
+    assert mask["tok_embed"] and mask["pos_embed"] and mask["head"]["w"]
+    assert mask["blocks"]["attn"]["wq"] and mask["blocks"]["ffn"]["w_out"]
+    assert not mask["head"]["b"] and not mask["blocks"]["ln1"]["scale"]
+    assert not mask["blocks"]["attn"]["bq"] and not mask["ln_f"]["bias"]
+
+
+def test_gradient_accumulation_averages_micro_batches():
+    opt = make_optimizer("sgd", lr=1.0, accum_steps=2)
+    p = _params()
+    g1, g2 = _grads(), jax.tree_util.tree_map(lambda g: -3.0 * g + 1.0, _grads())
+    state, update = opt.init(p), jax.jit(opt.update)
+    u1, state = update(g1, state, p)
+    _close(u1, jax.tree_util.tree_map(jnp.zeros_like, p))  # no update until K micro-batches
+    u2, state = update(g2, state, p)
+    _close(u2, jax.tree_util.tree_map(lambda a, b: -(a + b) / 2, g1, g2))
+
+
+def test_schedules():
+    const = make_schedule(0.1, "constant")
+    assert float(const(0)) == pytest.approx(0.1) and float(const(10**6)) == pytest.approx(0.1)
+    warm = make_schedule(1.0, "constant", warmup_steps=4)
+    assert [float(warm(i)) for i in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    cos = make_schedule(1.0, "cosine", warmup_steps=2, total_steps=12, final_lr_fraction=0.1)
+    assert float(cos(0)) == pytest.approx(0.5) and float(cos(1)) == pytest.approx(1.0)
+    assert float(cos(2)) == pytest.approx(1.0)
+    assert float(cos(7)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 10)))
+    assert float(cos(12)) == pytest.approx(0.1) and float(cos(100)) == pytest.approx(0.1)
+    values = [float(cos(i)) for i in range(2, 13)]
+    assert values == sorted(values, reverse=True)
+    lin = make_schedule(1.0, "linear", total_steps=10, final_lr_fraction=0.0)
+    assert float(lin(5)) == pytest.approx(0.5)
+
+
+def test_lr_metric_follows_the_schedule_through_accumulation():
+    opt = make_optimizer("sgd", lr=1.0, schedule="linear", total_steps=4, final_lr_fraction=0.0,
+                         accum_steps=2)
+    p = _params()
+    state, update = opt.init(p), jax.jit(opt.update)
+    lrs = []
+    for _ in range(6):
+        _, state = update(_grads(), state, p)
+        lrs.append(float(current_lr(state)))
+    # the lr of the last applied update: updates happen on micro-steps 2, 4, 6
+    assert lrs == pytest.approx([1.0, 1.0, 1.0, 0.75, 0.75, 0.5])
+    assert math.isnan(float(current_lr(optax.adam(0.1).init(p))))

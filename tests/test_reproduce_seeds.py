@@ -1,0 +1,124 @@
+"""experiments/reproduce_seeds.py: the stage masks, manual == auto, and the script end to end.
+
+Runs in float64 (x64 is on for the suite, see conftest.py) on the tiny preset."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import data
+from jaxformer.config import get_preset
+from jaxformer.params import init_params
+from jaxformer.train import grad_source
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("reproduce_seeds", ROOT / "experiments" / "reproduce_seeds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rs = _load_script()
+
+CONFIG = get_preset("tiny", vocab_size=256)
+# Leaves (dotted paths) expected to learn in each stage, written out independently of the script.
+EMBED_HEAD = {"tok_embed", "pos_embed", "head.w", "head.b"}
+FFN = {"blocks.ffn.w_in", "blocks.ffn.b_in", "blocks.ffn.w_out", "blocks.ffn.b_out"}
+# The attention key bias has a zero gradient (softmax is shift invariant) up to round-off,
+# so whether it "moves" with full backprop says nothing; it is left out of that check.
+ZERO_GRAD = {"blocks.attn.bk"}
+
+
+def _flat(tree):
+    return {".".join(str(k.key) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.fixture(scope="module")
+def params_and_grads():
+    params = init_params(jax.random.PRNGKey(0), CONFIG, dtype=jnp.float64)
+    ids = data.ByteTokenizer().encode(data.load_corpus("default"))
+    batch = {k: jnp.asarray(v) for k, v in data.Batcher(ids, 4, 16, 0).batch(0).items()}
+    _, grads = grad_source("auto", CONFIG)(params, batch)
+    return params, grads
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_masks(params_and_grads, stage, optimizer):
+    params, grads = params_and_grads
+    all_leaves = set(_flat(params))
+    expected = {1: EMBED_HEAD, 2: EMBED_HEAD | FFN, 3: all_leaves}[stage]
+    labels = _flat(rs.stage_labels(params, stage))
+    assert {k for k, v in labels.items() if v == "learn"} == expected
+
+    tx = rs.make_stage_optimizer(optimizer, stage, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    new = _flat(jax.tree_util.tree_map(lambda p, u: p + u, params, updates))
+    decayed = {k: v * (1 - rs.LR * rs.WEIGHT_DECAY) for k, v in _flat(params).items()}
+    changed = {path for path in all_leaves - ZERO_GRAD
+               if not np.allclose(new[path], decayed[path], rtol=1e-13, atol=1e-15)}
+    # frozen leaves only decayed (to round-off); learning leaves moved by their gradient
+    assert changed == expected - ZERO_GRAD
+    for path in all_leaves - expected:
+        np.testing.assert_allclose(new[path], decayed[path], rtol=1e-14, atol=0)
+
+
+def test_decay_matrices_masks_biases_and_norms(params_and_grads):
+    params, grads = params_and_grads
+    tx = rs.make_stage_optimizer("sgd", 1, params, decay="matrices")
+    updates = _flat(tx.update(grads, tx.init(params), params)[0])
+    assert np.all(updates["blocks.ln1.scale"] == 0)  # frozen, not decayed: untouched
+    np.testing.assert_allclose(updates["blocks.attn.wq"],
+                               -rs.LR * rs.WEIGHT_DECAY * _flat(params)["blocks.attn.wq"], rtol=1e-14)
+
+
+def test_manual_and_auto_give_the_same_losses_float64():
+    _, train_ids, val_ids = rs._load(16)
+    runs = {}
+    for grads in ("manual", "auto"):
+        runs[grads] = rs.run_one(CONFIG, stage=2, optimizer="adam", grads=grads, steps=4,
+                                 batch_size=4, seq_len=16, dtype=jnp.float64,
+                                 train_ids=train_ids, val_ids=val_ids)
+    m, a = runs["manual"], runs["auto"]
+    assert m["steps"] == a["steps"] == 4 and m["non_finite"] is None
+    np.testing.assert_allclose(m["losses"], a["losses"], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(m["val_final"], a["val_final"], rtol=1e-12)
+    assert m["losses"][-1] < m["losses"][0]  # it learns
+    assert rs.agreement([m, a])["2/adam"] < 1e-12
+
+
+def test_main_writes_its_files(tmp_path, capsys):
+    out = tmp_path / "rs"
+    code = rs.main(["--preset", "tiny", "--steps", "3", "--batch-size", "4", "--seq-len", "16",
+                    "--optimizers", "adam", "--stages", "1,3", "--grads", "manual,auto",
+                    "--out", str(out)])
+    assert code == 0
+    for name in ("results.json", "results.md", "curves.png"):
+        assert (out / name).stat().st_size > 0
+    report = json.loads((out / "results.json").read_text())
+    assert [(r["stage"], r["grads"]) for r in report["runs"]] == [
+        (1, "manual"), (1, "auto"), (3, "manual"), (3, "auto")]
+    for r in report["runs"]:
+        assert len(r["losses"]) == 3 and math.isfinite(r["val_final"]) and r["non_finite"] is None
+    md = (out / "results.md").read_text()
+    assert "4.952 to 4.051" in md and "3.915 to 1.690" in md and "differed" in md
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(SystemExit):
+        rs.parse_args(["--stages", "4"])
+    with pytest.raises(SystemExit):
+        rs.parse_args(["--optimizers", "rmsprop"])
+    with pytest.raises(ValueError, match="stage"):
+        rs.stage_labels({}, 5)

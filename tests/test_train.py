@@ -1,0 +1,168 @@
+"""The train step (any gradient source) and the training loop on the tiny preset."""
+
+import json
+import math
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import checkpoint
+from jaxformer.optim import make_optimizer
+from jaxformer.train import (
+    NonFiniteLossError, TrainState, grad_source, init_state, make_train_step, read_metrics,
+    settings_for, train,
+)
+
+WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat "
+         "and birds sang in tall green trees").split()
+
+
+def write_corpus(path, lines=300, seed=0):
+    """A small text with a simple word distribution: a few dozen steps learn it."""
+    rng = random.Random(seed)
+    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(lines)))
+    return str(path)
+
+
+def tiny_settings(corpus, **overrides):
+    values = dict(corpus=corpus, log_every=1, eval_every=10, eval_batches=2, ckpt_every=0)
+    values.update(overrides)
+    return settings_for("tiny", **values)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    return train(tiny_settings(corpus, steps=30), out, progress=False)
+
+
+def test_loss_at_init_is_ln_vocab(run):
+    first = run.records[0]
+    assert first["step"] == 1
+    assert first["loss"] == pytest.approx(math.log(run.config.vocab_size), abs=0.05)
+
+
+def test_loss_falls_within_a_few_dozen_steps(run):
+    losses = [r["loss"] for r in run.records]
+    assert np.mean(losses[-5:]) < losses[0] - 1.5, losses
+    vals = [r["val_loss"] for r in run.records if "val_loss" in r]
+    assert vals[-1] < vals[0]
+
+
+def test_metrics_file_and_plot(run):
+    records = read_metrics(run.run_dir)
+    assert records == json.loads(json.dumps(run.records))
+    assert [r["step"] for r in records] == list(range(1, 31))
+    for r in records:
+        assert {"step", "loss", "grad_norm", "update_norm", "lr", "tokens_per_s"} <= set(r)
+        assert all(math.isfinite(r[k]) for k in ("loss", "grad_norm", "update_norm", "tokens_per_s"))
+        assert r["lr"] == pytest.approx(1e-2)
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20, 30]
+    assert (run.run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert checkpoint.all_steps(run.run_dir) == [30]
+
+
+def test_final_state(run):
+    state = run.state
+    assert isinstance(state, TrainState)
+    assert int(state.step) == 30 and int(state.data_index) == 30
+    assert state.params["tok_embed"].dtype == jnp.float32
+    assert run.config.vocab_size == run.tokenizer.vocab_size == 256
+
+
+def _quadratic_grad_fn(params, batch):
+    """A hand-made gradient source: loss = sum((w - target)^2), gradient written out."""
+    diff = params["w"] - batch["target"]
+    return jnp.sum(diff**2), {"w": 2 * diff}
+
+
+def test_make_train_step_works_with_any_gradient_source():
+    optimizer = make_optimizer("sgd", lr=0.1)
+    batch = {"target": jnp.array([1.0, -2.0, 0.5])}
+    w0 = jnp.array([0.0, 0.0, 3.0])
+    auto = jax.value_and_grad(lambda p, b: jnp.sum((p["w"] - b["target"]) ** 2))
+    results = []
+    for grad_fn in (_quadratic_grad_fn, auto):
+        step = make_train_step(grad_fn, optimizer)
+        state = init_state({"w": jnp.array(w0)}, optimizer, seed=1)  # the step donates it
+        state, m1 = step(state, batch)
+        state, m2 = step(state, batch)
+        assert set(m1) == {"loss", "grad_norm", "update_norm", "lr"}
+        assert int(state.step) == 2 and int(state.data_index) == 2
+        results.append((state.params["w"], m1, m2))
+    (w_hand, m1, m2), (w_auto, a1, _) = results
+    np.testing.assert_allclose(w_hand, w_auto, rtol=1e-12)
+    # w1 = w0 - 0.1 * 2 (w0 - t) = 0.8 w0 + 0.2 t; after two steps w - t shrinks by 0.64
+    np.testing.assert_allclose(w_hand, batch["target"] + 0.64 * (w0 - batch["target"]), rtol=1e-12)
+    diff0 = w0 - batch["target"]
+    assert float(m1["loss"]) == pytest.approx(float(jnp.sum(diff0**2)))
+    assert float(m1["grad_norm"]) == pytest.approx(float(2 * jnp.linalg.norm(diff0)))
+    assert float(m1["update_norm"]) == pytest.approx(0.1 * float(m1["grad_norm"]))
+    assert float(m2["loss"]) == pytest.approx(0.64 * float(m1["loss"]))
+    assert float(m1["lr"]) == pytest.approx(0.1)
+    assert float(a1["loss"]) == pytest.approx(float(m1["loss"]))
+
+
+def test_gradient_sources_by_name():
+    from jaxformer import get_preset
+
+    config = get_preset("tiny")
+    assert callable(grad_source("auto", config))
+    with pytest.raises(ValueError, match="unknown gradient source"):
+        grad_source("numeric", config)
+    try:
+        fn = grad_source("manual", config)
+    except ValueError as e:  # until manual_grads.value_and_grad exists
+        assert "manual gradients are not available" in str(e)
+    else:
+        assert callable(fn)
+
+
+def _nan_grad_fn(params, batch):
+    return jnp.float32(jnp.nan), jax.tree_util.tree_map(jnp.zeros_like, params)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(corpus, tmp_path):
+    train(tiny_settings(corpus, steps=2), tmp_path, progress=False)
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 3") as info:
+        train(tiny_settings(corpus, steps=5), tmp_path, resume=True, progress=False,
+              grad_fn=_nan_grad_fn)
+    assert "last checkpoint (step 2)" in str(info.value)
+    assert checkpoint.all_steps(tmp_path) == [2]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_non_finite_loss_at_the_first_step(corpus, tmp_path):
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 1"):
+        train(tiny_settings(corpus, steps=3), tmp_path, progress=False, grad_fn=_nan_grad_fn)
+    assert checkpoint.all_steps(tmp_path) == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(seq_len=64), "exceeds the tiny model's max_seq_len 16"),
+    (dict(steps=0), "steps must be a positive integer"),
+    (dict(grads="numeric"), "unknown gradient source"),
+    (dict(optimizer="lion"), "unknown optimizer"),
+    (dict(dtype="float16"), "unknown dtype"),
+])
+def test_bad_settings(corpus, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train(tiny_settings(corpus, **overrides), tmp_path, progress=False)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        settings_for("huge")
+
+
+def test_existing_run_needs_resume(run, corpus):
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train(tiny_settings(corpus, steps=3), run.run_dir, progress=False)
