@@ -52,6 +52,7 @@ FD_TOLERANCE = 1e-6  # relative error allowed between finite differences and the
 FD_EPS = 1e-5  # step of the central differences (float64), check.finite_difference_check's
 FD_ROUNDOFF_ULPS = 8  # round-off of one float64 loss evaluation, in units of eps * |loss|
 FD_DIRECTIONS = 3  # random directions per leaf
+FD_MAX_HALVINGS = 4  # the step may shrink to eps / 16 to step off a kink of the loss
 
 SOURCE_AUTO = "manual vs autodiff"
 SOURCE_FD = "finite differences vs manual (float64)"
@@ -163,17 +164,48 @@ def _fd_rel(numeric: float, analytic: float, floor: float) -> float:
     return abs(numeric - analytic) / max(abs(numeric), abs(analytic), floor)
 
 
+def fd_floor(eps: float, grad_floor: float, loss_abs: float) -> float:
+    """The floor of the finite differences' relative error at step ``eps``: the larger of
+    ``grad_floor`` and the round-off of the difference quotient divided by the tolerance,
+    FD_ROUNDOFF_ULPS * eps_float64 * |loss| / eps / FD_TOLERANCE (below it, central
+    differences at that step resolve nothing)."""
+    roundoff = FD_ROUNDOFF_ULPS * np.finfo(np.float64).eps * loss_abs / eps
+    return max(grad_floor, roundoff / FD_TOLERANCE, np.finfo(np.float64).tiny)
+
+
+def fd_along(loss: Callable, params, grads, key, eps: float, grad_floor: float,
+             loss_abs: float) -> dict:
+    """Finite differences along one random unit direction (fixed by ``key``):
+    ``check.finite_difference_check`` at steps eps, eps/2, eps/4, ... until two successive
+    estimates agree to FD_TOLERANCE, so a step that straddles a kink of the loss (a ReLU
+    pre-activation within eps of zero) is replaced by a smaller one. Only the numeric
+    estimates choose the step, never the gradient under test."""
+    from manual_grads import check
+
+    (prev,) = check.finite_difference_check(loss, params, grads, key, 1, eps)
+    used = eps
+    for _ in range(FD_MAX_HALVINGS):
+        (cur,) = check.finite_difference_check(loss, params, grads, key, 1, used / 2)
+        agree = FD_TOLERANCE * max(abs(cur.numeric), fd_floor(used / 2, grad_floor, loss_abs))
+        if abs(cur.numeric - prev.numeric) <= agree:
+            break
+        prev, used = cur, used / 2
+    floor = fd_floor(used, grad_floor, loss_abs)
+    rel = _fd_rel(prev.numeric, prev.analytic, floor)
+    return dict(numeric=prev.numeric, analytic=prev.analytic, rel=rel, eps=used, floor=floor,
+                passed=bool(rel <= FD_TOLERANCE))
+
+
 def finite_difference_leaves(params64, grads64, batch, config: ModelConfig, key,
                              n_directions: int = FD_DIRECTIONS, eps: float = FD_EPS) -> dict:
-    """``check.finite_difference_check`` (float64 central differences of the loss) along
-    ``n_directions`` random unit directions inside each leaf, and along directions over
-    the whole tree, against the manual gradient; JSON-ready, worst direction per leaf.
+    """Float64 finite differences of the loss (``fd_along``) along ``n_directions`` random
+    unit directions inside each leaf, and along directions over the whole tree, against
+    the manual gradient; JSON-ready, worst direction per leaf.
 
-    The relative error's denominator has a floor, the larger of
-      - FLOOR_FRAC * global gradient norm, as in check.compare_trees, so a leaf whose true
-        gradient is zero (the attention key bias) is not judged against zero;
-      - the round-off of the difference quotient, FD_ROUNDOFF_ULPS * eps_float64 * |loss|
-        / eps, divided by the tolerance: below it, central differences resolve nothing.
+    The relative error's denominator has a floor (``fd_floor``): at least FLOOR_FRAC *
+    global gradient norm, as in check.compare_trees, so a leaf whose true gradient is zero
+    (the attention key bias) is not judged against zero; at least what round-off lets
+    central differences resolve.
     """
     from manual_grads import check
 
@@ -181,33 +213,26 @@ def finite_difference_leaves(params64, grads64, batch, config: ModelConfig, key,
     leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params64)
     leaves_g = jax.tree_util.tree_leaves(grads64)
     global_norm = math.sqrt(sum(float(jnp.sum(g * g)) for g in leaves_g))
-    roundoff = FD_ROUNDOFF_ULPS * np.finfo(np.float64).eps * abs(float(loss64(
-        params64, batch, config))) / eps
-    floor = max(check.FLOOR_FRAC * global_norm, roundoff / FD_TOLERANCE,
-                np.finfo(np.float64).tiny)
+    loss_abs = abs(float(loss64(params64, batch, config)))
+    grad_floor = check.FLOOR_FRAC * global_norm
     plain = [leaf for _, leaf in leaves_p]
 
     def with_leaf(i, x):
         return jax.tree_util.tree_unflatten(treedef, plain[:i] + [x] + plain[i + 1:])
 
-    def judged(c):
-        rel = _fd_rel(c.numeric, c.analytic, floor)
-        return dict(numeric=c.numeric, analytic=c.analytic, rel=rel,
-                    passed=bool(rel <= FD_TOLERANCE))
-
     rows = []
     keys = jax.random.split(key, len(plain) + 1)
     for i, ((path, leaf), grad) in enumerate(zip(leaves_p, leaves_g)):
-        checks = check.finite_difference_check(
-            lambda x, i=i: loss64(with_leaf(i, x), batch, config), leaf, grad, keys[i],
-            n_directions, eps)
-        worst = max((judged(c) for c in checks), key=lambda d: d["rel"])
+        loss_i = lambda x, i=i: loss64(with_leaf(i, x), batch, config)  # noqa: E731
+        checks = [fd_along(loss_i, leaf, grad, k, eps, grad_floor, loss_abs)
+                  for k in jax.random.split(keys[i], n_directions)]
+        worst = max(checks, key=lambda d: d["rel"])
         rows.append(dict(path=dotted(jax.tree_util.keystr(path)), **worst))
-    whole = check.finite_difference_check(lambda p: loss64(p, batch, config), params64,
-                                          grads64, keys[-1], n_directions, eps)
-    whole = [judged(c) for c in whole]
-    return dict(tolerance=FD_TOLERANCE, eps=eps, n_directions=n_directions, floor=floor,
-                global_norm=global_norm, roundoff=roundoff, leaves=rows, whole_tree=whole,
+    whole = [fd_along(lambda p: loss64(p, batch, config), params64, grads64, k, eps,
+                      grad_floor, loss_abs) for k in jax.random.split(keys[-1], n_directions)]
+    return dict(tolerance=FD_TOLERANCE, eps=eps, n_directions=n_directions,
+                floor=fd_floor(eps, grad_floor, loss_abs), global_norm=global_norm,
+                leaves=rows, whole_tree=whole,
                 passed=all(r["passed"] for r in rows) and all(w["passed"] for w in whole))
 
 
@@ -409,11 +434,18 @@ def format_preset(r: PresetReport, color: bool = False) -> str:
         f"{'ratio':<10}  {t['ratio_compile']:>8.2f} x  {t['ratio_step']:>18.2f} x   (manual / autodiff)",
     ]
     if r.fd:
-        worst = max(r.fd["leaves"] + r.fd["whole_tree"], key=lambda x: x["rel"])
+        checks = r.fd["leaves"] + r.fd["whole_tree"]
+        worst = max(checks, key=lambda x: x["rel"])
+        smaller = sum(x["eps"] < r.fd["eps"] for x in checks)
         lines += [rule, (
             f"finite differences (float64, eps {r.fd['eps']:g}, {r.fd['n_directions']} "
-            f"directions per leaf and over the whole tree): worst rel {_sci(worst['rel'])}, tolerance "
-            f"{r.fd['tolerance']:.0e}  {_status(r.fd['passed'], color)}")]
+            f"directions per leaf and over the whole tree): worst rel {_sci(worst['rel'])} at "
+            f"{worst.get('path', 'whole tree')}, tolerance {r.fd['tolerance']:.0e}  "
+            f"{_status(r.fd['passed'], color)}")]
+        if smaller:
+            lines.append(f"  (a smaller step, down to {min(x['eps'] for x in checks):g}, where "
+                         f"the loss has a kink within eps: worst direction of {smaller} of "
+                         f"{len(checks)} checks)")
     worst = max(r.leaves, key=lambda x: x["rel"] if math.isfinite(x["rel"]) else math.inf,
                 default=None)
     summary = f"{r.preset}: {_status(r.passed, color)}"

@@ -133,7 +133,7 @@ def test_resume_refuses_another_config(corpus, tmp_path):
         train(other_model, tmp_path, resume=True, progress=False)
     message = str(info.value)
     assert str(tmp_path) in message
-    for field in ("activation", "d_model", "n_layers", "norm", "positions"):
+    for field in ("activation", "d_model", "d_ff", "n_heads", "norm", "positions"):
         assert f"{field}: " in message
     with pytest.raises(CheckpointError, match=r"train settings differ in lr: 0.01 \(checkpoint\) vs 0.5"):
         train(tiny_settings(corpus, steps=4, lr=0.5), tmp_path, resume=True, progress=False)

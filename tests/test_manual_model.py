@@ -14,9 +14,14 @@ from manual_grads.check import assert_trees_close, compare_trees, finite_differe
 MANUAL = jax.jit(manual_grads.value_and_grad, static_argnums=2)
 
 
-@jax.jit
-def _dummy():  # noqa: D103  (keeps jax.jit imported at module level for both paths)
-    return 0
+@pytest.fixture(autouse=True, scope="module")
+def quick_compiles():
+    """XLA's optimization passes off for this module's compiles (about 5x faster on
+    CPU). The manual gradients and their references compile the same way."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def _both(params, batch, config):
@@ -124,10 +129,16 @@ def test_model_finite_differences(case):
 def test_jit_traces_once_and_validates():
     config, B, T, mask = CASES["tiny"]
     params = make_params(config, jnp.float64)
-    fn = jax.jit(manual_grads.value_and_grad, static_argnums=2)
+    traces = []
+
+    def counted(params, batch, config):
+        traces.append(config)
+        return manual_grads.value_and_grad(params, batch, config)
+
+    fn = jax.jit(counted, static_argnums=2)
     for seed in range(3):
         fn(params, make_batch(config, B, T, mask, seed=seed), config)
-    assert fn._cache_size() == 1
+    assert len(traces) == 1
     bad = make_batch(config, B, T, mask)
     bad["inputs"] = bad["inputs"].at[0, 0].set(config.vocab_size)
     with pytest.raises(ValueError, match="outside"):

@@ -126,6 +126,18 @@ def test_gradient_sources_by_name():
         assert callable(fn)
 
 
+def test_manual_gradients_train_like_auto(run, corpus, tmp_path):
+    """The same loop with manual_grads.value_and_grad: the same curve to round-off."""
+    try:
+        grad_source("manual", run.config)
+    except ValueError as e:
+        pytest.skip(str(e))
+    manual = train(tiny_settings(corpus, steps=3, grads="manual"), tmp_path, progress=False)
+    for key in ("loss", "grad_norm", "update_norm"):
+        np.testing.assert_allclose([r[key] for r in manual.records],
+                                   [r[key] for r in run.records[:3]], rtol=1e-5, err_msg=key)
+
+
 def _nan_grad_fn(params, batch):
     return jnp.float32(jnp.nan), jax.tree_util.tree_map(jnp.zeros_like, params)
 
