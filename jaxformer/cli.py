@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", choices=list(PRESETS), help="model and training recipe (default: loopos)")
     t.add_argument("--grads", choices=["auto", "manual"],
                    help="gradient source: jax.grad (auto, default) or the hand-derived backward (manual)")
-    t.add_argument("--steps", type=_positive_int, help="total training steps of the run")
+    t.add_argument("--steps", type=_positive_int, help="total training steps of the run (default 100)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the run folder's latest checkpoint")
     d = t.add_argument_group("data")

@@ -57,7 +57,7 @@ class TrainState(NamedTuple):
     params: Any  # the params pytree of DESIGN.md
     opt_state: Any  # the optimizer's state
     data_index: jax.Array  # () int32: index of the next training batch (Batcher.batch)
-    rng: jax.Array  # (2,) uint32 PRNG key, split once a step (for stochastic layers)
+    rng: jax.Array  # (2,) uint32 key of the run (a stochastic layer at step s: fold_in(rng, s))
 
 
 def init_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
@@ -107,8 +107,7 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
         loss, grads = grad_fn(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        rng, _ = jax.random.split(state.rng)  # the second key would feed dropout
-        new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, rng)
+        new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, state.rng)
         metrics = {
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),

@@ -51,14 +51,29 @@ jax.config.update("jax_enable_x64", True)  # compare in float64: round-off ~1e-1
 from jaxformer import layers
 from jaxformer.model import cross_entropy
 
-keys = iter(jax.random.split(jax.random.PRNGKey(0), 64))
-rand = lambda *shape: jax.random.normal(next(keys), shape, jnp.float64)  # noqa: E731
+rng = np.random.default_rng(0)
+rand = lambda *shape: jnp.asarray(rng.standard_normal(shape))  # noqa: E731  float64 test data
 
 
 def max_err(manual, auto):
     # largest absolute difference over every leaf of two pytrees
-    diffs = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), manual, auto)
-    return max(jax.tree_util.tree_leaves(diffs))
+    diffs = jax.tree_util.tree_map(lambda a, b: np.max(np.abs(np.asarray(a) - np.asarray(b))),
+                                   manual, auto)
+    return float(max(jax.tree_util.tree_leaves(diffs)))
+
+
+def check(manual_fwd, manual_bwd, layer, primals, dy):
+    # The manual pair against jax.vjp of the jaxformer layer, both in one jitted call.
+    # manual_bwd returns one gradient per differentiable input, like vjp.
+    @jax.jit
+    def both(primals, dy):
+        y, res = manual_fwd(*primals)
+        y_ref, vjp = jax.vjp(layer, *primals)
+        return (y, manual_bwd(res, dy)), (y_ref, vjp(dy))
+
+    (y, grads), (y_ref, grads_ref) = both(primals, dy)
+    print(f"forward  max error {max_err(y, y_ref):.1e}")
+    print(f"backward max error {max_err(grads, grads_ref):.1e}")
 
 
 def show(fn):
@@ -76,13 +91,8 @@ from manual_grads.linear import linear_bwd, linear_fwd
 
 show(linear_bwd)
 p = {"w": rand(5, 3), "b": rand(3)}
-x, dy = rand(2, 4, 5), rand(2, 4, 3)
-y, res = linear_fwd(p, x)
-dp, dx = linear_bwd(res, dy)
-y_ref, vjp = jax.vjp(lambda p, x: layers.linear(x, p["w"], p["b"]), p, x)
-dp_ref, dx_ref = vjp(dy)
-print("forward max error ", max_err(y, y_ref))
-print("backward max error", max_err((dp, dx), (dp_ref, dx_ref)))
+x, dy = rand(2, 4, 5), rand(2, 4, 3)  # (B, T, I) and (B, T, O)
+check(linear_fwd, linear_bwd, lambda p, x: layers.linear(x, p["w"], p["b"]), (p, x), dy)
 """),
     md(r"""
 ## Activations
@@ -101,9 +111,9 @@ from manual_grads.activations import activation_bwd, activation_fwd, gelu_bwd
 show(gelu_bwd)
 x, dy = rand(3, 7), rand(3, 7)
 for name in ("gelu", "gelu_tanh", "relu", "tanh"):
-    y, res = activation_fwd(name, x)
-    _, vjp = jax.vjp(lambda x: layers.activation(name, x), x)
-    print(f"{name:<10} backward max error {max_err(activation_bwd(res, dy), vjp(dy)[0]):.1e}")
+    print(name)
+    check(lambda x: activation_fwd(name, x), lambda res, dy: (activation_bwd(res, dy),),
+          lambda x: layers.activation(name, x), (x,), dy)
 """),
     md(r"""
 ## Layer norm
@@ -120,10 +130,9 @@ from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
 
 show(layer_norm_bwd)
 p = {"scale": rand(6), "bias": rand(6)}
-x, dy = 3.0 * rand(2, 5, 6) + 1.0, rand(2, 5, 6)
-y, res = layer_norm_fwd(p, x, 1e-5)
-_, vjp = jax.vjp(lambda p, x: layers.layer_norm(p, x, 1e-5), p, x)
-print("backward max error", max_err(layer_norm_bwd(res, dy), vjp(dy)))
+x, dy = jnp.asarray(3.0 * rng.standard_normal((2, 5, 6)) + 1.0), rand(2, 5, 6)
+check(lambda p, x: layer_norm_fwd(p, x, 1e-5), layer_norm_bwd,
+      lambda p, x: layers.layer_norm(p, x, 1e-5), (p, x), dy)
 """),
     md(r"""
 ## Attention: the softmax
@@ -142,17 +151,16 @@ $\bar x$ add up, because $q$, $k$ and $v$ all read $x$.
 from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
 
 show(softmax_bwd)
-S, dP = rand(2, 4, 4), rand(2, 4, 4)
-P, vjp = jax.vjp(lambda s: jax.nn.softmax(s, axis=-1), S)
-print("softmax backward max error  ", max_err(softmax_bwd(P, dP), vjp(dP)[0]))
+softmax = lambda s: jax.nn.softmax(s, axis=-1)  # noqa: E731
+print("softmax")
+check(lambda s: (softmax(s), softmax(s)), lambda P, dP: (softmax_bwd(P, dP),), softmax,
+      (rand(2, 4, 4),), rand(2, 4, 4))
 
+print("attention, causal, 2 heads")
 D, H = 8, 2
 p = {f"{w}{n}": rand(D, D) if w == "w" else rand(D) for n in "qkvo" for w in "wb"}
-x, dy = rand(2, 5, D), rand(2, 5, D)
-y, res = attention_fwd(p, x, H, True)
-y_ref, vjp = jax.vjp(lambda p, x: layers.attention(p, x, H, True), p, x)
-print("attention forward max error ", max_err(y, y_ref))
-print("attention backward max error", max_err(attention_bwd(res, dy), vjp(dy)))
+check(lambda p, x: attention_fwd(p, x, H, True), attention_bwd,
+      lambda p, x: layers.attention(p, x, H, True), (p, rand(2, 5, D)), rand(2, 5, D))
 """),
     md(r"""
 ## Embedding
@@ -166,11 +174,9 @@ from manual_grads.embedding import token_embed_bwd, token_embed_fwd
 
 show(token_embed_bwd)
 table = rand(10, 4)
-ids = jnp.array([[1, 3, 3], [0, 1, 9]])
-dx = rand(2, 3, 4)
-x, res = token_embed_fwd(table, ids)
-_, vjp = jax.vjp(lambda t: layers.token_embedding(t, ids), table)
-print("backward max error", max_err(token_embed_bwd(res, dx)[0], vjp(dx)[0]))
+ids = jnp.array([[1, 3, 3], [0, 1, 9]])  # token 3 twice, token 1 in both rows
+check(lambda t: token_embed_fwd(t, ids), lambda res, dx: token_embed_bwd(res, dx)[:1],
+      lambda t: layers.token_embedding(t, ids), (table,), rand(2, 3, 4))
 """),
     md(r"""
 ## Cross entropy
@@ -185,12 +191,10 @@ $$\bar z = \frac{1}{N}\left(\operatorname{softmax}(z) - \operatorname{onehot}(\t
 from manual_grads.losses import cross_entropy_bwd, cross_entropy_fwd
 
 show(cross_entropy_bwd)
-logits = 4.0 * rand(2, 5, 11)
-targets = jax.random.randint(next(keys), (2, 5), 0, 11)
-loss, res = cross_entropy_fwd(logits, targets)
-loss_ref, vjp = jax.vjp(lambda z: cross_entropy(z, targets), logits)
-print("loss error        ", abs(float(loss - loss_ref)))
-print("backward max error", max_err(cross_entropy_bwd(res, 1.0)[0], vjp(1.0)[0]))
+logits = jnp.asarray(4.0 * rng.standard_normal((2, 5, 11)))  # (B, T, V)
+targets = jnp.asarray(rng.integers(0, 11, (2, 5)))  # (B, T)
+check(lambda z: cross_entropy_fwd(z, targets), lambda res, d: cross_entropy_bwd(res, d)[:1],
+      lambda z: cross_entropy(z, targets), (logits,), jnp.float64(1.0))
 """),
     md(r"""
 ## The whole model
@@ -208,8 +212,13 @@ from pathlib import Path
 from IPython.display import Image, display
 
 from jaxformer import compare
+from jaxformer.config import PRESETS
+from jaxformer.params import init_params
 
-report = compare.compare_preset("tiny", dtype="float64", batch_size=4, seq_len=16, repeats=2)
+config = PRESETS["tiny"]
+params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
+batch = compare.make_batch(config, batch_size=4, seq_len=16, seed=0)
+report = compare.run_comparison(config, params, batch, name="tiny", repeats=2)
 print(compare.format_preset(report))
 png = Path(tempfile.mkdtemp()) / "rel_errors.png"
 compare.plot_report(compare.build_report([report], {}), png)
@@ -263,9 +272,12 @@ val_batches = list(data.sequential_batches(val_ids, BATCH, SEQ, max_batches=4))
 
 config = get_preset("tiny", vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4,
                     d_ff=128, max_seq_len=SEQ)
+# one set of initial parameters for both runs, kept on the host (a train step donates
+# its input buffers, so each run gets its own device copy)
+init = jax.jit(init_params, static_argnums=(1, 2))  # one compiled call instead of many small ones
+params0 = jax.tree_util.tree_map(np.asarray, init(jax.random.PRNGKey(0), config, jnp.float64))
 print(config)
-print(f"{count_params(init_params(jax.random.PRNGKey(0), config)):,} parameters, "
-      f"{len(train_ids):,} training bytes")
+print(f"{count_params(params0):,} parameters, {len(train_ids):,} training bytes")
 """),
     md(r"""
 Both runs start from the same parameters and see the same batches; only the gradient
@@ -275,8 +287,7 @@ source differs.
 def train(kind):
     optimizer = make_optimizer("adam", lr=1e-2, schedule="cosine", warmup_steps=10,
                                total_steps=STEPS, clip_norm=1.0)
-    params = init_params(jax.random.PRNGKey(0), config, dtype=jnp.float64)
-    state = init_state(params, optimizer)
+    state = init_state(jax.tree_util.tree_map(jnp.asarray, params0), optimizer)
     step = make_train_step(grad_source(kind, config), optimizer)
     losses, t0 = [], time.perf_counter()
     for i in range(STEPS):

@@ -32,7 +32,7 @@ def real_manual_fn():
         pytest.skip(f"manual_grads.value_and_grad is not available: {err}")
 
 
-def perturbed(manual_fn, scale=1e-3):
+def perturbed(manual_fn, scale):
     """A gradient source equal to ``manual_fn`` except one leaf, off by a relative ``scale``."""
     def fn(params, batch, config):
         loss, grads = manual_fn(params, batch, config)
@@ -40,6 +40,12 @@ def perturbed(manual_fn, scale=1e-3):
         grads = {**grads, a: {**grads[a], b: {**grads[a][b], c: grads[a][b][c] * (1 + scale)}}}
         return loss, grads
     return fn
+
+
+@pytest.fixture(scope="module")
+def broken_fn():
+    """One function object for both tests below, so jit compiles it once."""
+    return perturbed(real_manual_fn(), scale=1e-3)
 
 
 def run_main(argv, **kwargs):
@@ -150,34 +156,32 @@ def test_reports_with_a_nan_leaf_stay_strict_json(good_run, tmp_path):
 # ---------------------------------------------------------------------------- a broken gradient
 
 
-def test_run_comparison_fails_on_a_perturbed_leaf():
+def test_run_comparison_fails_on_a_perturbed_leaf(broken_fn):
     config = PRESETS["tiny"]
     params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
-    batch = compare.make_batch(config, 2, 8, seed=0)
-    r = compare.run_comparison(config, params, batch, name="tiny", repeats=1,
-                               manual_fn=perturbed(real_manual_fn(), scale=1e-6))
+    batch = compare.make_batch(config, 4, 16, seed=0)
+    r = compare.run_comparison(config, params, batch, name="tiny", repeats=1, manual_fn=broken_fn)
     assert not r.passed
     assert len(r.failures) == 1 and r.failures[0].startswith(PERTURBED_PATH), r.failures
     bad = [x for x in r.leaves if not x["passed"]]
     assert [x["path"] for x in bad] == [PERTURBED_PATH]
-    assert bad[0]["rel"] == pytest.approx(1e-6, rel=1e-3)
+    assert bad[0]["rel"] == pytest.approx(1e-3, rel=1e-6)
     assert r.loss["passed"]
     (block,) = [b for b in r.blocks if not b["passed"]]
     assert block["block"] == "blocks.ffn" and block["worst_leaf"] == PERTURBED_PATH
 
 
-def test_main_exits_nonzero_and_names_the_leaf(tmp_path):
+def test_main_exits_nonzero_and_names_the_leaf(broken_fn, tmp_path):
     rc, stdout, stderr = run_main(
-        ["--preset", "tiny", "--dtype", "float32", "--repeats", "1", "--batch-size", "2",
-         "--seq-len", "8", "--out", str(tmp_path)],
-        manual_fn=perturbed(real_manual_fn(), scale=1e-2))
+        ["--preset", "tiny", "--dtype", "float64", "--repeats", "1", "--out", str(tmp_path)],
+        manual_fn=broken_fn)
     assert rc != 0
     assert f"FAIL tiny: {PERTURBED_PATH}" in stderr
     assert "tiny: FAIL" in stdout and "overall: FAIL" in stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] is False
     (p,) = report["presets"]
-    assert p["dtype"] == "float32" and p["tolerance"] == 1e-4
+    assert p["dtype"] == "float64" and p["tolerance"] == 1e-10
     assert [x["path"] for x in p["leaves"] if not x["passed"]] == [PERTURBED_PATH]
     assert "**FAIL**" in (tmp_path / "report.md").read_text()
 
