@@ -66,10 +66,10 @@ def attention_bwd(res: AttentionRes, dy):
     dscores = softmax_bwd(probs, dprobs) / math.sqrt(Dh)  # (B, H, T, T)
     dq = dscores @ k  # (B, H, T, Dh)
     dk = jnp.swapaxes(dscores, -1, -2) @ q  # (B, H, T, Dh)
-    # q, k, v = split_heads(x @ w + b): every projection read x, so their dx add
-    dp, dx = {"wo": d_out["w"], "bo": d_out["b"]}, 0.0
-    for name, w, d in (("q", wq, dq), ("k", wk, dk), ("v", wv, dv)):
-        d_proj, dx_proj = linear_bwd(LinearRes(x, w), merge_heads(d))
-        dp["w" + name], dp["b" + name] = d_proj["w"], d_proj["b"]
-        dx = dx + dx_proj  # (B, T, D)
-    return dp, dx
+    # q, k, v = split_heads(x @ w + b): the three projections read x, so their dx add
+    d_q, dx_q = linear_bwd(LinearRes(x, wq), merge_heads(dq))  # dx_q (B, T, D)
+    d_k, dx_k = linear_bwd(LinearRes(x, wk), merge_heads(dk))  # dx_k (B, T, D)
+    d_v, dx_v = linear_bwd(LinearRes(x, wv), merge_heads(dv))  # dx_v (B, T, D)
+    dp = {"wq": d_q["w"], "bq": d_q["b"], "wk": d_k["w"], "bk": d_k["b"],
+          "wv": d_v["w"], "bv": d_v["b"], "wo": d_out["w"], "bo": d_out["b"]}
+    return dp, dx_q + dx_k + dx_v

@@ -31,6 +31,12 @@ def embed_params(params):
     return {k: params[k] for k in EMBED_KEYS if k in params}
 
 
+def _block_step_bwd(dx, res):
+    """One step of the reverse scan: carry dx (B, T, D), emit this layer's dp."""
+    dp, dx = block_bwd(res, dx)
+    return dx, dp
+
+
 def value_and_grad(params, batch, config: ModelConfig):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
     structure and dtype of params. jit it with ``static_argnums=2``."""
@@ -53,8 +59,7 @@ def value_and_grad(params, batch, config: ModelConfig):
     grads["head"], dx = linear_bwd(head_res, dlogits)  # (B, T, D)
     if config.norm == "pre":
         grads["ln_f"], dx = layer_norm_bwd(ln_f_res, dx)  # (B, T, D)
-    step_bwd = lambda dx, res: block_bwd(res, dx)[::-1]  # noqa: E731  (dx, dp) for scan
-    dx, grads["blocks"] = jax.lax.scan(step_bwd, dx, blocks_res, reverse=True)  # (B, T, D)
+    dx, grads["blocks"] = jax.lax.scan(_block_step_bwd, dx, blocks_res, reverse=True)  # (B, T, D)
     d_embed, _ = embed_bwd(embed_res, dx)
     grads.update(d_embed)
     return loss, grads

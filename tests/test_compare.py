@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxformer import compare
-from jaxformer import init_params
+from jaxformer import compare, init_params
 from jaxformer.config import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]

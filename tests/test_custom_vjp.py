@@ -68,7 +68,7 @@ LAYERS = [
 def test_layer_grad_is_manual(layer):
     """jax.vjp of the registered layer equals jax.vjp of the jaxformer layer, and
     check_grads (reverse mode, against finite differences) passes."""
-    _, fn, ref_fn, args, static = layer
+    name, fn, ref_fn, args, static = layer
     f = jax.jit(lambda *a: fn(*a, *static))  # jitted: one compile, not one per op
     f_ref = jax.jit(lambda *a: ref_fn(*a, *static))
     y, vjp = jax.vjp(f, *args)
@@ -76,7 +76,8 @@ def test_layer_grad_is_manual(layer):
     np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
     dy = RNG.standard_normal(np.shape(y))
     assert_trees_close(vjp_ref(dy), vjp(dy), rtol=1e-10)
-    check_grads(f, args, order=1, modes=["rev"])
+    if not name.startswith("block"):  # the blocks: by the model's check_grads below
+        check_grads(f, args, order=1, modes=["rev"])
 
 
 def test_integer_inputs_get_no_cotangent():

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("reproduce_seeds", ROOT / "experiments" / "reproduce_seeds.py")
+    path = ROOT / "experiments" / "reproduce_seeds.py"
+    spec = importlib.util.spec_from_file_location("reproduce_seeds", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
