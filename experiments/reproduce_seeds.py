@@ -29,7 +29,7 @@ The original recipe is SGD with learning rate 0.001, every gradient entry clippe
 [-5, 5] and weight decay 0.01; Adam runs with the same learning rate, clip and decay
 (decoupled, as for SGD, so "decay" means the same in both).
 
-    python experiments/reproduce_seeds.py                     # the default run, a few minutes
+    python experiments/reproduce_seeds.py                     # the default run: 12 runs, ~10 CPU minutes
     python experiments/reproduce_seeds.py --steps 50 --optimizers adam --stages 1,3
 
 Writes results.json, results.md and curves.png to --out (default runs/reproduce_seeds).
@@ -77,9 +77,11 @@ LR = 1e-3
 CLIP = 5.0
 WEIGHT_DECAY = 0.01
 
-# Default length: measured on 2 shared CPU cores (loopos, B 16, T 64), 12 runs of 300 steps
-# take a few minutes; Adam then shows the ordering of the stages clearly, SGD barely moves.
-DEFAULT_STEPS = 300
+# Default length. With Adam at lr 0.001 (loopos, B 16, T 64, seed 0) full backprop pulls
+# ahead only after about 150 steps: its final validation loss is 0.08 nats below the partial
+# stages at 200 steps, 0.15 at 250, 0.2 at 300. 250 steps keep the 12 runs to about 10 CPU
+# minutes (12.5 for 300 steps, measured: 26 min wall on 2 cores shared at load average 8).
+DEFAULT_STEPS = 250
 DEFAULT_BATCH = 16
 DEFAULT_SEQ = 64
 TAIL = 10  # the final train loss is the mean over the last TAIL steps (one batch is noisy)
@@ -144,6 +146,14 @@ def make_stage_optimizer(name: str, stage: int, params, *, lr: float = LR, clip:
 # one run
 
 
+def initial_params(config, seed: int, dtype) -> dict:
+    """init_params(PRNGKey(seed), config, dtype) as host (numpy) arrays; jitted: one
+    compilation instead of one per eager op."""
+    params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(seed), config,
+                                                          jnp.dtype(dtype))
+    return jax.device_get(params)
+
+
 def gradient_source(kind: str, config):
     """train.grad_source(kind, config); for "manual" falls back to manual_grads.model
     when the package does not export value_and_grad yet."""
@@ -166,15 +176,19 @@ def _load(seq_len: int):
 
 def run_one(config, *, stage: int, optimizer: str, grads: str, steps: int, batch_size: int,
             seq_len: int, seed: int = 0, dtype=jnp.float32, eval_every: int = 0,
-            decay: str = "all", train_ids=None, val_ids=None, eval_fn=None) -> dict:
+            decay: str = "all", train_ids=None, val_ids=None, eval_fn=None,
+            init=None) -> dict:
     """Train one (stage, optimizer, gradient source) from ``seed``; returns its record.
-    ``eval_fn``: a train.make_eval_step(config) to share between runs (compiled once)."""
+    To share between runs: ``eval_fn``, a train.make_eval_step(config), and ``init``, the
+    initial params as host arrays (each run gets its own device copy: steps donate them)."""
     if train_ids is None:
         _, train_ids, val_ids = _load(seq_len)
     batcher = data.Batcher(train_ids, batch_size, seq_len, seed)
     val_batches = [{k: jnp.asarray(v) for k, v in b.items()}
                    for b in data.sequential_batches(val_ids, batch_size, seq_len)]
-    params = init_params(jax.random.PRNGKey(seed), config, dtype=dtype)
+    if init is None:
+        init = initial_params(config, seed, dtype)
+    params = jax.tree_util.tree_map(jnp.asarray, init)
     tx = make_stage_optimizer(optimizer, stage, params, decay=decay)
     state = init_state(params, tx, seed)
     step_fn = make_train_step(gradient_source(grads, config), tx)
@@ -201,7 +215,8 @@ def run_one(config, *, stage: int, optimizer: str, grads: str, steps: int, batch
         if eval_every and (i + 1) % eval_every == 0 and i + 1 < steps:
             val_curve.append((i + 1, evaluate(state.params)))
     done = len(losses)
-    params_finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state.params))
+    params_finite = all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(
+        jax.device_get(state.params)))
     if first_bad is None and params_finite:
         val_curve.append((done, evaluate(state.params)))
     tokens = batch_size * seq_len
@@ -272,10 +287,11 @@ def format_markdown(report: dict) -> str:
         f"learning rate {LR}, gradient entries clipped to [-{CLIP:g}, {CLIP:g}], weight decay "
         f"{WEIGHT_DECAY} on {decayed}, seed {o['seed']}, {o['dtype']}.",
         "",
-        f"The default length ({DEFAULT_STEPS} steps) is chosen to run in a few minutes on "
-        f"2 CPU cores and still let full backprop pull clearly ahead with Adam, which it only "
-        f"does after about 200 steps; `--steps` runs longer. This run took {report['wall_s']:.0f} s "
-        f"for {len(report['runs'])} runs, compilation included.",
+        f"The default length ({DEFAULT_STEPS} steps) is chosen to keep the whole sweep short "
+        f"on 2 CPU cores while letting full backprop pull clearly ahead with Adam, which it "
+        f"does only after about 150 steps; `--steps` runs longer. This run took "
+        f"{report['wall_s']:.0f} s for {len(report['runs'])} runs, compilation included "
+        f"(machine and load below).",
         "",
         "Losses in nats per token. Train: first step, and the mean of the last "
         f"{TAIL} steps. Validation: before training and at the end.",
@@ -316,36 +332,59 @@ def format_markdown(report: dict) -> str:
                      f"| about {p['tokens_per_s']:,} |")
     lines += ["", f"Machine: {report['machine']}. tokens/s excludes the first (compiling) step. "
               "Every stage here computes the whole gradient and masks only its application, so "
-              "tokens/s does not depend on the stage.", ""]
+              "tokens/s does not depend on the stage; differences between rows come from the "
+              "gradient source and the machine's load.", ""]
     return "\n".join(lines)
 
 
+def _smooth(y, k: int):
+    """Running mean over the last k values (fewer at the start)."""
+    c = np.cumsum(np.insert(np.asarray(y, float), 0, 0.0))
+    i = np.arange(1, len(y) + 1)
+    return (c[i] - c[np.maximum(i - k, 0)]) / np.minimum(i, k)
+
+
 def plot(report: dict, path) -> None:
-    """One PNG: train loss against step for every run (a panel per optimizer), validation
-    points; colour = stage, solid = manual, dashed = auto."""
+    """One PNG, a column per optimizer. Top: train loss of every run against step, and
+    validation points. Bottom: the second half, train loss smoothed over 10 steps, where
+    the stages separate. Colour = stage, solid / circles = manual, dashed / crosses = auto."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     opts = [o for o in OPTIMIZERS if any(r["optimizer"] == o for r in report["runs"])]
-    fig = Figure(figsize=(6 * len(opts), 4.5), layout="constrained")
+    fig = Figure(figsize=(6 * len(opts), 8), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(opts), squeeze=False)[0]
+    axes = fig.subplots(2, len(opts), squeeze=False)
     colors = {1: "tab:blue", 2: "tab:orange", 3: "tab:green"}
-    for ax, opt in zip(axes, opts):
-        for r in report["runs"]:
-            if r["optimizer"] != opt:
-                continue
-            c, ls = colors[r["stage"]], "-" if r["grads"] == "manual" else "--"
-            ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], color=c, ls=ls, lw=1,
-                    alpha=0.8, label=f"{r['stage']} {r['stage_name']}, {r['grads']}")
-            steps, vals = zip(*r["val"]) if r["val"] else ((), ())
-            ax.plot(steps, vals, "o" if r["grads"] == "manual" else "x", color=c, ms=5)
-        ax.set_title(f"{opt}, lr {LR}, clip {CLIP:g}, wd {WEIGHT_DECAY} "
-                     f"(lines: train; markers: validation)", fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel("cross entropy (nats / token)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    for col, opt in enumerate(opts):
+        top, zoom = axes[0, col], axes[1, col]
+        runs = [r for r in report["runs"] if r["optimizer"] == opt]
+        n = max(len(r["losses"]) for r in runs)
+        for r in runs:
+            c, manual = colors[r["stage"]], r["grads"] == "manual"
+            ls, marker = ("-", "o") if manual else ("--", "x")
+            steps = np.arange(1, len(r["losses"]) + 1)
+            label = f"{r['stage']} {r['stage_name']}, {r['grads']}"
+            top.plot(steps, r["losses"], color=c, ls=ls, lw=1, alpha=0.8, label=label)
+            zoom.plot(steps, _smooth(r["losses"], TAIL), color=c, ls=ls, lw=1.2, label=label)
+            for ax in (top, zoom):
+                if r["val"]:
+                    ax.plot(*zip(*r["val"]), marker, color=c, ms=5, ls="none")
+        zoom.set_xlim(n // 2, n + 1)
+        late = [v for r in runs for v in _smooth(r["losses"], TAIL)[n // 2:]]
+        late += [v for r in runs for s, v in r["val"] if s >= n // 2]
+        late = [v for v in late if math.isfinite(v)]
+        if late:
+            pad = 0.05 * (max(late) - min(late) or 1.0)
+            zoom.set_ylim(min(late) - pad, max(late) + pad)
+        top.set_title(f"{opt}, lr {LR}, clip {CLIP:g}, wd {WEIGHT_DECAY}: train loss "
+                      f"(lines), validation (markers)", fontsize=9)
+        zoom.set_title(f"{opt}, second half; train loss smoothed over {TAIL} steps", fontsize=9)
+        for ax in (top, zoom):
+            ax.set_xlabel("step")
+            ax.set_ylabel("cross entropy (nats / token)")
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=7)
     fig.savefig(path, dpi=100)
 
 
@@ -428,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer, train_ids, val_ids = _load(args.seq_len)
     config = get_preset(args.preset, vocab_size=tokenizer.vocab_size)
     eval_fn = make_eval_step(config)
+    init = initial_params(config, args.seed, dtype)
     runs = []
     load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     t_start = time.perf_counter()
@@ -437,14 +477,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r = run_one(config, stage=stage, optimizer=opt, grads=g, steps=args.steps,
                             batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                             dtype=dtype, eval_every=args.eval_every, decay=args.decay,
-                            train_ids=train_ids, val_ids=val_ids, eval_fn=eval_fn)
+                            train_ids=train_ids, val_ids=val_ids, eval_fn=eval_fn, init=init)
                 print(f"stage {stage} {STAGES[stage]:<18} {opt:<4} {g:<6} train "
                       f"{r['train_first']:.3f} -> {r['train_final']:.3f}  val {r['val_first']:.3f} "
                       f"-> {_f(r['val_final'])}  {_f(r['tokens_per_s'], 0)} tok/s"
                       f"{'  NON-FINITE ' + r['non_finite'] if r['non_finite'] else ''}", flush=True)
                 runs.append(r)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(
-        jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(init))
     report = dict(
         options=vars(args), config=config.to_dict(), n_params=int(n_params),
         train_tokens=int(len(train_ids)), val_tokens=int(len(val_ids)),

@@ -641,15 +641,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fd", action="store_true",
                         help="also check the manual gradient of every leaf against float64 "
                              f"finite differences (relative tolerance {FD_TOLERANCE:.0e})")
-    parser.add_argument("--fd-directions", type=int, default=FD_DIRECTIONS,
+    parser.add_argument("--fd-directions", metavar="N", type=int, default=FD_DIRECTIONS,
                         help=f"random directions per leaf for --fd (default {FD_DIRECTIONS})")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default 4)")
-    parser.add_argument("--seq-len", type=int, default=32,
+    parser.add_argument("--batch-size", metavar="B", type=int, default=4,
+                        help="sequences per batch (default 4)")
+    parser.add_argument("--seq-len", metavar="T", type=int, default=32,
                         help="tokens per sequence, cut to the preset's max_seq_len (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="params and batch seed (default 0)")
-    parser.add_argument("--repeats", type=int, default=10,
+    parser.add_argument("--seed", metavar="N", type=int, default=0,
+                        help="params and batch seed (default 0)")
+    parser.add_argument("--repeats", metavar="N", type=int, default=10,
                         help="timed calls of each jitted gradient (default 10)")
-    parser.add_argument("--out", default="runs/compare_grads",
+    parser.add_argument("--out", metavar="DIR", default="runs/compare_grads",
                         help="folder for report.json, report.md, rel_errors.png "
                              "(default runs/compare_grads)")
     args = parser.parse_args(argv)

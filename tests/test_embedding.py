@@ -76,7 +76,7 @@ def test_sinusoidal_positions_have_no_parameters():
     p, ids, dx = make(3, config, 2, 9)
     x, res = embed_fwd(p, ids, config)
     assert res.pos is None
-    np.testing.assert_allclose(x - p["tok_embed"][np.asarray(ids)], np.broadcast_to(sinusoidal_positions(9, 7, jnp.float64), x.shape),
-                               rtol=1e-14, atol=1e-14)
+    table = np.broadcast_to(sinusoidal_positions(9, 7, jnp.float64), x.shape)
+    np.testing.assert_allclose(x - p["tok_embed"][np.asarray(ids)], table, rtol=1e-14, atol=1e-14)
     dp, _ = embed_bwd(res, dx)
     assert set(dp) == {"tok_embed"}

@@ -9,7 +9,7 @@ import pytest
 import jaxformer
 import manual_grads
 from jaxformer.config import PRESETS
-from manual_grads.check import assert_trees_close, compare_trees, finite_difference_check
+from manual_grads.check import assert_trees_close, finite_difference_check
 
 MANUAL = jax.jit(manual_grads.value_and_grad, static_argnums=2)
 
