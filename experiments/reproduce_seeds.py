@@ -146,32 +146,20 @@ def make_stage_optimizer(name: str, stage: int, params, *, lr: float = LR, clip:
 # one run
 
 
+def _load(seq_len: int):
+    """(tokenizer, train ids, val ids) of the embedded corpus, byte-tokenized, 10% held out."""
+    tokenizer = data.ByteTokenizer()
+    ids = tokenizer.encode(data.load_corpus("default"))
+    train_ids, val_ids = data.split_train_val(ids, 0.1)
+    return tokenizer, train_ids, val_ids
+
+
 def initial_params(config, seed: int, dtype) -> dict:
     """init_params(PRNGKey(seed), config, dtype) as host (numpy) arrays; jitted: one
     compilation instead of one per eager op."""
     params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(seed), config,
                                                           jnp.dtype(dtype))
     return jax.device_get(params)
-
-
-def gradient_source(kind: str, config):
-    """train.grad_source(kind, config); for "manual" falls back to manual_grads.model
-    when the package does not export value_and_grad yet."""
-    try:
-        return grad_source(kind, config)
-    except ValueError:
-        if kind != "manual":
-            raise
-        from manual_grads.model import value_and_grad
-
-        return lambda params, batch: value_and_grad(params, batch, config)
-
-
-def _load(seq_len: int):
-    tokenizer = data.ByteTokenizer()
-    ids = tokenizer.encode(data.load_corpus("default"))
-    train_ids, val_ids = data.split_train_val(ids, 0.1)
-    return tokenizer, train_ids, val_ids
 
 
 def run_one(config, *, stage: int, optimizer: str, grads: str, steps: int, batch_size: int,
@@ -191,7 +179,7 @@ def run_one(config, *, stage: int, optimizer: str, grads: str, steps: int, batch
     params = jax.tree_util.tree_map(jnp.asarray, init)
     tx = make_stage_optimizer(optimizer, stage, params, decay=decay)
     state = init_state(params, tx, seed)
-    step_fn = make_train_step(gradient_source(grads, config), tx)
+    step_fn = make_train_step(grad_source(grads, config), tx)
     eval_fn = eval_fn or make_eval_step(config)
 
     def evaluate(p) -> float:
