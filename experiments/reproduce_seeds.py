@@ -146,7 +146,7 @@ def make_stage_optimizer(name: str, stage: int, params, *, lr: float = LR, clip:
 # one run
 
 
-def _load(seq_len: int):
+def _load():
     """(tokenizer, train ids, val ids) of the embedded corpus, byte-tokenized, 10% held out."""
     tokenizer = data.ByteTokenizer()
     ids = tokenizer.encode(data.load_corpus("default"))
@@ -170,7 +170,7 @@ def run_one(config, *, stage: int, optimizer: str, grads: str, steps: int, batch
     To share between runs: ``eval_fn``, a train.make_eval_step(config), and ``init``, the
     initial params as host arrays (each run gets its own device copy: steps donate them)."""
     if train_ids is None:
-        _, train_ids, val_ids = _load(seq_len)
+        _, train_ids, val_ids = _load()
     batcher = data.Batcher(train_ids, batch_size, seq_len, seed)
     val_batches = [{k: jnp.asarray(v) for k, v in b.items()}
                    for b in data.sequential_batches(val_ids, batch_size, seq_len)]
@@ -452,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     dtype = jnp.dtype(args.dtype)
-    tokenizer, train_ids, val_ids = _load(args.seq_len)
+    tokenizer, train_ids, val_ids = _load()
     config = get_preset(args.preset, vocab_size=tokenizer.vocab_size)
     eval_fn = make_eval_step(config)
     init = initial_params(config, args.seed, dtype)
