@@ -361,9 +361,7 @@ def compare_preset(name: str, *, dtype: str = "float32", batch_size: int = 4, se
     """Build the preset's params (seed) and a corpus batch, then ``run_comparison``. The
     sequence length is cut to the preset's max_seq_len when longer."""
     config = PRESETS[name]
-    # jitted: one compile instead of one per eager op (seconds on a small CPU)
-    params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(seed), config,
-                                                         jnp.dtype(dtype))
+    params = init_params(jax.random.PRNGKey(seed), config, dtype)
     got = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
     if got != dtype:
         raise RuntimeError(f"asked for {dtype} params, got {got}: float64 needs jax_enable_x64")

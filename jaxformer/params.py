@@ -8,6 +8,8 @@ depth; biases start at zero, layer-norm scales at one.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -17,7 +19,16 @@ INIT_STD = 0.02
 
 
 def init_params(key: jax.Array, config: ModelConfig, dtype=jnp.float32) -> dict:
-    """Random parameters for ``config``; every leaf has dtype ``dtype``."""
+    """Random parameters for ``config``; every leaf has dtype ``dtype``.
+
+    Jitted as one program (config and dtype static): drawn op by op, the many
+    small random draws would each compile on their own.
+    """
+    return _init_params(key, config, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _init_params(key, config: ModelConfig, dtype) -> dict:
     V, D, F, L, S = (config.vocab_size, config.d_model, config.d_ff,
                      config.n_layers, config.max_seq_len)
     keys = iter(jax.random.split(key, 9))

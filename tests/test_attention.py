@@ -11,16 +11,6 @@ from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
 from manual_grads.check import assert_trees_close
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimization passes off for this module's compiles (faster on CPU).
-    The manual gradients and their references compile the same way."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def make(seed, B, T, D):
     rng = np.random.default_rng(seed)
     p = {}

@@ -14,16 +14,6 @@ from manual_grads.block import (PostBlockRes, PreBlockRes, block_bwd, block_fwd,
 from manual_grads.check import assert_trees_close
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimization passes off for this module's compiles (about 5x faster on
-    CPU). The manual gradients and their references compile the same way."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def block_params(rng, D, F):
     def w(i, o):
         return rng.standard_normal((i, o)) / np.sqrt(i)

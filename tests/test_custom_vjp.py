@@ -16,16 +16,6 @@ from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimization passes off for this module's compiles (about 5x faster on
-    CPU). The manual gradients and their references compile the same way."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 RNG = np.random.default_rng(0)
 B, T, D, H, F, V = 2, 3, 4, 2, 6, 5
 

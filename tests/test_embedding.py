@@ -14,16 +14,6 @@ from manual_grads.embedding import (embed_bwd, embed_fwd, learned_positions_bwd,
                                     learned_positions_fwd, token_embed_bwd, token_embed_fwd)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimization passes off for this module's compiles (faster on CPU).
-    The manual gradients and their references compile the same way."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def make(seed, config, B, T):
     rng = np.random.default_rng(seed)
     p = {"tok_embed": rng.standard_normal((config.vocab_size, config.d_model))}

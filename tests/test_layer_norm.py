@@ -13,16 +13,6 @@ from manual_grads.check import assert_trees_close
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimization passes off for this module's compiles (faster on CPU).
-    The manual gradients and their references compile the same way."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def make(seed, shape):
     rng = np.random.default_rng(seed)
     D = shape[-1]

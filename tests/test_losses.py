@@ -10,16 +10,6 @@ from manual_grads.check import assert_trees_close
 from manual_grads.losses import cross_entropy_bwd, cross_entropy_fwd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimization passes off for this module's compiles (faster on CPU).
-    The manual gradients and their references compile the same way."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def make(seed, B, T, V, scale=3.0):
     rng = np.random.default_rng(seed)
     logits = scale * rng.standard_normal((B, T, V))

@@ -14,16 +14,6 @@ from manual_grads.check import assert_trees_close, finite_difference_check
 MANUAL = jax.jit(manual_grads.value_and_grad, static_argnums=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimization passes off for this module's compiles (about 5x faster on
-    CPU). The manual gradients and their references compile the same way."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def _both(params, batch, config):
     return MANUAL(params, batch, config), jax.value_and_grad(jaxformer.loss_fn)(params, batch, config)
 
