@@ -80,16 +80,9 @@ def grad_source(kind: str, config: ModelConfig) -> GradFn:
         value_and_grad = jax.value_and_grad(loss_fn)
         return lambda params, batch: value_and_grad(params, batch, config)
     if kind == "manual":
-        try:
-            import manual_grads
+        import manual_grads  # here: manual_grads imports jaxformer
 
-            manual = manual_grads.value_and_grad
-        except (ImportError, AttributeError) as e:
-            raise ValueError(
-                f"manual gradients are not available (manual_grads.value_and_grad: {e}); "
-                "use --grads auto"
-            ) from None
-        return lambda params, batch: manual(params, batch, config)
+        return lambda params, batch: manual_grads.value_and_grad(params, batch, config)
     raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
 
 
