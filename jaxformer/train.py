@@ -392,7 +392,6 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
             val_ids, settings.batch_size, settings.seq_len, settings.eval_batches))
 
     opt_items = tuple(sorted(settings.optimizer_kwargs().items()))
-    optimizer = _optimizer(opt_items)
     devices_key = tuple(mesh.devices.flat)
     state = _init_fn(config, settings.dtype, opt_items, devices_key)(settings.seed)
     if resume:
