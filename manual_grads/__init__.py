@@ -3,7 +3,7 @@
 One module per layer kind, each pairing ``*_fwd(...) -> (y, res)`` with
 ``*_bwd(res, dy) -> (dparams, dx)`` (the ``jax.custom_vjp`` signature), and
 ``value_and_grad(params, batch, config) -> (loss, grads)`` composing them for the
-whole model. ``custom_vjp`` registers the pairs with JAX, so ``jax.grad`` can
+whole model. ``custom_vjp`` registers the pairs with JAX, so JAX's ``grad`` can
 run them; ``check`` compares gradient trees and runs finite differences.
 """
 

@@ -64,7 +64,7 @@ def relu_fwd(x):
 
 def relu_bwd(res: ReluRes, dy):
     """Undoes ``y = max(x, 0)``: dy/dx = 1 where x > 0, 0 where x < 0, and 1/2
-    at x == 0 (the subgradient jax.grad of jnp.maximum picks at a tie)."""
+    at x == 0 (the subgradient JAX's grad of jnp.maximum picks at a tie)."""
     x = res.x
     slope = jnp.where(x > 0, 1.0, jnp.where(x == 0, 0.5, 0.0)).astype(dy.dtype)
     return dy * slope

@@ -1,14 +1,14 @@
 """The manual backward passes registered as ``jax.custom_vjp`` rules.
 
 Each function here is a drop-in replacement for the ``jaxformer.layers``
-function of the same name and signature: same output, but ``jax.grad`` runs the
+function of the same name and signature: same output, but JAX's ``grad`` runs the
 hand-derived backward. Static arguments (eps, n_heads, causal, names, config)
 are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
 ``None`` (zero) cotangents. Mixing is free: any of these layers can sit in a
-model whose other layers ``jax.grad`` differentiates itself.
+model whose other layers JAX's ``grad`` differentiates itself.
 
 ``forward`` and ``loss_fn`` below are the whole model built from these layers,
-so ``jax.grad(loss_fn)`` returns the manual gradients.
+so JAX's ``grad`` of ``loss_fn`` returns the manual gradients.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def forward(params, inputs, config: ModelConfig):
 
 
 def loss_fn(params, batch, config: ModelConfig):
-    """Mean next-token cross entropy; ``jax.grad`` of it runs the manual backward."""
+    """Mean next-token cross entropy; JAX's ``grad`` of it runs the manual backward."""
     validate_batch(batch, config)
     logits = forward(params, batch["inputs"], config)
     return cross_entropy(logits, batch["targets"], batch.get("mask"))
