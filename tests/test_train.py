@@ -126,16 +126,25 @@ def test_gradient_sources_by_name():
         assert callable(fn)
 
 
-def test_manual_gradients_train_like_auto(run, corpus, tmp_path):
-    """The same loop with manual_grads.value_and_grad: the same curve to round-off."""
-    try:
-        grad_source("manual", run.config)
-    except ValueError as e:
-        pytest.skip(str(e))
-    manual = train(tiny_settings(corpus, steps=3, grads="manual"), tmp_path, progress=False)
-    for key in ("loss", "grad_norm", "update_norm"):
-        np.testing.assert_allclose([r[key] for r in manual.records],
-                                   [r[key] for r in run.records[:3]], rtol=1e-5, err_msg=key)
+def test_manual_gradients_train_like_auto_in_float32(run, corpus, tmp_path):
+    """The same loop with manual_grads.value_and_grad: the float32 curve of the
+    30-step run, to float32 round-off (the gap seen is about 2e-7 relative)."""
+    manual = train(tiny_settings(corpus, steps=30, grads="manual"), tmp_path, progress=False)
+    for key in ("loss", "grad_norm", "update_norm", "val_loss"):
+        np.testing.assert_allclose([r[key] for r in manual.records if key in r],
+                                   [r[key] for r in run.records if key in r], rtol=1e-4, err_msg=key)
+
+
+def test_manual_gradients_train_like_auto_in_float64(corpus, tmp_path):
+    """20 steps from one seed in float64: manual and automatic gradients give the
+    same loss curve to 1e-10."""
+    runs = {grads: train(tiny_settings(corpus, steps=20, grads=grads, dtype="float64"),
+                         tmp_path / grads, progress=False).records
+            for grads in ("auto", "manual")}
+    assert [r["step"] for r in runs["manual"]] == list(range(1, 21))
+    for key in ("loss", "grad_norm", "update_norm", "val_loss"):
+        np.testing.assert_allclose([r[key] for r in runs["manual"] if key in r],
+                                   [r[key] for r in runs["auto"] if key in r], rtol=1e-10, err_msg=key)
 
 
 def _nan_grad_fn(params, batch):
