@@ -79,7 +79,7 @@ def validate_ids(ids, vocab_size: int, name: str = "ids") -> None:
         where = np.argwhere(bad)[0]
         pos = int(where[0]) if arr.ndim == 1 else tuple(int(i) for i in where)
         raise ValueError(
-            f"{name} holds id {int(arr[tuple(where)])} at position {pos}, outside "
+            f"{name} holds token id {int(arr[tuple(where)])} at position {pos}, outside "
             f"[0, vocab_size={vocab_size})"
         )
 

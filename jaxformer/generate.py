@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxformer import checkpoint
 from jaxformer.config import ModelConfig
+from jaxformer.data import validate_ids
 from jaxformer.model import forward
 from jaxformer.optim import make_optimizer
 from jaxformer.params import init_params
@@ -75,12 +76,7 @@ def generate(params, config: ModelConfig, prompt_ids, max_new_tokens: int, *,
     prompt = np.asarray(prompt_ids)
     if prompt.ndim != 1 or prompt.size == 0:
         raise ValueError(f"the prompt must be a non-empty 1-D id sequence, got shape {prompt.shape}")
-    if prompt.dtype.kind not in "iu":
-        raise ValueError(f"prompt ids must be integers, got dtype {prompt.dtype}")
-    bad = (prompt < 0) | (prompt >= config.vocab_size)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"prompt id {int(prompt[i])} at position {i} is outside [0, {config.vocab_size})")
+    validate_ids(prompt, config.vocab_size, "prompt")
     if max_new_tokens == 0:
         return prompt.astype(np.int32)
     S = config.max_seq_len

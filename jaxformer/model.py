@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 from jaxformer.config import ModelConfig
+from jaxformer.data import validate_ids
 from jaxformer.layers import block, embed, layer_norm, linear
 
 
@@ -33,14 +32,7 @@ def validate_tokens(name: str, ids, config: ModelConfig) -> None:
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"{name} is empty: shape {tuple(ids.shape)}")
     if _concrete(ids):
-        values = np.asarray(ids)
-        bad = (values < 0) | (values >= config.vocab_size)
-        if bad.any():
-            pos = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(
-                f"{name} holds token id {int(values[pos])} at position {pos}, outside "
-                f"[0, vocab_size={config.vocab_size})"
-            )
+        validate_ids(ids, config.vocab_size, name)
 
 
 def validate_batch(batch, config: ModelConfig) -> None:

@@ -14,6 +14,7 @@ from jaxformer import layers
 from jaxformer.config import PRESETS
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
+from test_manual_model import make_params
 
 
 RNG = np.random.default_rng(0)
@@ -118,11 +119,8 @@ def test_custom_vjp_model_grad_is_manual(config):
     """jax.grad of the custom_vjp model equals manual_grads.value_and_grad (the layers'
     check_grads above and the model's finite differences in test_manual_model cover
     the numerics)."""
+    params = make_params(config, jnp.float64, seed=1)
     rng = np.random.default_rng(1)
-    shapes = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), config, dtype=jnp.float64))
-    params = jax.tree_util.tree_map_with_path(  # 1 + noise for layer-norm scales, noise elsewhere
-        lambda path, s: float(jax.tree_util.keystr(path).endswith("['scale']"))
-        + 0.05 * rng.standard_normal(s.shape), shapes)
     batch = {"inputs": jnp.asarray(rng.integers(0, config.vocab_size, (3, 5)), jnp.int32),
              "targets": jnp.asarray(rng.integers(0, config.vocab_size, (3, 5)), jnp.int32),
              "mask": (rng.random((3, 5)) < 0.5).astype(np.float64)}

@@ -375,9 +375,9 @@ def test_sequential_batches_are_in_order():
 
 def test_validate_ids_names_the_id_and_position():
     validate_ids(np.array([0, 1, 9]), 10)
-    with pytest.raises(ValueError, match=r"ids holds id 10 at position 2, outside \[0, vocab_size=10\)"):
+    with pytest.raises(ValueError, match=r"ids holds token id 10 at position 2, outside \[0, vocab_size=10\)"):
         validate_ids(np.array([0, 1, 10, 11]), 10)
-    with pytest.raises(ValueError, match=r"inputs holds id -3 at position \(1, 0\)"):
+    with pytest.raises(ValueError, match=r"inputs holds token id -3 at position \(1, 0\)"):
         validate_ids(np.array([[0, 1], [-3, 2]]), 10, name="inputs")
     with pytest.raises(ValueError, match="integers"):
         validate_ids(np.array([0.5]), 10)

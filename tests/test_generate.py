@@ -83,7 +83,7 @@ def test_top_k():
     (dict(top_k=-2), "top_k must be a non-negative integer"),
     (dict(max_new_tokens=-1), "max_new_tokens must be a non-negative integer"),
     (dict(prompt_ids=np.array([], np.int32)), "non-empty"),
-    (dict(prompt_ids=np.array([1, 11])), "prompt id 11 at position 1 is outside"),
+    (dict(prompt_ids=np.array([1, 11])), r"prompt holds token id 11 at position 1, outside \[0, vocab_size=11\)"),
 ])
 def test_bad_options(params, kwargs, message):
     args = dict(prompt_ids=np.array([1, 2]), max_new_tokens=3)

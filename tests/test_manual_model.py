@@ -22,9 +22,9 @@ BOTH = jax.jit(_both, static_argnums=2)  # one compile per case for manual and r
 
 
 def make_params(config, dtype, seed=0):
-    """Random params with init_params' tree, shapes and dtype (drawn with numpy: eager
-    jax.random compiles op by op): N(0, 0.05^2) everywhere, plus 1 for layer-norm
-    scales, so biases are nonzero and scales not 1."""
+    """Random params with init_params' tree, shapes and dtype: N(0, 0.05^2) everywhere,
+    plus 1 for layer-norm scales, so biases are nonzero and scales not 1 (init_params
+    starts them at 0 and 1, where a wrong bias or scale gradient could hide)."""
     shapes = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), config, dtype=dtype))
     rng = np.random.default_rng(seed)
 
