@@ -88,9 +88,9 @@ def make_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int) ->
     from jaxformer.data import Batcher, ByteTokenizer, load_corpus
 
     tokenizer = ByteTokenizer()
-    vocab = getattr(tokenizer, "vocab_size", config.vocab_size)
-    if vocab != config.vocab_size:
-        raise ValueError(f"the byte tokenizer has {vocab} tokens, the config {config.vocab_size}")
+    if tokenizer.vocab_size != config.vocab_size:
+        raise ValueError(f"the byte tokenizer has {tokenizer.vocab_size} tokens, "
+                         f"the config {config.vocab_size}")
     ids = tokenizer.encode(load_corpus("default"))
     batch = Batcher(ids, batch_size, seq_len, seed).batch(0)
     return {k: jnp.asarray(v) for k, v in batch.items()}
