@@ -8,11 +8,15 @@ construction, naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh")
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal")
+ATTENTION_IMPLS = ("full", "blockwise")
+REMATS = ("none", "block")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,13 @@ class ModelConfig:
     positions: str = "learned"  # learned table or fixed sinusoidal (sin even, cos odd)
     causal: bool = True  # mask future positions (a decoder); False for a bidirectional encoder
     ln_eps: float = 1e-5  # added to the variance inside layer norm
+    # --- memory: how the forward and the manual backward trade memory for compute
+    attention_impl: str = "full"  # full: (B, H, T, T) probabilities; blockwise: online softmax over key blocks
+    attention_block: int = 128  # query and key block size of blockwise attention (any T works)
+    loss_chunk: int = 0  # 0: head + cross entropy on all positions; N: N positions at a time
+    remat: str = "none"  # none: each block keeps its residuals; block: keep the input, recompute
+    # --- precision: None computes in the params' dtype; else matmul inputs are cast to it
+    compute_dtype: str | None = None  # None | float32 | bfloat16 | float16 (params stay the master copy)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
@@ -43,6 +54,8 @@ class ModelConfig:
             ("activation", ACTIVATIONS),
             ("norm", NORMS),
             ("positions", POSITIONS),
+            ("attention_impl", ATTENTION_IMPLS),
+            ("remat", REMATS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -51,8 +64,21 @@ class ModelConfig:
                 )
         if not isinstance(self.causal, bool):
             raise ValueError(f"ModelConfig.causal must be True or False, got {self.causal!r}")
-        if isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float)) or not self.ln_eps > 0:
-            raise ValueError(f"ModelConfig.ln_eps must be a positive number, got {self.ln_eps!r}")
+        if (isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float))
+                or not math.isfinite(self.ln_eps) or not self.ln_eps > 0):
+            raise ValueError(f"ModelConfig.ln_eps must be a positive finite number, got {self.ln_eps!r}")
+        if isinstance(self.attention_block, bool) or not isinstance(self.attention_block, int) \
+                or self.attention_block <= 0:
+            raise ValueError(
+                f"ModelConfig.attention_block must be a positive integer, got {self.attention_block!r}")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(
+                f"ModelConfig.loss_chunk must be a non-negative integer (0: no chunking), "
+                f"got {self.loss_chunk!r}")
+        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"ModelConfig.compute_dtype must be None (the params' dtype) or one of "
+                f"{', '.join(COMPUTE_DTYPES)}; got {self.compute_dtype!r}")
 
     @property
     def d_head(self) -> int:

@@ -1,0 +1,126 @@
+"""TrainSettings: everything a training run needs besides its folder, and the
+preset recipes that fill it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jaxformer.config import PRESET_TRAINING, PRESETS
+from jaxformer.optim import make_optimizer
+
+GRAD_SOURCES = ("auto", "manual")
+DTYPES = ("float32", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """Everything a run needs besides its folder. ``settings_for(preset, **flags)``
+    fills it from the preset's recipe (config.PRESET_TRAINING)."""
+
+    preset: str = "tiny"  # model shape: a key of config.PRESETS
+    grads: str = "auto"  # gradient source: auto (jax.grad) | manual (manual_grads)
+    steps: int = 100  # total optimizer calls of the run (the schedule's horizon)
+    corpus: str = "default"  # "default", "stdlib" or a file/folder path
+    tokenizer: str = "byte"  # byte | char
+    max_corpus_bytes: int | None = None  # read at most this much of the corpus
+    val_fraction: float = 0.1  # the last part of the corpus, held out for validation
+    optimizer: str = "adam"  # sgd | momentum | adam | adamw
+    lr: float = 1e-3  # peak learning rate
+    schedule: str = "constant"  # constant | cosine | linear (after warmup_steps)
+    warmup_steps: int = 0
+    clip_value: float | None = None  # clip each gradient entry to [-v, v]
+    clip_norm: float | None = None  # clip the gradient's global norm
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # for the momentum optimizer
+    accum_steps: int = 1  # micro-batches averaged into one update
+    batch_size: int = 16  # B, sequences per step (divisible by the device count)
+    seq_len: int = 64  # T, tokens per sequence (<= the model's max_seq_len)
+    seed: int = 0  # params init, batch order
+    dtype: str = "float32"  # params dtype: float32 | float64 (needs jax_enable_x64)
+    eval_every: int = 50  # validation every N steps (and at the end); 0: only at the end
+    eval_batches: int = 8  # validation batches per evaluation
+    log_every: int = 10  # a metrics.jsonl line every N steps (and at the first and last)
+    ckpt_every: int = 100  # checkpoint every N steps (and at the end); 0: only at the end
+    keep_checkpoints: int = 3  # how many of the latest checkpoints stay on disk
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def replace(self, **changes) -> "TrainSettings":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.grads not in GRAD_SOURCES:
+            raise ValueError(f"unknown gradient source {self.grads!r}; choose one of {', '.join(GRAD_SOURCES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        for name in ("steps", "batch_size", "seq_len", "accum_steps", "eval_batches",
+                     "log_every", "keep_checkpoints"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("eval_every", "ckpt_every", "seed", "warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.dtype == "float64" and not jax.config.jax_enable_x64:
+            raise ValueError("dtype float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
+        max_len = PRESETS[self.preset].max_seq_len
+        if self.seq_len > max_len:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len {max_len}")
+        # the optimizer validates its own arguments
+        make_optimizer(**self.optimizer_kwargs())
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        updates = -(-self.steps // self.accum_steps)  # the schedule counts optimizer updates
+        if self.schedule == "constant":
+            updates = None  # no horizon: runs of any length share one compiled step
+        return dict(
+            name=self.optimizer, lr=self.lr, schedule=self.schedule,
+            warmup_steps=self.warmup_steps, total_steps=updates, clip_value=self.clip_value,
+            clip_norm=self.clip_norm, weight_decay=self.weight_decay, momentum=self.momentum,
+            accum_steps=self.accum_steps,
+        )
+
+
+# Settings a resumed run may change; any other difference from the checkpoint is an error.
+RESUMABLE_CHANGES = frozenset(
+    {"steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints"}
+)
+
+
+def settings_for(preset: str, **flags) -> TrainSettings:
+    """TrainSettings of ``preset``: its PRESET_TRAINING recipe, then ``flags`` (None
+    values are ignored, so unset command-line options fall through)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    names = {f.name for f in dataclasses.fields(TrainSettings)}
+    unknown = sorted(set(flags) - names)
+    if unknown:
+        raise ValueError(f"unknown train setting(s): {', '.join(unknown)}")
+    values = dict(PRESET_TRAINING.get(preset, {}))
+    values.update({k: v for k, v in flags.items() if v is not None})
+    values["preset"] = preset
+    return TrainSettings(**values)
+
+
+def diff_fields(saved: dict, requested: dict, ignore=()) -> list[str]:
+    """'name: saved -> requested' for each field whose value differs."""
+    out = []
+    for name in sorted(set(saved) | set(requested)):
+        if name in ignore:
+            continue
+        a, b = saved.get(name), requested.get(name)
+        if a != b:
+            out.append(f"{name}: {a!r} (checkpoint) vs {b!r} (requested)")
+    return out

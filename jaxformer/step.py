@@ -1,0 +1,137 @@
+"""One training step for any gradient source: the state, the step and eval factories.
+
+A gradient source is any function ``(params, batch) -> (loss, grads)``:
+``grad_source("auto", config)`` wraps ``jax.value_and_grad(loss_fn)``,
+``grad_source("manual", config)`` the hand-derived ``manual_grads.value_and_grad``.
+``make_train_step(grad_fn, optimizer)`` turns either into the same jitted step
+
+    state, metrics = step(state, batch)   # metrics: loss, grad_norm, update_norm, lr
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from jaxformer.config import ModelConfig
+from jaxformer.model import loss_fn
+from jaxformer.optim import current_lr, make_optimizer
+from jaxformer.params import init_params
+from jaxformer.settings import GRAD_SOURCES
+from jaxformer.sharding import make_mesh, mesh_shardings
+
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # () int32: optimizer calls made so far (micro-steps with accumulation)
+    params: Any  # the params pytree of DESIGN.md
+    opt_state: Any  # the optimizer's state
+    data_index: jax.Array  # () int32: index of the next training batch (Batcher.batch)
+    rng: jax.Array  # (2,) uint32 key of the run (a stochastic layer at step s: fold_in(rng, s))
+
+
+def init_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        data_index=jnp.zeros((), jnp.int32),
+        rng=jax.random.PRNGKey(seed),
+    )
+
+
+GradFn = Callable[[Any, dict], tuple[jax.Array, Any]]
+
+
+def grad_source(kind: str, config: ModelConfig) -> GradFn:
+    """The gradient source ``(params, batch) -> (loss, grads)`` named ``kind``:
+    "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``)."""
+    if kind == "auto":
+        value_and_grad = jax.value_and_grad(loss_fn)
+        return lambda params, batch: value_and_grad(params, batch, config)
+    if kind == "manual":
+        import manual_grads  # here: manual_grads imports jaxformer
+
+        return lambda params, batch: manual_grads.value_and_grad(params, batch, config)
+    raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
+
+
+def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
+                    mesh: Mesh | None = None, donate: bool = True):
+    """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
+    source. The input state's buffers are donated (do not reuse it after the call).
+
+    With a ``mesh`` (one axis, "data"), the batch is split along its first axis over
+    the mesh and the state replicated: jit runs data parallel.
+    metrics: loss, grad_norm (global norm of the gradient), update_norm, lr.
+    """
+
+    def step(state: TrainState, batch):
+        loss, grads = grad_fn(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, state.rng)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
+            "lr": current_lr(opt_state),
+        }
+        return new_state, metrics
+
+    kwargs = {"donate_argnums": (0,)} if donate else {}
+    if mesh is not None:
+        replicated, split = mesh_shardings(mesh)
+        kwargs.update(in_shardings=(replicated, split), out_shardings=replicated)
+    return jax.jit(step, **kwargs)
+
+
+def make_eval_step(config: ModelConfig, mesh: Mesh | None = None):
+    """Jitted ``(params, batch) -> loss``."""
+    kwargs = {}
+    if mesh is not None:
+        replicated, _ = mesh_shardings(mesh)
+        kwargs.update(out_shardings=replicated)
+    return jax.jit(lambda params, batch: loss_fn(params, batch, config), **kwargs)
+
+
+# Runs in one process with the same model, optimizer and devices share one compiled
+# step (a resumed run, a test suite): jit caches per function object.
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(opt_items: tuple) -> optax.GradientTransformation:
+    return make_optimizer(**dict(opt_items))
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple):
+    """Jitted seed -> the initial TrainState, replicated over the devices (one compile
+    instead of one per random draw)."""
+    replicated, _ = mesh_shardings(make_mesh(devices))
+
+    def init(seed):
+        params = init_params(jax.random.PRNGKey(seed), config, dtype=jnp.dtype(dtype))
+        return init_state(params, _optimizer(opt_items), seed)
+
+    return jax.jit(init, out_shardings=replicated)
+
+
+@functools.lru_cache(maxsize=8)
+def _step(config: ModelConfig, grads: str, opt_items: tuple, devices: tuple):
+    return make_train_step(grad_source(grads, config), _optimizer(opt_items), mesh=make_mesh(devices))
+
+
+@functools.lru_cache(maxsize=8)
+def _custom_step(grad_fn: GradFn, opt_items: tuple, devices: tuple):
+    return make_train_step(grad_fn, _optimizer(opt_items), mesh=make_mesh(devices))
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_step(config: ModelConfig, devices: tuple):
+    return make_eval_step(config, make_mesh(devices))
