@@ -82,12 +82,25 @@ def _nonneg_int(text):
     return value
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's __version__."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jaxformer")
+    except metadata.PackageNotFoundError:
+        from jaxformer import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxformer.config import PRESETS
     from jaxformer.optim import OPTIMIZERS, SCHEDULES
 
     parser = _Parser(prog="jaxformer", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jaxformer {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model; writes metrics, a loss plot and checkpoints",
