@@ -50,6 +50,12 @@ examples:
   jaxformer generate --run runs/loopos --prompt "Once upon a time" --max-new-tokens 200
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0      (greedy)
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0.8 --top-k 20 --seed 3
+  jaxformer generate --run runs/loopos --prompt "The " --top-p 0.9 --num-samples 3
+
+Sampling uses a key/value cache: one prefill of the prompt's last max_seq_len
+tokens, then one cached step per token. When the cache is full the context
+restarts as its last max_seq_len // 2 tokens (positions stay within the trained
+table). --no-cache runs the whole sliding window per token instead.
 """
 
 
@@ -149,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_nonneg_int, default=200, metavar="N", help="default 200")
     g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy (default 0.8)")
     g.add_argument("--top-k", type=_nonneg_int, default=0, metavar="K", help="sample among the K likeliest (0: all)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample among the likeliest tokens whose probability sums to P, in (0, 1] (default 1: all)")
+    g.add_argument("--num-samples", type=_positive_int, default=1, metavar="N",
+                   help="continuations of the prompt, sampled side by side (default 1)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="run the whole window per token instead of the key/value cache (the reference)")
     g.add_argument("--seed", type=_nonneg_int, default=0)
     g.add_argument("--step", type=_nonneg_int, metavar="N", help="use the checkpoint of step N (default: latest)")
 
@@ -221,11 +233,21 @@ def cmd_generate(args) -> int:
         import jax
 
         jax.config.update("jax_enable_x64", True)
-    from jaxformer.generate import sample_text
+    from jaxformer.generate import sample_texts
 
-    text = sample_text(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, step=args.step)
-    print(text)
+    timing = {}
+    texts = sample_texts(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step,
+                         num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1} of {len(texts)}")
+        print(text)
+    if timing:
+        print(f"{args.num_samples} x {args.max_new_tokens} tokens in {timing['run_s']:.2f} s: "
+              f"{1e3 * timing['s_per_token']:.2f} ms per token position "
+              f"({'no cache' if args.no_cache else 'key/value cache'}; "
+              f"compile {timing['compile_s']:.2f} s, not counted)", file=sys.stderr)
     return 0
 
 
