@@ -200,29 +200,35 @@ def cmd_train(args) -> int:
         import jax
 
         jax.config.update("jax_enable_x64", True)
-    import jax
-
-    from jaxformer.params import count_params
     from jaxformer.train import train
 
     t0 = time.perf_counter()
-    print(f"training {settings.preset} ({settings.grads} gradients, {settings.optimizer}, "
-          f"lr {settings.lr}) for {settings.steps} steps on {jax.device_count()} "
-          f"{jax.devices()[0].platform} device(s) -> {args.out}", file=sys.stderr)
-    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress)
+    print(f"training -> {args.out}", file=sys.stderr)
+    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress,
+                   log=lambda line: print(line, file=sys.stderr))
     wall = time.perf_counter() - t0
     records = result.records
     if not records:
         print(f"{args.out} already trained for {settings.steps} steps; nothing to do")
         return 0
-    first, last = records[0], records[-1]
-    speed = [r["tokens_per_s"] for r in records[1:]] or [first["tokens_per_s"]]
-    val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
-    print(f"{count_params(result.state.params):,} params, vocab {result.config.vocab_size}; "
-          f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
-          f"(step {last['step']}){val}; {sorted(speed)[len(speed) // 2]:.0f} tokens/s; {wall:.1f} s")
+    print(_train_summary(result, wall))
     print(f"run folder: {result.run_dir} (metrics.jsonl, loss.png, checkpoints/)")
     return 0
+
+
+def _train_summary(result, wall: float) -> str:
+    """One line: params, the loss from first to last record, and each speed named."""
+    from jaxformer.params import count_params
+
+    first, last, t = result.records[0], result.records[-1], result.timing
+    val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    steady = (f"{t['steady_tokens_per_s']:,.0f} tokens/s steady state (steps after the first, "
+              f"validation and checkpoints excluded)" if t.get("steady_tokens_per_s")
+              else "no steady-state steps")
+    return (f"{count_params(result.state.params):,} params, vocab {result.config.vocab_size}; "
+            f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+            f"(step {last['step']}){val}; {steady}; compile + first step {t['compile_s']:.1f} s; "
+            f"{wall:.1f} s wall in all")
 
 
 def cmd_generate(args) -> int:
@@ -244,10 +250,10 @@ def cmd_generate(args) -> int:
             print(f"--- sample {i + 1} of {len(texts)}")
         print(text)
     if timing:
+        how = ("no cache; compile included" if timing["compile_s"] is None else
+               f"key/value cache; compile {timing['compile_s']:.2f} s, not counted")
         print(f"{args.num_samples} x {args.max_new_tokens} tokens in {timing['run_s']:.2f} s: "
-              f"{1e3 * timing['s_per_token']:.2f} ms per token position "
-              f"({'no cache' if args.no_cache else 'key/value cache'}; "
-              f"compile {timing['compile_s']:.2f} s, not counted)", file=sys.stderr)
+              f"{1e3 * timing['s_per_token']:.2f} ms per token position ({how})", file=sys.stderr)
     return 0
 
 

@@ -161,9 +161,10 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
                   timing: dict | None = None) -> np.ndarray:
     """``num_samples`` continuations of one prompt, int32 (num_samples, P + N).
 
-    timing: a dict to fill with compile_s (the sampler compiled ahead of time),
-    run_s (all tokens of all samples) and s_per_token (run_s / N: the samples run
-    side by side, so this is the time per generated position).
+    timing: a dict to fill with compile_s (the cached sampler is compiled ahead of
+    time; None without the cache, whose run_s then includes compiling), run_s (all
+    tokens of all samples) and s_per_token (run_s / N: the samples run side by
+    side, so this is the time per generated position).
     """
     if not config.causal:
         raise ValueError("generation needs a causal model (config.causal=True)")
@@ -203,7 +204,8 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
         t1 = time.perf_counter()
         new = np.asarray(jax.block_until_ready(compiled(*args)))
         t2 = time.perf_counter()
-        timing.update(compile_s=t1 - t0, run_s=t2 - t1, s_per_token=(t2 - t1) / N)
+        timing.update(compile_s=t1 - t0 if use_cache else None, run_s=t2 - t1,
+                      s_per_token=(t2 - t1) / N)
     new = new[:, :N]
     return np.concatenate([np.tile(prompt, (B, 1)), new], axis=1)
 

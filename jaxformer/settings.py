@@ -140,8 +140,9 @@ def recipe_notes(settings: TrainSettings) -> list[str]:
     recipe = PRESET_TRAINING.get(settings.preset, {}).get("warmup_steps", 0)
     if settings.warmup_steps < recipe and fit_warmup(settings.replace(warmup_steps=recipe)) \
             == settings.warmup_steps:
-        return [f"warmup shortened from the {settings.preset} recipe's {recipe} to "
-                f"{settings.warmup_steps} updates to fit {_updates(settings)} (--warmup-steps sets it)"]
+        return [f"warmup shortened from the {settings.preset} recipe's {recipe} updates to "
+                f"{settings.warmup_steps}, a tenth of this run's {_updates(settings)} "
+                f"(--warmup-steps sets it)"]
     return []
 
 
