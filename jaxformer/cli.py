@@ -19,6 +19,8 @@ gradients come from jax.grad (--grads auto) or from hand-derived backward passes
 
 EPILOG = """\
 examples:
+  jaxformer presets
+        the presets: shape, parameter count, training recipe
   jaxformer train --preset loopos --steps 300 --out runs/loopos
         train the loopos model on the built-in text; the run folder gets
         metrics.jsonl, loss.png and checkpoints/
@@ -100,6 +102,17 @@ def version() -> str:
         return __version__
 
 
+def _train_epilog() -> str:
+    """TRAIN_EPILOG and each preset's recipe, from config.PRESET_TRAINING."""
+    from jaxformer.config import PRESET_TRAINING, PRESETS
+    from jaxformer.report import recipe_text
+
+    recipes = "\n".join(f"  {name:<8} {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS)
+    return (f"{TRAIN_EPILOG}\npreset recipes (the defaults of the options above; `jaxformer presets` "
+            f"for shapes):\n{recipes}\nA recipe's warmup that does not fit a short run's decaying "
+            f"schedule is cut to a tenth of its updates\n(the run says so; --warmup-steps sets it).\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxformer.config import PRESETS
     from jaxformer.optim import OPTIMIZERS, SCHEDULES
@@ -110,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model; writes metrics, a loss plot and checkpoints",
-                       description="Train a model from a preset.", epilog=TRAIN_EPILOG,
+                       description="Train a model from a preset.", epilog=_train_epilog(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--out", required=True, metavar="DIR", help="run folder (created)")
     t.add_argument("--preset", choices=list(PRESETS), help="model and training recipe (default: loopos)")
@@ -164,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_nonneg_int, default=0)
     g.add_argument("--step", type=_nonneg_int, metavar="N", help="use the checkpoint of step N (default: latest)")
 
+    sub.add_parser("presets", help="list the presets: shape, parameter count, training recipe",
+                   description="The presets: model shape, parameter count for the byte "
+                               "tokenizer (vocab 256) and training recipe.")
     sub.add_parser("compare-grads", help="compare manual gradients with jax.grad (see its --help)",
                    add_help=False)
     return parser
@@ -231,6 +247,13 @@ def _train_summary(result, wall: float) -> str:
             f"{wall:.1f} s wall in all")
 
 
+def cmd_presets(args) -> int:
+    from jaxformer.report import presets_table
+
+    print("\n".join(presets_table()))
+    return 0
+
+
 def cmd_generate(args) -> int:
     from jaxformer import checkpoint
 
@@ -280,7 +303,7 @@ def main(argv=None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return {"train": cmd_train, "generate": cmd_generate}[args.command](args)
+        return {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets}[args.command](args)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except (UsageError, CheckpointError, ValueError, OSError) as e:

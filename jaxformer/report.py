@@ -135,3 +135,32 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def recipe_text(recipe: dict) -> str:
+    """A preset's training recipe (config.PRESET_TRAINING) as name=value pairs."""
+    return _fields(recipe)
+
+
+def presets_table() -> list[str]:
+    """Each preset's shape, parameter count (vocab 256: the byte tokenizer) and recipe."""
+    import jax
+
+    from jaxformer.config import PRESET_TRAINING, PRESETS
+    from jaxformer.params import init_params
+
+    head = ("preset", "L", "D", "H", "F", "T", "norm", "activation", "positions", "params (V=256)")
+    rows = []
+    for name, config in PRESETS.items():
+        config = config.replace(vocab_size=256)
+        shapes = jax.eval_shape(lambda c=config: init_params(jax.random.PRNGKey(0), c))
+        n = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
+        rows.append((name, config.n_layers, config.d_model, config.n_heads, config.d_ff,
+                     config.max_seq_len, config.norm, config.activation, config.positions, f"{n:,}"))
+    widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
+    fmt = "  ".join(f"{{:{'>' if i in (1, 2, 3, 4, 5, 9) else '<'}{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*head)] + [fmt.format(*r) for r in rows]
+    lines += ["", "L layers, D d_model, H heads, F d_ff, T max_seq_len; training recipes "
+              "(flags of `jaxformer train` override them):"]
+    lines += [f"  {name:<{widths[0]}}  {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS]
+    return lines
