@@ -7,6 +7,9 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+# record keys about the run (speed, compile time, a resume marker), not the model's
+# trajectory: a resumed run's records equal an uninterrupted run's without them
+RUN_KEYS = frozenset({"tokens_per_s", "compile_s", "resumed"})
 
 
 def _write_record(path: Path, record: dict) -> None:
