@@ -2,7 +2,6 @@
 compile time apart from the steady state, TensorBoard events, bits per byte, the
 presets table, --version and python -m jaxformer."""
 
-import json
 import math
 import os
 import subprocess
@@ -121,7 +120,7 @@ def test_validation_in_bits_per_byte_and_tensorboard_events(cli_run):
 def test_resume_is_marked_in_metrics_and_events(cli_run, tmp_path, capsys):
     import shutil
 
-    corpus, out, _ = cli_run
+    _, out, _ = cli_run
     run = tmp_path / "run"
     shutil.copytree(out, run)
     assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--no-progress"]) == 0
