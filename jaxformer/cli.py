@@ -19,6 +19,8 @@ gradients come from jax.grad (--grads auto) or from hand-derived backward passes
 
 EPILOG = """\
 examples:
+  jaxformer presets
+        the presets: shape, parameter count, training recipe
   jaxformer train --preset loopos --steps 300 --out runs/loopos
         train the loopos model on the built-in text; the run folder gets
         metrics.jsonl, loss.png and checkpoints/
@@ -50,6 +52,12 @@ examples:
   jaxformer generate --run runs/loopos --prompt "Once upon a time" --max-new-tokens 200
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0      (greedy)
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0.8 --top-k 20 --seed 3
+  jaxformer generate --run runs/loopos --prompt "The " --top-p 0.9 --num-samples 3
+
+Sampling uses a key/value cache: one prefill of the prompt's last max_seq_len
+tokens, then one cached step per token. When the cache is full the context
+restarts as its last max_seq_len // 2 tokens (positions stay within the trained
+table). --no-cache runs the whole sliding window per token instead.
 """
 
 
@@ -82,16 +90,40 @@ def _nonneg_int(text):
     return value
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's __version__."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jaxformer")
+    except metadata.PackageNotFoundError:
+        from jaxformer import __version__
+
+        return __version__
+
+
+def _train_epilog() -> str:
+    """TRAIN_EPILOG and each preset's recipe, from config.PRESET_TRAINING."""
+    from jaxformer.config import PRESET_TRAINING, PRESETS
+    from jaxformer.report import recipe_text
+
+    recipes = "\n".join(f"  {name:<8} {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS)
+    return (f"{TRAIN_EPILOG}\npreset recipes (the defaults of the options above; `jaxformer presets` "
+            f"for shapes):\n{recipes}\nA recipe's warmup that does not fit a short run's decaying "
+            f"schedule is cut to a tenth of its updates\n(the run says so; --warmup-steps sets it).\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxformer.config import PRESETS
     from jaxformer.optim import OPTIMIZERS, SCHEDULES
 
     parser = _Parser(prog="jaxformer", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jaxformer {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model; writes metrics, a loss plot and checkpoints",
-                       description="Train a model from a preset.", epilog=TRAIN_EPILOG,
+                       description="Train a model from a preset.", epilog=_train_epilog(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--out", required=True, metavar="DIR", help="run folder (created)")
     t.add_argument("--preset", choices=list(PRESETS), help="model and training recipe (default: loopos)")
@@ -136,9 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_nonneg_int, default=200, metavar="N", help="default 200")
     g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy (default 0.8)")
     g.add_argument("--top-k", type=_nonneg_int, default=0, metavar="K", help="sample among the K likeliest (0: all)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample among the likeliest tokens whose probability sums to P, in (0, 1] (default 1: all)")
+    g.add_argument("--num-samples", type=_positive_int, default=1, metavar="N",
+                   help="continuations of the prompt, sampled side by side (default 1)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="run the whole window per token instead of the key/value cache (the reference)")
     g.add_argument("--seed", type=_nonneg_int, default=0)
     g.add_argument("--step", type=_nonneg_int, metavar="N", help="use the checkpoint of step N (default: latest)")
 
+    sub.add_parser("presets", help="list the presets: shape, parameter count, training recipe",
+                   description="The presets: model shape, parameter count for the byte "
+                               "tokenizer (vocab 256) and training recipe.")
     sub.add_parser("compare-grads", help="compare manual gradients with jax.grad (see its --help)",
                    add_help=False)
     return parser
@@ -175,28 +216,41 @@ def cmd_train(args) -> int:
         import jax
 
         jax.config.update("jax_enable_x64", True)
-    import jax
-
-    from jaxformer.params import count_params
     from jaxformer.train import train
 
     t0 = time.perf_counter()
-    print(f"training {settings.preset} ({settings.grads} gradients, {settings.optimizer}, "
-          f"lr {settings.lr}) for {settings.steps} steps on {jax.device_count()} "
-          f"{jax.devices()[0].platform} device(s) -> {args.out}", file=sys.stderr)
-    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress)
+    print(f"training -> {args.out}", file=sys.stderr)
+    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress,
+                   log=lambda line: print(line, file=sys.stderr))
     wall = time.perf_counter() - t0
     records = result.records
     if not records:
         print(f"{args.out} already trained for {settings.steps} steps; nothing to do")
         return 0
-    first, last = records[0], records[-1]
-    speed = [r["tokens_per_s"] for r in records[1:]] or [first["tokens_per_s"]]
-    val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
-    print(f"{count_params(result.state.params):,} params, vocab {result.config.vocab_size}; "
-          f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
-          f"(step {last['step']}){val}; {sorted(speed)[len(speed) // 2]:.0f} tokens/s; {wall:.1f} s")
+    print(_train_summary(result, wall))
     print(f"run folder: {result.run_dir} (metrics.jsonl, loss.png, checkpoints/)")
+    return 0
+
+
+def _train_summary(result, wall: float) -> str:
+    """One line: params, the loss from first to last record, and each speed named."""
+    from jaxformer.params import count_params
+
+    first, last, t = result.records[0], result.records[-1], result.timing
+    val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    steady = (f"{t['steady_tokens_per_s']:,.0f} tokens/s steady state (steps after the first, "
+              f"validation and checkpoints excluded)" if t.get("steady_tokens_per_s")
+              else "no steady-state steps")
+    return (f"{count_params(result.state.params):,} params, vocab {result.config.vocab_size}; "
+            f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+            f"(step {last['step']}){val}; {steady}; compile + first step {t['compile_s']:.1f} s; "
+            f"{wall:.1f} s wall in all")
+
+
+def cmd_presets(args) -> int:
+    from jaxformer.report import presets_table
+
+    print("\n".join(presets_table()))
     return 0
 
 
@@ -208,11 +262,21 @@ def cmd_generate(args) -> int:
         import jax
 
         jax.config.update("jax_enable_x64", True)
-    from jaxformer.generate import sample_text
+    from jaxformer.generate import sample_texts
 
-    text = sample_text(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, step=args.step)
-    print(text)
+    timing = {}
+    texts = sample_texts(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step,
+                         num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1} of {len(texts)}")
+        print(text)
+    if timing:
+        how = ("no cache; compile included" if timing["compile_s"] is None else
+               f"key/value cache; compile {timing['compile_s']:.2f} s, not counted")
+        print(f"{args.num_samples} x {args.max_new_tokens} tokens in {timing['run_s']:.2f} s: "
+              f"{1e3 * timing['s_per_token']:.2f} ms per token position ({how})", file=sys.stderr)
     return 0
 
 
@@ -239,7 +303,7 @@ def main(argv=None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return {"train": cmd_train, "generate": cmd_generate}[args.command](args)
+        return {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets}[args.command](args)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except (UsageError, CheckpointError, ValueError, OSError) as e:

@@ -385,6 +385,33 @@ def load_corpus(spec: str, max_bytes: int | None = None) -> bytes:
     )
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+def describe_corpus(spec: str, max_bytes: int | None, n_read: int) -> str:
+    """One line: where the corpus comes from, how much of it was read (n_read bytes)
+    and any cap, with the flag that changes it."""
+    spec = os.fspath(spec)
+    if spec == "default":
+        where = "default (the English text shipped in jaxformer/corpus/default.txt)"
+        total = len(importlib.resources.files("jaxformer").joinpath("corpus/default.txt").read_bytes())
+    elif spec == "stdlib":
+        where = f"stdlib (the .py sources under {sysconfig.get_paths()['stdlib']})"
+        total = sum(os.path.getsize(f) for f in stdlib_files())
+    else:
+        path = os.path.expanduser(spec)
+        files = _files_below(path) if os.path.isdir(path) else [path]
+        where = f"{spec} ({len(files)} files)" if os.path.isdir(path) else spec
+        total = sum(os.path.getsize(f) for f in files)
+    cap = DEFAULT_STDLIB_MAX_BYTES if spec == "stdlib" and max_bytes is None else max_bytes
+    if cap is None or total <= cap:
+        return f"{where}: {_size(n_read)}"
+    why = ("the stdlib default; --max-corpus-bytes N sets another" if max_bytes is None
+           else "--max-corpus-bytes")
+    return f"{where}: {_size(n_read)} read of {_size(total)} (capped at {_size(cap)}: {why})"
+
+
 # ----------------------------------------------------------------------------
 # split and batching
 

@@ -7,6 +7,9 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+# record keys about the run (speed, compile time, a resume marker), not the model's
+# trajectory: a resumed run's records equal an uninterrupted run's without them
+RUN_KEYS = frozenset({"tokens_per_s", "compile_s", "resumed"})
 
 
 def _write_record(path: Path, record: dict) -> None:
@@ -33,7 +36,8 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def plot_losses(records: list[dict], path) -> None:
-    """A PNG of the training loss (and validation loss where evaluated) against step."""
+    """A PNG of the training loss (and validation loss where evaluated) against step, the
+    learning rate on a secondary axis and a dotted line where a run was resumed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -46,10 +50,21 @@ def plot_losses(records: list[dict], path) -> None:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", ms=4)
+    for i, step in enumerate(r["step"] for r in records if r.get("resumed")):
+        ax.axvline(step, color="gray", ls=":", lw=1, label="resumed" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats / token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    lr = [(r["step"], r["lr"]) for r in records if r.get("lr") is not None]
+    if lr:
+        ax_lr = ax.twinx()  # the learning rate on a secondary axis
+        line, = ax_lr.plot(*zip(*lr), color="tab:green", lw=1, alpha=0.7, label="learning rate")
+        ax_lr.set_ylabel("learning rate")
+        ax_lr.set_ylim(bottom=0)
+        handles.append(line)
+        labels.append(line.get_label())
+    ax.legend(handles, labels)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -65,7 +65,8 @@ def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
     _check_int("total_steps", total_steps, 1)
     if total_steps <= warmup_steps:
         raise ValueError(
-            f"the {schedule} schedule needs total_steps ({total_steps}) > warmup_steps ({warmup_steps})"
+            f"the {schedule} schedule needs total_steps ({total_steps}) > warmup_steps ({warmup_steps}); "
+            f"lower --warmup-steps, raise --steps or use --schedule constant"
         )
     end = lr * final_lr_fraction
     decay_steps = total_steps - warmup_steps

@@ -78,6 +78,11 @@ class TrainSettings:
         max_len = PRESETS[self.preset].max_seq_len
         if self.seq_len > max_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len {max_len}")
+        if self.schedule != "constant" and self.warmup_steps >= _updates(self):
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be smaller than the {_updates(self)} "
+                f"optimizer updates of the run for the {self.schedule} schedule; lower "
+                f"--warmup-steps, raise --steps or use --schedule constant")
         # the optimizer validates its own arguments
         make_optimizer(**self.optimizer_kwargs())
 
@@ -111,7 +116,34 @@ def settings_for(preset: str, **flags) -> TrainSettings:
     values = dict(PRESET_TRAINING.get(preset, {}))
     values.update({k: v for k, v in flags.items() if v is not None})
     values["preset"] = preset
+    if flags.get("warmup_steps") is None:
+        values["warmup_steps"] = fit_warmup(TrainSettings(**values))
     return TrainSettings(**values)
+
+
+def _updates(settings: TrainSettings) -> int:
+    """Optimizer updates of a run: the horizon of its schedule."""
+    return -(-settings.steps // settings.accum_steps)
+
+
+def fit_warmup(settings: TrainSettings) -> int:
+    """The recipe's warmup, shortened to a tenth of the run's updates when it does not
+    fit before a decaying schedule's horizon (a short smoke run of any preset works)."""
+    updates = _updates(settings)
+    if settings.schedule == "constant" or settings.warmup_steps < updates:
+        return settings.warmup_steps
+    return updates // 10
+
+
+def recipe_notes(settings: TrainSettings) -> list[str]:
+    """One line per recipe value that ``settings_for`` changed to fit the run."""
+    recipe = PRESET_TRAINING.get(settings.preset, {}).get("warmup_steps", 0)
+    if settings.warmup_steps < recipe and fit_warmup(settings.replace(warmup_steps=recipe)) \
+            == settings.warmup_steps:
+        return [f"warmup shortened from the {settings.preset} recipe's {recipe} updates to "
+                f"{settings.warmup_steps}, a tenth of this run's {_updates(settings)} "
+                f"(--warmup-steps sets it)"]
+    return []
 
 
 def diff_fields(saved: dict, requested: dict, ignore=()) -> list[str]:

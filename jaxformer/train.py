@@ -23,9 +23,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer import checkpoint
+from jaxformer import checkpoint, report, tb
 from jaxformer.config import ModelConfig, get_preset
-from jaxformer.metrics import (METRICS_FILE, PLOT_FILE, _progress_bar, _truncate_metrics,
+from jaxformer.metrics import (METRICS_FILE, PLOT_FILE, _truncate_metrics,
                                _write_record, plot_losses, read_metrics)
 from jaxformer.settings import (DTYPES, GRAD_SOURCES, RESUMABLE_CHANGES, TrainSettings,
                                 diff_fields, settings_for)
@@ -56,6 +56,7 @@ class TrainResult:
     tokenizer: Any
     records: list  # the metrics.jsonl lines written by this call
     run_dir: Path
+    timing: dict = dataclasses.field(default_factory=dict)  # report.StepClock.summary()
 
 
 def _meta(config: ModelConfig, tokenizer, settings: TrainSettings) -> dict:
@@ -63,8 +64,9 @@ def _meta(config: ModelConfig, tokenizer, settings: TrainSettings) -> dict:
             "settings": settings.to_dict(), "param_dtype": settings.dtype}
 
 
-def _load_data(settings: TrainSettings, tokenizer=None):
-    """(tokenizer, train ids, val ids); a given tokenizer (a resumed run's) is kept."""
+def _load_data(settings: TrainSettings, tokenizer=None, log=None):
+    """(tokenizer, train ids, val ids); a given tokenizer (a resumed run's) is kept.
+    log: a function given the lines that describe the data."""
     from jaxformer import data
 
     corpus = data.load_corpus(settings.corpus, max_bytes=settings.max_corpus_bytes)
@@ -72,11 +74,15 @@ def _load_data(settings: TrainSettings, tokenizer=None):
         tokenizer = data.make_tokenizer(settings.tokenizer, corpus)
     ids = tokenizer.encode(corpus)
     train_ids, val_ids = data.split_train_val(ids, settings.val_fraction)
+    if log:
+        source = data.describe_corpus(settings.corpus, settings.max_corpus_bytes, len(corpus))
+        for line in report.data_lines(source, tokenizer, len(train_ids), len(val_ids)):
+            log(line)
     return tokenizer, train_ids, val_ids
 
 
 def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: bool = True,
-          devices=None, grad_fn: GradFn | None = None) -> TrainResult:
+          devices=None, grad_fn: GradFn | None = None, log=None) -> TrainResult:
     """Train for ``settings.steps`` steps in the run folder ``out_dir`` (created).
 
     resume: continue from the latest checkpoint in ``out_dir``; the losses then equal
@@ -84,6 +90,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     in RESUMABLE_CHANGES (a CheckpointError names any other differing field).
     devices: the devices to run data parallel on (default: all visible).
     grad_fn: a gradient source to use instead of the one ``settings.grads`` names.
+    log: a function given human-readable lines (settings, data, compile time, the
+    summary; report.py); None: silent.
 
     Raises ValueError for bad settings or data, CheckpointError for a missing, bad
     or mismatched checkpoint, NonFiniteLossError when the loss stops being finite.
@@ -116,7 +124,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
             raise ValueError(
                 f"{run_dir} already holds checkpoints; resume it (--resume) or choose another folder"
             )
-    tokenizer, train_ids, val_ids = _load_data(settings, tokenizer)
+    tokenizer, train_ids, val_ids = _load_data(settings, tokenizer, log)
     config = get_preset(settings.preset, vocab_size=tokenizer.vocab_size)
 
     mesh = make_mesh(devices)
@@ -141,6 +149,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     else:
         step_fn = _custom_step(grad_fn, opt_items, devices_key)
     eval_fn = _eval_step(config, devices_key)
+    if log:
+        _log_settings(log, settings, config, state.params, mesh)
     val_device = [put_batch(b, mesh) for b in val_batches]
 
     def evaluate(params) -> float:
@@ -159,13 +169,15 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     tokens_per_step = settings.batch_size * settings.seq_len
     records: list[dict] = []
     last_saved = start if resume else None
+    events = tb.open_event_log(run_dir, start + 1 if resume else None, log)
+    clock = report.StepClock(tokens_per_step)
 
     def save():
         nonlocal last_saved
         checkpoint.save(run_dir, state, meta, keep=settings.keep_checkpoints)
         last_saved = int(jax.device_get(state.step))
 
-    bar = _progress_bar(start, settings.steps, progress)
+    bar = report.Progress(start, settings.steps, progress)
     t_last, steps_since = time.perf_counter(), 0
     try:
         for s in range(start + 1, settings.steps + 1):  # s: the step count after this step
@@ -174,6 +186,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
             index += 1
             steps_since += 1
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            compile_s = clock.step_done()
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                 kept = (f"the last checkpoint (step {last_saved}) is kept in "
                         f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved else "no checkpoint was written")
@@ -187,21 +200,47 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
                 now = time.perf_counter()
                 record = {"step": s, **metrics,
                           "tokens_per_s": tokens_per_step * steps_since / max(now - t_last, 1e-9)}
+                if compile_s is not None:
+                    record["compile_s"] = compile_s
+                    if log:
+                        log(report.compile_line(compile_s, s))
+                if resume and not records:
+                    record["resumed"] = True
                 if do_eval:
-                    record["val_loss"] = evaluate(state.params)
+                    with clock.paused():
+                        record["val_loss"] = evaluate(state.params)
+                    record.update(report.val_bits(record["val_loss"], tokenizer.kind))
                 _write_record(metrics_path, record)
                 records.append(record)
+                if events:
+                    events.write(record)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 t_last, steps_since = time.perf_counter(), 0
             bar.update(1)
             if last or (settings.ckpt_every and s % settings.ckpt_every == 0):
                 t_save = time.perf_counter()
-                save()
+                with clock.paused():
+                    save()
                 t_last += time.perf_counter() - t_save  # tokens/s counts training time only
     finally:
         bar.close()
+        if events:
+            events.close()
         all_records = read_metrics(run_dir)
         if all_records:
             plot_losses(all_records, run_dir / PLOT_FILE)
-    return TrainResult(state, config, tokenizer, records, run_dir)
+    timing = clock.summary()
+    if log:
+        log(report.summary_line(timing))
+    return TrainResult(state, config, tokenizer, records, run_dir, timing)
+
+
+def _log_settings(log, settings, config, params, mesh) -> None:
+    from jaxformer.params import count_params
+    from jaxformer.settings import recipe_notes
+
+    devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s)"
+    for line in report.settings_block(settings, config, count_params(params), devices,
+                                      recipe_notes(settings)):
+        log(line)
 

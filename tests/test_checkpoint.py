@@ -10,6 +10,7 @@ import pytest
 
 from jaxformer import checkpoint
 from jaxformer.checkpoint import CheckpointError
+from jaxformer.metrics import RUN_KEYS
 from jaxformer.optim import make_optimizer
 from jaxformer.train import init_state, read_metrics, train
 from test_train import tiny_settings, write_corpus
@@ -109,7 +110,7 @@ def test_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def _losses(run_dir):
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_metrics(run_dir)]
+    return [{k: v for k, v in r.items() if k not in RUN_KEYS} for r in read_metrics(run_dir)]
 
 
 def test_resume_equals_an_uninterrupted_run(corpus, tmp_path):

@@ -1,4 +1,5 @@
-"""Sampling: the jitted window loop against a plain loop, options and prompt checks."""
+"""Sampling: the cached sampler against the uncached reference and a plain loop, the
+sliding rule past max_seq_len, top-k / top-p, options and prompt checks."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ import pytest
 
 from jaxformer import checkpoint, forward, get_preset, init_params
 from jaxformer.data import CharTokenizer
-from jaxformer.generate import generate, sample_logits, sample_text
+from jaxformer.generate import generate, generate_many, sample_logits, sample_text
 from jaxformer.optim import make_optimizer
 from jaxformer.train import TrainSettings, init_state
 
@@ -47,7 +48,7 @@ def _greedy_reference(params, prompt, n):
 def test_greedy_matches_a_plain_loop_across_the_window_edge(params):
     prompt = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4], np.int32)
     n = 6  # runs past max_seq_len = 16, so the window slides
-    out = generate(params, CONFIG, prompt, n, temperature=0.0)
+    out = generate(params, CONFIG, prompt, n, temperature=0.0, use_cache=False)
     assert out.dtype == np.int32 and out.shape == (len(prompt) + n,)
     assert list(out) == _greedy_reference(params, prompt, n)
     assert len(set(out[len(prompt):].tolist())) > 1
@@ -55,7 +56,7 @@ def test_greedy_matches_a_plain_loop_across_the_window_edge(params):
 
 def test_long_prompt_keeps_the_whole_prompt(params):
     prompt = np.arange(40) % CONFIG.vocab_size  # longer than max_seq_len
-    out = generate(params, CONFIG, prompt, 6, temperature=0.0)
+    out = generate(params, CONFIG, prompt, 6, temperature=0.0, use_cache=False)
     np.testing.assert_array_equal(out[:40], prompt)
     assert list(out[40:]) == _greedy_reference(params, prompt, 6)[40:]
 
@@ -81,6 +82,12 @@ def test_top_k():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
     (dict(top_k=-2), "top_k must be a non-negative integer"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\]"),
+    (dict(num_samples=0), "num_samples must be a positive integer"),
     (dict(max_new_tokens=-1), "max_new_tokens must be a non-negative integer"),
     (dict(prompt_ids=np.array([], np.int32)), "non-empty"),
     (dict(prompt_ids=np.array([1, 11])), r"prompt holds token id 11 at position 1, outside \[0, vocab_size=11\)"),
@@ -90,7 +97,7 @@ def test_bad_options(params, kwargs, message):
     args.update(kwargs)
     prompt, n = args.pop("prompt_ids"), args.pop("max_new_tokens")
     with pytest.raises(ValueError, match=message):
-        generate(params, CONFIG, prompt, n, **args)
+        generate_many(params, CONFIG, prompt, n, **args)
 
 
 def test_sample_text_from_a_char_run(params, tmp_path):
@@ -111,3 +118,85 @@ def test_sample_text_from_a_char_run(params, tmp_path):
         sample_text(tmp_path, "abz", 5)
     with pytest.raises(ValueError, match="the prompt is empty"):
         sample_text(tmp_path, "", 5)
+
+
+def _greedy_sliding_reference(params, config, prompt, n):
+    """The cache's documented rule, with the uncached model: the context is the last
+    max_seq_len tokens; when a token would make it longer, it restarts as the last
+    max_seq_len // 2 tokens. Each step pads the context to max_seq_len (one compile;
+    causal, so the padding is unseen) and takes the argmax after its last token."""
+    S = config.max_seq_len
+    fwd = jax.jit(forward, static_argnums=2)
+    ids, context = list(prompt), list(prompt[-S:])
+    for _ in range(n):
+        window = jnp.asarray(context + [0] * (S - len(context)), jnp.int32)[None]
+        token = int(jnp.argmax(fwd(params, window, config)[0, len(context) - 1]))
+        ids.append(token)
+        context.append(token)
+        if len(context) > S:
+            context = context[-(S // 2):]
+    return ids
+
+
+@pytest.mark.parametrize("prompt_len", [1, 5, 16])
+def test_cached_greedy_equals_uncached_within_max_seq_len(params, prompt_len):
+    prompt = (np.arange(prompt_len) * 7 + 3) % CONFIG.vocab_size
+    n = max(CONFIG.max_seq_len - prompt_len, 1)
+    cached = generate(params, CONFIG, prompt, n, temperature=0.0)
+    plain = generate(params, CONFIG, prompt, n, temperature=0.0, use_cache=False)
+    np.testing.assert_array_equal(cached, plain)
+    assert n == 1 or len(set(cached[prompt_len:].tolist())) > 1
+
+
+def test_cached_post_norm_sinusoidal_equals_uncached(params):
+    config = CONFIG.replace(norm="post", positions="sinusoidal", activation="relu")
+    p = {k: v for k, v in params.items() if k not in ("pos_embed", "ln_f")}
+    prompt = np.array([2, 7, 1, 8], np.int32)
+    cached = generate(p, config, prompt, 12, temperature=0.0)
+    np.testing.assert_array_equal(cached, generate(p, config, prompt, 12, temperature=0.0,
+                                                   use_cache=False))
+
+
+@pytest.mark.parametrize("prompt_len", [3, 40])
+def test_cached_window_slides_past_max_seq_len_by_the_documented_rule(params, prompt_len):
+    prompt = (np.arange(prompt_len) * 5 + 1) % CONFIG.vocab_size
+    n = 2 * CONFIG.max_seq_len + 3  # two refills
+    out = generate(params, CONFIG, prompt, n, temperature=0.0)
+    assert out.shape == (prompt_len + n,)
+    assert list(out) == _greedy_sliding_reference(params, CONFIG, prompt, n)
+
+
+def test_cached_sampling_seeded_top_p_and_samples(params):
+    prompt = np.array([3, 1, 4], np.int32)
+    kw = dict(temperature=1.0, seed=5)
+    a = generate_many(params, CONFIG, prompt, 20, num_samples=3, **kw)
+    assert a.shape == (3, 23) and a.dtype == np.int32
+    np.testing.assert_array_equal(a, generate_many(params, CONFIG, prompt, 20, num_samples=3, **kw))
+    assert len({tuple(row) for row in a}) == 3  # the samples differ
+    np.testing.assert_array_equal(a[0], generate(params, CONFIG, prompt, 20, **kw))
+    assert not np.array_equal(a[0], generate(params, CONFIG, prompt, 20, temperature=1.0, seed=6))
+    np.testing.assert_array_equal(a, generate_many(params, CONFIG, prompt, 20, num_samples=3,
+                                                   top_p=1.0, **kw))
+    # a nucleus thinner than any token's probability keeps only the likeliest: greedy
+    thin = generate(params, CONFIG, prompt, 20, top_p=1e-9, **kw)
+    np.testing.assert_array_equal(thin, generate(params, CONFIG, prompt, 20, temperature=0.0))
+
+
+def test_top_p():
+    logits = jnp.log(jnp.array([0.05, 0.5, 0.15, 0.3]))
+    def draws(top_p):
+        return {int(sample_logits(jax.random.PRNGKey(i), logits, 1.0, 0, False, top_p))
+                for i in range(60)}
+    assert draws(0.5) == {1}  # 0.5 alone reaches 0.5
+    assert draws(0.7) == {1, 3}  # 0.5 + 0.3 >= 0.7
+    assert draws(0.9) == {1, 3, 2}
+    assert draws(1.0) == {0, 1, 2, 3}
+
+
+def test_timing_is_reported(params):
+    timing = {}
+    out = generate_many(params, CONFIG, np.array([1, 2]), 5, temperature=0.0, timing=timing)
+    np.testing.assert_array_equal(out[0], generate(params, CONFIG, np.array([1, 2]), 5,
+                                                   temperature=0.0))
+    assert set(timing) == {"compile_s", "run_s", "s_per_token"}
+    assert timing["s_per_token"] == pytest.approx(timing["run_s"] / 5)

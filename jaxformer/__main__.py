@@ -1,0 +1,7 @@
+"""``python -m jaxformer``: the ``jaxformer`` command."""
+
+import sys
+
+from jaxformer.cli import main
+
+sys.exit(main())
