@@ -92,8 +92,10 @@ def generate(params, config: ModelConfig, prompt_ids, max_new_tokens: int, *,
     return np.concatenate([prompt.astype(np.int32), new])
 
 
-def load_run(run_dir, step: int | None = None):
-    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run."""
+def load_run(run_dir, step: int | None = None, model: dict | None = None):
+    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run.
+    ``model``: ModelConfig fields to change that keep the params' shapes (e.g.
+    attention_impl, compute_dtype)."""
     from jaxformer import data
     from jaxformer.train import TrainSettings, init_state
 
@@ -116,14 +118,16 @@ def load_run(run_dir, step: int | None = None):
     template = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), template)
     state = checkpoint.restore(run_dir, template, meta["step"])
-    return state.params, config, tokenizer, meta
+    return state.params, config.replace(**(model or {})), tokenizer, meta
 
 
 def sample_text(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
-                top_k: int | None = None, seed: int = 0, step: int | None = None) -> str:
-    """Load a run's checkpoint and return ``prompt`` followed by the sampled text."""
+                top_k: int | None = None, seed: int = 0, step: int | None = None,
+                model: dict | None = None) -> str:
+    """Load a run's checkpoint and return ``prompt`` followed by the sampled text
+    (``model``: see ``load_run``)."""
     _check_options(max_new_tokens, temperature, top_k)
-    params, config, tokenizer, _ = load_run(run_dir, step)
+    params, config, tokenizer, _ = load_run(run_dir, step, model)
     if not prompt:
         raise ValueError("the prompt is empty; give at least one character")
     try:
