@@ -214,6 +214,7 @@ def cmd_train(args) -> int:
         jax.config.update("jax_enable_x64", True)
     import jax
 
+    settings.validate()  # before the banner: a bad setting is the only line
     from jaxformer.params import count_params
     from jaxformer.train import train
 

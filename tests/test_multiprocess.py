@@ -31,6 +31,7 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(corpus, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JAX_DISABLE_MOST_OPTIMIZATIONS="true", JAX_ENABLE_X64="true",  # as in the test process
