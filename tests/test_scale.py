@@ -115,6 +115,12 @@ def test_cli_bad_shape_from_file_is_one_error_line(tmp_path, capsys):
     assert err[-1] == "error: ModelConfig.d_model (16) must be divisible by n_heads (5)"
     assert cli.main(["train", "--config", str(tmp_path / "missing.toml"), "--out", str(tmp_path)]) == 2
     assert "missing.toml does not exist" in capsys.readouterr().err
+    assert cli.main(["train", "--preset", "tiny", "--n-heads", "5", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == "error: ModelConfig.d_model (16) must be divisible by n_heads (5)"
+    assert cli.main(["train", "--preset", "tiny", "--mesh", "data:2", "--out", str(tmp_path / "run")]) == 2
+    assert "error: malformed mesh 'data:2'" in capsys.readouterr().err
+    assert cli.main(["generate", "--run", str(tmp_path), "--prompt", "a", "--d-model", "8"]) == 2
+    assert "--d-model cannot change it" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the loop
