@@ -107,12 +107,19 @@ def read_meta(run_dir, step: int | None = None) -> dict[str, Any]:
 
 def restore(run_dir, template, step: int | None = None):
     """The state of the latest checkpoint (or of ``step``), with the tree structure,
-    shapes, dtypes and shardings of ``template`` (e.g. a freshly initialized state)."""
+    shapes, dtypes and shardings of ``template`` (e.g. a freshly initialized state, or
+    its ``jax.eval_shape`` with shardings): a checkpoint written on one mesh restores
+    onto another."""
     step = _pick_step(run_dir, step)
     path = checkpoint_dir(run_dir) / str(step)
+    # the restore target: each array lands in the sharding of ``template``'s leaf (the
+    # current mesh's layout, whatever mesh wrote the checkpoint)
+    target = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        template)
     try:
         restored = _manager(run_dir).restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
         ).state
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"cannot restore checkpoint {path}: {_short(e)}") from e

@@ -45,6 +45,11 @@ examples:
   jaxformer train --preset sunfish --corpus stdlib --tokenizer char --steps 500 --out runs/sun
   jaxformer train --preset tiny --optimizer sgd --lr 0.1 --clip-value 5 --steps 100 --out runs/t
   jaxformer train --out runs/loopos --resume --steps 600
+  jaxformer train --preset tiny --d-model 64 --n-layers 4 --d-ff 256 --steps 200 --out runs/t4
+  jaxformer train --config runs/t4/config.toml --lr 3e-3 --out runs/t4b
+        every run folder holds its resolved settings as config.toml; flags override it
+  jaxformer train --preset gpt2 --compute-dtype bfloat16 --mesh data=2,fsdp=4 --out runs/gpt2
+        GPT-2 small's shape, batch split over 8 devices, params and optimizer state over 4
 """
 
 GENERATE_EPILOG = """\
@@ -113,8 +118,13 @@ def _train_epilog() -> str:
             f"schedule is cut to a tenth of its updates\n(the run says so; --warmup-steps sets it).\n")
 
 
+# ModelConfig fields generate may change: how the model computes, not its shape.
+GENERATE_MODEL_FLAGS = ("attention_impl", "attention_block", "loss_chunk", "remat", "compute_dtype")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxformer.config import PRESETS
+    from jaxformer.flags import add_model_flags, flag_name
     from jaxformer.optim import OPTIMIZERS, SCHEDULES
 
     parser = _Parser(prog="jaxformer", description=DESCRIPTION, epilog=EPILOG,
@@ -132,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=_positive_int, help="total training steps of the run (default 100)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the run folder's latest checkpoint")
+    t.add_argument("--config", metavar="FILE",
+                   help="TOML file with [model] and [train] tables (a run folder's config.toml); "
+                        "flags override it")
     d = t.add_argument_group("data")
     d.add_argument("--corpus", metavar="SPEC",
                    help='"default" (built-in English text), "stdlib" (Python sources) or a file/folder path')
@@ -159,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ckpt-every", type=_nonneg_int, metavar="N", help="checkpoint every N steps (0: at the end only)")
     r.add_argument("--keep-checkpoints", type=_positive_int, metavar="N", help="latest checkpoints kept (default 3)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = t.add_argument_group("devices and processes")
+    m.add_argument("--mesh", metavar="SPEC",
+                   help="device mesh data=N,fsdp=M: the batch splits over N*M devices, params and "
+                        "optimizer state over M (default: every device on data)")
+    m.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-process run: process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    m.add_argument("--num-processes", type=_positive_int, metavar="N",
+                   help="multi-process run: number of processes (or JAX_NUM_PROCESSES)")
+    m.add_argument("--process-id", type=_nonneg_int, metavar="I",
+                   help="multi-process run: this process's index (or JAX_PROCESS_ID)")
+    add_model_flags(t)
 
     g = sub.add_parser("generate", help="sample text from a trained run",
                        description="Sample text from a run's latest checkpoint.", epilog=GENERATE_EPILOG,
@@ -176,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the whole window per token instead of the key/value cache (the reference)")
     g.add_argument("--seed", type=_nonneg_int, default=0)
     g.add_argument("--step", type=_nonneg_int, metavar="N", help="use the checkpoint of step N (default: latest)")
+    add_model_flags(g, title="model computation (the shape comes from the checkpoint; only "
+                             f"{', '.join(flag_name(n) for n in GENERATE_MODEL_FLAGS)} apply)")
 
     sub.add_parser("presets", help="list the presets: shape, parameter count, training recipe",
                    description="The presets: model shape, parameter count for the byte "
@@ -188,47 +214,66 @@ def build_parser() -> argparse.ArgumentParser:
 TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "max_corpus_bytes", "val_fraction",
                "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps",
                "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
-               "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints")
+               "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
 
 
 def _train_settings(args):
+    """Settings from (lowest first) the preset's recipe or the resumed checkpoint's
+    settings, the --config file, the flags. A clipping threshold of 0 means off."""
     from jaxformer import checkpoint
+    from jaxformer.configfile import off_is_zero, read_config, settings_from_file
+    from jaxformer.flags import model_overrides
     from jaxformer.train import TrainSettings, settings_for
 
     flags = {name: getattr(args, name) for name in TRAIN_FLAGS}
+    model = model_overrides(args)
     if args.resume:
         saved = TrainSettings.from_dict(checkpoint.read_meta(args.out)["settings"])
-        given = {k: v for k, v in flags.items() if v is not None}
+        given, file_model = {}, {}
+        if args.config:
+            file_model, given = read_config(args.config)
+        given.update({k: v for k, v in flags.items() if v is not None})
         if args.preset is not None:
             given["preset"] = args.preset
+        given["model"] = {**saved.model, **file_model, **model}
         settings = saved.replace(**given)
+    elif args.config:
+        settings = settings_from_file(args.config, args.preset, **flags, model=model)
     else:
-        settings = settings_for(args.preset or "loopos", **flags)
-    for name in ("clip_value", "clip_norm"):  # 0 on the command line turns clipping off
-        if getattr(args, name) == 0:
-            settings = settings.replace(**{name: None})
-    return settings
+        settings = settings_for(args.preset or "loopos", **flags, model=model)
+    return off_is_zero(settings)
 
 
 def cmd_train(args) -> int:
+    from jaxformer import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     settings = _train_settings(args)
     if settings.dtype == "float64":
         import jax
 
         jax.config.update("jax_enable_x64", True)
+    import jax
+
+    settings.validate()  # before the banner: a bad setting is the only line
     from jaxformer.train import train
 
     t0 = time.perf_counter()
-    print(f"training -> {args.out}", file=sys.stderr)
-    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress,
-                   log=lambda line: print(line, file=sys.stderr))
+    main = jax.process_index() == 0
+    log = (lambda line: print(line, file=sys.stderr)) if main else None
+    print(f"training -> {args.out} ({jax.device_count()} {jax.devices()[0].platform} device(s) "
+          f"in {jax.process_count()} process(es))", file=sys.stderr)
+    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
+                   log=log)
     wall = time.perf_counter() - t0
     records = result.records
+    if not main:
+        return 0
     if not records:
         print(f"{args.out} already trained for {settings.steps} steps; nothing to do")
         return 0
     print(_train_summary(result, wall))
-    print(f"run folder: {result.run_dir} (metrics.jsonl, loss.png, checkpoints/)")
+    print(f"run folder: {result.run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
     return 0
 
 
@@ -256,6 +301,13 @@ def cmd_presets(args) -> int:
 
 def cmd_generate(args) -> int:
     from jaxformer import checkpoint
+    from jaxformer.flags import flag_name, model_overrides
+
+    overrides = model_overrides(args)
+    shape = sorted(set(overrides) - set(GENERATE_MODEL_FLAGS))
+    if shape:
+        raise UsageError(f"generate takes the model's shape from the checkpoint; "
+                         f"{', '.join(flag_name(n) for n in shape)} cannot change it")
 
     meta = checkpoint.read_meta(args.run, args.step)
     if meta.get("param_dtype") == "float64":
@@ -267,7 +319,8 @@ def cmd_generate(args) -> int:
     timing = {}
     texts = sample_texts(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step,
-                         num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing)
+                         num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing,
+                         model=overrides)
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1} of {len(texts)}")

@@ -121,7 +121,16 @@ PRESETS: dict[str, ModelConfig] = {
         d_model=16, n_heads=2, n_layers=2, d_ff=24, max_seq_len=16,
         activation="gelu", norm="pre", positions="learned",
     ),
+    # gpt2: GPT-2 small's shape (124M params with its 50257-token vocabulary; the
+    # vocabulary here is the tokenizer's).
+    "gpt2": ModelConfig(
+        d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024,
+        activation="gelu_tanh", norm="pre", positions="learned",
+    ),
 }
+
+# The presets small enough for tests that build or train every preset in seconds.
+SMALL_PRESETS: tuple[str, ...] = ("loopos", "sunfish", "cllm", "tiny")
 
 # The training recipe each preset comes with (flags of `jaxformer train` override them).
 PRESET_TRAINING: dict[str, dict[str, Any]] = {
@@ -132,6 +141,11 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "cllm": dict(optimizer="adamw", lr=3e-3, schedule="cosine", warmup_steps=20,
                  clip_value=5.0, weight_decay=0.01, batch_size=16, seq_len=64),
     "tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
+    # GPT-2 small's recipe (as nanoGPT trains it), sized for one GPU: 8 x 1024 tokens
+    # per step (raise accum_steps for GPT-2's 0.5M-token batches).
+    "gpt2": dict(optimizer="adamw", lr=6e-4, schedule="cosine", warmup_steps=200, steps=2000,
+                 clip_norm=1.0, weight_decay=0.1, batch_size=8, seq_len=1024,
+                 eval_every=200, eval_batches=8, log_every=10, ckpt_every=500),
 }
 
 

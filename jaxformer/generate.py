@@ -210,8 +210,10 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
     return np.concatenate([np.tile(prompt, (B, 1)), new], axis=1)
 
 
-def load_run(run_dir, step: int | None = None):
-    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run."""
+def load_run(run_dir, step: int | None = None, model: dict | None = None):
+    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run.
+    ``model``: ModelConfig fields to change that keep the params' shapes (e.g.
+    attention_impl, compute_dtype)."""
     from jaxformer import data
     from jaxformer.train import TrainSettings, init_state
 
@@ -234,24 +236,25 @@ def load_run(run_dir, step: int | None = None):
     template = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), template)
     state = checkpoint.restore(run_dir, template, meta["step"])
-    return state.params, config, tokenizer, meta
+    return state.params, config.replace(**(model or {})), tokenizer, meta
 
 
 def sample_text(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                step: int | None = None) -> str:
-    """Load a run's checkpoint and return ``prompt`` followed by the sampled text."""
+                step: int | None = None, model: dict | None = None) -> str:
+    """Load a run's checkpoint and return ``prompt`` followed by the sampled text
+    (``model``: see ``load_run``)."""
     return sample_texts(run_dir, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, step=step)[0]
+                        top_p=top_p, seed=seed, step=step, model=model)[0]
 
 
 def sample_texts(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  step: int | None = None, num_samples: int = 1, use_cache: bool = True,
-                 timing: dict | None = None) -> list[str]:
+                 timing: dict | None = None, model: dict | None = None) -> list[str]:
     """``num_samples`` texts: ``prompt`` followed by what the run's model samples."""
     _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
-    params, config, tokenizer, _ = load_run(run_dir, step)
+    params, config, tokenizer, _ = load_run(run_dir, step, model)
     if not prompt:
         raise ValueError("the prompt is empty; give at least one character")
     try:

@@ -60,15 +60,17 @@ class StepClock:
     steady_s: float = 0.0
     steady_steps: int = 0
 
-    def step_done(self) -> float | None:
-        """Call when a step's results are on the host; returns compile_s after the first."""
+    def step_done(self, n: int = 1) -> float | None:
+        """Call when the results of the ``n`` steps since the last call are on the host
+        (the loop fetches the first step of a call alone); returns compile_s after the
+        first call."""
         now = time.perf_counter()
         if self.compile_s is None:
             self.compile_s = now - self.t
             self.t = now
             return self.compile_s
         self.steady_s += now - self.t
-        self.steady_steps += 1
+        self.steady_steps += n
         self.t = now
         return None
 

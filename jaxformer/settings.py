@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from jaxformer.config import PRESET_TRAINING, PRESETS
+from jaxformer.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
 from jaxformer.optim import make_optimizer
 
 GRAD_SOURCES = ("auto", "manual")
@@ -21,6 +21,7 @@ class TrainSettings:
     fills it from the preset's recipe (config.PRESET_TRAINING)."""
 
     preset: str = "tiny"  # model shape: a key of config.PRESETS
+    model: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields overriding the preset's
     grads: str = "auto"  # gradient source: auto (jax.grad) | manual (manual_grads)
     steps: int = 100  # total optimizer calls of the run (the schedule's horizon)
     corpus: str = "default"  # "default", "stdlib" or a file/folder path
@@ -45,6 +46,7 @@ class TrainSettings:
     log_every: int = 10  # a metrics.jsonl line every N steps (and at the first and last)
     ckpt_every: int = 100  # checkpoint every N steps (and at the end); 0: only at the end
     keep_checkpoints: int = 3  # how many of the latest checkpoints stay on disk
+    mesh: str = ""  # device mesh "data=N,fsdp=M" (sharding.parse_mesh); "": all devices on data
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -56,6 +58,20 @@ class TrainSettings:
 
     def replace(self, **changes) -> "TrainSettings":
         return dataclasses.replace(self, **changes)
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The preset's ModelConfig with ``model``'s overrides (and the tokenizer's
+        ``vocab_size``); a bad field raises ModelConfig's named ValueError."""
+        if not isinstance(self.model, dict):
+            raise ValueError(f"model must be a dict of ModelConfig fields, got {self.model!r}")
+        overrides = dict(self.model)
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        return get_preset(self.preset, **overrides)
 
     def validate(self) -> None:
         if self.preset not in PRESETS:
@@ -75,9 +91,13 @@ class TrainSettings:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
             raise ValueError("dtype float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
-        max_len = PRESETS[self.preset].max_seq_len
+        max_len = self.model_config().max_seq_len
         if self.seq_len > max_len:
-            raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len {max_len}")
+            raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len "
+                             f"{max_len}{' (with the model overrides)' if self.model else ''}")
+        from jaxformer.sharding import parse_mesh
+
+        parse_mesh(self.mesh)  # the syntax; the device count is checked when the mesh is built
         if self.schedule != "constant" and self.warmup_steps >= _updates(self):
             raise ValueError(
                 f"warmup_steps ({self.warmup_steps}) must be smaller than the {_updates(self)} "
@@ -99,14 +119,17 @@ class TrainSettings:
 
 
 # Settings a resumed run may change; any other difference from the checkpoint is an error.
+# (The model shape is compared through the resolved ModelConfig: config_diff.)
 RESUMABLE_CHANGES = frozenset(
-    {"steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints"}
+    {"steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints",
+     "mesh"}
 )
 
 
 def settings_for(preset: str, **flags) -> TrainSettings:
     """TrainSettings of ``preset``: its PRESET_TRAINING recipe, then ``flags`` (None
-    values are ignored, so unset command-line options fall through)."""
+    values are ignored, so unset command-line options fall through). ``model`` is a
+    dict of ModelConfig fields overriding the preset's shape."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     names = {f.name for f in dataclasses.fields(TrainSettings)}
@@ -116,6 +139,7 @@ def settings_for(preset: str, **flags) -> TrainSettings:
     values = dict(PRESET_TRAINING.get(preset, {}))
     values.update({k: v for k, v in flags.items() if v is not None})
     values["preset"] = preset
+    values["model"] = dict(values.get("model") or {})
     if flags.get("warmup_steps") is None:
         values["warmup_steps"] = fit_warmup(TrainSettings(**values))
     return TrainSettings(**values)
@@ -144,6 +168,14 @@ def recipe_notes(settings: TrainSettings) -> list[str]:
                 f"{settings.warmup_steps}, a tenth of this run's {_updates(settings)} "
                 f"(--warmup-steps sets it)"]
     return []
+
+
+def config_diff(saved: dict, requested: ModelConfig) -> list[str]:
+    """``diff_fields`` of a checkpoint's model config and ``requested``; fields the
+    checkpoint predates take their ModelConfig defaults."""
+    defaults = ModelConfig().to_dict()
+    defaults.pop("vocab_size")
+    return diff_fields({**defaults, **saved}, requested.to_dict())
 
 
 def diff_fields(saved: dict, requested: dict, ignore=()) -> list[str]:

@@ -23,8 +23,7 @@ from jaxformer.model import loss_fn
 from jaxformer.optim import current_lr, make_optimizer
 from jaxformer.params import init_params
 from jaxformer.settings import GRAD_SOURCES
-from jaxformer.sharding import make_mesh, mesh_shardings
-
+from jaxformer.sharding import make_mesh, mesh_shardings, state_shardings
 
 
 class TrainState(NamedTuple):
@@ -62,12 +61,14 @@ def grad_source(kind: str, config: ModelConfig) -> GradFn:
 
 
 def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
-                    mesh: Mesh | None = None, donate: bool = True):
+                    mesh: Mesh | None = None, donate: bool = True, state_sharding=None):
     """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
     source. The input state's buffers are donated (do not reuse it after the call).
 
-    With a ``mesh`` (one axis, "data"), the batch is split along its first axis over
-    the mesh and the state replicated: jit runs data parallel.
+    With a ``mesh`` (sharding.make_mesh), the batch is split along its first axis over
+    data x fsdp, and the state laid out by ``state_sharding`` (a TrainState of
+    NamedShardings, sharding.state_shardings; default: replicated): jit inserts the
+    collectives. The metrics come back replicated and stay on the device.
     metrics: loss, grad_norm (global norm of the gradient), update_norm, lr.
     """
 
@@ -87,7 +88,8 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
     kwargs = {"donate_argnums": (0,)} if donate else {}
     if mesh is not None:
         replicated, split = mesh_shardings(mesh)
-        kwargs.update(in_shardings=(replicated, split), out_shardings=replicated)
+        layout = replicated if state_sharding is None else state_sharding
+        kwargs.update(in_shardings=(layout, split), out_shardings=(layout, replicated))
     return jax.jit(step, **kwargs)
 
 
@@ -100,8 +102,9 @@ def make_eval_step(config: ModelConfig, mesh: Mesh | None = None):
     return jax.jit(lambda params, batch: loss_fn(params, batch, config), **kwargs)
 
 
-# Runs in one process with the same model, optimizer and devices share one compiled
-# step (a resumed run, a test suite): jit caches per function object.
+# Runs in one process with the same model, optimizer and mesh share one compiled
+# step (a resumed run, a test suite): jit caches per function object. A mesh is
+# named by its devices and its (data, fsdp) shape, both hashable.
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,29 +112,43 @@ def _optimizer(opt_items: tuple) -> optax.GradientTransformation:
     return make_optimizer(**dict(opt_items))
 
 
-@functools.lru_cache(maxsize=8)
-def _init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple):
-    """Jitted seed -> the initial TrainState, replicated over the devices (one compile
-    instead of one per random draw)."""
-    replicated, _ = mesh_shardings(make_mesh(devices))
+def _mesh(devices: tuple, shape: tuple[int, int]) -> Mesh:
+    return make_mesh(devices, shape)
 
+
+@functools.lru_cache(maxsize=8)
+def _state_sharding(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple,
+                    shape: tuple[int, int]):
+    """The TrainState's NamedShardings on the mesh (sharding.state_shardings)."""
+    shapes = jax.eval_shape(_init_state_fn(config, dtype, opt_items), 0)
+    return state_shardings(shapes, _mesh(devices, shape))
+
+
+def _init_state_fn(config: ModelConfig, dtype: str, opt_items: tuple):
     def init(seed):
         params = init_params(jax.random.PRNGKey(seed), config, dtype=jnp.dtype(dtype))
         return init_state(params, _optimizer(opt_items), seed)
 
-    return jax.jit(init, out_shardings=replicated)
+    return init
 
 
 @functools.lru_cache(maxsize=8)
-def _step(config: ModelConfig, grads: str, opt_items: tuple, devices: tuple):
-    return make_train_step(grad_source(grads, config), _optimizer(opt_items), mesh=make_mesh(devices))
+def _init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple, shape: tuple[int, int]):
+    """Jitted seed -> the initial TrainState, laid out on the mesh (one compile
+    instead of one per random draw; each device computes only its own shards)."""
+    layout = _state_sharding(config, dtype, opt_items, devices, shape)
+    return jax.jit(_init_state_fn(config, dtype, opt_items), out_shardings=layout)
 
 
 @functools.lru_cache(maxsize=8)
-def _custom_step(grad_fn: GradFn, opt_items: tuple, devices: tuple):
-    return make_train_step(grad_fn, _optimizer(opt_items), mesh=make_mesh(devices))
+def _step(config: ModelConfig, grads: str | GradFn, opt_items: tuple, dtype: str, devices: tuple,
+          shape: tuple[int, int]):
+    """The jitted step of gradient source ``grads`` (a name or a function) on the mesh."""
+    grad_fn = grad_source(grads, config) if isinstance(grads, str) else grads
+    return make_train_step(grad_fn, _optimizer(opt_items), mesh=_mesh(devices, shape),
+                           state_sharding=_state_sharding(config, dtype, opt_items, devices, shape))
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_step(config: ModelConfig, devices: tuple):
-    return make_eval_step(config, make_mesh(devices))
+def _eval_step(config: ModelConfig, devices: tuple, shape: tuple[int, int]):
+    return make_eval_step(config, _mesh(devices, shape))

@@ -6,10 +6,16 @@ The pieces live beside it: ``settings`` (TrainSettings and the preset recipes),
 ``step`` (TrainState, gradient sources, the jitted step), ``sharding`` (the mesh),
 ``metrics`` (the run's records and plot). Their public names are re-exported here.
 
-Data parallelism comes from JAX's own sharding: the batch is split along its
-first axis over a one-axis ``Mesh`` of all visible devices, params and optimizer
-state are replicated, and jit inserts the gradient all-reduce. One device is the
-same code with a mesh of one.
+Parallelism comes from JAX's own sharding: a ("data", "fsdp") ``Mesh`` of all
+devices (``settings.mesh``, default every device on "data"); the batch is split
+over data x fsdp, params and optimizer state over fsdp (sharding.py), and jit
+inserts the collectives. One device is the same code with a mesh of one; several
+processes (``jax.distributed``) are one job over all their devices.
+
+The loop never waits on the device between steps: the step's metrics stay on
+the device until a log line, an evaluation or a checkpoint needs them; then all
+metrics since the last fetch come back at once and the first non-finite loss
+among them stops the run, naming its step.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ import jax
 import numpy as np
 
 from jaxformer import checkpoint, report, tb
-from jaxformer.config import ModelConfig, get_preset
+from jaxformer.config import ModelConfig
+from jaxformer.configfile import CONFIG_FILE, write_config
 from jaxformer.metrics import (METRICS_FILE, PLOT_FILE, _truncate_metrics,
                                _write_record, plot_losses, read_metrics)
 from jaxformer.settings import (DTYPES, GRAD_SOURCES, RESUMABLE_CHANGES, TrainSettings,
-                                diff_fields, settings_for)
-from jaxformer.sharding import make_mesh, mesh_shardings, put_batch
-from jaxformer.step import (GradFn, TrainState, _custom_step, _eval_step, _init_fn, _step,
-                            grad_source, init_state, make_eval_step, make_train_step)
+                                config_diff, diff_fields, settings_for)
+from jaxformer.sharding import check_batch_size, make_mesh, mesh_shardings, put_batch
+from jaxformer.step import (GradFn, TrainState, _eval_step, _init_fn, _step, grad_source,
+                            init_state, make_eval_step, make_train_step)
 
 __all__ = [
     "DTYPES", "GRAD_SOURCES", "METRICS_FILE", "PLOT_FILE", "RESUMABLE_CHANGES",
@@ -81,58 +88,71 @@ def _load_data(settings: TrainSettings, tokenizer=None, log=None):
     return tokenizer, train_ids, val_ids
 
 
+def _check_resume(run_dir: Path, settings: TrainSettings) -> dict:
+    """The checkpoint's meta, after checking that it fits ``settings``."""
+    from jaxformer import data
+
+    saved_meta = checkpoint.read_meta(run_dir)
+    tokenizer = data.tokenizer_from_dict(saved_meta["tokenizer"])
+    requested = settings.model_config(tokenizer.vocab_size)
+    model_diff = config_diff(saved_meta["config"], requested)
+    saved = TrainSettings.from_dict(saved_meta["settings"]).to_dict()
+    settings_diff = diff_fields(saved, settings.to_dict(), ignore=RESUMABLE_CHANGES | {"model"})
+    problems = []
+    if model_diff:
+        problems.append(f"model config differs in {'; '.join(model_diff)}")
+    if settings_diff:
+        problems.append(f"train settings differ in {'; '.join(settings_diff)}")
+    if problems:
+        raise checkpoint.CheckpointError(
+            f"the checkpoint in {checkpoint.checkpoint_dir(run_dir)} does not match the "
+            f"requested run: {'. '.join(problems)}"
+        )
+    return saved_meta
+
+
+def _first_non_finite(pending: list) -> tuple[int, dict] | None:
+    """(step, metrics) of the first non-finite loss or gradient norm among the
+    fetched ``pending`` (step, metrics) pairs."""
+    for s, m in pending:
+        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+            return s, m
+    return None
+
+
 def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: bool = True,
           devices=None, grad_fn: GradFn | None = None, log=None) -> TrainResult:
     """Train for ``settings.steps`` steps in the run folder ``out_dir`` (created).
 
     resume: continue from the latest checkpoint in ``out_dir``; the losses then equal
-    those of an uninterrupted run. ``settings`` may differ from the checkpoint's only
-    in RESUMABLE_CHANGES (a CheckpointError names any other differing field).
-    devices: the devices to run data parallel on (default: all visible).
+    those of an uninterrupted run (on any mesh). ``settings`` may differ from the
+    checkpoint's only in RESUMABLE_CHANGES (a CheckpointError names any other
+    differing field; the model is compared field by field after resolving overrides).
+    devices: the devices of the mesh (default: all devices of all processes), laid
+    out as ``settings.mesh`` says.
     grad_fn: a gradient source to use instead of the one ``settings.grads`` names.
     log: a function given human-readable lines (settings, data, compile time, the
     summary; report.py); None: silent.
 
-    Raises ValueError for bad settings or data, CheckpointError for a missing, bad
-    or mismatched checkpoint, NonFiniteLossError when the loss stops being finite.
+    Raises ValueError for bad settings, data or mesh, CheckpointError for a missing,
+    bad or mismatched checkpoint, NonFiniteLossError when the loss stops being finite.
     """
     from jaxformer import data
 
     settings.validate()
     run_dir = Path(out_dir)
-    saved_meta = None
+    tokenizer = None
     if resume:
-        saved_meta = checkpoint.read_meta(run_dir)
-        tokenizer = data.tokenizer_from_dict(saved_meta["tokenizer"])
-        requested = get_preset(settings.preset, vocab_size=tokenizer.vocab_size)
-        config_diff = diff_fields(saved_meta["config"], requested.to_dict())
-        saved = TrainSettings.from_dict(saved_meta["settings"]).to_dict()
-        settings_diff = diff_fields(saved, settings.to_dict(), ignore=RESUMABLE_CHANGES)
-        problems = []
-        if config_diff:
-            problems.append(f"model config differs in {'; '.join(config_diff)}")
-        if settings_diff:
-            problems.append(f"train settings differ in {'; '.join(settings_diff)}")
-        if problems:
-            raise checkpoint.CheckpointError(
-                f"the checkpoint in {checkpoint.checkpoint_dir(run_dir)} does not match the "
-                f"requested run: {'. '.join(problems)}"
-            )
-    else:
-        tokenizer = None
-        if checkpoint.all_steps(run_dir):
-            raise ValueError(
-                f"{run_dir} already holds checkpoints; resume it (--resume) or choose another folder"
-            )
-    tokenizer, train_ids, val_ids = _load_data(settings, tokenizer, log)
-    config = get_preset(settings.preset, vocab_size=tokenizer.vocab_size)
-
-    mesh = make_mesh(devices)
-    n_devices = mesh.devices.size
-    if settings.batch_size % n_devices:
+        tokenizer = data.tokenizer_from_dict(_check_resume(run_dir, settings)["tokenizer"])
+    elif checkpoint.all_steps(run_dir):
         raise ValueError(
-            f"batch_size {settings.batch_size} must be divisible by the number of devices ({n_devices})"
+            f"{run_dir} already holds checkpoints; resume it (--resume) or choose another folder"
         )
+    tokenizer, train_ids, val_ids = _load_data(settings, tokenizer, log)
+    config = settings.model_config(tokenizer.vocab_size)
+
+    mesh = make_mesh(devices, settings.mesh)
+    check_batch_size(settings.batch_size, mesh)
     batcher = data.Batcher(train_ids, settings.batch_size, settings.seq_len, settings.seed)
     val_batches = []
     if len(val_ids) > settings.seq_len:
@@ -140,15 +160,12 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
             val_ids, settings.batch_size, settings.seq_len, settings.eval_batches))
 
     opt_items = tuple(sorted(settings.optimizer_kwargs().items()))
-    devices_key = tuple(mesh.devices.flat)
-    state = _init_fn(config, settings.dtype, opt_items, devices_key)(settings.seed)
+    mesh_key = (tuple(mesh.devices.flat), tuple(mesh.devices.shape))
+    state = _init_fn(config, settings.dtype, opt_items, *mesh_key)(settings.seed)
     if resume:
         state = checkpoint.restore(run_dir, state)
-    if grad_fn is None:
-        step_fn = _step(config, settings.grads, opt_items, devices_key)
-    else:
-        step_fn = _custom_step(grad_fn, opt_items, devices_key)
-    eval_fn = _eval_step(config, devices_key)
+    step_fn = _step(config, grad_fn or settings.grads, opt_items, settings.dtype, *mesh_key)
+    eval_fn = _eval_step(config, *mesh_key)
     if log:
         _log_settings(log, settings, config, state.params, mesh)
     val_device = [put_batch(b, mesh) for b in val_batches]
@@ -157,78 +174,100 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
         losses = [eval_fn(params, b) for b in val_device]
         return float(np.mean(jax.device_get(losses)))
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    main = jax.process_index() == 0  # only the first process writes the run's records
     metrics_path = run_dir / METRICS_FILE
     start = int(jax.device_get(state.step))
     index = int(jax.device_get(state.data_index))
-    if resume:
-        _truncate_metrics(metrics_path, start)
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            _truncate_metrics(metrics_path, start)
+        elif metrics_path.exists():
+            metrics_path.unlink()
+        write_config(run_dir / CONFIG_FILE, settings, config)
     meta = _meta(config, tokenizer, settings)
     tokens_per_step = settings.batch_size * settings.seq_len
     records: list[dict] = []
     last_saved = start if resume else None
-    events = tb.open_event_log(run_dir, start + 1 if resume else None, log)
+    events = tb.open_event_log(run_dir, start + 1 if resume else None, log) if main else None
     clock = report.StepClock(tokens_per_step)
+    pending: list = []  # (step, metrics on the device) since the last fetch
+
+    def fetch() -> dict:
+        """The metrics since the last fetch, brought to the host in one transfer; the
+        first non-finite one stops the run. Returns the latest step's."""
+        fetched = [(s, {k: float(v) for k, v in m.items()})
+                   for s, m in zip([s for s, _ in pending], jax.device_get([m for _, m in pending]))]
+        pending.clear()
+        compile_s = clock.step_done(len(fetched))
+        if compile_s is not None and log:
+            log(report.compile_line(compile_s, fetched[0][0]))
+        bad = _first_non_finite(fetched)
+        if bad is not None:
+            s, m = bad
+            kept = (f"the last checkpoint (step {last_saved}) is kept in "
+                    f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved else "no checkpoint was written")
+            raise NonFiniteLossError(
+                f"non-finite loss at step {s} (loss {m['loss']}, gradient norm "
+                f"{m['grad_norm']}); training stopped, {kept}"
+            )
+        return fetched[-1][1]
 
     def save():
         nonlocal last_saved
         checkpoint.save(run_dir, state, meta, keep=settings.keep_checkpoints)
         last_saved = int(jax.device_get(state.step))
 
-    bar = report.Progress(start, settings.steps, progress)
+    bar = report.Progress(start, settings.steps, progress and main)
     t_last, steps_since = time.perf_counter(), 0
     try:
         for s in range(start + 1, settings.steps + 1):  # s: the step count after this step
-            batch = batcher.batch(index)
-            state, metrics = step_fn(state, batch)
+            batch = put_batch(batcher.batch(index), mesh)
+            state, metrics = step_fn(state, batch)  # dispatched; nothing waits for it here
+            pending.append((s, metrics))
             index += 1
             steps_since += 1
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            compile_s = clock.step_done()
-            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-                kept = (f"the last checkpoint (step {last_saved}) is kept in "
-                        f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved else "no checkpoint was written")
-                raise NonFiniteLossError(
-                    f"non-finite loss at step {s} (loss {metrics['loss']}, gradient norm "
-                    f"{metrics['grad_norm']}); training stopped, {kept}"
-                )
             last = s == settings.steps
             do_eval = bool(val_device) and (last or (settings.eval_every and s % settings.eval_every == 0))
-            if do_eval or last or s == 1 or s % settings.log_every == 0:
+            do_ckpt = last or (settings.ckpt_every and s % settings.ckpt_every == 0)
+            if do_eval or last or s == start + 1 or s % settings.log_every == 0:
+                host = fetch()
                 now = time.perf_counter()
-                record = {"step": s, **metrics,
+                record = {"step": s, **host,
                           "tokens_per_s": tokens_per_step * steps_since / max(now - t_last, 1e-9)}
-                if compile_s is not None:
-                    record["compile_s"] = compile_s
-                    if log:
-                        log(report.compile_line(compile_s, s))
+                if not records:  # the first step of this call: its time is mostly compiling
+                    record["compile_s"] = clock.compile_s
                 if resume and not records:
                     record["resumed"] = True
                 if do_eval:
                     with clock.paused():
                         record["val_loss"] = evaluate(state.params)
                     record.update(report.val_bits(record["val_loss"], tokenizer.kind))
-                _write_record(metrics_path, record)
+                if main:
+                    _write_record(metrics_path, record)
+                    if events:
+                        events.write(record)
                 records.append(record)
-                if events:
-                    events.write(record)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{host['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 t_last, steps_since = time.perf_counter(), 0
             bar.update(1)
-            if last or (settings.ckpt_every and s % settings.ckpt_every == 0):
+            if do_ckpt:
+                if pending:  # never checkpoint a state past a non-finite loss
+                    fetch()
                 t_save = time.perf_counter()
                 with clock.paused():
                     save()
                 t_last += time.perf_counter() - t_save  # tokens/s counts training time only
+        if pending:
+            fetch()
     finally:
         bar.close()
         if events:
             events.close()
-        all_records = read_metrics(run_dir)
-        if all_records:
-            plot_losses(all_records, run_dir / PLOT_FILE)
+        if main:
+            all_records = read_metrics(run_dir)
+            if all_records:
+                plot_losses(all_records, run_dir / PLOT_FILE)
     timing = clock.summary()
     if log:
         log(report.summary_line(timing))
@@ -239,8 +278,7 @@ def _log_settings(log, settings, config, params, mesh) -> None:
     from jaxformer.params import count_params
     from jaxformer.settings import recipe_notes
 
-    devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s)"
+    devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s), mesh {dict(mesh.shape)}"
     for line in report.settings_block(settings, config, count_params(params), devices,
                                       recipe_notes(settings)):
         log(line)
-

@@ -8,7 +8,7 @@ import pytest
 
 import jaxformer
 import manual_grads
-from jaxformer.config import PRESETS
+from jaxformer.config import PRESETS, SMALL_PRESETS
 from manual_grads.check import assert_trees_close, finite_difference_check
 
 MANUAL = jax.jit(manual_grads.value_and_grad, static_argnums=2)
@@ -88,7 +88,7 @@ def test_model_float64(case):
     check(config, jnp.float64, B, T, mask)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(SMALL_PRESETS))
 def test_model_float32(preset):
     config, B, T, mask = CASES[preset]
     _, _, rows = check(config, jnp.float32, B, T, mask)

@@ -1,4 +1,6 @@
-"""Data parallelism through jax.sharding: 8 host devices give the single-device losses."""
+"""Data x FSDP sharding through jax.sharding: on 8 host devices, every mesh gives the
+single-device losses (both gradient sources), and a run resumed on another mesh
+continues with the same losses. One subprocess runs every sharded case."""
 
 import json
 import os
@@ -9,8 +11,12 @@ import textwrap
 import numpy as np
 import pytest
 
+from jaxformer.sharding import leaf_spec, make_mesh, mesh_shape, parse_mesh
 from jaxformer.train import train
 from test_train import tiny_settings, write_corpus
+
+STEPS = 3
+CASES = [("data=8", "auto"), ("data=2,fsdp=4", "auto"), ("data=8", "manual"), ("data=2,fsdp=4", "manual")]
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -20,19 +26,39 @@ SCRIPT = textwrap.dedent("""
     from jaxformer.train import make_mesh, put_batch, train
     from test_train import tiny_settings
 
-    corpus, out = sys.argv[1], sys.argv[2]
+    corpus, out, steps, cases = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     assert jax.device_count() == 8, jax.devices()
-    batch = put_batch({"inputs": np.zeros((8, 16), np.int32)}, make_mesh())
+    batch = put_batch({"inputs": np.zeros((8, 16), np.int32)}, make_mesh(shape="data=2,fsdp=4"))
     assert [s.data.shape for s in batch["inputs"].addressable_shards] == [(1, 16)] * 8
-    try:
-        train(tiny_settings(corpus, steps=3, batch_size=12), out + "-bad", progress=False)
-    except ValueError as e:
-        assert "batch_size 12 must be divisible by the number of devices (8)" in str(e), e
-    else:
-        raise AssertionError("batch_size 12 on 8 devices was accepted")
-    result = train(tiny_settings(corpus, steps=3, eval_every=3), out, progress=False)
-    assert result.state.params["tok_embed"].sharding.is_fully_replicated
-    print(json.dumps(result.records))
+    errors = {}
+    for name, kwargs in [("batch", dict(batch_size=12)), ("product", dict(mesh="data=3,fsdp=2")),
+                         ("fsdp", dict(mesh="fsdp=3"))]:
+        try:
+            train(tiny_settings(corpus, steps=1, **kwargs), out + "-bad", progress=False)
+        except ValueError as e:
+            errors[name] = str(e)
+    out_records = {}
+    for mesh, grads in cases:
+        result = train(tiny_settings(corpus, steps=steps, eval_every=steps, mesh=mesh, grads=grads),
+                       f"{out}/{mesh}-{grads}", progress=False)
+        params = result.state.params
+        out_records[f"{mesh} {grads}"] = result.records
+        if "fsdp=4" in mesh:  # (V, D) = (256, 16): split along V; ln_f scale (16,): along D
+            assert [s.data.shape for s in params["tok_embed"].addressable_shards] == [(64, 16)] * 8
+            assert [s.data.shape for s in params["ln_f"]["scale"].addressable_shards] == [(4,)] * 8
+            w_in = params["blocks"]["ffn"]["w_in"]  # (L, D, F) = (2, 16, 24): split along F
+            assert [s.data.shape for s in w_in.addressable_shards] == [(2, 16, 6)] * 8
+            moments = [x for x in jax.tree_util.tree_leaves(result.state.opt_state) if x.shape == w_in.shape]
+            assert len(moments) == 2 and all(x.sharding == w_in.sharding for x in moments)
+        else:
+            assert params["tok_embed"].sharding.is_fully_replicated
+    # a run checkpointed on one mesh resumes on another
+    first = train(tiny_settings(corpus, steps=steps - 1, mesh="data=2,fsdp=4", ckpt_every=1),
+                  f"{out}/resumed", progress=False).records
+    rest = train(tiny_settings(corpus, steps=steps, eval_every=steps, mesh="data=1,fsdp=8"),
+                 f"{out}/resumed", resume=True, progress=False).records
+    out_records["resumed"] = first + rest
+    print(json.dumps({"errors": errors, "records": out_records}))
 """)
 
 
@@ -41,20 +67,65 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
-def test_eight_devices_match_one(corpus, tmp_path):
+@pytest.mark.slow
+def test_meshes_match_one_device(corpus, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     # compiled like the rest of the suite (conftest.py): faster, and the same on both sides
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, corpus, str(tmp_path / "sharded")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, corpus, str(tmp_path / "sharded"), str(STEPS),
+                           json.dumps(CASES)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sharded = json.loads(proc.stdout.strip().splitlines()[-1])
-    single = train(tiny_settings(corpus, steps=3, eval_every=3), tmp_path / "single", progress=False,
-                   devices=None).records
-    assert [r["step"] for r in sharded] == [r["step"] for r in single] == [1, 2, 3]
-    for key in ("loss", "grad_norm", "update_norm", "val_loss"):
-        a = [r[key] for r in single if key in r]
-        b = [r[key] for r in sharded if key in r]
-        assert len(a) == len(b) > 0
-        np.testing.assert_allclose(b, a, rtol=2e-5, err_msg=key)  # float32 round-off
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = result["errors"]
+    assert "batch_size 12 must be divisible by the number of devices (8" in errors["batch"]
+    assert "data x fsdp = 3 x 2 = 6 devices, but 8 are in use" in errors["product"]
+    assert "fsdp=3 does not divide the 8 devices" in errors["fsdp"]
+    sharded = result["records"]
+    for grads in ("auto", "manual"):
+        single = train(tiny_settings(corpus, steps=STEPS, eval_every=STEPS, grads=grads),
+                       tmp_path / f"single-{grads}", progress=False).records
+        runs = [f"{mesh} {g}" for mesh, g in CASES if g == grads] + (["resumed"] if grads == "auto" else [])
+        for run in runs:
+            records = sharded[run]
+            assert [r["step"] for r in records] == [r["step"] for r in single] == list(range(1, STEPS + 1))
+            for key in ("loss", "grad_norm", "update_norm", "val_loss"):
+                a = {r["step"]: r[key] for r in single if key in r}
+                b = {r["step"]: r[key] for r in records if key in r}  # resumed: also at its first end
+                assert len(a) > 0 and set(a) <= set(b)
+                np.testing.assert_allclose([b[s] for s in a], list(a.values()), rtol=2e-5,
+                                           err_msg=f"{run}: {key}")  # float32 round-off
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data2", "malformed mesh 'data2'"),
+    ("data=2;fsdp=4", "malformed mesh"),
+    ("data=x", "malformed mesh"),
+    ("model=2", "unknown mesh axis 'model'"),
+    ("data=1,data=1", "mesh axis 'data' given twice"),
+    ("data=0", "mesh axis data must have a positive size"),
+])
+def test_bad_mesh_text(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_mesh(text)
+
+
+def test_mesh_shape():
+    assert mesh_shape("", 8) == (8, 1)
+    assert mesh_shape(None, 1) == (1, 1)
+    assert mesh_shape("fsdp=4", 8) == (2, 4)
+    assert mesh_shape(" data = 2 , fsdp = 4 ", 8) == (2, 4)
+    with pytest.raises(ValueError, match="data x fsdp = 2 x 1 = 2 devices, but 1 are in use"):
+        mesh_shape("data=2", 1)
+    mesh = make_mesh(shape="data=1,fsdp=1")
+    assert mesh.axis_names == ("data", "fsdp")
+
+
+def test_leaf_spec_picks_the_largest_divisible_dimension():
+    P = leaf_spec
+    assert tuple(P((12, 768, 3072), 4)) == (None, None, "fsdp")
+    assert tuple(P((256, 16), 4)) == ("fsdp",)
+    assert tuple(P((3, 10), 4)) == ()  # nothing divides: replicated
+    assert tuple(P((2, 16, 16), 8)) == (None, "fsdp")  # equal sizes: the first
+    assert tuple(P((), 4)) == ()
+    assert tuple(P((256, 16), 1)) == ()
