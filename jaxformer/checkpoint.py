@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 CHECKPOINT_DIR = "checkpoints"
 FORMAT_VERSION = 1
 FILE_DIGESTS = "files.sha256.json"
+DAMAGED_DIR = "damaged_checkpoints"
 
 
 class CheckpointError(ValueError):
@@ -233,6 +234,17 @@ def read_meta(run_dir, step: int | None = None) -> dict[str, Any]:
     return meta
 
 
+def set_aside(run_dir, step: int) -> Path:
+    """Move checkpoint ``step`` (one that failed to verify) out of the way of new saves,
+    to ``<run>/damaged_checkpoints/<step>``; returns its new folder."""
+    target = Path(run_dir).absolute() / DAMAGED_DIR / str(step)
+    if target.exists():
+        target = target.with_name(f"{step}-{len(list(target.parent.iterdir()))}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(checkpoint_dir(run_dir) / str(step), target)
+    return target
+
+
 def newest_meta(run_dir) -> dict[str, Any]:
     """The meta dict of the newest checkpoint whose meta reads (damaged ones skipped
     silently: restoring the state reports them)."""
@@ -317,6 +329,6 @@ def describe(run_dir) -> str:
 
 __all__ = [
     "CheckpointError", "DamagedCheckpointError", "UnhealthyStateError", "checkpoint_dir",
-    "all_steps", "latest_step", "save", "read_meta", "newest_meta", "restore", "load_newest_good", "describe",
+    "all_steps", "latest_step", "save", "read_meta", "newest_meta", "set_aside", "restore", "load_newest_good", "describe",
     "array_digests", "first_non_finite", "warn",
 ]

@@ -200,6 +200,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
             run_dir, lambda s: checkpoint.restore(run_dir, template, s))
         _say(f"resuming from checkpoint step {from_step} "
              f"({checkpoint.checkpoint_dir(run_dir) / str(from_step)})")
+        for newer in [s for s in checkpoint.all_steps(run_dir) if s > from_step]:
+            _say(f"moved the damaged checkpoint of step {newer} to {checkpoint.set_aside(run_dir, newer)}")
     if grad_fn is None:
         step_fn = _step(config, settings.grads, opt_items, devices_key)
     else:
