@@ -1,4 +1,4 @@
-"""The ``jaxformer`` command: train, generate, compare-grads.
+"""The ``jaxformer`` command: train, generate, diagnose, compare-grads.
 
 Bad input (an unknown preset, a missing corpus, an invalid setting, a bad or
 mismatched checkpoint) ends with one ``error: ...`` line on stderr and exit
@@ -28,6 +28,9 @@ examples:
         continue a run from its latest checkpoint (its settings are reused)
   jaxformer generate --run runs/loopos --prompt "The " --max-new-tokens 200
         sample text from the run's latest checkpoint
+  jaxformer diagnose --run runs/loopos
+        per-layer activation ranges and gradient norms of the latest checkpoint,
+        and the first layer that makes a NaN or an infinity
   jaxformer compare-grads --help
         compare the manual gradients with jax.grad
 

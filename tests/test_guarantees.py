@@ -72,7 +72,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(corpus, straight, tmp_path,
     assert _losses(tmp_path, range(1, 7)) == _losses(straight, range(1, 7))  # exactly
 
 
-def test_array_digests_catch_what_the_files_do_not(corpus, straight, tmp_path):
+def test_array_digests_catch_what_the_files_do_not(corpus, straight, tmp_path, capsys):
     """Without the file digests (a checkpoint cut off right after orbax committed it)
     a truncated or changed array still cannot pass."""
     run = tmp_path / "run"
@@ -86,8 +86,11 @@ def test_array_digests_catch_what_the_files_do_not(corpus, straight, tmp_path):
     (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"checkpoint step 6 is damaged: state.* differs"):
         load_run(run, step=6)
+    capsys.readouterr()
     params, _, _, meta4 = load_run(run)  # falls back to step 4
     assert meta4["step"] == 4
+    assert capsys.readouterr().err.startswith(
+        "warning: skipped checkpoint step 6, using step 4: checkpoint step 6 is damaged: state")
     f = _largest_data_file(run, 4)
     f.write_bytes(f.read_bytes()[:10])  # truncated
     with pytest.raises(CheckpointError, match=r"checkpoint step 4 is damaged: .* has 10 bytes"):
