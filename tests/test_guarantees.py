@@ -257,7 +257,7 @@ def test_training_stop_names_the_layer(corpus, tmp_path):
     """A checkpoint whose blocks[1].ffn.w_in is finite but so large that x @ w_in
     overflows: the next step's loss is NaN, and the diagnosis names that layer."""
     from jaxformer.generate import load_state
-    train(tiny_settings(corpus, steps=1, optimizer="sgd", lr=0.1), tmp_path, progress=False)
+    train(tiny_settings(corpus, steps=1), tmp_path, progress=False)
     state, _, _, meta = load_state(tmp_path)
     w_in = state.params["blocks"]["ffn"]["w_in"]
     state.params["blocks"]["ffn"]["w_in"] = w_in.at[1].set(jnp.sign(w_in[1]) * 1e38)
@@ -265,8 +265,7 @@ def test_training_stop_names_the_layer(corpus, tmp_path):
     shutil.rmtree(checkpoint.checkpoint_dir(tmp_path) / "1")
     checkpoint.save(tmp_path, state, meta)
     with pytest.raises(NonFiniteLossError) as info:
-        train(tiny_settings(corpus, steps=3, optimizer="sgd", lr=0.1, ckpt_every=1), tmp_path,
-              resume=True, progress=False)
+        train(tiny_settings(corpus, steps=3, ckpt_every=1), tmp_path, resume=True, progress=False)
     message = str(info.value)
     assert "non-finite loss at step 2" in message and "newest healthy checkpoint is step 1" in message
     assert "Step 2's batch, layer by layer: forward: blocks[1].ffn output is non-finite; its input has min" in message
