@@ -1,4 +1,4 @@
-"""The ``jaxformer`` command: train, generate, compare-grads.
+"""The ``jaxformer`` command: train, generate, diagnose, compare-grads.
 
 Bad input (an unknown preset, a missing corpus, an invalid setting, a bad or
 mismatched checkpoint) ends with one ``error: ...`` line on stderr and exit
@@ -30,6 +30,9 @@ examples:
         continue a run from its latest checkpoint (its settings are reused)
   jaxformer generate --run runs/loopos --prompt "The " --max-new-tokens 200
         sample text from the run's latest checkpoint
+  jaxformer diagnose --run runs/loopos
+        per-layer activation ranges and gradient norms of the latest checkpoint,
+        and the first layer that makes a NaN or an infinity
   jaxformer compare-grads --help
         compare the manual gradients with jax.grad
 
@@ -141,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient source: jax.grad (auto, default) or the hand-derived backward (manual)")
     t.add_argument("--steps", type=_positive_int, help="total training steps of the run (default 100)")
     t.add_argument("--resume", action="store_true",
-                   help="continue from the run folder's latest checkpoint")
+                   help="continue from the run folder's newest checkpoint that verifies")
+    t.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: accept a corpus or tokenizer that differs from the recorded one")
     t.add_argument("--config", metavar="FILE",
                    help="TOML file with [model] and [train] tables (a run folder's config.toml); "
                         "flags override it")
@@ -159,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr", type=float, help="(peak) learning rate")
     o.add_argument("--schedule", choices=list(SCHEDULES), help="learning-rate schedule after the warmup")
     o.add_argument("--warmup-steps", type=_nonneg_int, metavar="N")
+    o.add_argument("--schedule-steps", type=_positive_int, metavar="N",
+                   help="the schedule's horizon (default: --steps; a resumed run keeps its own)")
     o.add_argument("--clip-value", type=float, metavar="V", help="clip each gradient entry to [-V, V] (0: off)")
     o.add_argument("--clip-norm", type=float, metavar="N", help="clip the gradient's global norm to N (0: off)")
     o.add_argument("--weight-decay", type=float, metavar="W")
@@ -206,13 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the presets: shape, parameter count, training recipe",
                    description="The presets: model shape, parameter count for the byte "
                                "tokenizer (vocab 256) and training recipe.")
+    _add_diagnose_parser(sub)
     sub.add_parser("compare-grads", help="compare manual gradients with jax.grad (see its --help)",
                    add_help=False)
     return parser
 
 
 TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "max_corpus_bytes", "val_fraction",
-               "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps",
+               "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps", "schedule_steps",
                "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
                "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
 
@@ -228,7 +236,7 @@ def _train_settings(args):
     flags = {name: getattr(args, name) for name in TRAIN_FLAGS}
     model = model_overrides(args)
     if args.resume:
-        saved = TrainSettings.from_dict(checkpoint.read_meta(args.out)["settings"])
+        saved = TrainSettings.from_dict(checkpoint.newest_meta(args.out)["settings"])
         given, file_model = {}, {}
         if args.config:
             file_model, given = read_config(args.config)
@@ -264,7 +272,7 @@ def cmd_train(args) -> int:
     print(f"training -> {args.out} ({jax.device_count()} {jax.devices()[0].platform} device(s) "
           f"in {jax.process_count()} process(es))", file=sys.stderr)
     result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
-                   log=log)
+                   log=log, allow_data_change=args.allow_data_change)
     wall = time.perf_counter() - t0
     records = result.records
     if not main:
@@ -309,7 +317,8 @@ def cmd_generate(args) -> int:
         raise UsageError(f"generate takes the model's shape from the checkpoint; "
                          f"{', '.join(flag_name(n) for n in shape)} cannot change it")
 
-    meta = checkpoint.read_meta(args.run, args.step)
+    meta = checkpoint.read_meta(args.run, args.step) if args.step is not None \
+        else checkpoint.newest_meta(args.run)
     if meta.get("param_dtype") == "float64":
         import jax
 
@@ -330,6 +339,41 @@ def cmd_generate(args) -> int:
                f"key/value cache; compile {timing['compile_s']:.2f} s, not counted")
         print(f"{args.num_samples} x {args.max_new_tokens} tokens in {timing['run_s']:.2f} s: "
               f"{1e3 * timing['s_per_token']:.2f} ms per token position ({how})", file=sys.stderr)
+    return 0
+
+
+DIAGNOSE_EPILOG = """\
+Runs the checkpoint's next training batch eagerly through the hand-derived forward and
+backward, layer by layer, and prints each stage's activation range and gradient norm,
+and the first stage whose output or gradient is NaN or infinite.
+
+examples:
+  jaxformer diagnose --run runs/loopos
+  jaxformer diagnose --run runs/loopos --step 200
+"""
+
+
+def _add_diagnose_parser(sub) -> None:
+    d = sub.add_parser("diagnose", help="per-layer activation ranges and gradient norms of a checkpoint",
+                       description="Find the layer that makes a NaN or an infinity.",
+                       epilog=DIAGNOSE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("--run", required=True, metavar="DIR", help="run folder written by `jaxformer train`")
+    d.add_argument("--step", type=_nonneg_int, metavar="N",
+                   help="the checkpoint of step N (default: the newest that verifies)")
+
+
+def cmd_diagnose(args) -> int:
+    from jaxformer import checkpoint
+
+    meta = checkpoint.read_meta(args.run, args.step) if args.step is not None \
+        else checkpoint.newest_meta(args.run)
+    if meta.get("param_dtype") == "float64":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    from jaxformer.diagnose import diagnose_run
+
+    print(diagnose_run(args.run, args.step))
     return 0
 
 
@@ -356,7 +400,8 @@ def main(argv=None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets}[args.command](args)
+        return {"train": cmd_train, "generate": cmd_generate, "presets": cmd_presets,
+                "diagnose": cmd_diagnose}[args.command](args)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except (UsageError, CheckpointError, ValueError, OSError) as e:

@@ -210,23 +210,27 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
     return np.concatenate([np.tile(prompt, (B, 1)), new], axis=1)
 
 
-def load_run(run_dir, step: int | None = None, model: dict | None = None):
-    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run.
-    ``model``: ModelConfig fields to change that keep the params' shapes (e.g.
-    attention_impl, compute_dtype)."""
+def load_state(run_dir, step: int | None = None, report=checkpoint.warn):
+    """(state, config, tokenizer, meta) of a run's checkpoint ``step``, or of its newest
+    checkpoint that verifies (each damaged one skipped is reported in one line)."""
+    run_dir = Path(run_dir)
+    _, loaded = checkpoint.load_newest_good(run_dir, lambda s: _load_step(run_dir, s), step, report)
+    return loaded
+
+
+def _load_step(run_dir: Path, step: int):
     from jaxformer import data
     from jaxformer.train import TrainSettings, init_state
 
-    run_dir = Path(run_dir)
     meta = checkpoint.read_meta(run_dir, step)
-    path = checkpoint.checkpoint_dir(run_dir)
+    path = checkpoint.checkpoint_dir(run_dir) / str(step)
     try:
         config = ModelConfig.from_dict(meta["config"])
         tokenizer = data.tokenizer_from_dict(meta["tokenizer"])
         settings = TrainSettings.from_dict(meta["settings"])
         dtype = jnp.dtype(meta.get("param_dtype", "float32"))
     except (ValueError, TypeError, KeyError) as e:
-        raise checkpoint.CheckpointError(f"checkpoint in {path} has bad meta data: {e}") from None
+        raise checkpoint.CheckpointError(f"checkpoint {path} has bad meta data: {e}") from None
     if dtype == jnp.float64 and not jax.config.jax_enable_x64:
         raise ValueError("this run's params are float64: enable jax_enable_x64 to load them")
     optimizer = make_optimizer(**settings.optimizer_kwargs())
@@ -235,7 +239,16 @@ def load_run(run_dir, step: int | None = None, model: dict | None = None):
         lambda: init_state(init_params(jax.random.PRNGKey(0), config, dtype), optimizer))
     template = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), template)
-    state = checkpoint.restore(run_dir, template, meta["step"])
+    state = checkpoint.restore(run_dir, template, step)
+    return state, config, tokenizer, meta
+
+
+def load_run(run_dir, step: int | None = None, model: dict | None = None):
+    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run;
+    without ``step``, the newest checkpoint that verifies (damaged ones are skipped
+    with a one-line warning on stderr). ``model``: ModelConfig fields to change that
+    keep the params' shapes (e.g. attention_impl, compute_dtype)."""
+    state, config, tokenizer, meta = load_state(run_dir, step)
     return state.params, config.replace(**(model or {})), tokenizer, meta
 
 

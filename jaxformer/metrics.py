@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -10,6 +11,8 @@ PLOT_FILE = "loss.png"
 # record keys about the run (speed, compile time, a resume marker), not the model's
 # trajectory: a resumed run's records equal an uninterrupted run's without them
 RUN_KEYS = frozenset({"tokens_per_s", "compile_s", "resumed"})
+GRAD_PLOT_FILE = "grad_norms.png"
+GRAD_NORM_PREFIX = "grad_norm/"  # per-layer gradient norms: grad_norm/embed, grad_norm/block0, ...
 
 
 def _write_record(path: Path, record: dict) -> None:
@@ -17,22 +20,41 @@ def _write_record(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def _parse_lines(path: Path) -> tuple[list[dict], bool]:
+    """(records, whether a cut-off last line was dropped). A run killed while writing
+    leaves its last line incomplete; a bad line anywhere else is a ValueError naming it."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records, cut = [], False
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                cut = True
+                break
+            raise ValueError(f"{path} line {i + 1} is not a JSON record: {line[:60]!r}") from None
+    return records, cut
+
+
 def read_metrics(run_dir) -> list[dict]:
-    """The records of ``<run_dir>/metrics.jsonl``."""
+    """The records of ``<run_dir>/metrics.jsonl`` (a cut-off last line is left out)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return _parse_lines(path)[0]
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines logged after ``last_step`` (written after the checkpoint a run resumes)."""
+    """Drop lines logged after ``last_step`` (written after the checkpoint a run resumes),
+    and repair a last line cut off by a kill (dropped, with a note on stderr)."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    records, cut = _parse_lines(path)
+    if cut:
+        print(f"warning: {path}: dropped its last line, cut off by an interrupted write",
+              file=sys.stderr)
+    kept = [r for r in records if r.get("step", 0) <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def plot_losses(records: list[dict], path) -> None:
@@ -67,6 +89,40 @@ def plot_losses(records: list[dict], path) -> None:
     ax.legend(handles, labels)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def plot_grad_norms(records: list[dict], path) -> None:
+    """A PNG of each layer's gradient norm against step (log scale), from the
+    ``grad_norm/<layer>`` fields of the records; nothing when there are none."""
+    names = sorted({k for r in records for k in r if k.startswith(GRAD_NORM_PREFIX)},
+                   key=_layer_order)
+    if not names:
+        return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name in names:
+        points = [(r["step"], r[name]) for r in records if r.get(name) is not None and r[name] > 0]
+        if points:
+            ax.plot(*zip(*points), label=name[len(GRAD_NORM_PREFIX):], lw=1.2)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm")
+    ax.set_title("gradient norm per layer")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _layer_order(name: str):
+    layer = name[len(GRAD_NORM_PREFIX):]
+    if layer.startswith("block"):
+        return (1, int(layer[len("block"):]))
+    return (0 if layer == "embed" else 2, 0)
 
 
 def _progress_bar(start: int, total: int, enabled: bool):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 from jaxformer.config import ModelConfig
 from jaxformer.data import validate_ids
 from jaxformer.layers import block, embed, layer_norm, linear
+from jaxformer.params import validate_params
 
 
 def _concrete(x) -> bool:
@@ -48,11 +51,27 @@ def validate_batch(batch, config: ModelConfig) -> None:
                 f"batch['{key}'] has shape {tuple(jnp.shape(batch[key]))}, "
                 f"batch['inputs'] has {shape}"
             )
+    validate_mask(batch.get("mask"))
+
+
+def validate_mask(mask) -> None:
+    """Raise ValueError when the loss mask holds a negative, NaN or infinite weight
+    (eager calls only: a traced value cannot be inspected)."""
+    if mask is None or not _concrete(mask):
+        return
+    m = np.asarray(mask)
+    if m.dtype == bool or np.issubdtype(m.dtype, np.unsignedinteger):
+        return
+    if not np.all(np.isfinite(m)):
+        raise ValueError("batch['mask'] holds NaN or infinite values; weights must be finite and >= 0")
+    if np.any(m < 0):
+        raise ValueError(f"batch['mask'] holds negative values (min {m.min()}); weights must be >= 0")
 
 
 def forward(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> logits (B, T, V), in the dtype of the params."""
     validate_tokens("inputs", inputs, config)
+    validate_params(params, config)
     x = embed(params, inputs, config)  # (B, T, D)
 
     def layer(x, p):

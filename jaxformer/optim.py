@@ -27,8 +27,8 @@ SCHEDULES = ("constant", "cosine", "linear")
 
 
 def _check_number(name, value, *, minimum=0.0, strict=False, maximum=None):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if (strict and not value > minimum) or value < minimum:
         raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
     if maximum is not None and value > maximum:

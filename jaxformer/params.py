@@ -67,20 +67,35 @@ def count_params(params) -> int:
     return sum(x.size for x in jax.tree_util.tree_leaves(params))
 
 
-def check_params(params, config: ModelConfig) -> None:
-    """Raise ValueError naming the first leaf whose path or shape does not fit ``config``."""
+@functools.lru_cache(maxsize=32)
+def expected_shapes(config: ModelConfig) -> dict[str, tuple]:
+    """{leaf path (keystr, e.g. "['blocks']['attn']['wq']"): shape} of ``config``'s params."""
     expected = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
-    exp_leaves = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
-    got_leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    fmt = jax.tree_util.keystr
-    missing = [fmt(p) for p in exp_leaves if p not in got_leaves]
-    extra = [fmt(p) for p in got_leaves if p not in exp_leaves]
-    if missing or extra:
-        raise ValueError(
-            f"params do not match the config: missing {missing or 'nothing'}, "
-            f"unexpected {extra or 'nothing'}"
-        )
-    for path, leaf in exp_leaves.items():
-        shape = tuple(getattr(got_leaves[path], "shape", ()))
-        if shape != leaf.shape:
-            raise ValueError(f"params{fmt(path)} has shape {shape}, the config needs {leaf.shape}")
+    return {jax.tree_util.keystr(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
+
+
+def validate_params(params, config: ModelConfig) -> None:
+    """Raise ValueError naming the first leaf that is missing, unexpected or of the
+    wrong shape for ``config`` (e.g. a tok_embed with fewer rows than vocab_size).
+    Looks only at the tree and the shapes, so it costs nothing under jit."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be a dict (the params pytree), got {type(params).__name__}")
+    expected = expected_shapes(config)
+    got = {jax.tree_util.keystr(path): leaf
+           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for path, shape in expected.items():
+        if path not in got:
+            raise ValueError(f"params{path} is missing (the config needs shape {shape})")
+        leaf_shape = tuple(getattr(got[path], "shape", ()))
+        if leaf_shape != shape:
+            raise ValueError(f"params{path} has shape {leaf_shape}, the config needs {shape}")
+    extra = [path for path in got if path not in expected]
+    if extra:
+        raise ValueError(f"params{extra[0]} is not a parameter of this config")
+
+
+def check_params(params, config: ModelConfig) -> None:
+    """Raise ValueError naming the first leaf whose path or shape does not fit ``config``
+    (the same check as ``validate_params``)."""
+    validate_params(params, config)

@@ -4,6 +4,7 @@ preset recipes that fill it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -12,6 +13,8 @@ from jaxformer.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
 from jaxformer.optim import make_optimizer
 
 GRAD_SOURCES = ("auto", "manual")
+# numeric settings that must be finite (the optimizer and the data split check their ranges)
+FLOAT_FIELDS = ("lr", "clip_value", "clip_norm", "weight_decay", "momentum", "val_fraction")
 DTYPES = ("float32", "float64")
 
 
@@ -23,7 +26,8 @@ class TrainSettings:
     preset: str = "tiny"  # model shape: a key of config.PRESETS
     model: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields overriding the preset's
     grads: str = "auto"  # gradient source: auto (jax.grad) | manual (manual_grads)
-    steps: int = 100  # total optimizer calls of the run (the schedule's horizon)
+    steps: int = 100  # total optimizer calls of the run
+    schedule_steps: int | None = None  # the schedule's horizon (None: steps); kept on resume
     corpus: str = "default"  # "default", "stdlib" or a file/folder path
     tokenizer: str = "byte"  # byte | char
     max_corpus_bytes: int | None = None  # read at most this much of the corpus
@@ -85,6 +89,17 @@ class TrainSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.schedule_steps is not None and (
+                isinstance(self.schedule_steps, bool) or not isinstance(self.schedule_steps, int)
+                or self.schedule_steps < 1):
+            raise ValueError(f"schedule_steps must be a positive integer, got {self.schedule_steps!r}")
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in ("clip_value", "clip_norm"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         for name in ("eval_every", "ckpt_every", "seed", "warmup_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -107,7 +122,8 @@ class TrainSettings:
         make_optimizer(**self.optimizer_kwargs())
 
     def optimizer_kwargs(self) -> dict[str, Any]:
-        updates = -(-self.steps // self.accum_steps)  # the schedule counts optimizer updates
+        horizon = self.schedule_steps or self.steps
+        updates = -(-horizon // self.accum_steps)  # the schedule counts optimizer updates
         if self.schedule == "constant":
             updates = None  # no horizon: runs of any length share one compiled step
         return dict(
@@ -121,8 +137,8 @@ class TrainSettings:
 # Settings a resumed run may change; any other difference from the checkpoint is an error.
 # (The model shape is compared through the resolved ModelConfig: config_diff.)
 RESUMABLE_CHANGES = frozenset(
-    {"steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints",
-     "mesh"}
+    {"steps", "schedule_steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every",
+     "keep_checkpoints", "mesh"}
 )
 
 
@@ -188,3 +204,24 @@ def diff_fields(saved: dict, requested: dict, ignore=()) -> list[str]:
         if a != b:
             out.append(f"{name}: {a!r} (checkpoint) vs {b!r} (requested)")
     return out
+
+
+def horizon(settings: TrainSettings) -> int:
+    """The step count at which the learning-rate schedule ends."""
+    return settings.schedule_steps or settings.steps
+
+
+def keep_schedule(settings: TrainSettings, saved: TrainSettings) -> tuple[TrainSettings, str | None]:
+    """A resumed run keeps the schedule horizon it was started with unless
+    ``settings.schedule_steps`` is set: (settings with the saved horizon pinned, a
+    one-line note when that differs from the requested steps, else None)."""
+    if settings.schedule_steps is not None:
+        return settings, None
+    kept = horizon(saved)
+    if kept == settings.steps:
+        return settings, None
+    settings = settings.replace(schedule_steps=kept)
+    if settings.schedule == "constant":
+        return settings, None
+    return settings, (f"keeping the {settings.schedule} schedule's horizon at {kept} steps while "
+                      f"training to step {settings.steps} (set --schedule-steps to change it)")

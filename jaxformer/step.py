@@ -60,6 +60,22 @@ def grad_source(kind: str, config: ModelConfig) -> GradFn:
     raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
 
 
+def layer_grad_norms(grads) -> dict:
+    """The gradient norm of each layer: ``grad_norm/embed`` (token and position
+    embeddings), ``grad_norm/block{i}`` (block i's slice of every blocks leaf) and
+    ``grad_norm/head`` (final norm and head). {} for trees without the params layout."""
+    if not isinstance(grads, dict) or "blocks" not in grads:
+        return {}
+    group = lambda keys: optax.tree.norm({k: grads[k] for k in keys if k in grads})  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(grads["blocks"])
+    per_block = sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in leaves)  # (L,)
+    per_block = jnp.sqrt(per_block)
+    out = {"grad_norm/embed": group(("tok_embed", "pos_embed"))}
+    out.update({f"grad_norm/block{i}": per_block[i] for i in range(per_block.shape[0])})
+    out["grad_norm/head"] = group(("ln_f", "head"))
+    return out
+
+
 def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
                     mesh: Mesh | None = None, donate: bool = True, state_sharding=None):
     """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
@@ -69,7 +85,8 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
     data x fsdp, and the state laid out by ``state_sharding`` (a TrainState of
     NamedShardings, sharding.state_shardings; default: replicated): jit inserts the
     collectives. The metrics come back replicated and stay on the device.
-    metrics: loss, grad_norm (global norm of the gradient), update_norm, lr.
+    metrics: loss, grad_norm (global norm of the gradient), update_norm, lr, and the
+    per-layer norms of ``layer_grad_norms``.
     """
 
     def step(state: TrainState, batch):
@@ -82,6 +99,7 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
             "grad_norm": optax.tree.norm(grads),
             "update_norm": optax.tree.norm(updates),
             "lr": current_lr(opt_state),
+            **layer_grad_norms(grads),
         }
         return new_state, metrics
 

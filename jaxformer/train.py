@@ -21,7 +21,10 @@ among them stops the run, naming its step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,17 +35,17 @@ import numpy as np
 from jaxformer import checkpoint, report, tb
 from jaxformer.config import ModelConfig
 from jaxformer.configfile import CONFIG_FILE, write_config
-from jaxformer.metrics import (METRICS_FILE, PLOT_FILE, _truncate_metrics,
-                               _write_record, plot_losses, read_metrics)
+from jaxformer.metrics import (GRAD_PLOT_FILE, METRICS_FILE, PLOT_FILE, _truncate_metrics,
+                               _write_record, plot_grad_norms, plot_losses, read_metrics)
 from jaxformer.settings import (DTYPES, GRAD_SOURCES, RESUMABLE_CHANGES, TrainSettings,
-                                config_diff, diff_fields, settings_for)
+                                config_diff, diff_fields, keep_schedule, settings_for)
 from jaxformer.sharding import check_batch_size, make_mesh, mesh_shardings, put_batch
 from jaxformer.step import (GradFn, TrainState, _eval_step, _init_fn, _step, grad_source,
                             init_state, make_eval_step, make_train_step)
 
 __all__ = [
     "DTYPES", "GRAD_SOURCES", "METRICS_FILE", "PLOT_FILE", "RESUMABLE_CHANGES",
-    "NonFiniteLossError", "TrainResult", "TrainSettings", "TrainState", "diff_fields",
+    "DataChangedError", "NonFiniteLossError", "TrainResult", "TrainSettings", "TrainState", "diff_fields",
     "grad_source", "init_state", "make_eval_step", "make_mesh", "make_train_step",
     "mesh_shardings", "plot_losses", "put_batch", "read_metrics", "settings_for", "train",
 ]
@@ -50,6 +53,41 @@ __all__ = [
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or the gradient norm) became NaN or infinite; training stopped."""
+
+
+class DataChangedError(ValueError):
+    """A resumed run's corpus or tokenizer differs from the one it was trained on."""
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def data_fingerprint(corpus: bytes, tokenizer) -> dict:
+    """sha256 of the corpus bytes and of the tokenizer's JSON, recorded with the run."""
+    tok = json.dumps(tokenizer.to_dict(), sort_keys=True).encode()
+    return {"corpus_sha256": hashlib.sha256(corpus).hexdigest(),
+            "tokenizer_sha256": hashlib.sha256(tok).hexdigest()}
+
+
+def check_data(saved: dict | None, now: dict, where, allow_change: bool) -> None:
+    """Raise DataChangedError when a recorded fingerprint differs from ``now``
+    (a warning instead with ``allow_change``); runs without a record pass."""
+    if not saved:
+        return
+    changed = [k.split("_")[0] for k in ("corpus_sha256", "tokenizer_sha256")
+               if k in saved and saved[k] != now[k]]
+    if not changed:
+        return
+    what = " and ".join(changed)
+    if allow_change:
+        _say(f"warning: the {what} differ(s) from the one the run was trained on; "
+             "continuing (--allow-data-change)")
+        return
+    raise DataChangedError(
+        f"the {what} differ(s) from the one the checkpoint in {where} was trained on "
+        f"(corpus sha256 {saved.get('corpus_sha256', '?')[:12]} recorded, {now['corpus_sha256'][:12]} "
+        "now); pass --allow-data-change (allow_data_change=True) to resume on it anyway")
 
 
 # ----------------------------------------------------------------------------
@@ -66,33 +104,39 @@ class TrainResult:
     timing: dict = dataclasses.field(default_factory=dict)  # report.StepClock.summary()
 
 
-def _meta(config: ModelConfig, tokenizer, settings: TrainSettings) -> dict:
-    return {"config": config.to_dict(), "tokenizer": tokenizer.to_dict(),
+def _meta(config: ModelConfig, tokenizer, settings: TrainSettings, fingerprint=None) -> dict:
+    meta = {"config": config.to_dict(), "tokenizer": tokenizer.to_dict(),
             "settings": settings.to_dict(), "param_dtype": settings.dtype}
+    if fingerprint is not None:
+        meta["data"] = fingerprint
+    return meta
 
 
-def _load_data(settings: TrainSettings, tokenizer=None, log=None):
-    """(tokenizer, train ids, val ids); a given tokenizer (a resumed run's) is kept.
-    log: a function given the lines that describe the data."""
+def _load_data(settings: TrainSettings, tokenizer=None, check=None, log=None):
+    """(tokenizer, train ids, val ids, fingerprint); a given tokenizer (a resumed run's)
+    is kept. ``check(fingerprint)`` runs before the corpus is encoded; ``log``: a
+    function given the lines that describe the data."""
     from jaxformer import data
 
     corpus = data.load_corpus(settings.corpus, max_bytes=settings.max_corpus_bytes)
     if tokenizer is None:
         tokenizer = data.make_tokenizer(settings.tokenizer, corpus)
+    fingerprint = data_fingerprint(corpus, tokenizer)
+    if check is not None:
+        check(fingerprint)
     ids = tokenizer.encode(corpus)
     train_ids, val_ids = data.split_train_val(ids, settings.val_fraction)
     if log:
         source = data.describe_corpus(settings.corpus, settings.max_corpus_bytes, len(corpus))
         for line in report.data_lines(source, tokenizer, len(train_ids), len(val_ids)):
             log(line)
-    return tokenizer, train_ids, val_ids
+    return tokenizer, train_ids, val_ids, fingerprint
 
 
-def _check_resume(run_dir: Path, settings: TrainSettings) -> dict:
-    """The checkpoint's meta, after checking that it fits ``settings``."""
+def _check_resume(run_dir: Path, settings: TrainSettings, saved_meta: dict) -> dict:
+    """The checkpoint's meta ``saved_meta``, after checking that it fits ``settings``."""
     from jaxformer import data
 
-    saved_meta = checkpoint.read_meta(run_dir)
     tokenizer = data.tokenizer_from_dict(saved_meta["tokenizer"])
     requested = settings.model_config(tokenizer.vocab_size)
     model_diff = config_diff(saved_meta["config"], requested)
@@ -121,13 +165,18 @@ def _first_non_finite(pending: list) -> tuple[int, dict] | None:
 
 
 def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: bool = True,
-          devices=None, grad_fn: GradFn | None = None, log=None) -> TrainResult:
+          devices=None, grad_fn: GradFn | None = None, log=None,
+          allow_data_change: bool = False) -> TrainResult:
     """Train for ``settings.steps`` steps in the run folder ``out_dir`` (created).
 
     resume: continue from the latest checkpoint in ``out_dir``; the losses then equal
     those of an uninterrupted run (on any mesh). ``settings`` may differ from the
     checkpoint's only in RESUMABLE_CHANGES (a CheckpointError names any other
     differing field; the model is compared field by field after resolving overrides).
+    A resumed run keeps the schedule horizon it started with unless
+    ``settings.schedule_steps`` says otherwise, restores the newest checkpoint that
+    verifies (reporting any it skips), and refuses a changed corpus or tokenizer
+    (DataChangedError) unless ``allow_data_change``.
     devices: the devices of the mesh (default: all devices of all processes), laid
     out as ``settings.mesh`` says.
     grad_fn: a gradient source to use instead of the one ``settings.grads`` names.
@@ -142,13 +191,22 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     settings.validate()
     run_dir = Path(out_dir)
     tokenizer = None
+    check = None
     if resume:
-        tokenizer = data.tokenizer_from_dict(_check_resume(run_dir, settings)["tokenizer"])
+        saved_meta = checkpoint.newest_meta(run_dir)
+        settings, note = keep_schedule(settings, TrainSettings.from_dict(saved_meta["settings"]))
+        if note:
+            _say(note)
+        tokenizer = data.tokenizer_from_dict(_check_resume(run_dir, settings, saved_meta)["tokenizer"])
+
+        def check(fingerprint):
+            check_data(saved_meta.get("data"), fingerprint, checkpoint.checkpoint_dir(run_dir),
+                       allow_data_change)
     elif checkpoint.all_steps(run_dir):
         raise ValueError(
             f"{run_dir} already holds checkpoints; resume it (--resume) or choose another folder"
         )
-    tokenizer, train_ids, val_ids = _load_data(settings, tokenizer, log)
+    tokenizer, train_ids, val_ids, fingerprint = _load_data(settings, tokenizer, check, log)
     config = settings.model_config(tokenizer.vocab_size)
 
     mesh = make_mesh(devices, settings.mesh)
@@ -163,7 +221,13 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     mesh_key = (tuple(mesh.devices.flat), tuple(mesh.devices.shape))
     state = _init_fn(config, settings.dtype, opt_items, *mesh_key)(settings.seed)
     if resume:
-        state = checkpoint.restore(run_dir, state)
+        template = state
+        from_step, state = checkpoint.load_newest_good(
+            run_dir, lambda s: checkpoint.restore(run_dir, template, s))
+        _say(f"resuming from checkpoint step {from_step} "
+             f"({checkpoint.checkpoint_dir(run_dir) / str(from_step)})")
+        for newer in [s for s in checkpoint.all_steps(run_dir) if s > from_step]:
+            _say(f"moved the damaged checkpoint of step {newer} to {checkpoint.set_aside(run_dir, newer)}")
     step_fn = _step(config, grad_fn or settings.grads, opt_items, settings.dtype, *mesh_key)
     eval_fn = _eval_step(config, *mesh_key)
     if log:
@@ -185,7 +249,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
         elif metrics_path.exists():
             metrics_path.unlink()
         write_config(run_dir / CONFIG_FILE, settings, config)
-    meta = _meta(config, tokenizer, settings)
+    meta = _meta(config, tokenizer, settings, fingerprint)
     tokens_per_step = settings.batch_size * settings.seq_len
     records: list[dict] = []
     last_saved = start if resume else None
@@ -205,17 +269,30 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
         bad = _first_non_finite(fetched)
         if bad is not None:
             s, m = bad
-            kept = (f"the last checkpoint (step {last_saved}) is kept in "
-                    f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved else "no checkpoint was written")
-            raise NonFiniteLossError(
-                f"non-finite loss at step {s} (loss {m['loss']}, gradient norm "
-                f"{m['grad_norm']}); training stopped, {kept}"
-            )
+            raise stop(s, f"non-finite loss at step {s} (loss {m['loss']}, gradient norm "
+                          f"{m['grad_norm']})")
         return fetched[-1][1]
+
+    def kept() -> str:
+        if last_saved is None:
+            return "no checkpoint was written"
+        return (f"the newest healthy checkpoint is step {last_saved} in "
+                f"{checkpoint.checkpoint_dir(run_dir)}")
+
+    def stop(s: int, what: str):
+        """NonFiniteLossError for step s, with the layer that made the first non-finite value."""
+        from jaxformer.diagnose import diagnose_failure
+
+        cause = diagnose_failure(
+            run_dir, last_saved, config, settings, step_fn, batcher, s, mesh_key, opt_items)
+        return NonFiniteLossError(f"{what}; training stopped, {kept()}. {cause}")
 
     def save():
         nonlocal last_saved
-        checkpoint.save(run_dir, state, meta, keep=settings.keep_checkpoints)
+        try:
+            checkpoint.save(run_dir, state, meta, keep=settings.keep_checkpoints)
+        except checkpoint.UnhealthyStateError as e:
+            raise stop(int(jax.device_get(state.step)), str(e)) from None
         last_saved = int(jax.device_get(state.step))
 
     bar = report.Progress(start, settings.steps, progress and main)
@@ -268,6 +345,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
             all_records = read_metrics(run_dir)
             if all_records:
                 plot_losses(all_records, run_dir / PLOT_FILE)
+                plot_grad_norms(all_records, run_dir / GRAD_PLOT_FILE)
     timing = clock.summary()
     if log:
         log(report.summary_line(timing))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxformer.config import ModelConfig
 from jaxformer.model import validate_batch
+from jaxformer.params import validate_params
 from manual_grads.block import block_bwd, block_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
@@ -41,6 +42,7 @@ def value_and_grad(params, batch, config: ModelConfig):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
     structure and dtype of params. jit it with ``static_argnums=2``."""
     validate_batch(batch, config)
+    validate_params(params, config)
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
     eps = config.ln_eps
 

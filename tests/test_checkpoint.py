@@ -75,6 +75,9 @@ def test_corrupted_checkpoint_names_the_path(tmp_path):
     for f in (step_dir / "state").rglob("*"):  # garble every data file of the state
         if f.is_file() and f.name != "commit_success.txt":
             f.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=f"checkpoint step 0 is damaged: {step_dir}/state/"):
+        checkpoint.restore(tmp_path, state)
+    (step_dir / checkpoint.FILE_DIGESTS).unlink()  # without file digests orbax's read fails
     with pytest.raises(CheckpointError, match=f"cannot restore checkpoint {step_dir}"):
         checkpoint.restore(tmp_path, state)
     (step_dir / "meta" / "metadata").write_text("{not json")

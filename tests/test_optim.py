@@ -36,7 +36,7 @@ def _close(a, b, atol=ATOL, rtol=RTOL):
     (dict(name="lion"), "unknown optimizer"),
     (dict(schedule="exp"), "unknown schedule"),
     (dict(lr=-1.0), "lr must be >= 0"),
-    (dict(lr="big"), "lr must be a number"),
+    (dict(lr="big"), "lr must be a finite number"),
     (dict(clip_value=0.0), "clip_value must be > 0"),
     (dict(clip_norm=-1.0), "clip_norm must be > 0"),
     (dict(weight_decay=-0.1), "weight_decay must be >= 0"),

@@ -156,7 +156,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(corpus, tmp_path):
     with pytest.raises(NonFiniteLossError, match="non-finite loss at step 3") as info:
         train(tiny_settings(corpus, steps=5), tmp_path, resume=True, progress=False,
               grad_fn=_nan_grad_fn)
-    assert "last checkpoint (step 2)" in str(info.value)
+    assert "newest healthy checkpoint is step 2" in str(info.value)
     assert checkpoint.all_steps(tmp_path) == [2]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
