@@ -1,7 +1,7 @@
 """The memory options (attention_impl, attention_block, loss_chunk, remat) on the whole
-model, in float64: manual_grads.value_and_grad, jax.grad of the configured model and
-jax.grad of the custom_vjp model all equal jax.grad of the PLAIN model (full attention,
-no chunking, no recompute), over a pairwise covering set of every option."""
+model, in float64: manual_grads.value_and_grad and jax.grad of the configured model
+equal jax.grad of the PLAIN model (full attention, no chunking, no recompute), over a
+pairwise covering set of every option; so does jax.grad of the custom_vjp model."""
 
 import itertools
 
@@ -62,10 +62,17 @@ def plain(config):
 def _all(params, batch, config):
     ref = jax.value_and_grad(jaxformer.loss_fn)
     return (ref(params, batch, plain(config)), manual_grads.value_and_grad(params, batch, config),
-            ref(params, batch, config), jax.value_and_grad(custom_vjp.loss_fn)(params, batch, config))
+            ref(params, batch, config))
+
+
+def _custom_vjp(params, batch, config):
+    return (jax.value_and_grad(jaxformer.loss_fn)(params, batch, plain(config)),
+            jax.value_and_grad(custom_vjp.loss_fn)(params, batch, config))
 
 
 ALL = jax.jit(_all, static_argnums=2)  # one compile per case
+CUSTOM_VJP = jax.jit(_custom_vjp, static_argnums=2)
+NAMES = ("manual", "autodiff of the configured model")
 
 
 def test_rows_cover_every_pair():
@@ -75,11 +82,12 @@ def test_rows_cover_every_pair():
         assert seen == set(itertools.product(FIELDS[a], FIELDS[b])), (a, b)
 
 
-def check(config, dtype, B, T, mask):
+def check(config, dtype, B, T, mask, fn=ALL, names=NAMES):
     params, batch = make_params(config, dtype), make_batch(config, B, T, mask)
-    (loss_ref, grads_ref), *others = ALL(params, batch, config)
+    (loss_ref, grads_ref), *others = fn(params, batch, config)
+    assert len(others) == len(names)
     tol = 1e-12 if dtype == jnp.float64 else 1e-6
-    for name, (loss, grads) in zip(("manual", "autodiff of the configured model", "custom_vjp"), others):
+    for name, (loss, grads) in zip(names, others):
         assert loss.dtype == dtype, name
         np.testing.assert_allclose(loss, loss_ref, rtol=tol, atol=tol, err_msg=name)
         rows = assert_trees_close(grads_ref, grads)  # 1e-10 (float64) or 1e-4 (float32) per leaf
@@ -93,6 +101,14 @@ def check(config, dtype, B, T, mask):
                               f"-{c.activation}-T{T}" for c, _, T, _ in CASES])
 def test_options_match_plain_autodiff_float64(case):
     check(*CASES[case][:1], jnp.float64, *CASES[case][1:])
+
+
+@pytest.mark.parametrize("norm", ["post"])
+def test_custom_vjp_model_honours_the_options(norm):
+    """jax.grad of custom_vjp.loss_fn runs the blockwise, chunked and recomputing rules."""
+    config = TINY.replace(attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block",
+                          norm=norm)
+    check(config, jnp.float64, 2, 13, "mostly_zero", CUSTOM_VJP, ("custom_vjp",))
 
 
 def test_every_option_on_float32():
