@@ -62,7 +62,7 @@ def _softmax_correction(dout, out):
     return jnp.sum(dout.astype(f) * out.astype(f), axis=-1)
 
 
-def _pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, causal):
+def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, causal):
     """One (query block i, key block j) pair: add its share to dq_i, dk_j, dv_j."""
     dq_i, dk_j, dv_j = carry  # (B, H, K, Dh) each, stats_dtype
     scale = 1.0 / math.sqrt(q_i.shape[-1])
@@ -95,7 +95,7 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
         def key_step(carry, j):
             dq_i, dk, dv = carry
             pair = (dq_i, dk[j], dv[j])
-            pair_bwd = lambda c: _pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal)  # noqa: E731
+            pair_bwd = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal)  # noqa: E731
             dq_i, dk_j, dv_j = jax.lax.cond(visible(i, j, causal), pair_bwd, lambda c: c, pair)
             return (dq_i, dk.at[j].set(dk_j), dv.at[j].set(dv_j)), None
 
