@@ -95,8 +95,8 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
         def key_step(carry, j):
             dq_i, dk, dv = carry
             pair = (dq_i, dk[j], dv[j])
-            pair_bwd = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal)  # noqa: E731
-            dq_i, dk_j, dv_j = jax.lax.cond(visible(i, j, causal), pair_bwd, lambda c: c, pair)
+            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal)  # noqa: E731
+            dq_i, dk_j, dv_j = jax.lax.cond(visible(i, j, causal), add_pair, lambda c: c, pair)
             return (dq_i, dk.at[j].set(dk_j), dv.at[j].set(dv_j)), None
 
         (dq_i, dk, dv), _ = jax.lax.scan(key_step, (jnp.zeros(q_i.shape, f),) + dkv, idx)
