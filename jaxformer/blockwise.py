@@ -13,7 +13,7 @@ backward (manual_grads/blockwise.py) needs to recompute any block of
 probabilities as exp(s - lse).
 
 These pieces are the single definition of the blockwise math: the manual
-backward loops over the same blocks with ``block_scores`` and ``visible``.
+backward loops over the same blocks with ``block_scores`` and ``if_visible``.
 Softmax statistics are kept in at least float32 (``stats_dtype``).
 """
 
@@ -57,9 +57,12 @@ def block_size(T: int, block: int) -> int:
     return min(block, T)
 
 
-def visible(i, j, causal: bool):
-    """Whether query block i sees any of key block j: always, or j <= i when causal."""
-    return j <= i if causal else jnp.bool_(True)
+def if_visible(i, j, causal: bool, update, carry):
+    """update(carry) when query block i sees any of key block j (always, or j <= i when
+    causal), else carry unchanged: a causal block above the diagonal is never computed."""
+    if not causal:
+        return update(carry)
+    return jax.lax.cond(j <= i, update, lambda c: c, carry)
 
 
 def block_scores(q_i, k_j, i, j, T: int, causal: bool):
@@ -102,7 +105,7 @@ def _query_block(q_i, i, kb, vb, T: int, causal: bool):
     def key_step(carry, xs):
         k_j, v_j, j = xs
         update = lambda c: online_softmax_step(c, block_scores(q_i, k_j, i, j, T, causal), v_j)  # noqa: E731
-        return jax.lax.cond(visible(i, j, causal), update, lambda c: c, carry), None
+        return if_visible(i, j, causal, update, carry), None
 
     (m, l, acc), _ = jax.lax.scan(key_step, init, (kb, vb, jnp.arange(kb.shape[0])))
     return (acc / l[..., None]).astype(q_i.dtype), m + jnp.log(l)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.blockwise import (block_scores, block_size, blockwise_attention_core,
-                                 from_blocks, stats_dtype, to_blocks, visible)
+                                 from_blocks, if_visible, stats_dtype, to_blocks)
 from jaxformer.config import ModelConfig
 from jaxformer.layers import merge_heads, split_heads
 from manual_grads.attention import _proj, attention_bwd, attention_fwd
@@ -96,7 +96,7 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
             dq_i, dk, dv = carry
             pair = (dq_i, dk[j], dv[j])
             add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal)  # noqa: E731
-            dq_i, dk_j, dv_j = jax.lax.cond(visible(i, j, causal), add_pair, lambda c: c, pair)
+            dq_i, dk_j, dv_j = if_visible(i, j, causal, add_pair, pair)
             return (dq_i, dk.at[j].set(dk_j), dv.at[j].set(dv_j)), None
 
         (dq_i, dk, dv), _ = jax.lax.scan(key_step, (jnp.zeros(q_i.shape, f),) + dkv, idx)
