@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxformer.blockwise import blockwise_attention_core
 from jaxformer.config import ModelConfig
 
 # ----------------------------------------------------------------------------
@@ -107,13 +108,26 @@ def attention_probs(q, k, causal):
     return e / jnp.sum(e, axis=-1, keepdims=True)
 
 
-def attention(p, x, n_heads, causal):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D)."""
+def attention(p, x, n_heads, causal, impl="full", block=128):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D).
+    impl "blockwise" runs blockwise_attention with query and key blocks of ``block``."""
+    if impl == "blockwise":
+        return blockwise_attention(p, x, n_heads, causal, block)
     q = split_heads(linear(x, p["wq"], p["bq"]), n_heads)  # (B, H, T, Dh)
     k = split_heads(linear(x, p["wk"], p["bk"]), n_heads)  # (B, H, T, Dh)
     v = split_heads(linear(x, p["wv"], p["bv"]), n_heads)  # (B, H, T, Dh)
     probs = attention_probs(q, k, causal)  # (B, H, T, T)
     return linear(merge_heads(probs @ v), p["wo"], p["bo"])
+
+
+def blockwise_attention(p, x, n_heads, causal, block):
+    """attention(p, x, n_heads, causal) without the (B, H, T, T) probabilities: an online
+    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py)."""
+    q = split_heads(linear(x, p["wq"], p["bq"]), n_heads)  # (B, H, T, Dh)
+    k = split_heads(linear(x, p["wk"], p["bk"]), n_heads)  # (B, H, T, Dh)
+    v = split_heads(linear(x, p["wv"], p["bv"]), n_heads)  # (B, H, T, Dh)
+    out, _ = blockwise_attention_core(q, k, v, causal, block)  # (B, H, T, Dh)
+    return linear(merge_heads(out), p["wo"], p["bo"])
 
 
 # ----------------------------------------------------------------------------
@@ -166,11 +180,12 @@ def embed(params, inputs, config: ModelConfig):
 def block(p, x, config: ModelConfig):
     """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D)."""
     eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
+    impl = dict(impl=config.attention_impl, block=config.attention_block)
     if config.norm == "pre":
-        x = x + attention(p["attn"], layer_norm(p["ln1"], x, eps), H, causal)
+        x = x + attention(p["attn"], layer_norm(p["ln1"], x, eps), H, causal, **impl)
         x = x + feed_forward(p["ffn"], layer_norm(p["ln2"], x, eps), act)
     else:
-        x = layer_norm(p["ln1"], x + attention(p["attn"], x, H, causal), eps)
+        x = layer_norm(p["ln1"], x + attention(p["attn"], x, H, causal, **impl), eps)
         x = layer_norm(p["ln2"], x + feed_forward(p["ffn"], x, act), eps)
     return x
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.chunked_loss import chunked_head_loss
 from jaxformer.config import ModelConfig
 from jaxformer.data import validate_ids
 from jaxformer.layers import block, embed, layer_norm, linear
@@ -68,8 +69,10 @@ def validate_mask(mask) -> None:
         raise ValueError(f"batch['mask'] holds negative values (min {m.min()}); weights must be >= 0")
 
 
-def forward(params, inputs, config: ModelConfig):
-    """inputs int (B, T) -> logits (B, T, V), in the dtype of the params."""
+def features(params, inputs, config: ModelConfig):
+    """inputs int (B, T) -> the head's input (B, T, D): embeddings, blocks, final norm.
+    With remat "block" each scanned block is a jax.checkpoint: JAX's grad keeps only
+    its input and recomputes the rest."""
     validate_tokens("inputs", inputs, config)
     validate_params(params, config)
     x = embed(params, inputs, config)  # (B, T, D)
@@ -77,9 +80,17 @@ def forward(params, inputs, config: ModelConfig):
     def layer(x, p):
         return block(p, x, config), None
 
+    if config.remat == "block":
+        layer = jax.checkpoint(layer)
     x, _ = jax.lax.scan(layer, x, params["blocks"])
     if config.norm == "pre":
         x = layer_norm(params["ln_f"], x, config.ln_eps)
+    return x
+
+
+def forward(params, inputs, config: ModelConfig):
+    """inputs int (B, T) -> logits (B, T, V), in the dtype of the params."""
+    x = features(params, inputs, config)  # (B, T, D)
     return linear(x, params["head"]["w"], params["head"]["b"])  # (B, T, V)
 
 
@@ -101,5 +112,9 @@ def cross_entropy(logits, targets, mask=None):
 def loss_fn(params, batch, config: ModelConfig):
     """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?}."""
     validate_batch(batch, config)
+    if config.loss_chunk:
+        x = features(params, batch["inputs"], config)  # (B, T, D); no (B, T, V) logits
+        return chunked_head_loss(params["head"], x, batch["targets"], batch.get("mask"),
+                                 config.loss_chunk)
     logits = forward(params, batch["inputs"], config)
     return cross_entropy(logits, batch["targets"], batch.get("mask"))

@@ -15,7 +15,8 @@ from typing import NamedTuple
 from jaxformer.config import ModelConfig
 from manual_grads.activations import (GeluRes, GeluTanhRes, ReluRes, TanhRes,
                                       activation_bwd, activation_fwd)
-from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
+from manual_grads.attention import AttentionRes
+from manual_grads.blockwise import BlockwiseAttentionRes, any_attention_bwd, any_attention_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 
@@ -52,13 +53,13 @@ def feed_forward_bwd(res: FeedForwardRes, dy):
 
 class PreBlockRes(NamedTuple):
     ln1: LayerNormRes  # of x (B, T, D)
-    attn: AttentionRes  # of ln1(x)
+    attn: AttentionRes | BlockwiseAttentionRes  # of ln1(x)
     ln2: LayerNormRes  # of x1 = x + attn(ln1(x)) (B, T, D)
     ffn: FeedForwardRes  # of ln2(x1)
 
 
 class PostBlockRes(NamedTuple):
-    attn: AttentionRes  # of x (B, T, D)
+    attn: AttentionRes | BlockwiseAttentionRes  # of x (B, T, D)
     ln1: LayerNormRes  # of x + attn(x) (B, T, D)
     ffn: FeedForwardRes  # of x1 = ln1(x + attn(x))
     ln2: LayerNormRes  # of x1 + ffn(x1) (B, T, D)
@@ -79,9 +80,9 @@ def block_bwd(res, dy):
 
 
 def pre_block_fwd(p, x, config: ModelConfig):
-    eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
+    eps, act = config.ln_eps, config.activation
     h1, ln1_res = layer_norm_fwd(p["ln1"], x, eps)  # (B, T, D)
-    a, attn_res = attention_fwd(p["attn"], h1, H, causal)  # (B, T, D)
+    a, attn_res = any_attention_fwd(p["attn"], h1, config)  # (B, T, D)
     x1 = x + a  # (B, T, D)
     h2, ln2_res = layer_norm_fwd(p["ln2"], x1, eps)  # (B, T, D)
     f, ffn_res = feed_forward_fwd(p["ffn"], h2, act)  # (B, T, D)
@@ -94,15 +95,15 @@ def pre_block_bwd(res: PreBlockRes, dy):
     d_ln2, dx1_branch = layer_norm_bwd(res.ln2, dh2)
     dx1 = dy + dx1_branch
     # x1 = x + attn(ln1(x))
-    d_attn, dh1 = attention_bwd(res.attn, dx1)
+    d_attn, dh1 = any_attention_bwd(res.attn, dx1)
     d_ln1, dx_branch = layer_norm_bwd(res.ln1, dh1)
     dx = dx1 + dx_branch
     return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx
 
 
 def post_block_fwd(p, x, config: ModelConfig):
-    eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
-    a, attn_res = attention_fwd(p["attn"], x, H, causal)  # (B, T, D)
+    eps, act = config.ln_eps, config.activation
+    a, attn_res = any_attention_fwd(p["attn"], x, config)  # (B, T, D)
     x1, ln1_res = layer_norm_fwd(p["ln1"], x + a, eps)  # (B, T, D)
     f, ffn_res = feed_forward_fwd(p["ffn"], x1, act)  # (B, T, D)
     y, ln2_res = layer_norm_fwd(p["ln2"], x1 + f, eps)  # (B, T, D)
@@ -116,6 +117,6 @@ def post_block_bwd(res: PostBlockRes, dy):
     dx1 = ds2 + dx1_branch
     # x1 = ln1(x + attn(x))
     d_ln1, ds1 = layer_norm_bwd(res.ln1, dx1)
-    d_attn, dx_branch = attention_bwd(res.attn, ds1)
+    d_attn, dx_branch = any_attention_bwd(res.attn, ds1)
     dx = ds1 + dx_branch
     return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx

@@ -20,6 +20,8 @@ from jaxformer.model import validate_batch, validate_tokens
 from manual_grads import activations as _act
 from manual_grads import attention as _attn
 from manual_grads import block as _block
+from manual_grads import blockwise as _bw
+from manual_grads import chunked_loss as _chunked
 from manual_grads import embedding as _emb
 from manual_grads import layer_norm as _ln
 from manual_grads import linear as _lin
@@ -67,6 +69,25 @@ layer_norm = _register(_ln.layer_norm_fwd, _ln.layer_norm_bwd, nondiff_argnums=(
 attention = _register(_attn.attention_fwd, _attn.attention_bwd, nondiff_argnums=(2, 3))
 feed_forward = _register(_block.feed_forward_fwd, _block.feed_forward_bwd, nondiff_argnums=(2,))
 block = _register(_block.block_fwd, _block.block_bwd, nondiff_argnums=(2,))
+blockwise_attention = _register(_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd,
+                                nondiff_argnums=(2, 3, 4))
+
+
+# remat "block": the rule keeps (p, x) and recomputes the block's forward in its backward
+def _remat_block_fwd(p, x, config):
+    y, _ = _block.block_fwd(p, x, config)
+    return y, (p, x)
+
+
+def _remat_block_bwd(config, res, dy):
+    p, x = res
+    _, block_res = _block.block_fwd(p, x, config)  # y = block(p, x), recomputed
+    return _block.block_bwd(block_res, dy)
+
+
+remat_block = jax.custom_vjp(lambda p, x, config: _block.block_fwd(p, x, config)[0],
+                             nondiff_argnums=(2,))
+remat_block.defvjp(_remat_block_fwd, _remat_block_bwd)
 
 # embeddings: integer ids get None
 token_embedding = _register(_emb.token_embed_fwd, _emb.token_embed_bwd)
@@ -87,22 +108,44 @@ def cross_entropy(logits, targets, mask=None):
     return _cross_entropy(logits, targets, mask)
 
 
+# the head and the loss, chunk by chunk: (head, x, targets, mask, chunk); targets and mask get None
+def _chunked_head_loss_bwd(res, dloss):
+    dp, dx = _chunked.chunked_head_loss_bwd(res, dloss)
+    return dp, dx, None, None
+
+
+chunked_head_loss = _register(_chunked.chunked_head_loss_fwd, _chunked_head_loss_bwd,
+                              nondiff_argnums=(4,))
+
+
 # ----------------------------------------------------------------------------
 # the model, as jaxformer.model builds it, from the layers above
 
 
-def forward(params, inputs, config: ModelConfig):
-    """inputs int (B, T) -> logits (B, T, V)."""
+def features(params, inputs, config: ModelConfig):
+    """inputs int (B, T) -> the head's input (B, T, D); remat "block" uses remat_block."""
     validate_tokens("inputs", inputs, config)
     x = embed(params, inputs, config)  # (B, T, D)
-    x, _ = jax.lax.scan(lambda x, p: (block(p, x, config), None), x, params["blocks"])
+    layer = remat_block if config.remat == "block" else block
+    x, _ = jax.lax.scan(lambda x, p: (layer(p, x, config), None), x, params["blocks"])
     if config.norm == "pre":
         x = layer_norm(params["ln_f"], x, config.ln_eps)
+    return x
+
+
+def forward(params, inputs, config: ModelConfig):
+    """inputs int (B, T) -> logits (B, T, V)."""
+    x = features(params, inputs, config)  # (B, T, D)
     return linear(x, params["head"]["w"], params["head"]["b"])  # (B, T, V)
 
 
 def loss_fn(params, batch, config: ModelConfig):
-    """Mean next-token cross entropy; JAX's ``grad`` of it runs the manual backward."""
+    """Mean next-token cross entropy; JAX's ``grad`` of it runs the manual backward.
+    loss_chunk > 0 runs the head and the loss chunk by chunk (chunked_head_loss)."""
     validate_batch(batch, config)
+    if config.loss_chunk:
+        x = features(params, batch["inputs"], config)  # (B, T, D)
+        return chunked_head_loss(params["head"], x, batch["targets"], batch.get("mask"),
+                                 config.loss_chunk)
     logits = forward(params, batch["inputs"], config)
     return cross_entropy(logits, batch["targets"], batch.get("mask"))

@@ -163,6 +163,34 @@ check(lambda p, x: attention_fwd(p, x, H, True), attention_bwd,
       lambda p, x: layers.attention(p, x, H, True), (p, rand(2, 5, D)), rand(2, 5, D))
 """),
     md(r"""
+## Blockwise attention: the FlashAttention-2 backward
+
+With `attention_impl="blockwise"` the forward never forms the $(T, T)$ matrix $P$: for each
+block of $K$ queries it runs an online softmax over the key blocks (skipping, when causal,
+the blocks above the diagonal) and keeps only $O = PV$ and each row's log-sum-exp
+$\ell_i = \log\sum_j e^{S_{ij}}$. The backward recomputes any block of probabilities as
+$P_{ij} = e^{S_{ij} - \ell_i}$, and needs one more number per row: since $O_i = \sum_j P_{ij} V_j$,
+
+$$D_i = \textstyle\sum_j \bar P_{ij} P_{ij} = \sum_j (\bar O_i \cdot V_j) P_{ij} = \bar O_i \cdot O_i .$$
+
+Then, one (query block, key block) pair at a time: $\bar V_j \mathrel{+}= P_{ij}^\top \bar O_i$,
+$\bar P_{ij} = \bar O_i V_j^\top$, $\bar S_{ij} = P_{ij} \odot (\bar P_{ij} - D_i)$ (the softmax
+backward above, with $D$ in place of the row sum), $\bar Q_i \mathrel{+}= \bar S_{ij} K_j/\sqrt{d_h}$ and
+$\bar K_j \mathrel{+}= \bar S_{ij}^\top Q_i/\sqrt{d_h}$. Memory falls from $O(T^2)$ to $O(T)$ per head.
+"""),
+    code(r"""
+from manual_grads.blockwise import pair_bwd, blockwise_attention_bwd, blockwise_attention_fwd
+
+show(pair_bwd)
+D, H, T, block = 8, 2, 13, 4  # 13 positions: 4 blocks of 4, the last one padded
+p = {f"{w}{n}": rand(D, D) if w == "w" else rand(D) for n in "qkvo" for w in "wb"}
+x, dy = rand(2, T, D), rand(2, T, D)
+for causal in (True, False):
+    print("blockwise against full attention,", "causal" if causal else "bidirectional")
+    check(lambda p, x: blockwise_attention_fwd(p, x, H, causal, block), blockwise_attention_bwd,
+          lambda p, x: layers.attention(p, x, H, causal), (p, x), dy)
+"""),
+    md(r"""
 ## Embedding
 
 $x_{b,t} = E_{\text{id}_{b,t}}$ reads rows of the table, so the backward adds each

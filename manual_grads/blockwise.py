@@ -1,0 +1,166 @@
+"""Blockwise (flash-style) attention, with the FlashAttention-2 backward.
+
+Forward (jaxformer/blockwise.py), per head, in blocks of K positions:
+    q, k, v = x @ wq + bq, x @ wk + bk, x @ wv + bv     (B, H, T, Dh) after split_heads
+    O, lse = online softmax of S = q k^T / sqrt(Dh) over key blocks, times v
+    y = merge_heads(O) @ wo + bo                          (B, T, D)
+It keeps q, k, v, O and the row log-sum-exp lse (B, H, T): never P (B, H, T, T).
+
+Backward, with P_ij = exp(S_ij - lse_i) recomputed one (query block, key block)
+pair at a time (pairs above the causal diagonal skipped, as in the forward):
+    D_i  = rowsum(dO_i * O_i)                 = rowsum(dP_i * P_i), the softmax's correction
+    dV_j += P_ij^T dO_i                       undoes O = P v
+    dP_ij = dO_i v_j^T
+    dS_ij = P_ij * (dP_ij - D_i)              undoes P = softmax(S)
+    dq_i += dS_ij k_j / sqrt(Dh),  dk_j += dS_ij^T q_i / sqrt(Dh)   undo S = q k^T / sqrt(Dh)
+then the four projections' backwards, as in manual_grads/attention.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.blockwise import (block_scores, block_size, blockwise_attention_core,
+                                 from_blocks, if_visible, stats_dtype, to_blocks)
+from jaxformer.config import ModelConfig
+from jaxformer.layers import merge_heads, split_heads
+from manual_grads.attention import _proj, attention_bwd, attention_fwd
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+
+
+class BlockwiseCoreRes(NamedTuple):
+    """Bidirectional; CausalBlockwiseCoreRes (same fields) undoes the causal forward."""
+    q: jax.Array  # (N, B, H, K, Dh) blocks of q, zero-padded to N * K positions
+    k: jax.Array  # (N, B, H, K, Dh)
+    v: jax.Array  # (N, B, H, K, Dh)
+    out: jax.Array  # (N, B, H, K, Dh) O = softmax(S) v
+    lse: jax.Array  # (N, B, H, K) row log-sum-exp of the scores, in stats_dtype
+    length: jax.Array  # (T,) int: arange(T); its length is T, the unpadded sequence length
+
+
+class CausalBlockwiseCoreRes(BlockwiseCoreRes):
+    pass
+
+
+def blockwise_core_fwd(q, k, v, causal, block):
+    """q, k, v (B, H, T, Dh) -> out (B, H, T, Dh), keeping blocks of q, k, v, out and lse."""
+    T = q.shape[2]
+    K = block_size(T, block)
+    out, lse = blockwise_attention_core(q, k, v, causal, block)  # (B, H, T, Dh), (B, H, T)
+    res_type = CausalBlockwiseCoreRes if causal else BlockwiseCoreRes
+    blocks = [to_blocks(a, K) for a in (q, k, v, out, lse)]
+    return out, res_type(*blocks, jnp.arange(T))
+
+
+def _softmax_correction(dout, out):
+    """D = rowsum(dO * O) (B, H, T) in stats_dtype: equals rowsum(dP * P) since O = P v."""
+    f = stats_dtype(out.dtype)
+    return jnp.sum(dout.astype(f) * out.astype(f), axis=-1)
+
+
+def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, causal):
+    """One (query block i, key block j) pair: add its share to dq_i, dk_j, dv_j."""
+    dq_i, dk_j, dv_j = carry  # (B, H, K, Dh) each, stats_dtype
+    scale = 1.0 / math.sqrt(q_i.shape[-1])
+    f = dq_i.dtype
+    p = jnp.exp(block_scores(q_i, k_j, i, j, T, causal) - lse_i[..., None])  # (B, H, K, K): P_ij
+    dv_j = dv_j + jnp.swapaxes(p, -1, -2) @ do_i.astype(f)  # O = P v
+    dp = do_i.astype(f) @ jnp.swapaxes(v_j, -1, -2).astype(f)  # (B, H, K, K)
+    ds = p * (dp - d_i[..., None])  # P = softmax(S)
+    dq_i = dq_i + (ds @ k_j.astype(f)) * scale  # S = q k^T / sqrt(Dh)
+    dk_j = dk_j + (jnp.swapaxes(ds, -1, -2) @ q_i.astype(f)) * scale
+    return dq_i, dk_j, dv_j
+
+
+def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
+    """dout (B, H, T, Dh) -> (dq, dk, dv) (B, H, T, Dh): FlashAttention-2's backward.
+
+    The outer scan walks the query blocks i (emitting dq_i); the inner scan walks the
+    key blocks j, skipping j > i when causal, and adds into dk, dv (N, B, H, K, Dh)."""
+    causal = isinstance(res, CausalBlockwiseCoreRes)
+    qb, kb, vb, ob, lseb, length = res
+    T, K = length.shape[0], qb.shape[3]
+    f = lseb.dtype
+    dob = to_blocks(dout, K)  # (N, B, H, K, Dh); padded rows get dO = 0
+    db = _softmax_correction(dob, ob)  # (N, B, H, K)
+    idx = jnp.arange(qb.shape[0])
+
+    def query_step(dkv, xs):
+        q_i, do_i, lse_i, d_i, i = xs
+
+        def key_step(carry, j):
+            dq_i, dk, dv = carry
+            pair = (dq_i, dk[j], dv[j])
+            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal)  # noqa: E731
+            dq_i, dk_j, dv_j = if_visible(i, j, causal, add_pair, pair)
+            return (dq_i, dk.at[j].set(dk_j), dv.at[j].set(dv_j)), None
+
+        (dq_i, dk, dv), _ = jax.lax.scan(key_step, (jnp.zeros(q_i.shape, f),) + dkv, idx)
+        return (dk, dv), dq_i
+
+    zeros = jnp.zeros(kb.shape, f)
+    (dkb, dvb), dqb = jax.lax.scan(query_step, (zeros, zeros), (qb, dob, lseb, db, idx))
+    dtype = qb.dtype
+    return tuple(from_blocks(g, T).astype(dtype) for g in (dqb, dkb, dvb))
+
+
+# ----------------------------------------------------------------------------
+# the layer: projections around the blockwise core
+
+
+class BlockwiseAttentionRes(NamedTuple):
+    x: jax.Array  # (B, T, D) the input of the q, k, v projections
+    core: BlockwiseCoreRes  # blocks of q, k, v, O and lse; never the (B, H, T, T) probabilities
+    out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, D), w = wo (D, D)
+    wq: jax.Array  # (D, D)
+    wk: jax.Array  # (D, D)
+    wv: jax.Array  # (D, D)
+
+
+def blockwise_attention_fwd(p, x, n_heads, causal, block):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D)."""
+    q = split_heads(linear_fwd(_proj(p, "q"), x)[0], n_heads)  # (B, H, T, Dh)
+    k = split_heads(linear_fwd(_proj(p, "k"), x)[0], n_heads)  # (B, H, T, Dh)
+    v = split_heads(linear_fwd(_proj(p, "v"), x)[0], n_heads)  # (B, H, T, Dh)
+    o, core_res = blockwise_core_fwd(q, k, v, causal, block)  # (B, H, T, Dh)
+    y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o))  # (B, T, D)
+    return y, BlockwiseAttentionRes(x, core_res, out_res, p["wq"], p["wk"], p["wv"])
+
+
+def blockwise_attention_bwd(res: BlockwiseAttentionRes, dy):
+    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
+    x, core_res, out_res, wq, wk, wv = res
+    H = core_res.q.shape[2]
+    # y = merge_heads(O) @ wo + bo
+    d_out, do = linear_bwd(out_res, dy)  # do (B, T, D)
+    # O = blockwise_attention_core(q, k, v)
+    dq, dk, dv = blockwise_core_bwd(core_res, split_heads(do, H))  # (B, H, T, Dh) each
+    # q, k, v = split_heads(x @ w + b): the three projections read x, so their dx add
+    d_q, dx_q = linear_bwd(LinearRes(x, wq), merge_heads(dq))  # dx_q (B, T, D)
+    d_k, dx_k = linear_bwd(LinearRes(x, wk), merge_heads(dk))  # dx_k (B, T, D)
+    d_v, dx_v = linear_bwd(LinearRes(x, wv), merge_heads(dv))  # dx_v (B, T, D)
+    dp = {"wq": d_q["w"], "bq": d_q["b"], "wk": d_k["w"], "bk": d_k["b"],
+          "wv": d_v["w"], "bv": d_v["b"], "wo": d_out["w"], "bo": d_out["b"]}
+    return dp, dx_q + dx_k + dx_v
+
+
+# ----------------------------------------------------------------------------
+# choosing by config (forward) and by residual type (backward)
+
+
+def any_attention_fwd(p, x, config: ModelConfig):
+    """The attention layer config.attention_impl names: full or blockwise."""
+    if config.attention_impl == "blockwise":
+        return blockwise_attention_fwd(p, x, config.n_heads, config.causal, config.attention_block)
+    return attention_fwd(p, x, config.n_heads, config.causal)
+
+
+def any_attention_bwd(res, dy):
+    """Undoes whichever attention forward made ``res``."""
+    if isinstance(res, BlockwiseAttentionRes):
+        return blockwise_attention_bwd(res, dy)
+    return attention_bwd(res, dy)

@@ -1,0 +1,66 @@
+"""The head and the cross entropy, C positions at a time (jaxformer/chunked_loss.py).
+
+Forward, per chunk c of C flattened positions (N = B * T, M = ceil(N / C) chunks):
+    z_c   = x_c @ w + b                              (C, V)   never kept
+    lse_c = logsumexp(z_c)                           (C,)     kept
+    loss  = sum_c sum_n w_n * (lse_n - z_c[n, target_n])
+Backward, recomputing z_c one chunk at a time:
+    dz_c = dloss * w_n * (exp(z_c - lse_c) - onehot(target))   undoes the weighted nll
+    dx_c = dz_c @ w^T;  dw += x_c^T dz_c;  db += sum(dz_c)     undo z_c = x_c @ w + b
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.blockwise import stats_dtype
+from jaxformer.chunked_loss import chunk_logits_lse, chunk_nll, chunked_inputs
+
+
+class ChunkedLossRes(NamedTuple):
+    x: jax.Array  # (M, C, D) the head's input, flattened, zero-padded to M * C positions
+    targets: jax.Array  # (M, C) int
+    weights: jax.Array  # (M, C) each position's share of the mean (0 for padding), stats_dtype
+    lse: jax.Array  # (M, C) log-sum-exp of each position's logits, stats_dtype
+    w: jax.Array  # (D, V) the head's weight
+    b: jax.Array  # (V,) the head's bias (the backward recomputes the logits)
+    x_shape: jax.Array  # (B, T) zeros: carries the unflattened shape of x
+
+
+def chunked_head_loss_fwd(head, x, targets, mask, chunk):
+    """head = {"w": (D, V), "b": (V,)}, x (B, T, D), targets int (B, T), mask (B, T) or None
+    -> scalar loss; the residuals keep x and lse, never the (B, T, V) logits."""
+    xc, tc, wc = chunked_inputs(x, targets, mask, chunk)  # (M, C, D), (M, C), (M, C)
+
+    def step(total, xs):
+        x_c, t_c, w_c = xs
+        nll, lse = chunk_nll(x_c, head["w"], head["b"], t_c)  # (C,), (C,)
+        return total + jnp.sum(nll * w_c), lse
+
+    total, lse = jax.lax.scan(step, jnp.zeros((), stats_dtype(x.dtype)), (xc, tc, wc))
+    res = ChunkedLossRes(xc, tc, wc, lse, head["w"], head["b"], jnp.zeros(x.shape[:2], jnp.int8))
+    return total.astype(x.dtype), res
+
+
+def chunked_head_loss_bwd(res: ChunkedLossRes, dloss):
+    """dloss () -> ({"w": (D, V), "b": (V,)}, dx (B, T, D))."""
+    xc, tc, wc, lse, w, b, x_shape = res
+    B, T = x_shape.shape
+    f = lse.dtype
+
+    def step(acc, xs):
+        dw, db = acc
+        x_c, t_c, w_c, lse_c = xs
+        z, _ = chunk_logits_lse(x_c, w, b)  # (C, V): z_c = x_c @ w + b, recomputed
+        onehot = jax.nn.one_hot(t_c, z.shape[-1], dtype=f)  # (C, V)
+        dz = (dloss * w_c)[:, None] * (jnp.exp(z - lse_c[:, None]) - onehot)  # nll = lse - z[target]
+        dx_c = (dz @ w.T.astype(f)).astype(x_c.dtype)  # (C, D)
+        return (dw + x_c.T.astype(f) @ dz, db + jnp.sum(dz, axis=0)), dx_c
+
+    zeros = (jnp.zeros(w.shape, f), jnp.zeros(b.shape, f))
+    (dw, db), dxc = jax.lax.scan(step, zeros, (xc, tc, wc, lse))
+    dx = dxc.reshape(-1, xc.shape[-1])[:B * T].reshape(B, T, -1)  # padding dropped
+    return {"w": dw.astype(w.dtype), "b": db.astype(b.dtype)}, dx
