@@ -39,8 +39,8 @@ def _register(fwd, bwd, nondiff_argnums=()):
 # linear(x, w, b): the argument order of jaxformer.layers.linear
 
 
-def _linear_fwd(x, w, b):
-    return _lin.linear_fwd({"w": w, "b": b}, x)
+def _linear_fwd(x, w, b, compute_dtype):
+    return _lin.linear_fwd({"w": w, "b": b}, x, compute_dtype)
 
 
 def _linear_bwd(res, dy):
@@ -48,7 +48,13 @@ def _linear_bwd(res, dy):
     return dx, dp["w"], dp["b"]
 
 
-linear = _register(_linear_fwd, _linear_bwd)
+_linear = _register(_linear_fwd, _linear_bwd, nondiff_argnums=(3,))
+
+
+def linear(x, w, b, compute_dtype=None):
+    """x @ w + b, the product in ``compute_dtype`` (None: the inputs' dtype)."""
+    return _linear(x, w, b, compute_dtype)
+
 
 # activations(x)
 gelu = _register(_act.gelu_fwd, lambda res, dy: (_act.gelu_bwd(res, dy),))
@@ -98,7 +104,7 @@ def forward(params, inputs, config: ModelConfig):
     x, _ = jax.lax.scan(lambda x, p: (block(p, x, config), None), x, params["blocks"])
     if config.norm == "pre":
         x = layer_norm(params["ln_f"], x, config.ln_eps)
-    return linear(x, params["head"]["w"], params["head"]["b"])  # (B, T, V)
+    return linear(x, params["head"]["w"], params["head"]["b"], config.compute_dtype)  # (B, T, V)
 
 
 def loss_fn(params, batch, config: ModelConfig):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import ModelConfig
-from jaxformer.model import validate_batch
+from jaxformer.model import check_precision, validate_batch
 from manual_grads.block import block_bwd, block_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
@@ -39,8 +39,13 @@ def _block_step_bwd(dx, res):
 
 def value_and_grad(params, batch, config: ModelConfig):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
-    structure and dtype of params. jit it with ``static_argnums=2``."""
+    structure and dtype of params. jit it with ``static_argnums=2``.
+
+    With config.compute_dtype (bfloat16) the products of forward and backward run in it
+    with float32 accumulation; statistics, softmax and the loss in float32; each
+    layer's backward casts its parameter gradients back to the params' dtype."""
     validate_batch(batch, config)
+    check_precision(params, config)
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
     eps = config.ln_eps
 
@@ -50,7 +55,7 @@ def value_and_grad(params, batch, config: ModelConfig):
     x, blocks_res = jax.lax.scan(step, x, params["blocks"])  # (B, T, D); residuals (L, ...)
     if config.norm == "pre":
         x, ln_f_res = layer_norm_fwd(params["ln_f"], x, eps)  # (B, T, D)
-    logits, head_res = linear_fwd(params["head"], x)  # (B, T, V)
+    logits, head_res = linear_fwd(params["head"], x, config.compute_dtype)  # (B, T, V)
     loss, loss_res = cross_entropy_fwd(logits, targets, mask)  # ()
 
     # backward, in reverse
