@@ -70,7 +70,7 @@ def forward(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> logits (B, T, V), in the dtype of the params (float32 when
     config.compute_dtype puts the matmuls of float32 params in bfloat16)."""
     validate_tokens("inputs", inputs, config)
-    x = embed(params, inputs, config)  # (B, T, D)
+    x = upcast(embed(params, inputs, config))  # (B, T, D), float32 or wider: the residual stream
 
     def layer(x, p):
         return block(p, x, config), None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 
 from jaxformer.config import ModelConfig
+from jaxformer.layers import upcast
 from jaxformer.model import validate_batch, validate_tokens
 from manual_grads import activations as _act
 from manual_grads import attention as _attn
@@ -100,7 +101,7 @@ def cross_entropy(logits, targets, mask=None):
 def forward(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> logits (B, T, V)."""
     validate_tokens("inputs", inputs, config)
-    x = embed(params, inputs, config)  # (B, T, D)
+    x = upcast(embed(params, inputs, config))  # (B, T, D), float32 or wider
     x, _ = jax.lax.scan(lambda x, p: (block(p, x, config), None), x, params["blocks"])
     if config.norm == "pre":
         x = layer_norm(params["ln_f"], x, config.ln_eps)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import ModelConfig
+from jaxformer.layers import upcast
 from jaxformer.model import check_precision, validate_batch
 from manual_grads.block import block_bwd, block_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
@@ -51,6 +52,7 @@ def value_and_grad(params, batch, config: ModelConfig):
 
     # forward
     x, embed_res = embed_fwd(embed_params(params), inputs, config)  # (B, T, D)
+    x = upcast(x)  # the residual stream runs in float32 or wider; embed_bwd casts back
     step = lambda x, p: block_fwd(p, x, config)  # noqa: E731
     x, blocks_res = jax.lax.scan(step, x, params["blocks"])  # (B, T, D); residuals (L, ...)
     if config.norm == "pre":
