@@ -85,7 +85,8 @@ def format_preset(r, color: bool = False) -> str:
     lines = [
         "=" * 96,
         f"{r.preset}: {describe_config(r.config)}; {r.n_params:,} params",
-        f"batch {r.batch_size} x {r.seq_len}; {criterion(r.dtype, r.tolerance, mixed)}",
+        f"{r.dtype}, batch {r.batch_size} x {r.seq_len}, tolerance {r.tolerance:.0e} (relative, per leaf)"
+        if not mixed else f"batch {r.batch_size} x {r.seq_len}; {criterion(r.dtype, r.tolerance, mixed)}",
         f"loss: manual {r.loss['manual']:.9e}   autodiff {r.loss['auto']:.9e}   "
         f"rel {_sci(r.loss['rel'])}{_mixed_loss(r.loss)}   {_status(r.loss['passed'], color)}",
         rule,
