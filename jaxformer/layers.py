@@ -7,6 +7,10 @@ These functions are the single definition of the forward math. The manual
 backward passes in ``manual_grads/`` call the small pieces below
 (``layer_norm_stats``, ``split_heads``, ``attention_probs``, ...) to recompute
 nothing and keep exactly what their backward needs.
+
+Precision (``ModelConfig.compute_dtype``): every product goes through ``matmul``,
+which casts its inputs to the compute dtype and accumulates in float32 or wider;
+statistics go through ``upcast``. docs/design.md, "Mixed precision", has the table.
 """
 
 from __future__ import annotations
