@@ -55,9 +55,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", metavar="DIR", default="runs/compare_grads",
                         help="folder for report.json, report.md, rel_errors.png "
                              "(default runs/compare_grads; files there are replaced)")
-    flags.add_model_flags(parser, "model (overrides every preset's config; checked by "
-                          "ModelConfig); --compute-dtype bfloat16 judges each source against "
-                          "a reference without it")
+    flags.add_model_flags(parser, "model (applied to every preset; --compute-dtype bfloat16 "
+                          "judges both sources against a reference without it)")
     args = parser.parse_args(argv)
     for name in ("batch_size", "seq_len", "repeats", "fd_directions"):
         if getattr(args, name) < 1:
