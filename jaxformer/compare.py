@@ -46,13 +46,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import PRESETS, ModelConfig
-from jaxformer.model import loss_fn
-from jaxformer.params import count_params, init_params
 from jaxformer.compare_report import (SOURCE_AUTO, SOURCE_AUTO_REF, SOURCE_FD,  # noqa: F401
                                       SOURCE_MANUAL_REF, _rank, build_report, describe_config,
                                       format_markdown, format_preset, plot_report,
                                       write_reports)
+from jaxformer.config import PRESETS, ModelConfig
+from jaxformer.model import loss_fn
+from jaxformer.params import count_params, init_params
 
 DEFAULT_PRESETS = ("loopos", "sunfish", "cllm")  # the three systems the project grew from
 FD_TOLERANCE = 1e-6  # relative error allowed between finite differences and the manual gradient
