@@ -2,11 +2,13 @@
 
     python experiments/compare_grads.py                        # loopos, sunfish, cllm, float32
     python experiments/compare_grads.py --dtype float64 --fd   # plus finite differences
+    python experiments/compare_grads.py --compute-dtype bfloat16   # bfloat16 products, vs a float32 reference
     python experiments/compare_grads.py --help
 
 Writes report.json, report.md and rel_errors.png to --out (default runs/compare_grads);
 exits 1, naming the leaf, when any gradient is over tolerance. The logic is in
-jaxformer/compare.py (also run by `jaxformer compare-grads`).
+jaxformer/compare.py, compare_report.py and compare_cli.py (also run by
+`jaxformer compare-grads`).
 """
 
 import sys

@@ -7,6 +7,10 @@ These functions are the single definition of the forward math. The manual
 backward passes in ``manual_grads/`` call the small pieces below
 (``layer_norm_stats``, ``split_heads``, ``attention_probs``, ...) to recompute
 nothing and keep exactly what their backward needs.
+
+Precision (``ModelConfig.compute_dtype``): every product goes through ``matmul``,
+which casts its inputs to the compute dtype and accumulates in float32 or wider;
+statistics go through ``upcast``. docs/design.md, "Mixed precision", has the table.
 """
 
 from __future__ import annotations
@@ -20,12 +24,44 @@ from jaxformer.blockwise import blockwise_attention_core
 from jaxformer.config import ModelConfig
 
 # ----------------------------------------------------------------------------
+# precision policy: matmul inputs in the compute dtype, everything else in float32 or wider
+
+
+def stats_dtype(dtype):
+    """The dtype of statistics (layer norm, softmax, log-sum-exp, cross entropy) and of
+    matmul accumulation: float32, or the input's dtype when wider (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def upcast(x):
+    """x in stats_dtype(x.dtype): a no-op for float32 and float64."""
+    return x.astype(stats_dtype(x.dtype))
+
+
+def cast(x, compute_dtype):
+    """x in the compute dtype (a ModelConfig.compute_dtype); None leaves x as it is."""
+    return x if compute_dtype is None else x.astype(compute_dtype)
+
+
+def matmul(a, b, compute_dtype=None):
+    """a @ b with both inputs cast to ``compute_dtype`` and the product accumulated and
+    returned in stats_dtype of the inputs' own dtype (float32 for float32 or bfloat16
+    inputs). None, or a compute dtype equal to the inputs', is plain ``a @ b``."""
+    out = jnp.result_type(a, b)
+    if compute_dtype is None or (jnp.dtype(compute_dtype) == out == a.dtype == b.dtype):
+        return a @ b
+    return jnp.matmul(a.astype(compute_dtype), b.astype(compute_dtype),
+                      preferred_element_type=stats_dtype(out))
+
+
+# ----------------------------------------------------------------------------
 # linear and activations
 
 
-def linear(x, w, b):
-    """x @ w + b over any leading dims: x (..., I), w (I, O), b (O,) -> (..., O)."""
-    return x @ w + b
+def linear(x, w, b, compute_dtype=None):
+    """x @ w + b over any leading dims: x (..., I), w (I, O), b (O,) -> (..., O).
+    The product runs in ``compute_dtype`` (see ``matmul``); the bias adds in float32."""
+    return matmul(x, w, compute_dtype) + b
 
 
 def gelu(x):
@@ -61,13 +97,30 @@ def activation(name: str, x):
 # layer norm
 
 
+def row_scale(x):
+    """(..., 1) power of two s with max|x * s| in [0.5, 1) for rows whose max |x| is at
+    least 1, and s = 1 otherwise. Multiplying by a power of two is exact, and s carries
+    no gradient: it only keeps the statistics below away from overflow and underflow."""
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+    exponent = jnp.where(jnp.isfinite(x).all(axis=-1, keepdims=True), exponent, 0)
+    return jax.lax.stop_gradient(jnp.ldexp(jnp.ones((), x.dtype), -jnp.maximum(exponent, 0)))
+
+
 def layer_norm_stats(x, eps):
-    """Normalize over the last axis: x (..., D) -> xhat (..., D), rstd (..., 1)."""
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    xc = x - mean
+    """Normalize over the last axis: x (..., D) -> xhat (..., D), rstd (..., 1), both in
+    float32 or wider (``upcast``).
+
+    Computed on xs = x * s, s = row_scale(x): var(x) + eps = (var(xs) + eps s^2) / s^2,
+    so xhat = (xs - mean(xs)) * rsqrt(var(xs) + eps s^2) and rstd = s * rsqrt(...). The
+    statistics of xs are O(1), so neither the squares in the forward nor the
+    (var + eps)^(-3/2) that JAX's grad forms in the backward leave the float range."""
+    x = upcast(x)
+    s = row_scale(x)  # (..., 1)
+    xs = x * s
+    xc = xs - jnp.mean(xs, axis=-1, keepdims=True)
     var = jnp.mean(xc * xc, axis=-1, keepdims=True)
-    rstd = jax.lax.rsqrt(var + eps)
-    return xc * rstd, rstd
+    r = jax.lax.rsqrt(var + eps * s * s)  # (..., 1): 1 / sqrt(var(xs) + eps s^2)
+    return xc * r, s * r
 
 
 def layer_norm(p, x, eps):
@@ -97,9 +150,10 @@ def causal_mask(T):
     return jnp.tril(jnp.ones((T, T), dtype=bool))
 
 
-def attention_probs(q, k, causal):
-    """q, k (B, H, T, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, T, T), future masked if causal."""
-    scores = (q @ jnp.swapaxes(k, -1, -2)) / math.sqrt(q.shape[-1])
+def attention_probs(q, k, causal, compute_dtype=None):
+    """q, k (B, H, T, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, T, T), future masked if causal.
+    q k^T runs in ``compute_dtype``; the softmax in float32 or wider."""
+    scores = upcast(matmul(q, jnp.swapaxes(k, -1, -2), compute_dtype)) / math.sqrt(q.shape[-1])
     if causal:
         T = q.shape[-2]
         scores = jnp.where(causal_mask(T), scores, jnp.finfo(scores.dtype).min)
@@ -108,36 +162,39 @@ def attention_probs(q, k, causal):
     return e / jnp.sum(e, axis=-1, keepdims=True)
 
 
-def attention(p, x, n_heads, causal, impl="full", block=128):
+def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D).
     impl "blockwise" runs blockwise_attention with query and key blocks of ``block``."""
     if impl == "blockwise":
-        return blockwise_attention(p, x, n_heads, causal, block)
-    q = split_heads(linear(x, p["wq"], p["bq"]), n_heads)  # (B, H, T, Dh)
-    k = split_heads(linear(x, p["wk"], p["bk"]), n_heads)  # (B, H, T, Dh)
-    v = split_heads(linear(x, p["wv"], p["bv"]), n_heads)  # (B, H, T, Dh)
-    probs = attention_probs(q, k, causal)  # (B, H, T, T)
-    return linear(merge_heads(probs @ v), p["wo"], p["bo"])
+        return blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
+    cd = compute_dtype
+    q = split_heads(linear(x, p["wq"], p["bq"], cd), n_heads)  # (B, H, T, Dh)
+    k = split_heads(linear(x, p["wk"], p["bk"], cd), n_heads)  # (B, H, T, Dh)
+    v = split_heads(linear(x, p["wv"], p["bv"], cd), n_heads)  # (B, H, T, Dh)
+    probs = attention_probs(q, k, causal, cd)  # (B, H, T, T)
+    return linear(merge_heads(matmul(probs, v, cd)), p["wo"], p["bo"], cd)
 
 
-def blockwise_attention(p, x, n_heads, causal, block):
+def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
     """attention(p, x, n_heads, causal) without the (B, H, T, T) probabilities: an online
-    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py)."""
-    q = split_heads(linear(x, p["wq"], p["bq"]), n_heads)  # (B, H, T, Dh)
-    k = split_heads(linear(x, p["wk"], p["bk"]), n_heads)  # (B, H, T, Dh)
-    v = split_heads(linear(x, p["wv"], p["bv"]), n_heads)  # (B, H, T, Dh)
+    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). The
+    projections' products run in ``compute_dtype``; the blocks in their output dtype."""
+    cd = compute_dtype
+    q = split_heads(linear(x, p["wq"], p["bq"], cd), n_heads)  # (B, H, T, Dh)
+    k = split_heads(linear(x, p["wk"], p["bk"], cd), n_heads)  # (B, H, T, Dh)
+    v = split_heads(linear(x, p["wv"], p["bv"], cd), n_heads)  # (B, H, T, Dh)
     out, _ = blockwise_attention_core(q, k, v, causal, block)  # (B, H, T, Dh)
-    return linear(merge_heads(out), p["wo"], p["bo"])
+    return linear(merge_heads(out), p["wo"], p["bo"], cd)
 
 
 # ----------------------------------------------------------------------------
 # feed-forward
 
 
-def feed_forward(p, x, activation_name):
+def feed_forward(p, x, activation_name, compute_dtype=None):
     """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> (..., D)."""
-    h = linear(x, p["w_in"], p["b_in"])
-    return linear(activation(activation_name, h), p["w_out"], p["b_out"])
+    h = linear(x, p["w_in"], p["b_in"], compute_dtype)
+    return linear(activation(activation_name, h), p["w_out"], p["b_out"], compute_dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -180,13 +237,14 @@ def embed(params, inputs, config: ModelConfig):
 def block(p, x, config: ModelConfig):
     """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D)."""
     eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
+    cd = config.compute_dtype
     impl = dict(impl=config.attention_impl, block=config.attention_block)
     if config.norm == "pre":
-        x = x + attention(p["attn"], layer_norm(p["ln1"], x, eps), H, causal, **impl)
-        x = x + feed_forward(p["ffn"], layer_norm(p["ln2"], x, eps), act)
+        x = x + attention(p["attn"], layer_norm(p["ln1"], x, eps), H, causal, cd, **impl)
+        x = x + feed_forward(p["ffn"], layer_norm(p["ln2"], x, eps), act, cd)
     else:
-        x = layer_norm(p["ln1"], x + attention(p["attn"], x, H, causal, **impl), eps)
-        x = layer_norm(p["ln2"], x + feed_forward(p["ffn"], x, act), eps)
+        x = layer_norm(p["ln1"], x + attention(p["attn"], x, H, causal, cd, **impl), eps)
+        x = layer_norm(p["ln2"], x + feed_forward(p["ffn"], x, act, cd), eps)
     return x
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from jaxformer.chunked_loss import chunked_head_loss
 from jaxformer.config import ModelConfig
 from jaxformer.data import validate_ids
-from jaxformer.layers import block, embed, layer_norm, linear
+from jaxformer.layers import block, embed, layer_norm, linear, upcast
 from jaxformer.params import validate_params
 
 
@@ -55,6 +55,23 @@ def validate_batch(batch, config: ModelConfig) -> None:
     validate_mask(batch.get("mask"))
 
 
+def check_precision(params, config: ModelConfig) -> None:
+    """Raise ValueError when the params' dtype or config.compute_dtype is float16, for
+    which neither gradient source is offered: float16's narrow range (6e-8 .. 65504)
+    lets backward cotangents underflow and large activations overflow into non-finite
+    gradients without loss scaling. bfloat16 has float32's range."""
+    if config.compute_dtype == "float16":
+        raise ValueError(
+            "ModelConfig.compute_dtype='float16' has no gradient: float16's range lets "
+            "cotangents underflow and activations overflow; use compute_dtype='bfloat16'")
+    dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree_util.tree_leaves(params)})
+    if "float16" in dtypes:
+        raise ValueError(
+            "params dtype float16 has no gradient (its range makes the gradients non-finite); "
+            "keep float32 params and set ModelConfig.compute_dtype='bfloat16'")
+
+
+
 def validate_mask(mask) -> None:
     """Raise ValueError when the loss mask holds a negative, NaN or infinite weight
     (eager calls only: a traced value cannot be inspected)."""
@@ -75,7 +92,7 @@ def features(params, inputs, config: ModelConfig):
     its input and recomputes the rest."""
     validate_tokens("inputs", inputs, config)
     validate_params(params, config)
-    x = embed(params, inputs, config)  # (B, T, D)
+    x = upcast(embed(params, inputs, config))  # (B, T, D), float32 or wider: the residual stream
 
     def layer(x, p):
         return block(p, x, config), None
@@ -89,17 +106,19 @@ def features(params, inputs, config: ModelConfig):
 
 
 def forward(params, inputs, config: ModelConfig):
-    """inputs int (B, T) -> logits (B, T, V), in the dtype of the params."""
+    """inputs int (B, T) -> logits (B, T, V), in the dtype of the params (float32 when
+    config.compute_dtype puts the matmuls of float32 params in bfloat16)."""
     x = features(params, inputs, config)  # (B, T, D)
-    return linear(x, params["head"]["w"], params["head"]["b"])  # (B, T, V)
+    return linear(x, params["head"]["w"], params["head"]["b"], config.compute_dtype)  # (B, T, V)
 
 
 def cross_entropy(logits, targets, mask=None):
     """Mean of -log softmax(logits)[target] over positions where mask is 1.
 
     logits (..., V), targets int (...), mask (...) or None. With a mask of all
-    zeros the loss is 0 (no position counts).
+    zeros the loss is 0 (no position counts). Runs in float32 or wider (``upcast``).
     """
+    logits = upcast(logits)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     nll = logz - target_logit
@@ -112,6 +131,7 @@ def cross_entropy(logits, targets, mask=None):
 def loss_fn(params, batch, config: ModelConfig):
     """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?}."""
     validate_batch(batch, config)
+    check_precision(params, config)
     if config.loss_chunk:
         x = features(params, batch["inputs"], config)  # (B, T, D); no (B, T, V) logits
         return chunked_head_loss(params["head"], x, batch["targets"], batch.get("mask"),

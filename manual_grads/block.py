@@ -30,11 +30,12 @@ class FeedForwardRes(NamedTuple):
     out: LinearRes  # act(h) (..., F), w_out (F, D)
 
 
-def feed_forward_fwd(p, x, activation_name):
-    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> y (..., D)."""
-    h, inp_res = linear_fwd({"w": p["w_in"], "b": p["b_in"]}, x)  # (..., F)
+def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
+    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> y (..., D).
+    The products run in ``compute_dtype``, the activation in float32 or wider."""
+    h, inp_res = linear_fwd({"w": p["w_in"], "b": p["b_in"]}, x, compute_dtype)  # (..., F)
     a, act_res = activation_fwd(activation_name, h)  # (..., F)
-    y, out_res = linear_fwd({"w": p["w_out"], "b": p["b_out"]}, a)  # (..., D)
+    y, out_res = linear_fwd({"w": p["w_out"], "b": p["b_out"]}, a, compute_dtype)  # (..., D)
     return y, FeedForwardRes(inp_res, act_res, out_res)
 
 
@@ -80,12 +81,12 @@ def block_bwd(res, dy):
 
 
 def pre_block_fwd(p, x, config: ModelConfig):
-    eps, act = config.ln_eps, config.activation
+    eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
     h1, ln1_res = layer_norm_fwd(p["ln1"], x, eps)  # (B, T, D)
     a, attn_res = any_attention_fwd(p["attn"], h1, config)  # (B, T, D)
     x1 = x + a  # (B, T, D)
     h2, ln2_res = layer_norm_fwd(p["ln2"], x1, eps)  # (B, T, D)
-    f, ffn_res = feed_forward_fwd(p["ffn"], h2, act)  # (B, T, D)
+    f, ffn_res = feed_forward_fwd(p["ffn"], h2, act, cd)  # (B, T, D)
     return x1 + f, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res)
 
 
@@ -102,10 +103,10 @@ def pre_block_bwd(res: PreBlockRes, dy):
 
 
 def post_block_fwd(p, x, config: ModelConfig):
-    eps, act = config.ln_eps, config.activation
+    eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
     a, attn_res = any_attention_fwd(p["attn"], x, config)  # (B, T, D)
     x1, ln1_res = layer_norm_fwd(p["ln1"], x + a, eps)  # (B, T, D)
-    f, ffn_res = feed_forward_fwd(p["ffn"], x1, act)  # (B, T, D)
+    f, ffn_res = feed_forward_fwd(p["ffn"], x1, act, cd)  # (B, T, D)
     y, ln2_res = layer_norm_fwd(p["ln2"], x1 + f, eps)  # (B, T, D)
     return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res)
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxformer.blockwise import (block_scores, block_size, blockwise_attention_core,
                                  from_blocks, if_visible, stats_dtype, to_blocks)
 from jaxformer.config import ModelConfig
-from jaxformer.layers import merge_heads, split_heads
+from jaxformer.layers import cast, merge_heads, split_heads
 from manual_grads.attention import _proj, attention_bwd, attention_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 
@@ -121,13 +121,16 @@ class BlockwiseAttentionRes(NamedTuple):
     wv: jax.Array  # (D, D)
 
 
-def blockwise_attention_fwd(p, x, n_heads, causal, block):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D)."""
-    q = split_heads(linear_fwd(_proj(p, "q"), x)[0], n_heads)  # (B, H, T, Dh)
-    k = split_heads(linear_fwd(_proj(p, "k"), x)[0], n_heads)  # (B, H, T, Dh)
-    v = split_heads(linear_fwd(_proj(p, "v"), x)[0], n_heads)  # (B, H, T, Dh)
+def blockwise_attention_fwd(p, x, n_heads, causal, block, compute_dtype=None):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D). The projections'
+    products run in ``compute_dtype``; the blocks in the projections' output dtype."""
+    cd = compute_dtype
+    q = split_heads(linear_fwd(_proj(p, "q"), x, cd)[0], n_heads)  # (B, H, T, Dh)
+    k = split_heads(linear_fwd(_proj(p, "k"), x, cd)[0], n_heads)  # (B, H, T, Dh)
+    v = split_heads(linear_fwd(_proj(p, "v"), x, cd)[0], n_heads)  # (B, H, T, Dh)
     o, core_res = blockwise_core_fwd(q, k, v, causal, block)  # (B, H, T, Dh)
-    y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o))  # (B, T, D)
+    y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o), cd)  # (B, T, D)
+    x = cast(x, cd)  # what the projections' products read
     return y, BlockwiseAttentionRes(x, core_res, out_res, p["wq"], p["wk"], p["wv"])
 
 
@@ -155,8 +158,9 @@ def blockwise_attention_bwd(res: BlockwiseAttentionRes, dy):
 def any_attention_fwd(p, x, config: ModelConfig):
     """The attention layer config.attention_impl names: full or blockwise."""
     if config.attention_impl == "blockwise":
-        return blockwise_attention_fwd(p, x, config.n_heads, config.causal, config.attention_block)
-    return attention_fwd(p, x, config.n_heads, config.causal)
+        return blockwise_attention_fwd(p, x, config.n_heads, config.causal, config.attention_block,
+                                       config.compute_dtype)
+    return attention_fwd(p, x, config.n_heads, config.causal, config.compute_dtype)
 
 
 def any_attention_bwd(res, dy):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 
 from jaxformer.config import ModelConfig
+from jaxformer.layers import upcast
 from jaxformer.model import validate_batch, validate_tokens
 from manual_grads import activations as _act
 from manual_grads import attention as _attn
@@ -41,8 +42,8 @@ def _register(fwd, bwd, nondiff_argnums=()):
 # linear(x, w, b): the argument order of jaxformer.layers.linear
 
 
-def _linear_fwd(x, w, b):
-    return _lin.linear_fwd({"w": w, "b": b}, x)
+def _linear_fwd(x, w, b, compute_dtype):
+    return _lin.linear_fwd({"w": w, "b": b}, x, compute_dtype)
 
 
 def _linear_bwd(res, dy):
@@ -50,7 +51,13 @@ def _linear_bwd(res, dy):
     return dx, dp["w"], dp["b"]
 
 
-linear = _register(_linear_fwd, _linear_bwd)
+_linear = _register(_linear_fwd, _linear_bwd, nondiff_argnums=(3,))
+
+
+def linear(x, w, b, compute_dtype=None):
+    """x @ w + b, the product in ``compute_dtype`` (None: the inputs' dtype)."""
+    return _linear(x, w, b, compute_dtype)
+
 
 # activations(x)
 gelu = _register(_act.gelu_fwd, lambda res, dy: (_act.gelu_bwd(res, dy),))
@@ -125,7 +132,7 @@ chunked_head_loss = _register(_chunked.chunked_head_loss_fwd, _chunked_head_loss
 def features(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> the head's input (B, T, D); remat "block" uses remat_block."""
     validate_tokens("inputs", inputs, config)
-    x = embed(params, inputs, config)  # (B, T, D)
+    x = upcast(embed(params, inputs, config))  # (B, T, D), float32 or wider
     layer = remat_block if config.remat == "block" else block
     x, _ = jax.lax.scan(lambda x, p: (layer(p, x, config), None), x, params["blocks"])
     if config.norm == "pre":
@@ -136,7 +143,7 @@ def features(params, inputs, config: ModelConfig):
 def forward(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> logits (B, T, V)."""
     x = features(params, inputs, config)  # (B, T, D)
-    return linear(x, params["head"]["w"], params["head"]["b"])  # (B, T, V)
+    return linear(x, params["head"]["w"], params["head"]["b"], config.compute_dtype)  # (B, T, V)
 
 
 def loss_fn(params, batch, config: ModelConfig):

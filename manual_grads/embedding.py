@@ -36,7 +36,7 @@ def token_embed_bwd(res: TokenEmbedRes, dx):
     ids, table = res
     D = table.shape[-1]
     dtable = jnp.zeros(table.shape, dx.dtype).at[ids.reshape(-1)].add(dx.reshape(-1, D))
-    return dtable, None
+    return dtable.astype(table.dtype), None
 
 
 class LearnedPosRes(NamedTuple):
@@ -52,7 +52,7 @@ def learned_positions_bwd(res: LearnedPosRes, dpos):
     """dpos (T, D) -> dtable (max_seq_len, D): undoes ``pos = table[:T]``; rows
     past T were not read and get zero."""
     T = dpos.shape[0]
-    return jnp.zeros(res.table.shape, dpos.dtype).at[:T].set(dpos)
+    return jnp.zeros(res.table.shape, dpos.dtype).at[:T].set(dpos).astype(res.table.dtype)
 
 
 def sinusoidal_positions_fwd(T, D, dtype):

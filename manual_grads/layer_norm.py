@@ -10,8 +10,8 @@ from jaxformer.layers import layer_norm_stats
 
 
 class LayerNormRes(NamedTuple):
-    xhat: jax.Array  # (..., D) the normalized input (x - mean) * rstd
-    rstd: jax.Array  # (..., 1) 1 / sqrt(var + eps)
+    xhat: jax.Array  # (..., D) the normalized input (x - mean) * rstd, float32 or wider
+    rstd: jax.Array  # (..., 1) 1 / sqrt(var + eps), float32 or wider
     scale: jax.Array  # (D,)
 
 
@@ -36,4 +36,4 @@ def layer_norm_bwd(res: LayerNormRes, dy):
     dxhat = dy * scale  # (..., D)
     dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
                  - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-    return {"scale": dscale, "bias": dbias}, dx
+    return {"scale": dscale.astype(scale.dtype), "bias": dbias.astype(scale.dtype)}, dx

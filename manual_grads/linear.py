@@ -2,6 +2,11 @@
 
 Shape letters: N stands for the flattened leading dims (B*T in the model),
 I for the input width, O for the output width.
+
+Mixed precision (``compute_dtype``): the forward keeps x in the compute dtype, the
+dtype its product read it in, and the backward runs its two products in the dtype of
+that residual with float32 accumulation (``jaxformer.layers.matmul``); dw and db come
+back in w's dtype.
 """
 
 from __future__ import annotations
@@ -10,18 +15,24 @@ from typing import NamedTuple
 
 import jax
 
-from jaxformer.layers import linear
+from jaxformer.layers import cast, linear, matmul
 
 
 class LinearRes(NamedTuple):
-    x: jax.Array  # (..., I) the input
-    w: jax.Array  # (I, O)
+    x: jax.Array  # (..., I) the input, in the compute dtype
+    w: jax.Array  # (I, O), in the params' dtype
 
 
-def linear_fwd(p, x):
+def linear_fwd(p, x, compute_dtype=None):
     """p = {"w": (I, O), "b": (O,)}; x (..., I) -> y (..., O)."""
-    y = linear(x, p["w"], p["b"])  # (..., O)
-    return y, LinearRes(x, p["w"])
+    y = linear(x, p["w"], p["b"], compute_dtype)  # (..., O)
+    return y, LinearRes(cast(x, compute_dtype), p["w"])
+
+
+def backward_dtype(x, w):
+    """The compute dtype a backward's products run in: that of the residual x, the
+    matmul input the forward kept (None, plain ``@``, when it is w's own dtype)."""
+    return None if x.dtype == w.dtype else x.dtype
 
 
 def linear_bwd(res: LinearRes, dy):
@@ -31,9 +42,10 @@ def linear_bwd(res: LinearRes, dy):
     every leading dim; dx = dy @ w^T.
     """
     x, w = res
+    cd = backward_dtype(x, w)
     I, O = w.shape
     x2, dy2 = x.reshape(-1, I), dy.reshape(-1, O)  # (N, I), (N, O)
-    dw = x2.T @ dy2  # (I, O)
+    dw = matmul(x2.T, dy2, cd)  # (I, O)
     db = dy2.sum(axis=0)  # (O,)
-    dx = dy @ w.T  # (..., I)
-    return {"w": dw, "b": db}, dx
+    dx = matmul(dy, w.T, cd)  # (..., I)
+    return {"w": dw.astype(w.dtype), "b": db.astype(w.dtype)}, dx

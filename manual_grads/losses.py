@@ -6,6 +6,7 @@
 
 The softmax subtracts the row max, so logits of magnitude 1e4 are fine. The
 mask is treated as a constant: its cotangent, like the integer targets', is None.
+Everything here runs in float32 or wider (``upcast``), whatever the logits' dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.layers import upcast
 from jaxformer.model import cross_entropy
 
 
@@ -35,12 +37,12 @@ def position_weights(targets, mask, dtype):
 def cross_entropy_fwd(logits, targets, mask=None):
     """logits (..., V), targets int (...), mask (...) or None -> scalar loss."""
     loss = cross_entropy(logits, targets, mask)
-    probs = jax.nn.softmax(logits, axis=-1)  # (..., V): kept for the backward
-    return loss, CrossEntropyRes(probs, targets, position_weights(targets, mask, logits.dtype))
+    probs = jax.nn.softmax(upcast(logits), axis=-1)  # (..., V): kept for the backward
+    return loss, CrossEntropyRes(probs, targets, position_weights(targets, mask, probs.dtype))
 
 
 def cross_entropy_bwd(res: CrossEntropyRes, dloss):
-    """dloss () -> (dlogits (..., V), None, None).
+    """dloss () -> (dlogits (..., V), None, None); dlogits in float32 or wider.
 
     Undoes ``nll = logsumexp(logits) - logits[target]`` and the weighted mean:
     dlogits = dloss * w * (softmax(logits) - onehot(target)).

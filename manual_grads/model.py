@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxformer.config import ModelConfig
-from jaxformer.model import validate_batch
+from jaxformer.layers import upcast
+from jaxformer.model import check_precision, validate_batch
 from jaxformer.params import validate_params
 from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
@@ -36,21 +37,27 @@ def embed_params(params):
 
 def value_and_grad(params, batch, config: ModelConfig):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
-    structure and dtype of params. jit it with ``static_argnums=2``."""
+    structure and dtype of params. jit it with ``static_argnums=2``.
+
+    With config.compute_dtype (bfloat16) the products of forward and backward run in it
+    with float32 accumulation; statistics, softmax and the loss in float32; each
+    layer's backward casts its parameter gradients back to the params' dtype."""
     validate_batch(batch, config)
     validate_params(params, config)
+    check_precision(params, config)
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
     eps = config.ln_eps
 
     # forward
     x, embed_res = embed_fwd(embed_params(params), inputs, config)  # (B, T, D)
+    x = upcast(x)  # the residual stream runs in float32 or wider; embed_bwd casts back
     x, blocks_res = blocks_fwd(params["blocks"], x, config)  # (B, T, D); residuals (L, ...)
     if config.norm == "pre":
         x, ln_f_res = layer_norm_fwd(params["ln_f"], x, eps)  # (B, T, D)
     if config.loss_chunk:
         loss, loss_res = chunked_head_loss_fwd(params["head"], x, targets, mask, config.loss_chunk)
     else:
-        logits, head_res = linear_fwd(params["head"], x)  # (B, T, V)
+        logits, head_res = linear_fwd(params["head"], x, config.compute_dtype)  # (B, T, V)
         loss, loss_res = cross_entropy_fwd(logits, targets, mask)  # ()
 
     # backward, in reverse

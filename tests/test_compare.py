@@ -212,5 +212,6 @@ def test_script_help():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     for flag in ("--preset", "--dtype", "--fd", "--batch-size", "--seq-len", "--seed",
-                 "--repeats", "--out"):
+                 "--repeats", "--out", "--compute-dtype", "--attention-impl", "--loss-chunk",
+                 "--d-model"):
         assert flag in res.stdout
