@@ -137,7 +137,7 @@ class TorchTransformer(nn.Module):
         with torch.no_grad():
             for path, tensor, transpose in model._pairs():
                 value = np.asarray(_get(params, path))
-                tensor.copy_(torch.from_numpy(np.ascontiguousarray(value.T if transpose else value)))
+                tensor.copy_(torch.from_numpy(np.array(value.T if transpose else value)))
         return model
 
     def grads_as_jax(self) -> dict:
