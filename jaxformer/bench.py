@@ -284,8 +284,9 @@ def grad_fn_analysis(s: Settings) -> dict:
     out = {}
     for kind in JAX_KINDS:
         seconds, compiled = compile_grad_fn(kind, s.config, s.batch_size, s.seq_len)
-        depth = {str(L): compile_grad_fn(kind, s.config.replace(n_layers=L), s.batch_size,
-                                         s.seq_len)[0] for L in s.depths}
+        depth = {str(L): seconds if L == s.config.n_layers else  # the same program: not twice
+                 compile_grad_fn(kind, s.config.replace(n_layers=L), s.batch_size, s.seq_len)[0]
+                 for L in s.depths}
         out[kind] = {"compile_s": seconds, "memory": memory_stats(compiled),
                      "compile_s_by_depth": depth}
     return out

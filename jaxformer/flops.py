@@ -124,17 +124,18 @@ def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) 
 
 
 def mfu(tokens_per_s: float, config: ModelConfig, seq_len: int, device=None,
-        param_dtype="float32") -> float | None:
-    """Model FLOPs utilization of a training run at ``tokens_per_s`` (None when the
-    device's peak is unknown)."""
+        param_dtype="float32", n_devices: int = 1) -> float | None:
+    """Model FLOPs utilization of a training run at ``tokens_per_s`` (all devices
+    together) on ``n_devices`` devices like ``device`` (default: the first JAX device);
+    None when the device's peak is unknown."""
     peak, _ = device_peak(device, matmul_dtype(config, param_dtype))
     if not peak:
         return None
-    return tokens_per_s * flops_per_token(config, seq_len) / peak
+    return tokens_per_s * flops_per_token(config, seq_len) / (peak * n_devices)
 
 
 def mfu_text(tokens_per_s: float, config: ModelConfig, seq_len: int, device=None,
-             param_dtype="float32") -> str:
+             param_dtype="float32", n_devices: int = 1) -> str:
     """mfu() as a percentage for a log line, "n/a" when the peak is unknown."""
-    value = mfu(tokens_per_s, config, seq_len, device, param_dtype)
+    value = mfu(tokens_per_s, config, seq_len, device, param_dtype, n_devices)
     return "n/a" if value is None else f"{100 * value:.1f}%"

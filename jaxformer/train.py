@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer import checkpoint
+from jaxformer import checkpoint, flops
 from jaxformer.config import ModelConfig, get_preset
 from jaxformer.metrics import (METRICS_FILE, PLOT_FILE, _progress_bar, _truncate_metrics,
                                _write_record, plot_losses, read_metrics)
@@ -191,7 +191,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
                     record["val_loss"] = evaluate(state.params)
                 _write_record(metrics_path, record)
                 records.append(record)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                mfu=flops.mfu_text(record["tokens_per_s"], config, settings.seq_len, n_devices=mesh.size))
                 t_last, steps_since = time.perf_counter(), 0
             bar.update(1)
             if last or (settings.ckpt_every and s % settings.ckpt_every == 0):
