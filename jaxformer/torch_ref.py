@@ -185,7 +185,10 @@ def to_torch_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def adamw(model: nn.Module, lr: float, weight_decay: float, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8):
-    """torch.optim.AdamW with optax.adamw's settings (decay on every parameter)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(b1, b2), eps=eps,
-                             weight_decay=weight_decay, foreach=True)
+    """torch.optim.AdamW with jaxformer.optim's settings: decoupled weight decay on the
+    weight matrices and embeddings only (optim.decay_mask), not on biases or norms."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, foreach=True)
 
