@@ -15,8 +15,8 @@ from jaxformer.torch_ref import TorchTransformer, to_torch_batch  # noqa: E402
 BASE = ModelConfig(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)
 CASES = {
     "pre-gelu-learned": {},
-    "post-relu-sinusoidal": dict(norm="post", activation="relu", positions="sinusoidal"),
-    "pre-tanh-sinusoidal-bidirectional": dict(activation="tanh", positions="sinusoidal", causal=False),
+    "post-relu-sinusoidal-bidirectional": dict(norm="post", activation="relu",
+                                               positions="sinusoidal", causal=False),
     "post-gelu_tanh-learned": dict(norm="post", activation="gelu_tanh"),
 }
 
