@@ -96,6 +96,9 @@ def build_parser(prog: str = "jaxformer bench") -> argparse.ArgumentParser:
                    help="n_layers of the compile-time-vs-depth check (default 2,24)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch contestants")
     p.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--torch-threads", type=_positive_int, metavar="N",
+                   help="torch.set_num_threads(N) (default: torch's own, one per core); on a "
+                        "machine busy with other work, 1 avoids OpenMP threads waiting on each other")
     p.add_argument("--seed", type=int, default=0, help="params and batch seed (default 0)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny shape, one round of one step, no torch.compile")
@@ -116,6 +119,7 @@ class Settings(NamedTuple):
     torch: bool
     torch_compile: bool
     cpu_matmul: int  # n of the n x n matmul that measures a CPU's peak
+    torch_threads: int | None  # torch.set_num_threads, None: torch's default
     seed: int
 
 
@@ -137,7 +141,7 @@ def settings_from_args(args) -> Settings:
         rounds=pick(args.rounds, 7, 1), steps=pick(args.steps, 5, 1), warmup=pick(args.warmup, 3, 1),
         depths=pick(args.depths, (2, 24), (1, 2)), torch=not args.no_torch,
         torch_compile=not (args.no_torch or args.no_torch_compile or quick),
-        cpu_matmul=256 if quick else 2048, seed=args.seed)
+        cpu_matmul=256 if quick else 2048, torch_threads=args.torch_threads, seed=args.seed)
 
 
 # ----------------------------------------------------------------------------
@@ -222,6 +226,10 @@ def make_contestants(s: Settings, params, batch) -> tuple[list[Contestant], list
     elif torch_version() is None:
         notes.append("PyTorch not installed (pip install 'jaxformer[bench]'): no PyTorch contestants")
     else:
+        if s.torch_threads:
+            import torch
+
+            torch.set_num_threads(s.torch_threads)
         out.append(torch_contestant("torch_eager", s.config, params, batch))
         if s.torch_compile:
             out.append(torch_contestant("torch_compile", s.config, params, batch))
