@@ -238,18 +238,22 @@ def make_contestants(s: Settings, params, batch) -> tuple[list[Contestant], list
     return out, notes
 
 
-def time_rounds(contestants: Sequence[Contestant], rounds: int, steps: int, warmup: int) -> dict:
-    """{name: [ms per step of each round]}, rounds interleaved A B C A B C ..."""
+def time_rounds(contestants: Sequence[Contestant], rounds: int, steps: int, warmup: int,
+                probe: Callable[[], float] | None = None) -> tuple[dict, list]:
+    """({name: [ms per step of each round]}, [probe() after each round]); rounds
+    interleaved A B C A B C ..."""
     ready = [c for c in contestants if c.run is not None]
     for c in ready:
         c.run(warmup)
-    samples = {c.name: [] for c in ready}
+    samples, probes = {c.name: [] for c in ready}, []
     for _ in range(rounds):
         for c in ready:
             t0 = time.perf_counter()
             c.run(steps)
             samples[c.name].append(1e3 * (time.perf_counter() - t0) / steps)
-    return samples
+        if probe is not None:
+            probes.append(probe())
+    return samples, probes
 
 
 # ----------------------------------------------------------------------------
@@ -364,10 +368,16 @@ def run(s: Settings) -> dict:
     batch = make_batch(config, B, T, s.seed)
     per_token = flops.flops_per_token(config, T)
     dtype = flops.matmul_dtype(config, "float32")
-    peak, peak_source = flops.device_peak(dtype=dtype, cpu_matmul=s.cpu_matmul)
-
     contestants, notes = make_contestants(s, params, batch)
-    samples = time_rounds(contestants, s.rounds, s.steps, s.warmup)
+    peak, peak_source = flops.device_peak(dtype=dtype, cpu_matmul=s.cpu_matmul)
+    probe = None
+    if jax.devices()[0].platform == "cpu":  # the CPU's peak is measured in every round too
+        probe = lambda: flops.cpu_matmul_flops(s.cpu_matmul)  # noqa: E731
+    samples, probes = time_rounds(contestants, s.rounds, s.steps, s.warmup, probe)
+    if probes:
+        peak = max([peak, *probes])
+        peak_source = (f"measured: best float32 {s.cpu_matmul}x{s.cpu_matmul} matmul of "
+                       f"{len(probes) + 1} measurements, one after each round")
     results = {}
     for c in contestants:
         entry = {"compile_s": c.compile_s, "error": c.error}
@@ -385,7 +395,8 @@ def run(s: Settings) -> dict:
         "settings": {"rounds": s.rounds, "steps_per_round": s.steps, "warmup_steps": s.warmup,
                      "optimizer": OPTIMIZER, "param_dtype": "float32", "matmul_dtype": dtype},
         "flops": flops.flops_breakdown(config, T),
-        "peak": {"flops_per_s": peak, "source": peak_source, "dtype": dtype},
+        "peak": {"flops_per_s": peak, "source": peak_source, "dtype": dtype,
+                 "cpu_samples": probes},
         "contestants": results,
         "grad_fns": analysis,
         "ratios": ratios,

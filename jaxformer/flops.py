@@ -93,7 +93,12 @@ def matmul_dtype(config: ModelConfig, param_dtype="float32") -> str:
 @functools.lru_cache(maxsize=4)
 def measure_cpu_peak(n: int = 1024, reps: int = 3) -> float:
     """FLOP/s of the fastest of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the
-    CPU, measured now in this process (so it sees the same threads and load)."""
+    CPU, measured once per process (so it sees the same threads and load)."""
+    return cpu_matmul_flops(n, reps)
+
+
+def cpu_matmul_flops(n: int = 1024, reps: int = 3) -> float:
+    """FLOP/s of the fastest of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the CPU, now."""
     cpu = jax.devices("cpu")[0]
     a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
     b = jax.device_put(jnp.full((n, n), 0.5, jnp.float32), cpu)
