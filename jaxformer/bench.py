@@ -38,7 +38,8 @@ TORCH_KINDS = ("torch_eager", "torch_compile")
 # AdamW as both frameworks run it: constant learning rate, decoupled weight decay on
 # weight matrices and embeddings (optim.decay_mask), no clipping.
 OPTIMIZER = dict(name="adamw", lr=1e-3, weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8)
-# Where later optimisation work should get to (reported, never enforced).
+# Where work on the manual step should get to, at the loopos shape (reported, never
+# enforced); at larger shapes the goal is >= 1.2x PyTorch eager.
 TARGETS = {"manual_over_auto_step_time": ("<=", 0.6),
            "manual_over_torch_eager_tokens_per_s": (">=", 1.0),
            "manual_over_torch_compile_tokens_per_s": (">=", 1.0)}
