@@ -23,7 +23,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -373,7 +374,7 @@ def run(s: Settings) -> dict:
     peak, peak_source = flops.device_peak(dtype=dtype, cpu_matmul=s.cpu_matmul)
     probe = None
     if jax.devices()[0].platform == "cpu":  # the CPU's peak is measured in every round too
-        probe = lambda: flops.cpu_matmul_flops(s.cpu_matmul)  # noqa: E731
+        probe = lambda: flops.cpu_matmul_flops(s.cpu_matmul)
     samples, probes = time_rounds(contestants, s.rounds, s.steps, s.warmup, probe)
     if probes:
         peak = max([peak, *probes])

@@ -129,7 +129,7 @@ class TorchTransformer(nn.Module):
         return out
 
     @classmethod
-    def from_jax(cls, params, config: ModelConfig) -> "TorchTransformer":
+    def from_jax(cls, params, config: ModelConfig) -> TorchTransformer:
         """A model holding a copy of the jaxformer ``params`` (their dtype kept)."""
         dtype = {np.dtype("float32"): torch.float32, np.dtype("float64"): torch.float64}[
             np.asarray(params["tok_embed"]).dtype]

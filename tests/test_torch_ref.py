@@ -7,10 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxformer.config import ModelConfig  # noqa: E402
-from jaxformer.model import loss_fn  # noqa: E402
-from jaxformer.params import init_params  # noqa: E402
-from jaxformer.torch_ref import TorchTransformer, to_torch_batch  # noqa: E402
+from jaxformer.config import ModelConfig
+from jaxformer.model import loss_fn
+from jaxformer.params import init_params
+from jaxformer.torch_ref import TorchTransformer, to_torch_batch
 
 BASE = ModelConfig(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)
 CASES = {
