@@ -324,16 +324,23 @@ def _summary(ms: list[float], tokens_per_step: int, flops_per_token: int, peak: 
 
 
 def _ratios(results: dict) -> dict:
-    def ms(name):
-        r = results.get(name)
-        return r["ms_per_step"]["median"] if r and r.get("ms_per_step") else None
+    """Paired ratios: each round's step times of two contestants divided (they ran side by
+    side, so machine drift cancels), then the median over rounds; also min and max."""
+    def samples(name):
+        r = results.get(name) or {}
+        return r.get("samples_ms")
+
+    def paired(num, den):  # median over rounds of samples[num][r] / samples[den][r]
+        a, b = samples(num), samples(den)
+        r = [x / y for x, y in zip(a, b)]
+        return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
     out = {}
-    if ms("manual") and ms("auto"):
-        out["manual_over_auto_step_time"] = ms("manual") / ms("auto")
+    if samples("manual") and samples("auto"):
+        out["manual_over_auto_step_time"] = paired("manual", "auto")
     for name in TORCH_KINDS:
-        if ms("manual") and ms(name):  # tokens/s ratio = inverse step-time ratio
-            out[f"manual_over_{name}_tokens_per_s"] = ms(name) / ms("manual")
+        if samples("manual") and samples(name):  # tokens/s ratio = inverse step-time ratio
+            out[f"manual_over_{name}_tokens_per_s"] = paired(name, "manual")
     return out
 
 
@@ -341,7 +348,7 @@ def _targets(ratios: dict) -> dict:
     out = {}
     for key, (op, bound) in TARGETS.items():
         if key in ratios:
-            value = ratios[key]
+            value = ratios[key]["median"]
             out[key] = {"bound": f"{op} {bound}", "value": value,
                         "met": value <= bound if op == "<=" else value >= bound}
     return out

@@ -72,11 +72,13 @@ def format_markdown(report: dict) -> str:
              "| contestant | tokens/s median (min-max) | ms/step | model GFLOP/s | MFU % | compile s "
              "| XLA temp MiB |", "|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(row) + " |" for row in contestant_rows(report)]
-    lines += ["", "| ratio | value | target |", "|---|---|---|"]
+    lines += ["", "Ratios: per round (the contestants ran side by side), median over rounds (min-max).", "",
+              "| ratio | median (min-max) | target |", "|---|---|---|"]
     for key, value in report["ratios"].items():
         t = report["targets"].get(key)
         target = f"{t['bound']} ({'met' if t['met'] else 'not met'})" if t else ""
-        lines.append(f"| {RATIO_LABELS.get(key, key)} | {value:.2f} | {target} |")
+        lines.append(f"| {RATIO_LABELS.get(key, key)} | {value['median']:.2f} "
+                     f"({value['min']:.2f}-{value['max']:.2f}) | {target} |")
     lines += ["", "JAX gradient functions (XLA `memory_analysis`, compile = trace + lower + compile):", "",
               "| gradients | compile s | " + " | ".join(
                   f"compile s at L={L}" for L in next(iter(report["grad_fns"].values()))["compile_s_by_depth"])
@@ -104,7 +106,8 @@ def format_summary(report: dict) -> str:
         else:
             out.append(f"{row[0]:<24}{row[1]:>30}{row[2]:>10}{row[4]:>8}{row[5]:>11}")
     for key, value in report["ratios"].items():
-        out.append(f"{RATIO_LABELS.get(key, key)}: {value:.2f}")
+        out.append(f"{RATIO_LABELS.get(key, key)}: {value['median']:.2f} per-round median "
+                   f"({value['min']:.2f}-{value['max']:.2f})")
     m = report["machine"]
     out.append(f"load average {m['loadavg_before'][0]:.2f} -> {m['loadavg_after'][0]:.2f} "
                f"on {m['cpu_count']} cores")
