@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_diagnose_parser(sub)
     sub.add_parser("compare-grads", help="compare manual gradients with jax.grad (see its --help)",
                    add_help=False)
+    sub.add_parser("bench", help="benchmark a training step: manual, jax.grad, PyTorch (see its --help)",
+                   add_help=False)
     return parser
 
 
@@ -395,6 +397,9 @@ def main(argv=None) -> int:
     try:
         if argv and argv[0] == "compare-grads":
             return cmd_compare_grads(argv[1:])
+        if argv and argv[0] == "bench":  # its own parser and error handling
+            from jaxformer.bench import main as bench_main
+            return bench_main(argv[1:])
         parser = build_parser()
         args = parser.parse_args(argv)
         if args.command is None:

@@ -131,9 +131,10 @@ class Progress:
 
     def set_postfix(self, **postfix) -> None:
         """Values shown after the bar; before the bar opens (the first step's record),
-        tok_s is the compile step's, so it is left out."""
+        tok_s and mfu are the compile step's, so they are left out."""
         if self.bar is None:
             postfix.pop("tok_s", None)
+            postfix.pop("mfu", None)
         self.postfix = postfix
         if self.bar is not None:
             self.bar.set_postfix(**postfix)

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxformer import checkpoint, report, tb
+from jaxformer import checkpoint, flops, report, tb
 from jaxformer.config import ModelConfig
 from jaxformer.configfile import CONFIG_FILE, write_config
 from jaxformer.metrics import (GRAD_PLOT_FILE, METRICS_FILE, PLOT_FILE, _truncate_metrics,
@@ -295,6 +295,12 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
             raise stop(int(jax.device_get(state.step)), str(e)) from None
         last_saved = int(jax.device_get(state.step))
 
+    def mfu(tokens_per_s: float) -> str:
+        """Model FLOPs utilization of ``tokens_per_s`` on this run's devices (flops.py)."""
+        return flops.mfu_text(tokens_per_s, config, settings.seq_len,
+                              param_dtype=settings.dtype,
+                              n_devices=mesh.devices.size)
+
     bar = report.Progress(start, settings.steps, progress and main)
     t_last, steps_since = time.perf_counter(), 0
     try:
@@ -325,7 +331,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
                     if events:
                         events.write(record)
                 records.append(record)
-                bar.set_postfix(loss=f"{host['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{host['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                mfu=mfu(record["tokens_per_s"]))
                 t_last, steps_since = time.perf_counter(), 0
             bar.update(1)
             if do_ckpt:
@@ -348,7 +355,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
                 plot_grad_norms(all_records, run_dir / GRAD_PLOT_FILE)
     timing = clock.summary()
     if log:
-        log(report.summary_line(timing))
+        steady = timing.get("steady_tokens_per_s")
+        log(report.summary_line(timing) + (f"; steady-state MFU {mfu(steady)}" if steady else ""))
     return TrainResult(state, config, tokenizer, records, run_dir, timing)
 
 
