@@ -177,13 +177,13 @@ def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128)
 
 def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
     """attention(p, x, n_heads, causal) without the (B, H, T, T) probabilities: an online
-    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). The
-    projections' products run in ``compute_dtype``; the blocks in their output dtype."""
+    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). Every product,
+    the projections' and the blocks', runs in ``compute_dtype``."""
     cd = compute_dtype
     q = split_heads(linear(x, p["wq"], p["bq"], cd), n_heads)  # (B, H, T, Dh)
     k = split_heads(linear(x, p["wk"], p["bk"], cd), n_heads)  # (B, H, T, Dh)
     v = split_heads(linear(x, p["wv"], p["bv"], cd), n_heads)  # (B, H, T, Dh)
-    out, _ = blockwise_attention_core(q, k, v, causal, block)  # (B, H, T, Dh)
+    out, _ = blockwise_attention_core(q, k, v, causal, block, cd)  # (B, H, T, Dh)
     return linear(merge_heads(out), p["wo"], p["bo"], cd)
 
 
