@@ -16,6 +16,8 @@ from jaxformer import compare, init_params
 from jaxformer.blockwise import blockwise_attention_core
 from jaxformer.chunked_loss import chunked_head_loss
 from jaxformer.config import ModelConfig
+from jaxformer.kv_cache import forward_cached, init_cache
+from jaxformer.model import forward
 from manual_grads.blockwise import blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
 
@@ -121,3 +123,25 @@ def test_without_compute_dtype_the_core_is_unchanged_by_float32():
                     jax.tree_util.tree_leaves(manual(q, k, v, dout, "float32"))):
         np.testing.assert_array_equal(a, b)
     assert "bf16" not in str(jax.make_jaxpr(lambda *a: manual(*a, None))(q, k, v, dout))
+
+
+def test_cached_forward_follows_the_policy():
+    """The sampler's cached forward runs its products in bfloat16 like model.forward,
+    and its prefill logits match the uncached forward's to bfloat16 round-off."""
+    config = BASE.replace(compute_dtype="bfloat16")
+    params = init_params(jax.random.PRNGKey(0), config, jnp.float32)
+    inputs = batch_for(config, False)["inputs"]
+    cache = init_cache(config, B, jnp.float32)
+    assert_bf16_in_f32_out(lambda p, i, c: forward_cached(p, i, c, 0, config), params, inputs, cache,
+                           at_least=7)  # q, k, v, scores, values, out, ffn in and out, head
+    logits, _ = forward_cached(params, inputs, cache, 0, config)
+    ref = forward(params, inputs, config)
+    exact = forward(params, inputs, BASE)
+    assert logits.dtype == F32
+    assert 0 < rel(logits, exact) < 0.05  # bfloat16 ran
+    assert rel(logits, ref) <= 2 * rel(ref, exact)
+
+
+def rel(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(got - ref) / np.linalg.norm(ref)
