@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_precision import auto_vg, dot_generals, leaf_rels, manual_vg
 
-from jaxformer import compare, init_params
+from jaxformer import compare, diagnose, init_params
 from jaxformer.blockwise import blockwise_attention_core
 from jaxformer.chunked_loss import chunked_head_loss
 from jaxformer.config import ModelConfig
@@ -25,7 +25,7 @@ from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_f
 BASE = ModelConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=1, d_ff=24, max_seq_len=12)
 B, T = 2, 10
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
-BLOCKWISE = dict(attention_impl="blockwise", attention_block=4)
+BLOCKWISE = {"attention_impl": "blockwise", "attention_block": 4}
 
 CASES = {
     "blockwise_causal": (BASE.replace(**BLOCKWISE), False),
@@ -84,7 +84,7 @@ def test_blockwise_core_products_read_bfloat16_and_accumulate_float32(causal):
         return blockwise_attention_core(q, k, v, causal, 4, "bfloat16")
 
     def manual(q, k, v, dout):
-        out, res = blockwise_core_fwd(q, k, v, causal, 4, "bfloat16")
+        _, res = blockwise_core_fwd(q, k, v, causal, 4, "bfloat16")
         return blockwise_core_bwd(res, dout)
 
     assert_bf16_in_f32_out(forward, q, k, v, at_least=2)  # q k^T, P v
@@ -145,3 +145,20 @@ def test_cached_forward_follows_the_policy():
 def rel(got, ref):
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     return np.linalg.norm(got - ref) / np.linalg.norm(ref)
+
+
+def test_diagnosis_runs_the_configured_layers_and_precision():
+    """diagnose_batch follows attention_impl, loss_chunk and compute_dtype: its loss is
+    the manual value_and_grad's, and it says what ran."""
+    config, masked = CASES["all_together"]
+    config = config.replace(compute_dtype="bfloat16")
+    params = init_params(jax.random.PRNGKey(0), config, jnp.float32)
+    batch = batch_for(config, masked)
+    d = diagnose.diagnose_batch(params, batch, config)
+    assert d.first is None
+    assert d.settings == "blockwise attention (block 4), products in bfloat16, head + loss in chunks of 8"
+    assert d.table().startswith(f"settings: {d.settings}\n")
+    assert [s.name for s in d.stages][-1] == "head + loss"
+    loss_m, _ = manual_vg(params, batch, config)
+    assert d.loss == pytest.approx(float(loss_m), rel=1e-6)
+    assert d.loss != float(manual_vg(params, batch, config.replace(compute_dtype=None))[0])  # bfloat16 ran
