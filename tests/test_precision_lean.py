@@ -18,6 +18,10 @@ from jaxformer.chunked_loss import chunked_head_loss
 from jaxformer.config import ModelConfig
 from jaxformer.kv_cache import forward_cached, init_cache
 from jaxformer.model import forward
+from manual_grads import attention as _attn
+from manual_grads import block as _block
+from manual_grads import blockwise as _bw
+from manual_grads import custom_vjp as cv
 from manual_grads.blockwise import blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
 
@@ -162,3 +166,41 @@ def test_diagnosis_runs_the_configured_layers_and_precision():
     loss_m, _ = manual_vg(params, batch, config)
     assert d.loss == pytest.approx(float(loss_m), rel=1e-6)
     assert d.loss != float(manual_vg(params, batch, config.replace(compute_dtype=None))[0])  # bfloat16 ran
+
+
+def f32_tree(tree):
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
+
+
+@pytest.mark.parametrize("layer", ["attention", "feed_forward", "blockwise_attention"])
+def test_custom_vjp_layers_take_compute_dtype_as_a_static_argument(layer):
+    """jax.grad through the custom_vjp layer with "bfloat16" runs the manual rule of
+    the bfloat16 forward: the same cotangents as calling the pair directly."""
+    params = f32_tree(init_params(jax.random.PRNGKey(0), BASE, jnp.float32)["blocks"])
+    x = qkv(seed=3, shape=(B, T, 16))[0]
+    fwd, bwd, p, static = {
+        "attention": (_attn.attention_fwd, _attn.attention_bwd, "attn", (2, True)),
+        "feed_forward": (_block.feed_forward_fwd, _block.feed_forward_bwd, "ffn", ("gelu",)),
+        "blockwise_attention": (_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd, "attn",
+                                (2, True, 4)),
+    }[layer]
+    p = jax.tree_util.tree_map(lambda a: a[0], params[p])
+    y, vjp = jax.vjp(lambda p, x: getattr(cv, layer)(p, x, *static, "bfloat16"), p, x)
+    y_m, res = fwd(p, x, *static, "bfloat16")
+    np.testing.assert_array_equal(y, y_m)
+    for a, b in zip(jax.tree_util.tree_leaves(vjp(y)), jax.tree_util.tree_leaves(bwd(res, y))):
+        np.testing.assert_array_equal(a, b)
+    assert "bf16" in str(jax.make_jaxpr(lambda p, x: getattr(cv, layer)(p, x, *static, "bfloat16"))(p, x))
+
+
+def test_custom_vjp_chunked_loss_takes_compute_dtype():
+    rng = np.random.default_rng(4)
+    head = {"w": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32), "b": jnp.zeros(32, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((B, T, 16)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 32, (B, T)), jnp.int32)
+    mask = jnp.asarray(rng.random((B, T)) < 0.7, jnp.float32)
+    grads = jax.grad(lambda h, x: cv.chunked_head_loss(h, x, targets, mask, 8, "bfloat16"), (0, 1))(head, x)
+    _, res = chunked_head_loss_fwd(head, x, targets, mask, 8, "bfloat16")
+    for a, b in zip(jax.tree_util.tree_leaves(grads),
+                    jax.tree_util.tree_leaves(chunked_head_loss_bwd(res, jnp.ones((), jnp.float32)))):
+        np.testing.assert_array_equal(a, b)
