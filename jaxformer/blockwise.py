@@ -15,6 +15,10 @@ probabilities as exp(s - lse).
 These pieces are the single definition of the blockwise math: the manual
 backward loops over the same blocks with ``block_scores`` and ``if_visible``.
 Softmax statistics are kept in at least float32 (``stats_dtype``).
+
+Precision (``compute_dtype``, ModelConfig's): the two products of each block pair,
+q_i k_j^T and P_ij v_j, read their inputs in the compute dtype and accumulate in
+float32 or wider (``matmul``); m, l, acc, the output and lse stay in stats_dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ import jax.numpy as jnp
 def stats_dtype(dtype):
     """The dtype of scores, softmax statistics and log-sum-exp: at least float32."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def matmul(a, b, compute_dtype=None):
+    """a @ b under the precision policy of jaxformer.layers.matmul (which imports this
+    module, so it is spelled out here): inputs cast to ``compute_dtype``, the product
+    accumulated and returned in stats_dtype of the inputs' dtype; None is plain a @ b."""
+    out = jnp.result_type(a, b)
+    if compute_dtype is None or (jnp.dtype(compute_dtype) == out == a.dtype == b.dtype):
+        return a @ b
+    return jnp.matmul(a.astype(compute_dtype), b.astype(compute_dtype),
+                      preferred_element_type=stats_dtype(out))
 
 
 def n_blocks(T: int, block: int) -> int:
@@ -65,12 +80,13 @@ def if_visible(i, j, causal: bool, update, carry):
     return jax.lax.cond(j <= i, update, lambda c: c, carry)
 
 
-def block_scores(q_i, k_j, i, j, T: int, causal: bool):
+def block_scores(q_i, k_j, i, j, T: int, causal: bool, compute_dtype=None):
     """q_i, k_j (B, H, K, Dh) -> s (B, H, K, K) = q_i k_j^T / sqrt(Dh) in stats_dtype,
-    -inf where the key is padding (position >= T) or, if causal, in the future."""
+    -inf where the key is padding (position >= T) or, if causal, in the future.
+    The product runs in ``compute_dtype``."""
     K, Dh = q_i.shape[-2], q_i.shape[-1]
     f = stats_dtype(q_i.dtype)
-    s = (q_i @ jnp.swapaxes(k_j, -1, -2)).astype(f) / math.sqrt(Dh)  # (B, H, K, K)
+    s = matmul(q_i, jnp.swapaxes(k_j, -1, -2), compute_dtype).astype(f) / math.sqrt(Dh)  # (B, H, K, K)
     q_pos = i * K + jnp.arange(K)[:, None]  # (K, 1)
     k_pos = j * K + jnp.arange(K)[None, :]  # (1, K)
     allowed = k_pos < T
@@ -79,12 +95,13 @@ def block_scores(q_i, k_j, i, j, T: int, causal: bool):
     return jnp.where(allowed, s, -jnp.inf)
 
 
-def online_softmax_step(carry, s, v_j):
+def online_softmax_step(carry, s, v_j, compute_dtype=None):
     """Fold one key block into the running (m, l, acc) of a query block.
 
     carry: m (B, H, K) row max so far, l (B, H, K) row sum of exp(s - m),
     acc (B, H, K, Dh) sum of exp(s - m) v; s (B, H, K, K) scores; v_j (B, H, K, Dh).
     A row with every key masked so far keeps m = -inf, l = 0, acc = 0.
+    The product exp(s - m) v_j runs in ``compute_dtype``.
     """
     m, l, acc = carry
     m_new = jnp.maximum(m, jax.lax.stop_gradient(jnp.max(s, axis=-1)))  # (B, H, K)
@@ -92,11 +109,11 @@ def online_softmax_step(carry, s, v_j):
     p = jnp.exp(s - m_safe[..., None])  # (B, H, K, K): 0 where masked
     alpha = jnp.exp(m - m_safe)  # (B, H, K): rescales the old sums; 0 while m = -inf
     l = alpha * l + jnp.sum(p, axis=-1)
-    acc = alpha[..., None] * acc + (p.astype(v_j.dtype) @ v_j).astype(acc.dtype)
+    acc = alpha[..., None] * acc + matmul(p.astype(v_j.dtype), v_j, compute_dtype).astype(acc.dtype)
     return m_new, l, acc
 
 
-def _query_block(q_i, i, kb, vb, T: int, causal: bool):
+def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None):
     """One query block i against every visible key block: (out_i (B, H, K, Dh), lse_i (B, H, K))."""
     f = stats_dtype(q_i.dtype)
     shape = q_i.shape[:-1]  # (B, H, K)
@@ -104,18 +121,23 @@ def _query_block(q_i, i, kb, vb, T: int, causal: bool):
 
     def key_step(carry, xs):
         k_j, v_j, j = xs
-        update = lambda c: online_softmax_step(c, block_scores(q_i, k_j, i, j, T, causal), v_j)  # noqa: E731
+
+        def update(c):
+            s = block_scores(q_i, k_j, i, j, T, causal, compute_dtype)  # (B, H, K, K)
+            return online_softmax_step(c, s, v_j, compute_dtype)
+
         return if_visible(i, j, causal, update, carry), None
 
     (m, l, acc), _ = jax.lax.scan(key_step, init, (kb, vb, jnp.arange(kb.shape[0])))
     return (acc / l[..., None]).astype(q_i.dtype), m + jnp.log(l)
 
 
-def blockwise_attention_core(q, k, v, causal: bool, block: int):
+def blockwise_attention_core(q, k, v, causal: bool, block: int, compute_dtype=None):
     """q, k, v (B, H, T, Dh) -> (out (B, H, T, Dh), lse (B, H, T) in stats_dtype).
 
     out = softmax(q k^T / sqrt(Dh)) v (future masked if causal), computed K query
-    rows and K keys at a time; lse is each row's log-sum-exp of the scores.
+    rows and K keys at a time; lse is each row's log-sum-exp of the scores. The
+    products run in ``compute_dtype`` (None: the inputs' own dtype).
     """
     T = q.shape[2]
     K = block_size(T, block)
@@ -123,7 +145,7 @@ def blockwise_attention_core(q, k, v, causal: bool, block: int):
 
     def query_step(_, xs):
         q_i, i = xs
-        return None, _query_block(q_i, i, kb, vb, T, causal)
+        return None, _query_block(q_i, i, kb, vb, T, causal, compute_dtype)
 
     _, (ob, lseb) = jax.lax.scan(query_step, None, (qb, jnp.arange(qb.shape[0])))
     return from_blocks(ob, T), from_blocks(lseb, T)

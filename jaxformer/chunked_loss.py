@@ -8,9 +8,11 @@ Np = M * C the padded count.
 
 The positions are flattened, padded up to Np (padding gets weight 0) and cut
 into M chunks; a ``lax.scan`` adds each chunk's weighted negative log-likelihood.
-Log-sum-exp and the sum are kept in at least float32. Under JAX's ``grad`` each
-chunk is a ``jax.checkpoint``, so autodiff too keeps one chunk of logits at a
-time; the manual backward (manual_grads/chunked_loss.py) recomputes them itself.
+Log-sum-exp and the sum are kept in at least float32; the head's product x_c @ w
+runs in ``compute_dtype`` with float32 accumulation (``jaxformer.layers.matmul``).
+Under JAX's ``grad`` each chunk is a ``jax.checkpoint``, so autodiff too keeps one
+chunk of logits at a time; the manual backward (manual_grads/chunked_loss.py)
+recomputes them itself.
 """
 
 from __future__ import annotations
@@ -38,15 +40,15 @@ def to_chunks(x, chunk: int):
     return x.reshape((M, chunk) + x.shape[1:])
 
 
-def chunk_logits_lse(x_c, w, b):
-    """x_c (C, D) -> (logits (C, V), lse (C,)), both in stats_dtype."""
-    logits = linear(x_c, w, b).astype(stats_dtype(x_c.dtype))  # (C, V)
+def chunk_logits_lse(x_c, w, b, compute_dtype=None):
+    """x_c (C, D) -> (logits (C, V), lse (C,)), both in stats_dtype; the product in compute_dtype."""
+    logits = linear(x_c, w, b, compute_dtype).astype(stats_dtype(x_c.dtype))  # (C, V)
     return logits, jax.nn.logsumexp(logits, axis=-1)
 
 
-def chunk_nll(x_c, w, b, t_c):
+def chunk_nll(x_c, w, b, t_c, compute_dtype=None):
     """x_c (C, D), t_c int (C,) -> -log softmax(x_c @ w + b)[t_c] (C,), and lse (C,)."""
-    logits, lse = chunk_logits_lse(x_c, w, b)
+    logits, lse = chunk_logits_lse(x_c, w, b, compute_dtype)
     target_logit = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]  # (C,)
     return lse - target_logit, lse
 
@@ -60,14 +62,15 @@ def chunked_inputs(x, targets, mask, chunk: int):
             to_chunks(weights.reshape(-1), chunk))
 
 
-def chunked_head_loss(head, x, targets, mask, chunk: int):
+def chunked_head_loss(head, x, targets, mask, chunk: int, compute_dtype=None):
     """head = {"w": (D, V), "b": (V,)}, x (B, T, D), targets int (B, T), mask (B, T) or None
-    -> the mean cross entropy of x @ w + b, as cross_entropy(linear(x, w, b), targets, mask)."""
+    -> the mean cross entropy of x @ w + b, as cross_entropy(linear(x, w, b, compute_dtype),
+    targets, mask)."""
     xc, tc, wc = chunked_inputs(x, targets, mask, chunk)
 
     @jax.checkpoint
     def chunk_loss(x_c, t_c, w_c):
-        nll, _ = chunk_nll(x_c, head["w"], head["b"], t_c)  # (C,)
+        nll, _ = chunk_nll(x_c, head["w"], head["b"], t_c, compute_dtype)  # (C,)
         return jnp.sum(nll * w_c)
 
     def step(total, xs):

@@ -12,8 +12,11 @@ The first stage whose output (or gradient) holds a NaN or an infinity is named,
 with the value range of its input, e.g.
 ``forward: blocks[1].attn output is non-finite; its input has min -2.1, max 2.3, abs max 2.3``.
 
-The stages are those of the default layer implementations (full attention,
-all positions at once, the params' dtype): a diagnosis, not the training math.
+The stages follow the config as training does: the attention it names (full or
+blockwise, ``any_attention_fwd``), its compute_dtype for every product, and with
+loss_chunk > 0 one "head + loss" stage that runs both chunk by chunk (no (B, T, V)
+logits). remat changes no value, so it is left out. ``Diagnosis.settings`` states
+what ran, and the table's first line repeats it.
 
 ``diagnose_failure`` (called by the training loop when a step's loss or gradient is
 non-finite) replays the run from its newest healthy checkpoint to the step before
@@ -32,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import ModelConfig
+from jaxformer.layers import upcast
 from jaxformer.params import validate_params
 from manual_grads.block import feed_forward_bwd, feed_forward_fwd
-from manual_grads.attention import attention_bwd, attention_fwd
+from manual_grads.blockwise import any_attention_bwd, any_attention_fwd
+from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
 from manual_grads.linear import linear_bwd, linear_fwd
@@ -89,6 +94,7 @@ class Diagnosis:
     stages: list[Stage]  # forward order
     loss: float
     first: str | None  # the first non-finite value, e.g. "backward: blocks[0].ln1 dscale ..."
+    settings: str = ""  # what ran, e.g. "blockwise attention (block 128), products in bfloat16, ..."
 
     def summary(self) -> str:
         if self.first is None:
@@ -98,7 +104,7 @@ class Diagnosis:
 
     def table(self) -> str:
         head = f"{'stage':<26} {'in |max|':>10} {'out min':>10} {'out max':>10} {'out |max|':>10} {'grad norm':>10}"
-        lines = [head, "-" * len(head)]
+        lines = [f"settings: {self.settings}", head, "-" * len(head)]
         for s in self.stages:
             grad = "-" if s.grad_norm is None else f"{s.grad_norm:.4g}"
             inp = "-" if s.inp is None else f"{s.inp.absmax:.4g}"
@@ -152,17 +158,27 @@ def _layer(params, l):
     return jax.tree_util.tree_map(lambda a: a[l], params["blocks"])
 
 
+def settings(config: ModelConfig) -> str:
+    """The layer implementations and precision diagnose_batch runs for ``config``."""
+    attn = (f"blockwise attention (block {config.attention_block})"
+            if config.attention_impl == "blockwise" else "full attention")
+    products = f"products in {config.compute_dtype or 'the params dtype'}"
+    loss = (f"head + loss in chunks of {config.loss_chunk}" if config.loss_chunk
+            else "head and loss over all positions")
+    return f"{attn}, {products}, {loss}"
+
+
 def _pre_block(rec, n, p, x, config):
-    eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
+    eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
     h1, r_ln1 = layer_norm_fwd(p["ln1"], x, eps)
     rec.forward(f"{n}.ln1", x, h1, p["ln1"])
-    a, r_attn = attention_fwd(p["attn"], h1, H, causal)
+    a, r_attn = any_attention_fwd(p["attn"], h1, config)
     rec.forward(f"{n}.attn", h1, a, p["attn"])
     x1 = x + a
     rec.forward(f"{n}.attn residual", a, x1)
     h2, r_ln2 = layer_norm_fwd(p["ln2"], x1, eps)
     rec.forward(f"{n}.ln2", x1, h2, p["ln2"])
-    f, r_ffn = feed_forward_fwd(p["ffn"], h2, act)
+    f, r_ffn = feed_forward_fwd(p["ffn"], h2, act, cd)
     rec.forward(f"{n}.ffn", h2, f, p["ffn"])
     y = x1 + f
     rec.forward(f"{n}.ffn residual", f, y)
@@ -176,7 +192,7 @@ def _pre_block(rec, n, p, x, config):
         dx1 = dy + dx1_branch
         rec.backward(f"{n}.ffn residual", dx1_branch, None, dx1)
         # x1 = x + attn(ln1(x))
-        d_attn, dh1 = attention_bwd(r_attn, dx1)
+        d_attn, dh1 = any_attention_bwd(r_attn, dx1)
         rec.backward(f"{n}.attn", dx1, d_attn, dh1)
         d_ln1, dx_branch = layer_norm_bwd(r_ln1, dh1)
         rec.backward(f"{n}.ln1", dh1, d_ln1, dx_branch)
@@ -188,14 +204,14 @@ def _pre_block(rec, n, p, x, config):
 
 
 def _post_block(rec, n, p, x, config):
-    eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
-    a, r_attn = attention_fwd(p["attn"], x, H, causal)
+    eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
+    a, r_attn = any_attention_fwd(p["attn"], x, config)
     rec.forward(f"{n}.attn", x, a, p["attn"])
     s1 = x + a
     rec.forward(f"{n}.attn residual", a, s1)
     x1, r_ln1 = layer_norm_fwd(p["ln1"], s1, eps)
     rec.forward(f"{n}.ln1", s1, x1, p["ln1"])
-    f, r_ffn = feed_forward_fwd(p["ffn"], x1, act)
+    f, r_ffn = feed_forward_fwd(p["ffn"], x1, act, cd)
     rec.forward(f"{n}.ffn", x1, f, p["ffn"])
     s2 = x1 + f
     rec.forward(f"{n}.ffn residual", f, s2)
@@ -213,7 +229,7 @@ def _post_block(rec, n, p, x, config):
         # x1 = ln1(x + attn(x))
         d_ln1, ds1 = layer_norm_bwd(r_ln1, dx1)
         rec.backward(f"{n}.ln1", dx1, d_ln1, ds1)
-        d_attn, dx_branch = attention_bwd(r_attn, ds1)
+        d_attn, dx_branch = any_attention_bwd(r_attn, ds1)
         rec.backward(f"{n}.attn", ds1, d_attn, dx_branch)
         dx = ds1 + dx_branch
         rec.backward(f"{n}.attn residual", dx_branch, None, dx)
@@ -238,6 +254,7 @@ def diagnose_batch(params, batch, config: ModelConfig) -> Diagnosis:
     # forward, keeping each stage's residuals
     emb = embed_params(params)
     x, embed_res = embed_fwd(emb, inputs, config)  # (B, T, D)
+    x = upcast(x)  # the residual stream runs in float32 or wider, as in training
     rec.forward("embed", None, x, emb)
     block = _pre_block if config.norm == "pre" else _post_block
     backwards = []
@@ -248,17 +265,10 @@ def diagnose_batch(params, batch, config: ModelConfig) -> Diagnosis:
         h, ln_f_res = layer_norm_fwd(params["ln_f"], x, config.ln_eps)
         rec.forward("ln_f", x, h, params["ln_f"])
         x = h
-    logits, head_res = linear_fwd(params["head"], x)  # (B, T, V)
-    rec.forward("head", x, logits, params["head"])
-    loss, loss_res = cross_entropy_fwd(logits, targets, mask)
-    rec.forward("loss", logits, loss)
+    loss, head_loss_bwd = _head_loss(rec, params["head"], x, targets, mask, config)
 
     # backward, in reverse
-    one = jnp.ones((), loss.dtype)
-    dlogits, _, _ = cross_entropy_bwd(loss_res, one)
-    rec.backward("loss", one, None, dlogits, dx_name="dlogits")
-    d_head, dx = linear_bwd(head_res, dlogits)
-    rec.backward("head", dlogits, d_head, dx)
+    dx = head_loss_bwd(jnp.ones((), loss.dtype))
     if config.norm == "pre":
         d_ln_f, dx_in = layer_norm_bwd(ln_f_res, dx)
         rec.backward("ln_f", dx, d_ln_f, dx_in)
@@ -267,7 +277,36 @@ def diagnose_batch(params, batch, config: ModelConfig) -> Diagnosis:
         dx = bwd(dx)
     d_embed, _ = embed_bwd(embed_res, dx)
     rec.backward("embed", dx, d_embed)
-    return Diagnosis(list(rec.stages.values()), float(loss), rec.first)
+    return Diagnosis(list(rec.stages.values()), float(loss), rec.first, settings(config))
+
+
+def _head_loss(rec, head, x, targets, mask, config):
+    """The head and the loss as stages "head", "loss", or one "head + loss" stage with
+    loss_chunk > 0. Returns (loss, backward: dloss -> dx (B, T, D))."""
+    cd = config.compute_dtype
+    if config.loss_chunk:
+        loss, res = chunked_head_loss_fwd(head, x, targets, mask, config.loss_chunk, cd)
+        rec.forward("head + loss", x, loss, head)
+
+        def chunked_backward(one):
+            d_head, dx = chunked_head_loss_bwd(res, one)
+            rec.backward("head + loss", one, d_head, dx)
+            return dx
+
+        return loss, chunked_backward
+    logits, head_res = linear_fwd(head, x, cd)  # (B, T, V)
+    rec.forward("head", x, logits, head)
+    loss, loss_res = cross_entropy_fwd(logits, targets, mask)
+    rec.forward("loss", logits, loss)
+
+    def backward(one):
+        dlogits, _, _ = cross_entropy_bwd(loss_res, one)
+        rec.backward("loss", one, None, dlogits, dx_name="dlogits")
+        d_head, dx = linear_bwd(head_res, dlogits)
+        rec.backward("head", dlogits, d_head, dx)
+        return dx
+
+    return loss, backward
 
 
 # ----------------------------------------------------------------------------
@@ -307,10 +346,10 @@ def diagnose_run(run_dir, step: int | None = None) -> str:
     """The per-stage table (forward ranges, gradient norms) and the first non-finite
     value for the next training batch of a run's checkpoint (default: the newest
     that verifies)."""
+    from jaxformer import data
     from jaxformer.generate import load_state
     from jaxformer.settings import TrainSettings
     from jaxformer.train import _load_data
-    from jaxformer import data
 
     state, config, tokenizer, meta = load_state(run_dir, step)
     settings = TrainSettings.from_dict(meta["settings"])

@@ -177,13 +177,13 @@ def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128)
 
 def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
     """attention(p, x, n_heads, causal) without the (B, H, T, T) probabilities: an online
-    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). The
-    projections' products run in ``compute_dtype``; the blocks in their output dtype."""
+    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). Every product,
+    the projections' and the blocks', runs in ``compute_dtype``."""
     cd = compute_dtype
     q = split_heads(linear(x, p["wq"], p["bq"], cd), n_heads)  # (B, H, T, Dh)
     k = split_heads(linear(x, p["wk"], p["bk"], cd), n_heads)  # (B, H, T, Dh)
     v = split_heads(linear(x, p["wv"], p["bv"], cd), n_heads)  # (B, H, T, Dh)
-    out, _ = blockwise_attention_core(q, k, v, causal, block)  # (B, H, T, Dh)
+    out, _ = blockwise_attention_core(q, k, v, causal, block, cd)  # (B, H, T, Dh)
     return linear(merge_heads(out), p["wo"], p["bo"], cd)
 
 
@@ -246,64 +246,3 @@ def block(p, x, config: ModelConfig):
         x = layer_norm(p["ln1"], x + attention(p["attn"], x, H, causal, cd, **impl), eps)
         x = layer_norm(p["ln2"], x + feed_forward(p["ffn"], x, act, cd), eps)
     return x
-
-
-# ----------------------------------------------------------------------------
-# key/value cache for decoding (the same pieces as above, on a cache of S slots)
-
-
-def masked_softmax(scores, mask):
-    """softmax over the last axis of scores (..., Tk) where mask (broadcast) is True; as in
-    attention_probs, masked scores get the dtype's minimum and the row max is subtracted."""
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
-    e = jnp.exp(scores)
-    return e / jnp.sum(e, axis=-1, keepdims=True)
-
-
-def attention_cached(p, x, cache_k, cache_v, start, n_heads):
-    """Causal attention of t new tokens at cache slots [start, start + t) over the cache.
-
-    x (B, t, D); cache_k, cache_v (B, H, S, Dh); start int32 scalar. The new keys and
-    values are written into their slots, then query i attends to slots <= start + i.
-    Returns out (B, t, D) and the updated cache_k, cache_v.
-    """
-    q = split_heads(linear(x, p["wq"], p["bq"]), n_heads)  # (B, H, t, Dh)
-    k = split_heads(linear(x, p["wk"], p["bk"]), n_heads)  # (B, H, t, Dh)
-    v = split_heads(linear(x, p["wv"], p["bv"]), n_heads)  # (B, H, t, Dh)
-    zero, start = jnp.int32(0), jnp.asarray(start, jnp.int32)
-    at = (zero, zero, start, zero)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), at)
-    scores = (q @ jnp.swapaxes(cache_k, -1, -2)) / math.sqrt(q.shape[-1])  # (B, H, t, S)
-    t, S = x.shape[1], cache_k.shape[2]
-    mask = jnp.arange(S)[None, :] <= start + jnp.arange(t)[:, None]  # (t, S)
-    probs = masked_softmax(scores, mask)  # (B, H, t, S)
-    return linear(merge_heads(probs @ cache_v), p["wo"], p["bo"]), cache_k, cache_v
-
-
-def block_cached(p, x, cache_k, cache_v, start, config: ModelConfig):
-    """``block`` for t new tokens at cache slots [start, start + t): x (B, t, D);
-    cache_k, cache_v (B, H, S, Dh) of this layer. Returns (x, cache_k, cache_v)."""
-    eps, H, act = config.ln_eps, config.n_heads, config.activation
-    if config.norm == "pre":
-        a, cache_k, cache_v = attention_cached(p["attn"], layer_norm(p["ln1"], x, eps),
-                                               cache_k, cache_v, start, H)
-        x = x + a
-        x = x + feed_forward(p["ffn"], layer_norm(p["ln2"], x, eps), act)
-    else:
-        a, cache_k, cache_v = attention_cached(p["attn"], x, cache_k, cache_v, start, H)
-        x = layer_norm(p["ln1"], x + a, eps)
-        x = layer_norm(p["ln2"], x + feed_forward(p["ffn"], x, act), eps)
-    return x, cache_k, cache_v
-
-
-def embed_at(params, inputs, start, config: ModelConfig):
-    """``embed`` of inputs int (B, t) at positions [start, start + t) (start may be traced)."""
-    x = token_embedding(params["tok_embed"], inputs)  # (B, t, D)
-    t, D = inputs.shape[-1], config.d_model
-    if config.positions == "learned":
-        table = params["pos_embed"]  # (max_seq_len, D)
-    else:
-        table = sinusoidal_positions(config.max_seq_len, D, x.dtype)
-    return x + jax.lax.dynamic_slice(table, (jnp.asarray(start, jnp.int32), jnp.int32(0)), (t, D))

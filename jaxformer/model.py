@@ -135,6 +135,6 @@ def loss_fn(params, batch, config: ModelConfig):
     if config.loss_chunk:
         x = features(params, batch["inputs"], config)  # (B, T, D); no (B, T, V) logits
         return chunked_head_loss(params["head"], x, batch["targets"], batch.get("mask"),
-                                 config.loss_chunk)
+                                 config.loss_chunk, config.compute_dtype)
     logits = forward(params, batch["inputs"], config)
     return cross_entropy(logits, batch["targets"], batch.get("mask"))

@@ -14,6 +14,10 @@ pair at a time (pairs above the causal diagonal skipped, as in the forward):
     dS_ij = P_ij * (dP_ij - D_i)              undoes P = softmax(S)
     dq_i += dS_ij k_j / sqrt(Dh),  dk_j += dS_ij^T q_i / sqrt(Dh)   undo S = q k^T / sqrt(Dh)
 then the four projections' backwards, as in manual_grads/attention.py.
+
+Mixed precision: every product above, forward and backward, reads its inputs in the
+compute dtype and accumulates in float32 (``jaxformer.blockwise.matmul``); P, dS,
+D, lse and the running sums dq, dk, dv stay in float32 or wider.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.blockwise import (block_scores, block_size, blockwise_attention_core,
-                                 from_blocks, if_visible, stats_dtype, to_blocks)
+                                 from_blocks, if_visible, matmul, stats_dtype, to_blocks)
 from jaxformer.config import ModelConfig
 from jaxformer.layers import cast, merge_heads, split_heads
 from manual_grads.attention import _proj, attention_bwd, attention_fwd
@@ -40,20 +44,28 @@ class BlockwiseCoreRes(NamedTuple):
     out: jax.Array  # (N, B, H, K, Dh) O = softmax(S) v
     lse: jax.Array  # (N, B, H, K) row log-sum-exp of the scores, in stats_dtype
     length: jax.Array  # (T,) int: arange(T); its length is T, the unpadded sequence length
+    products: jax.Array  # (0,) empty, in the dtype the products read: compute_dtype, or q's
 
 
 class CausalBlockwiseCoreRes(BlockwiseCoreRes):
     pass
 
 
-def blockwise_core_fwd(q, k, v, causal, block):
-    """q, k, v (B, H, T, Dh) -> out (B, H, T, Dh), keeping blocks of q, k, v, out and lse."""
+def blockwise_core_fwd(q, k, v, causal, block, compute_dtype=None):
+    """q, k, v (B, H, T, Dh) -> out (B, H, T, Dh), keeping blocks of q, k, v, out and lse.
+    The products run in ``compute_dtype`` (None: q's dtype)."""
     T = q.shape[2]
     K = block_size(T, block)
-    out, lse = blockwise_attention_core(q, k, v, causal, block)  # (B, H, T, Dh), (B, H, T)
+    out, lse = blockwise_attention_core(q, k, v, causal, block, compute_dtype)  # (B, H, T, Dh), (B, H, T)
     res_type = CausalBlockwiseCoreRes if causal else BlockwiseCoreRes
     blocks = [to_blocks(a, K) for a in (q, k, v, out, lse)]
-    return out, res_type(*blocks, jnp.arange(T))
+    products = jnp.zeros((0,), compute_dtype or q.dtype)
+    return out, res_type(*blocks, jnp.arange(T), products)
+
+
+def products_dtype(res: BlockwiseCoreRes):
+    """The compute dtype the forward's products ran in: None (plain ``@``) when q's own."""
+    return None if res.products.dtype == res.q.dtype else res.products.dtype
 
 
 def _softmax_correction(dout, out):
@@ -62,17 +74,18 @@ def _softmax_correction(dout, out):
     return jnp.sum(dout.astype(f) * out.astype(f), axis=-1)
 
 
-def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, causal):
-    """One (query block i, key block j) pair: add its share to dq_i, dk_j, dv_j."""
+def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, causal, cd=None):
+    """One (query block i, key block j) pair: add its share to dq_i, dk_j, dv_j.
+    The four products run in the compute dtype ``cd`` with float32 accumulation."""
     dq_i, dk_j, dv_j = carry  # (B, H, K, Dh) each, stats_dtype
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     f = dq_i.dtype
-    p = jnp.exp(block_scores(q_i, k_j, i, j, T, causal) - lse_i[..., None])  # (B, H, K, K): P_ij
-    dv_j = dv_j + jnp.swapaxes(p, -1, -2) @ do_i.astype(f)  # O = P v
-    dp = do_i.astype(f) @ jnp.swapaxes(v_j, -1, -2).astype(f)  # (B, H, K, K)
+    p = jnp.exp(block_scores(q_i, k_j, i, j, T, causal, cd) - lse_i[..., None])  # (B, H, K, K): P_ij
+    dv_j = dv_j + matmul(jnp.swapaxes(p, -1, -2), do_i.astype(f), cd)  # O = P v
+    dp = matmul(do_i.astype(f), jnp.swapaxes(v_j, -1, -2).astype(f), cd)  # (B, H, K, K)
     ds = p * (dp - d_i[..., None])  # P = softmax(S)
-    dq_i = dq_i + (ds @ k_j.astype(f)) * scale  # S = q k^T / sqrt(Dh)
-    dk_j = dk_j + (jnp.swapaxes(ds, -1, -2) @ q_i.astype(f)) * scale
+    dq_i = dq_i + matmul(ds, k_j.astype(f), cd) * scale  # S = q k^T / sqrt(Dh)
+    dk_j = dk_j + matmul(jnp.swapaxes(ds, -1, -2), q_i.astype(f), cd) * scale
     return dq_i, dk_j, dv_j
 
 
@@ -82,7 +95,8 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
     The outer scan walks the query blocks i (emitting dq_i); the inner scan walks the
     key blocks j, skipping j > i when causal, and adds into dk, dv (N, B, H, K, Dh)."""
     causal = isinstance(res, CausalBlockwiseCoreRes)
-    qb, kb, vb, ob, lseb, length = res
+    cd = products_dtype(res)
+    qb, kb, vb, ob, lseb, length, _ = res
     T, K = length.shape[0], qb.shape[3]
     f = lseb.dtype
     dob = to_blocks(dout, K)  # (N, B, H, K, Dh); padded rows get dO = 0
@@ -95,7 +109,7 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
         def key_step(carry, j):
             dq_i, dk, dv = carry
             pair = (dq_i, dk[j], dv[j])
-            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal)  # noqa: E731
+            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal, cd)  # noqa: E731
             dq_i, dk_j, dv_j = if_visible(i, j, causal, add_pair, pair)
             return (dq_i, dk.at[j].set(dk_j), dv.at[j].set(dv_j)), None
 
@@ -122,13 +136,13 @@ class BlockwiseAttentionRes(NamedTuple):
 
 
 def blockwise_attention_fwd(p, x, n_heads, causal, block, compute_dtype=None):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D). The projections'
-    products run in ``compute_dtype``; the blocks in the projections' output dtype."""
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D). Every product,
+    the projections' and the blocks', runs in ``compute_dtype``."""
     cd = compute_dtype
     q = split_heads(linear_fwd(_proj(p, "q"), x, cd)[0], n_heads)  # (B, H, T, Dh)
     k = split_heads(linear_fwd(_proj(p, "k"), x, cd)[0], n_heads)  # (B, H, T, Dh)
     v = split_heads(linear_fwd(_proj(p, "v"), x, cd)[0], n_heads)  # (B, H, T, Dh)
-    o, core_res = blockwise_core_fwd(q, k, v, causal, block)  # (B, H, T, Dh)
+    o, core_res = blockwise_core_fwd(q, k, v, causal, block, cd)  # (B, H, T, Dh)
     y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o), cd)  # (B, T, D)
     x = cast(x, cd)  # what the projections' products read
     return y, BlockwiseAttentionRes(x, core_res, out_res, p["wq"], p["wk"], p["wv"])

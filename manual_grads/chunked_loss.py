@@ -7,6 +7,9 @@ Forward, per chunk c of C flattened positions (N = B * T, M = ceil(N / C) chunks
 Backward, recomputing z_c one chunk at a time:
     dz_c = dloss * w_n * (exp(z_c - lse_c) - onehot(target))   undoes the weighted nll
     dx_c = dz_c @ w^T;  dw += x_c^T dz_c;  db += sum(dz_c)     undo z_c = x_c @ w + b
+Mixed precision: the three products (z_c, dx_c, dw) read their inputs in the compute
+dtype and accumulate in float32 (``jaxformer.layers.matmul``); lse, dz_c, the loss and
+the running sums dw, db stay in float32 or wider.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxformer.blockwise import stats_dtype
 from jaxformer.chunked_loss import chunk_logits_lse, chunk_nll, chunked_inputs
+from jaxformer.layers import matmul
 
 
 class ChunkedLossRes(NamedTuple):
@@ -28,37 +32,41 @@ class ChunkedLossRes(NamedTuple):
     w: jax.Array  # (D, V) the head's weight
     b: jax.Array  # (V,) the head's bias (the backward recomputes the logits)
     x_shape: jax.Array  # (B, T) zeros: carries the unflattened shape of x
+    products: jax.Array  # (0,) empty, in the dtype the products read: compute_dtype, or x's
 
 
-def chunked_head_loss_fwd(head, x, targets, mask, chunk):
+def chunked_head_loss_fwd(head, x, targets, mask, chunk, compute_dtype=None):
     """head = {"w": (D, V), "b": (V,)}, x (B, T, D), targets int (B, T), mask (B, T) or None
-    -> scalar loss; the residuals keep x and lse, never the (B, T, V) logits."""
+    -> scalar loss; the residuals keep x and lse, never the (B, T, V) logits. The head's
+    product runs in ``compute_dtype`` (None: x's dtype)."""
     xc, tc, wc = chunked_inputs(x, targets, mask, chunk)  # (M, C, D), (M, C), (M, C)
 
     def step(total, xs):
         x_c, t_c, w_c = xs
-        nll, lse = chunk_nll(x_c, head["w"], head["b"], t_c)  # (C,), (C,)
+        nll, lse = chunk_nll(x_c, head["w"], head["b"], t_c, compute_dtype)  # (C,), (C,)
         return total + jnp.sum(nll * w_c), lse
 
     total, lse = jax.lax.scan(step, jnp.zeros((), stats_dtype(x.dtype)), (xc, tc, wc))
-    res = ChunkedLossRes(xc, tc, wc, lse, head["w"], head["b"], jnp.zeros(x.shape[:2], jnp.int8))
+    res = ChunkedLossRes(xc, tc, wc, lse, head["w"], head["b"], jnp.zeros(x.shape[:2], jnp.int8),
+                         jnp.zeros((0,), compute_dtype or x.dtype))
     return total.astype(x.dtype), res
 
 
 def chunked_head_loss_bwd(res: ChunkedLossRes, dloss):
     """dloss () -> ({"w": (D, V), "b": (V,)}, dx (B, T, D))."""
-    xc, tc, wc, lse, w, b, x_shape = res
+    xc, tc, wc, lse, w, b, x_shape, products = res
     B, T = x_shape.shape
     f = lse.dtype
+    cd = None if products.dtype == xc.dtype else products.dtype  # the forward's compute dtype
 
     def step(acc, xs):
         dw, db = acc
         x_c, t_c, w_c, lse_c = xs
-        z, _ = chunk_logits_lse(x_c, w, b)  # (C, V): z_c = x_c @ w + b, recomputed
+        z, _ = chunk_logits_lse(x_c, w, b, cd)  # (C, V): z_c = x_c @ w + b, recomputed
         onehot = jax.nn.one_hot(t_c, z.shape[-1], dtype=f)  # (C, V)
         dz = (dloss * w_c)[:, None] * (jnp.exp(z - lse_c[:, None]) - onehot)  # nll = lse - z[target]
-        dx_c = (dz @ w.T.astype(f)).astype(x_c.dtype)  # (C, D)
-        return (dw + x_c.T.astype(f) @ dz, db + jnp.sum(dz, axis=0)), dx_c
+        dx_c = matmul(dz, w.T.astype(f), cd).astype(x_c.dtype)  # (C, D)
+        return (dw + matmul(x_c.T.astype(f), dz, cd), db + jnp.sum(dz, axis=0)), dx_c
 
     zeros = (jnp.zeros(w.shape, f), jnp.zeros(b.shape, f))
     (dw, db), dxc = jax.lax.scan(step, zeros, (xc, tc, wc, lse))

@@ -2,8 +2,8 @@
 
 Each function here is a drop-in replacement for the ``jaxformer.layers``
 function of the same name and signature: same output, but JAX's ``grad`` runs the
-hand-derived backward. Static arguments (eps, n_heads, causal, names, config)
-are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
+hand-derived backward. Static arguments (eps, n_heads, causal, block, chunk,
+compute_dtype, names, config) are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
 ``None`` (zero) cotangents. Mixing is free: any of these layers can sit in a
 model whose other layers JAX's ``grad`` differentiates itself.
 
@@ -73,11 +73,30 @@ def activation(name: str, x):
 
 # layers with parameters: (p, x, *static) -> y, cotangents (dp, dx)
 layer_norm = _register(_ln.layer_norm_fwd, _ln.layer_norm_bwd, nondiff_argnums=(2,))
-attention = _register(_attn.attention_fwd, _attn.attention_bwd, nondiff_argnums=(2, 3))
-feed_forward = _register(_block.feed_forward_fwd, _block.feed_forward_bwd, nondiff_argnums=(2,))
 block = _register(_block.block_fwd, _block.block_bwd, nondiff_argnums=(2,))
-blockwise_attention = _register(_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd,
-                                nondiff_argnums=(2, 3, 4))
+_attention = _register(_attn.attention_fwd, _attn.attention_bwd, nondiff_argnums=(2, 3, 4))
+_feed_forward = _register(_block.feed_forward_fwd, _block.feed_forward_bwd, nondiff_argnums=(2, 3))
+_blockwise_attention = _register(_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd,
+                                 nondiff_argnums=(2, 3, 4, 5))
+
+
+# compute_dtype is static too: these wrappers pass it, None by default, to the rules above
+
+
+def attention(p, x, n_heads, causal, compute_dtype=None):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D)."""
+    return _attention(p, x, n_heads, causal, compute_dtype)
+
+
+def feed_forward(p, x, activation_name, compute_dtype=None):
+    """p = {w_in, b_in, w_out, b_out}; x (..., D) -> (..., D)."""
+    return _feed_forward(p, x, activation_name, compute_dtype)
+
+
+def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
+    """attention(p, x, n_heads, causal, compute_dtype) in blocks of ``block`` positions."""
+    return _blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
+
 
 
 # remat "block": the rule keeps (p, x) and recomputes the block's forward in its backward
@@ -115,14 +134,20 @@ def cross_entropy(logits, targets, mask=None):
     return _cross_entropy(logits, targets, mask)
 
 
-# the head and the loss, chunk by chunk: (head, x, targets, mask, chunk); targets and mask get None
+# the head and the loss, chunk by chunk: (head, x, targets, mask, chunk, compute_dtype);
+# targets and mask get None
 def _chunked_head_loss_bwd(res, dloss):
     dp, dx = _chunked.chunked_head_loss_bwd(res, dloss)
     return dp, dx, None, None
 
 
-chunked_head_loss = _register(_chunked.chunked_head_loss_fwd, _chunked_head_loss_bwd,
-                              nondiff_argnums=(4,))
+_chunked_head_loss = _register(_chunked.chunked_head_loss_fwd, _chunked_head_loss_bwd,
+                               nondiff_argnums=(4, 5))
+
+
+def chunked_head_loss(head, x, targets, mask, chunk, compute_dtype=None):
+    """The mean cross entropy of x @ w + b, C = ``chunk`` positions at a time."""
+    return _chunked_head_loss(head, x, targets, mask, chunk, compute_dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -153,6 +178,6 @@ def loss_fn(params, batch, config: ModelConfig):
     if config.loss_chunk:
         x = features(params, batch["inputs"], config)  # (B, T, D)
         return chunked_head_loss(params["head"], x, batch["targets"], batch.get("mask"),
-                                 config.loss_chunk)
+                                 config.loss_chunk, config.compute_dtype)
     logits = forward(params, batch["inputs"], config)
     return cross_entropy(logits, batch["targets"], batch.get("mask"))

@@ -55,7 +55,8 @@ def value_and_grad(params, batch, config: ModelConfig):
     if config.norm == "pre":
         x, ln_f_res = layer_norm_fwd(params["ln_f"], x, eps)  # (B, T, D)
     if config.loss_chunk:
-        loss, loss_res = chunked_head_loss_fwd(params["head"], x, targets, mask, config.loss_chunk)
+        loss, loss_res = chunked_head_loss_fwd(params["head"], x, targets, mask, config.loss_chunk,
+                                               config.compute_dtype)
     else:
         logits, head_res = linear_fwd(params["head"], x, config.compute_dtype)  # (B, T, V)
         loss, loss_res = cross_entropy_fwd(logits, targets, mask)  # ()
