@@ -28,21 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-
-def stats_dtype(dtype):
-    """The dtype of scores, softmax statistics and log-sum-exp: at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def matmul(a, b, compute_dtype=None):
-    """a @ b under the precision policy of jaxformer.layers.matmul (which imports this
-    module, so it is spelled out here): inputs cast to ``compute_dtype``, the product
-    accumulated and returned in stats_dtype of the inputs' dtype; None is plain a @ b."""
-    out = jnp.result_type(a, b)
-    if compute_dtype is None or (jnp.dtype(compute_dtype) == out == a.dtype == b.dtype):
-        return a @ b
-    return jnp.matmul(a.astype(compute_dtype), b.astype(compute_dtype),
-                      preferred_element_type=stats_dtype(out))
+from jaxformer.precision import matmul, stats_dtype
 
 
 def n_blocks(T: int, block: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxformer.blockwise import stats_dtype
+from jaxformer.precision import stats_dtype
 from jaxformer.layers import linear
 
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.blockwise import stats_dtype
+from jaxformer.precision import stats_dtype
 from jaxformer.chunked_loss import chunk_logits_lse, chunk_nll, chunked_inputs
 from jaxformer.layers import matmul
 

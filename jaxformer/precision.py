@@ -1,0 +1,35 @@
+"""The precision policy (``ModelConfig.compute_dtype``), in one place: matmul inputs
+in the compute dtype with float32 (or wider) accumulation, statistics in float32 or
+wider. ``jaxformer.layers`` and ``jaxformer.blockwise`` both use it; docs/design.md,
+"Mixed precision", has the table."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def stats_dtype(dtype):
+    """The dtype of statistics (layer norm, softmax, log-sum-exp, cross entropy) and of
+    matmul accumulation: float32, or the input's dtype when wider (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def upcast(x):
+    """x in stats_dtype(x.dtype): a no-op for float32 and float64."""
+    return x.astype(stats_dtype(x.dtype))
+
+
+def cast(x, compute_dtype):
+    """x in the compute dtype (a ModelConfig.compute_dtype); None leaves x as it is."""
+    return x if compute_dtype is None else x.astype(compute_dtype)
+
+
+def matmul(a, b, compute_dtype=None):
+    """a @ b with both inputs cast to ``compute_dtype`` and the product accumulated and
+    returned in stats_dtype of the inputs' own dtype (float32 for float32 or bfloat16
+    inputs). None, or a compute dtype equal to the inputs', is plain ``a @ b``."""
+    out = jnp.result_type(a, b)
+    if compute_dtype is None or (jnp.dtype(compute_dtype) == out == a.dtype == b.dtype):
+        return a @ b
+    return jnp.matmul(a.astype(compute_dtype), b.astype(compute_dtype),
+                      preferred_element_type=stats_dtype(out))
