@@ -145,6 +145,32 @@ def merge_heads(x):
     return x.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
 
 
+def qkv_weights(p):
+    """The three input projections side by side: w = [wq | wk | wv] (D, 3D), b (3D,)."""
+    return (jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1),
+            jnp.concatenate([p["bq"], p["bk"], p["bv"]]))
+
+
+def split_qkv(qkv, n_heads):
+    """(B, T, 3D) -> q, k, v (B, H, T, Dh) each, in one transpose: columns j*D:(j+1)*D
+    are q, k, v (j = 0, 1, 2), and head h of each takes its features h*Dh:(h+1)*Dh."""
+    B, T, D3 = qkv.shape
+    qkv = qkv.reshape(B, T, 3, n_heads, D3 // (3 * n_heads)).transpose(2, 0, 3, 1, 4)
+    return qkv[0], qkv[1], qkv[2]  # (B, H, T, Dh) each
+
+
+def merge_qkv(q, k, v):
+    """q, k, v (B, H, T, Dh) -> (B, T, 3D), the inverse of split_qkv."""
+    B, H, T, Dh = q.shape
+    return jnp.stack([q, k, v]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * H * Dh)
+
+
+def qkv_heads(p, x, n_heads, compute_dtype=None):
+    """x (B, T, D) -> q, k, v (B, H, T, Dh): one product x @ [wq | wk | wv] + [bq | bk | bv]."""
+    w, b = qkv_weights(p)
+    return split_qkv(linear(x, w, b, compute_dtype), n_heads)  # (B, H, T, Dh) each
+
+
 def causal_mask(T):
     """(T, T) bool, True where query t may attend to key s (s <= t)."""
     return jnp.tril(jnp.ones((T, T), dtype=bool))
@@ -168,9 +194,7 @@ def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128)
     if impl == "blockwise":
         return blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
     cd = compute_dtype
-    q = split_heads(linear(x, p["wq"], p["bq"], cd), n_heads)  # (B, H, T, Dh)
-    k = split_heads(linear(x, p["wk"], p["bk"], cd), n_heads)  # (B, H, T, Dh)
-    v = split_heads(linear(x, p["wv"], p["bv"], cd), n_heads)  # (B, H, T, Dh)
+    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
     probs = attention_probs(q, k, causal, cd)  # (B, H, T, T)
     return linear(merge_heads(matmul(probs, v, cd)), p["wo"], p["bo"], cd)
 
@@ -180,9 +204,7 @@ def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
     softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). The
     projections' products run in ``compute_dtype``; the blocks in their output dtype."""
     cd = compute_dtype
-    q = split_heads(linear(x, p["wq"], p["bq"], cd), n_heads)  # (B, H, T, Dh)
-    k = split_heads(linear(x, p["wk"], p["bk"], cd), n_heads)  # (B, H, T, Dh)
-    v = split_heads(linear(x, p["wv"], p["bv"], cd), n_heads)  # (B, H, T, Dh)
+    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
     out, _ = blockwise_attention_core(q, k, v, causal, block)  # (B, H, T, Dh)
     return linear(merge_heads(out), p["wo"], p["bo"], cd)
 
@@ -268,9 +290,7 @@ def attention_cached(p, x, cache_k, cache_v, start, n_heads):
     values are written into their slots, then query i attends to slots <= start + i.
     Returns out (B, t, D) and the updated cache_k, cache_v.
     """
-    q = split_heads(linear(x, p["wq"], p["bq"]), n_heads)  # (B, H, t, Dh)
-    k = split_heads(linear(x, p["wk"], p["bk"]), n_heads)  # (B, H, t, Dh)
-    v = split_heads(linear(x, p["wv"], p["bv"]), n_heads)  # (B, H, t, Dh)
+    q, k, v = qkv_heads(p, x, n_heads)  # (B, H, t, Dh) each
     zero, start = jnp.int32(0), jnp.asarray(start, jnp.int32)
     at = (zero, zero, start, zero)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
