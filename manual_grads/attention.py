@@ -1,7 +1,7 @@
 """Multi-head scaled dot-product attention with q/k/v/out projections.
 
 Forward, per head h (columns h*Dh:(h+1)*Dh of the projections):
-    q, k, v = x @ wq + bq, x @ wk + bk, x @ wv + bv      (B, H, T, Dh) after split_heads
+    q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   (B, H, T, Dh) each, one product
     S = q k^T / sqrt(Dh)                                   (B, H, T, T), future masked if causal
     P = softmax(S)                                         (B, H, T, T)
     y = merge_heads(P v) @ wo + bo                         (B, T, D)
@@ -19,20 +19,45 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers import attention_probs, cast, matmul, merge_heads, split_heads
+from jaxformer.layers import (attention_probs, cast, matmul, merge_heads, merge_qkv, qkv_heads,
+                              split_heads)
 from manual_grads.linear import LinearRes, backward_dtype, linear_bwd, linear_fwd
 
 
-class AttentionRes(NamedTuple):
+class QKVRes(NamedTuple):
     x: jax.Array  # (B, T, D) the input of the q, k, v projections, in the compute dtype
+    wq: jax.Array  # (D, D)
+    wk: jax.Array  # (D, D)
+    wv: jax.Array  # (D, D)
+
+
+def qkv_fwd(p, x, n_heads, compute_dtype=None):
+    """p = {wq, bq, wk, bk, wv, bv, ...}; x (B, T, D) -> (q, k, v) (B, H, T, Dh) each."""
+    q, k, v = qkv_heads(p, x, n_heads, compute_dtype)  # (B, H, T, Dh) each
+    return (q, k, v), QKVRes(cast(x, compute_dtype), p["wq"], p["wk"], p["wv"])
+
+
+def qkv_bwd(res: QKVRes, dq, dk, dv):
+    """dq, dk, dv (B, H, T, Dh) -> ({wq, bq, wk, bk, wv, bv}, dx (B, T, D)).
+
+    Undoes ``q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])`` as one linear
+    layer of width 3D: one product for the three weight gradients over the B*T rows,
+    one for dx; the gradients are then cut back into the three projections' leaves."""
+    x, wq, wk, wv = res
+    w = jnp.concatenate([wq, wk, wv], axis=1)  # (D, 3D)
+    d, dx = linear_bwd(LinearRes(x, w), merge_qkv(dq, dk, dv))  # dx (B, T, D)
+    dw, db = jnp.split(d["w"], 3, axis=1), jnp.split(d["b"], 3)  # (D, D), (D,) each
+    dp = {"wq": dw[0], "bq": db[0], "wk": dw[1], "bk": db[1], "wv": dw[2], "bv": db[2]}
+    return dp, dx
+
+
+class AttentionRes(NamedTuple):
+    qkv: QKVRes  # x (B, T, D), wq, wk, wv (D, D)
     q: jax.Array  # (B, H, T, Dh) in the compute dtype, as are k and v
     k: jax.Array  # (B, H, T, Dh)
     v: jax.Array  # (B, H, T, Dh)
     probs: jax.Array  # (B, H, T, T) softmax of the scores (float32 or wider); 0 where masked
     out: LinearRes  # the output projection's: x = merge_heads(probs @ v) (B, T, D), w = wo (D, D)
-    wq: jax.Array  # (D, D)
-    wk: jax.Array  # (D, D)
-    wv: jax.Array  # (D, D)
 
 
 def _proj(p, name):
@@ -42,13 +67,11 @@ def _proj(p, name):
 def attention_fwd(p, x, n_heads, causal, compute_dtype=None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D)."""
     cd = compute_dtype
-    q = split_heads(linear_fwd(_proj(p, "q"), x, cd)[0], n_heads)  # (B, H, T, Dh)
-    k = split_heads(linear_fwd(_proj(p, "k"), x, cd)[0], n_heads)  # (B, H, T, Dh)
-    v = split_heads(linear_fwd(_proj(p, "v"), x, cd)[0], n_heads)  # (B, H, T, Dh)
+    (q, k, v), qkv_res = qkv_fwd(p, x, n_heads, cd)  # (B, H, T, Dh) each
     probs = attention_probs(q, k, causal, cd)  # (B, H, T, T)
     y, out_res = linear_fwd(_proj(p, "o"), merge_heads(matmul(probs, v, cd)), cd)  # (B, T, D)
-    q, k, v, x = (cast(a, cd) for a in (q, k, v, x))  # what the products read
-    return y, AttentionRes(x, q, k, v, probs, out_res, p["wq"], p["wk"], p["wv"])
+    q, k, v = (cast(a, cd) for a in (q, k, v))  # what the products read
+    return y, AttentionRes(qkv_res, q, k, v, probs, out_res)
 
 
 def softmax_bwd(probs, dprobs):
@@ -60,9 +83,9 @@ def softmax_bwd(probs, dprobs):
 
 def attention_bwd(res: AttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
-    x, q, k, v, probs, out_res, wq, wk, wv = res
+    qkv_res, q, k, v, probs, out_res = res
     H, Dh = q.shape[1], q.shape[-1]
-    cd = backward_dtype(q, wq)
+    cd = backward_dtype(q, out_res.w)
     # y = merge_heads(probs @ v) @ wo + bo
     d_out, datt = linear_bwd(out_res, dy)  # datt (B, T, D)
     datt = split_heads(datt, H)  # (B, H, T, Dh)
@@ -73,10 +96,6 @@ def attention_bwd(res: AttentionRes, dy):
     dscores = softmax_bwd(probs, dprobs) / math.sqrt(Dh)  # (B, H, T, T)
     dq = matmul(dscores, k, cd)  # (B, H, T, Dh)
     dk = matmul(jnp.swapaxes(dscores, -1, -2), q, cd)  # (B, H, T, Dh)
-    # q, k, v = split_heads(x @ w + b): the three projections read x, so their dx add
-    d_q, dx_q = linear_bwd(LinearRes(x, wq), merge_heads(dq))  # dx_q (B, T, D)
-    d_k, dx_k = linear_bwd(LinearRes(x, wk), merge_heads(dk))  # dx_k (B, T, D)
-    d_v, dx_v = linear_bwd(LinearRes(x, wv), merge_heads(dv))  # dx_v (B, T, D)
-    dp = {"wq": d_q["w"], "bq": d_q["b"], "wk": d_k["w"], "bk": d_k["b"],
-          "wv": d_v["w"], "bv": d_v["b"], "wo": d_out["w"], "bo": d_out["b"]}
-    return dp, dx_q + dx_k + dx_v
+    # q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])
+    dp, dx = qkv_bwd(qkv_res, dq, dk, dv)  # dx (B, T, D)
+    return {**dp, "wo": d_out["w"], "bo": d_out["b"]}, dx

@@ -1,7 +1,7 @@
 """Blockwise (flash-style) attention, with the FlashAttention-2 backward.
 
 Forward (jaxformer/blockwise.py), per head, in blocks of K positions:
-    q, k, v = x @ wq + bq, x @ wk + bk, x @ wv + bv     (B, H, T, Dh) after split_heads
+    q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   (B, H, T, Dh) each
     O, lse = online softmax of S = q k^T / sqrt(Dh) over key blocks, times v
     y = merge_heads(O) @ wo + bo                          (B, T, D)
 It keeps q, k, v, O and the row log-sum-exp lse (B, H, T): never P (B, H, T, T).
@@ -13,7 +13,7 @@ pair at a time (pairs above the causal diagonal skipped, as in the forward):
     dP_ij = dO_i v_j^T
     dS_ij = P_ij * (dP_ij - D_i)              undoes P = softmax(S)
     dq_i += dS_ij k_j / sqrt(Dh),  dk_j += dS_ij^T q_i / sqrt(Dh)   undo S = q k^T / sqrt(Dh)
-then the four projections' backwards, as in manual_grads/attention.py.
+then the projections' backwards (one q|k|v product, one output), as in manual_grads/attention.py.
 
 Mixed precision: every product above, forward and backward, reads its inputs in the
 compute dtype and accumulates in float32 (``jaxformer.blockwise.matmul``); P, dS,
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jaxformer.blockwise import (block_scores, block_size, blockwise_attention_core,
                                  from_blocks, if_visible, matmul, stats_dtype, to_blocks)
 from jaxformer.config import ModelConfig
-from jaxformer.layers import cast, merge_heads, split_heads
-from manual_grads.attention import _proj, attention_bwd, attention_fwd
+from jaxformer.layers import merge_heads, split_heads
+from manual_grads.attention import QKVRes, _proj, attention_bwd, attention_fwd, qkv_bwd, qkv_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 
 
@@ -127,42 +127,32 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
 
 
 class BlockwiseAttentionRes(NamedTuple):
-    x: jax.Array  # (B, T, D) the input of the q, k, v projections
+    qkv: QKVRes  # x (B, T, D) the input of the q, k, v projections, wq, wk, wv (D, D)
     core: BlockwiseCoreRes  # blocks of q, k, v, O and lse; never the (B, H, T, T) probabilities
     out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, D), w = wo (D, D)
-    wq: jax.Array  # (D, D)
-    wk: jax.Array  # (D, D)
-    wv: jax.Array  # (D, D)
 
 
 def blockwise_attention_fwd(p, x, n_heads, causal, block, compute_dtype=None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D). Every product,
     the projections' and the blocks', runs in ``compute_dtype``."""
     cd = compute_dtype
-    q = split_heads(linear_fwd(_proj(p, "q"), x, cd)[0], n_heads)  # (B, H, T, Dh)
-    k = split_heads(linear_fwd(_proj(p, "k"), x, cd)[0], n_heads)  # (B, H, T, Dh)
-    v = split_heads(linear_fwd(_proj(p, "v"), x, cd)[0], n_heads)  # (B, H, T, Dh)
+    (q, k, v), qkv_res = qkv_fwd(p, x, n_heads, cd)  # (B, H, T, Dh) each
     o, core_res = blockwise_core_fwd(q, k, v, causal, block, cd)  # (B, H, T, Dh)
     y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o), cd)  # (B, T, D)
-    x = cast(x, cd)  # what the projections' products read
-    return y, BlockwiseAttentionRes(x, core_res, out_res, p["wq"], p["wk"], p["wv"])
+    return y, BlockwiseAttentionRes(qkv_res, core_res, out_res)
 
 
 def blockwise_attention_bwd(res: BlockwiseAttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
-    x, core_res, out_res, wq, wk, wv = res
+    qkv_res, core_res, out_res = res
     H = core_res.q.shape[2]
     # y = merge_heads(O) @ wo + bo
     d_out, do = linear_bwd(out_res, dy)  # do (B, T, D)
     # O = blockwise_attention_core(q, k, v)
     dq, dk, dv = blockwise_core_bwd(core_res, split_heads(do, H))  # (B, H, T, Dh) each
-    # q, k, v = split_heads(x @ w + b): the three projections read x, so their dx add
-    d_q, dx_q = linear_bwd(LinearRes(x, wq), merge_heads(dq))  # dx_q (B, T, D)
-    d_k, dx_k = linear_bwd(LinearRes(x, wk), merge_heads(dk))  # dx_k (B, T, D)
-    d_v, dx_v = linear_bwd(LinearRes(x, wv), merge_heads(dv))  # dx_v (B, T, D)
-    dp = {"wq": d_q["w"], "bq": d_q["b"], "wk": d_k["w"], "bk": d_k["b"],
-          "wv": d_v["w"], "bv": d_v["b"], "wo": d_out["w"], "bo": d_out["b"]}
-    return dp, dx_q + dx_k + dx_v
+    # q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])
+    dp, dx = qkv_bwd(qkv_res, dq, dk, dv)  # dx (B, T, D)
+    return {**dp, "wo": d_out["w"], "bo": d_out["b"]}, dx
 
 
 # ----------------------------------------------------------------------------

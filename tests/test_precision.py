@@ -89,7 +89,7 @@ def test_policy_products_in_bfloat16_params_and_grads_in_float32():
     for fn in (partial(loss_fn, config=config), partial(value_and_grad, config=config)):
         closed = jax.make_jaxpr(fn)(params, batch)
         dots = list(dot_generals(closed.jaxpr))
-        assert len(dots) >= 8  # q, k, v, scores, values, out, ffn in and out, head, ...
+        assert len(dots) >= 7  # q|k|v (one product), scores, values, out, ffn in and out, head, ...
         for eqn in dots:
             assert [v.aval.dtype for v in eqn.invars] == [bf16, bf16], eqn
             assert eqn.outvars[0].aval.dtype == f32, eqn
