@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import flops
+from jaxformer.cli import _positive_int
 from jaxformer.config import PRESETS, get_preset
 from jaxformer.flags import add_model_flags, model_overrides
 
@@ -61,16 +62,6 @@ class BenchUsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise BenchUsageError(f"{message} (see `{self.prog} --help`)")
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _depths(text):
