@@ -1,4 +1,4 @@
-"""The run's own records: metrics.jsonl, the loss plot and the progress bar."""
+"""The run's own records: metrics.jsonl (read, repaired, truncated) and its plots."""
 
 from __future__ import annotations
 
@@ -123,9 +123,3 @@ def _layer_order(name: str):
     if layer.startswith("block"):
         return (1, int(layer[len("block"):]))
     return (0 if layer == "embed" else 2, 0)
-
-
-def _progress_bar(start: int, total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
+from jaxformer.chunked_loss import position_weights
 from jaxformer.layers import upcast
 from jaxformer.model import cross_entropy
 
@@ -24,14 +24,6 @@ class CrossEntropyRes(NamedTuple):
     probs: jax.Array  # (..., V) softmax(logits)
     targets: jax.Array  # (...) int
     weights: jax.Array  # (...) each position's share of the mean: mask / max(sum(mask), 1)
-
-
-def position_weights(targets, mask, dtype):
-    """(...) weight of each position in the mean: mask / max(sum(mask), 1), or 1 / N."""
-    if mask is None:
-        return jnp.full(targets.shape, 1.0 / targets.size, dtype)
-    mask = mask.astype(dtype)
-    return mask / jnp.maximum(jnp.sum(mask), 1)
 
 
 def cross_entropy_fwd(logits, targets, mask=None):
