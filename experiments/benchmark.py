@@ -11,7 +11,7 @@ logic is in jaxformer/bench.py (also run by `jaxformer bench`).
 
 import sys
 
-from jaxformer.bench import main
+from jaxformer.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="benchmark.py"))

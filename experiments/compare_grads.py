@@ -13,7 +13,7 @@ jaxformer/compare.py, compare_report.py and compare_cli.py (also run by
 
 import sys
 
-from jaxformer.compare import main
+from jaxformer.tools.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())

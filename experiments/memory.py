@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxformer import memory
+from jaxformer.tools import memory
 
 
 def main(argv=None) -> None:

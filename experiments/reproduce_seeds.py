@@ -53,10 +53,10 @@ import numpy as np
 import optax
 
 from jaxformer import data
-from jaxformer.config import PRESETS, get_preset
-from jaxformer.optim import decay_mask
-from jaxformer.params import init_params
-from jaxformer.train import grad_source, init_state, make_eval_step, make_train_step
+from jaxformer.model.config import PRESETS, get_preset
+from jaxformer.training.optim import decay_mask
+from jaxformer.model.params import init_params
+from jaxformer.training.loop import grad_source, init_state, make_eval_step, make_train_step
 
 STAGES = {
     1: "embedding + output",

@@ -1,9 +1,10 @@
 """jaxformer: a transformer language model as pure JAX functions, with hand-derived
 gradients (see ``manual_grads``) proven equal to ``jax.grad``."""
 
-from jaxformer.config import PRESETS, ModelConfig, get_preset
-from jaxformer.model import cross_entropy, forward, loss_fn
-from jaxformer.params import count_params, init_params
+from jaxformer.model.config import PRESETS, ModelConfig, get_preset
+from jaxformer.model.losses import cross_entropy
+from jaxformer.model.transformer import forward, loss_fn
+from jaxformer.model.params import count_params, init_params
 
 __all__ = [
     "ModelConfig", "PRESETS", "get_preset", "init_params", "count_params",

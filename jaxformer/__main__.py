@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxformer.cli import main
+from jaxformer.cli.main import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers import ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C
+from jaxformer.model.activations import ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C
 
 
 class GeluRes(NamedTuple):

@@ -19,8 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.layers import (attention_probs, cast, matmul, merge_heads, merge_qkv, qkv_heads,
-                              split_heads)
+from jaxformer.model.attention import (attention_probs, merge_heads, merge_qkv, qkv_heads,
+                                       split_heads)
+from jaxformer.model.precision import cast, matmul
 from manual_grads.linear import LinearRes, backward_dtype, linear_bwd, linear_fwd
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxformer.config import ModelConfig
+from jaxformer.model.config import ModelConfig
 from manual_grads.activations import (GeluRes, GeluTanhRes, ReluRes, TanhRes,
                                       activation_bwd, activation_fwd)
 from manual_grads.attention import AttentionRes

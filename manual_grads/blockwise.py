@@ -28,10 +28,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.blockwise import (block_scores, block_size, blockwise_attention_core,
-                                 from_blocks, if_visible, matmul, stats_dtype, to_blocks)
-from jaxformer.config import ModelConfig
-from jaxformer.layers import merge_heads, split_heads
+from jaxformer.model.blockwise import (block_scores, block_size, blockwise_attention_core,
+                                       from_blocks, if_visible, matmul, to_blocks)
+from jaxformer.model.precision import stats_dtype
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.attention import merge_heads, split_heads
 from manual_grads.attention import QKVRes, _proj, attention_bwd, attention_fwd, qkv_bwd, qkv_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 

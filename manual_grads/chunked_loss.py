@@ -19,9 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.precision import stats_dtype
-from jaxformer.chunked_loss import chunk_logits_lse, chunk_nll, chunked_inputs
-from jaxformer.layers import matmul
+from jaxformer.model.precision import stats_dtype
+from jaxformer.model.chunked_loss import chunk_logits_lse, chunk_nll, chunked_inputs
+from jaxformer.model.precision import matmul
 
 
 class ChunkedLossRes(NamedTuple):

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import jax
 
-from jaxformer.config import ModelConfig
-from jaxformer.layers import upcast
-from jaxformer.model import validate_batch, validate_tokens
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.precision import upcast
+from jaxformer.model.validate import validate_batch, validate_tokens
 from manual_grads import activations as _act
 from manual_grads import attention as _attn
 from manual_grads import block as _block

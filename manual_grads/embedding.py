@@ -13,8 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.config import ModelConfig
-from jaxformer.layers import sinusoidal_positions, token_embedding
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.embedding import sinusoidal_positions, token_embedding
 
 
 class TokenEmbedRes(NamedTuple):

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import jax
 
-from jaxformer.layers import layer_norm_stats
+from jaxformer.model.layer_norm import layer_norm_stats
 
 
 class LayerNormRes(NamedTuple):

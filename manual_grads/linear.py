@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import jax
 
-from jaxformer.layers import cast, linear, matmul
+from jaxformer.model.linear import linear
+from jaxformer.model.precision import cast, matmul
 
 
 class LinearRes(NamedTuple):

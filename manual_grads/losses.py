@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import jax
 
-from jaxformer.chunked_loss import position_weights
-from jaxformer.layers import upcast
-from jaxformer.model import cross_entropy
+from jaxformer.model.chunked_loss import position_weights
+from jaxformer.model.precision import upcast
+from jaxformer.model.losses import cross_entropy
 
 
 class CrossEntropyRes(NamedTuple):

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxformer.config import ModelConfig
-from jaxformer.layers import upcast
-from jaxformer.model import check_precision, validate_batch
-from jaxformer.params import validate_params
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.precision import upcast
+from jaxformer.model.validate import check_precision, validate_batch
+from jaxformer.model.params import validate_params
 from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxformer.config import ModelConfig
+from jaxformer.model.config import ModelConfig
 from manual_grads.block import block_bwd, block_fwd
 
 

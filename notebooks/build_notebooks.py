@@ -30,7 +30,7 @@ BACKPROP = [
     md(r"""
 # Backpropagation by hand
 
-Every layer of jaxformer has a forward in `jaxformer/layers.py` and, in `manual_grads/`,
+Every layer of jaxformer has a forward in `jaxformer/model/` and, in `manual_grads/`,
 a pair `y, res = layer_fwd(p, x)` / `dp, dx = layer_bwd(res, dy)` written out by hand.
 This notebook derives each backward in a few lines, shows its code, and compares it with
 `jax.vjp` of the jaxformer layer in float64. At the end the whole model's hand-derived
@@ -48,8 +48,12 @@ import numpy as np
 
 jax.config.update("jax_enable_x64", True)  # compare in float64: round-off ~1e-16
 
-from jaxformer import layers
-from jaxformer.model import cross_entropy
+from jaxformer.model.activations import activation
+from jaxformer.model.attention import attention
+from jaxformer.model.embedding import token_embedding
+from jaxformer.model.layer_norm import layer_norm
+from jaxformer.model.linear import linear
+from jaxformer.model.losses import cross_entropy
 
 rng = np.random.default_rng(0)
 rand = lambda *shape: jnp.asarray(rng.standard_normal(shape))  # noqa: E731  float64 test data
@@ -92,7 +96,7 @@ from manual_grads.linear import linear_bwd, linear_fwd
 show(linear_bwd)
 p = {"w": rand(5, 3), "b": rand(3)}
 x, dy = rand(2, 4, 5), rand(2, 4, 3)  # (B, T, I) and (B, T, O)
-check(linear_fwd, linear_bwd, lambda p, x: layers.linear(x, p["w"], p["b"]), (p, x), dy)
+check(linear_fwd, linear_bwd, lambda p, x: linear(x, p["w"], p["b"]), (p, x), dy)
 """),
     md(r"""
 ## Activations
@@ -113,7 +117,7 @@ x, dy = rand(3, 7), rand(3, 7)
 for name in ("gelu", "gelu_tanh", "relu", "tanh"):
     print(name)
     check(lambda x: activation_fwd(name, x), lambda res, dy: (activation_bwd(res, dy),),
-          lambda x: layers.activation(name, x), (x,), dy)
+          lambda x: activation(name, x), (x,), dy)
 """),
     md(r"""
 ## Layer norm
@@ -132,7 +136,7 @@ show(layer_norm_bwd)
 p = {"scale": rand(6), "bias": rand(6)}
 x, dy = jnp.asarray(3.0 * rng.standard_normal((2, 5, 6)) + 1.0), rand(2, 5, 6)
 check(lambda p, x: layer_norm_fwd(p, x, 1e-5), layer_norm_bwd,
-      lambda p, x: layers.layer_norm(p, x, 1e-5), (p, x), dy)
+      lambda p, x: layer_norm(p, x, 1e-5), (p, x), dy)
 """),
     md(r"""
 ## Attention: the softmax
@@ -160,7 +164,7 @@ print("attention, causal, 2 heads")
 D, H = 8, 2
 p = {f"{w}{n}": rand(D, D) if w == "w" else rand(D) for n in "qkvo" for w in "wb"}
 check(lambda p, x: attention_fwd(p, x, H, True), attention_bwd,
-      lambda p, x: layers.attention(p, x, H, True), (p, rand(2, 5, D)), rand(2, 5, D))
+      lambda p, x: attention(p, x, H, True), (p, rand(2, 5, D)), rand(2, 5, D))
 """),
     md(r"""
 ## Blockwise attention: the FlashAttention-2 backward
@@ -188,7 +192,7 @@ x, dy = rand(2, T, D), rand(2, T, D)
 for causal in (True, False):
     print("blockwise against full attention,", "causal" if causal else "bidirectional")
     check(lambda p, x: blockwise_attention_fwd(p, x, H, causal, block), blockwise_attention_bwd,
-          lambda p, x: layers.attention(p, x, H, causal), (p, x), dy)
+          lambda p, x: attention(p, x, H, causal), (p, x), dy)
 """),
     md(r"""
 ## Embedding
@@ -204,7 +208,7 @@ show(token_embed_bwd)
 table = rand(10, 4)
 ids = jnp.array([[1, 3, 3], [0, 1, 9]])  # token 3 twice, token 1 in both rows
 check(lambda t: token_embed_fwd(t, ids), lambda res, dx: token_embed_bwd(res, dx)[:1],
-      lambda t: layers.token_embedding(t, ids), (table,), rand(2, 3, 4))
+      lambda t: token_embedding(t, ids), (table,), rand(2, 3, 4))
 """),
     md(r"""
 ## Cross entropy
@@ -239,9 +243,9 @@ from pathlib import Path
 
 from IPython.display import Image, display
 
-from jaxformer import compare
-from jaxformer.config import PRESETS
-from jaxformer.params import init_params
+from jaxformer.tools import compare
+from jaxformer.model.config import PRESETS
+from jaxformer.model.params import init_params
 
 config = PRESETS["tiny"]
 params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
@@ -285,10 +289,10 @@ import numpy as np
 jax.config.update("jax_enable_x64", True)
 
 from jaxformer import data
-from jaxformer.config import get_preset
-from jaxformer.optim import make_optimizer
-from jaxformer.params import count_params, init_params
-from jaxformer.train import grad_source, init_state, make_eval_step, make_train_step
+from jaxformer.model.config import get_preset
+from jaxformer.training.optim import make_optimizer
+from jaxformer.model.params import count_params, init_params
+from jaxformer.training.step import grad_source, init_state, make_eval_step, make_train_step
 
 STEPS, BATCH, SEQ = 150, 16, 32
 
@@ -358,7 +362,7 @@ The curves lie on top of each other: what differs is float64 round-off.
 drawing each byte from the softmax of its logits at a temperature.
 """),
     code(r"""
-from jaxformer.generate import generate
+from jaxformer.inference.generate import generate
 
 prompt = "The "
 out = generate(params_manual, config, tokenizer.encode(prompt), 200, temperature=0.8, seed=0)

@@ -1,4 +1,4 @@
-"""manual_grads.activations against jax.vjp of jaxformer.layers.ACTIVATION_FNS, in float64."""
+"""manual_grads.activations against jax.vjp of jaxformer.model.ACTIVATION_FNS, in float64."""
 
 from functools import partial
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.layers import ACTIVATION_FNS
+from jaxformer.model.activations import ACTIVATION_FNS
 from manual_grads.activations import activation_bwd, activation_fwd
 from manual_grads.check import assert_trees_close
 

@@ -1,4 +1,4 @@
-"""manual_grads.attention against jax.vjp of jaxformer.layers.attention, in float64."""
+"""manual_grads.attention against jax.vjp of jaxformer.model.attention, in float64."""
 
 from functools import partial
 
@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer.layers import attention
+from jaxformer.model.attention import attention
 from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
 from manual_grads.check import assert_trees_close
 

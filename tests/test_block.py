@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer.config import ACTIVATIONS, ModelConfig
-from jaxformer.layers import block, feed_forward
+from jaxformer.model.config import ACTIVATIONS, ModelConfig
+from jaxformer.model.block import block, feed_forward
 from manual_grads.block import (PostBlockRes, PreBlockRes, block_bwd, block_fwd,
                                 feed_forward_bwd, feed_forward_fwd)
 from manual_grads.check import assert_trees_close

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.blockwise import blockwise_attention_core
-from jaxformer.layers import attention, attention_probs, blockwise_attention
+from jaxformer.model.blockwise import blockwise_attention_core
+from jaxformer.model.attention import attention, attention_probs, blockwise_attention
 from manual_grads.blockwise import (BlockwiseCoreRes, CausalBlockwiseCoreRes, blockwise_attention_bwd,
                                     blockwise_attention_fwd, blockwise_core_bwd, blockwise_core_fwd)
 from manual_grads.check import assert_trees_close, compare_trees

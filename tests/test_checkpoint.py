@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxformer import checkpoint
-from jaxformer.checkpoint import CheckpointError
-from jaxformer.metrics import RUN_KEYS
-from jaxformer.optim import make_optimizer
-from jaxformer.train import init_state, read_metrics, train
+from jaxformer.checkpoints import checkpoint
+from jaxformer.checkpoints.checkpoint import CheckpointError
+from jaxformer.observe.metrics import RUN_KEYS
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.loop import init_state, read_metrics, train
 from test_train import tiny_settings, write_corpus
 
 N = 4  # steps before the interruption

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.chunked_loss import chunked_head_loss
-from jaxformer.layers import linear
-from jaxformer.model import cross_entropy
+from jaxformer.model.chunked_loss import chunked_head_loss
+from jaxformer.model.linear import linear
+from jaxformer.model.losses import cross_entropy
 from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
 from manual_grads.check import assert_trees_close
 from test_losses import masks

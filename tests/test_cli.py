@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxformer.cli import main
+from jaxformer.cli.main import main
 from test_train import write_corpus
 
 
@@ -107,7 +107,7 @@ def test_manual_grads_flag_gives_the_auto_curve(corpus, run_dir, tmp_path):
 
 def test_help_in_a_subprocess():
     exe = shutil.which("jaxformer")
-    cmd = [exe] if exe else [sys.executable, "-m", "jaxformer.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "jaxformer.cli.main"]
     result = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     for word in ("train", "generate", "compare-grads", "examples:"):

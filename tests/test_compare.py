@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxformer import compare, init_params
-from jaxformer.config import PRESETS
+from jaxformer import init_params
+from jaxformer.tools import compare
+from jaxformer.model.config import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 PERTURBED = ("blocks", "ffn", "w_in")  # the leaf the broken gradient source gets wrong

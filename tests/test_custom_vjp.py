@@ -10,8 +10,8 @@ from jax.test_util import check_grads
 
 import jaxformer
 import manual_grads
-from jaxformer import layers
-from jaxformer.config import PRESETS
+from jaxformer.model import layers
+from jaxformer.model.config import PRESETS
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
 from test_manual_model import make_params

@@ -9,17 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxformer.data import (
-    Batcher,
-    ByteTokenizer,
-    CharTokenizer,
-    load_corpus,
-    make_tokenizer,
-    sequential_batches,
-    split_train_val,
-    tokenizer_from_dict,
-    validate_ids,
-)
+from jaxformer.data import (Batcher, ByteTokenizer, CharTokenizer, load_corpus, make_tokenizer,
+                            sequential_batches, split_train_val, tokenizer_from_dict)
+from jaxformer.model.validate import validate_ids
 
 # ----------------------------------------------------------------------------
 # tokenizers

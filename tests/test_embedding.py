@@ -1,4 +1,4 @@
-"""manual_grads.embedding against jax.vjp of jaxformer.layers.embed, in float64."""
+"""manual_grads.embedding against jax.vjp of jaxformer.model.embed, in float64."""
 
 from functools import partial
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.config import ModelConfig
-from jaxformer.layers import embed, sinusoidal_positions, token_embedding
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.embedding import embed, sinusoidal_positions, token_embedding
 from manual_grads.check import assert_trees_close
 from manual_grads.embedding import (embed_bwd, embed_fwd, learned_positions_bwd,
                                     learned_positions_fwd, token_embed_bwd, token_embed_fwd)

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import checkpoint, forward, get_preset, init_params
+from jaxformer import forward, get_preset, init_params
+from jaxformer.checkpoints import checkpoint
 from jaxformer.data import CharTokenizer
-from jaxformer.generate import generate, generate_many, sample_logits, sample_text
-from jaxformer.optim import make_optimizer
-from jaxformer.train import TrainSettings, init_state
+from jaxformer.inference.generate import generate, generate_many, sample_logits, sample_text
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.loop import TrainSettings, init_state
 
 CONFIG = get_preset("tiny", vocab_size=11)  # max_seq_len 16
 

@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 
 import manual_grads
-from jaxformer import checkpoint, diagnose
-from jaxformer.checkpoint import CheckpointError
-from jaxformer.config import get_preset
-from jaxformer.generate import load_run
-from jaxformer.model import forward, loss_fn
-from jaxformer.params import init_params
-from jaxformer.train import (DataChangedError, NonFiniteLossError, TrainSettings, read_metrics,
-                             train)
+from jaxformer.checkpoints import checkpoint
+from jaxformer.training import diagnose
+from jaxformer.checkpoints.checkpoint import CheckpointError
+from jaxformer.model.config import get_preset
+from jaxformer.inference.generate import load_run
+from jaxformer.model.transformer import forward, loss_fn
+from jaxformer.model.params import init_params
+from jaxformer.training.loop import (DataChangedError, NonFiniteLossError, TrainSettings,
+                                     read_metrics, train)
 from test_train import tiny_settings, write_corpus
 
 
@@ -103,7 +104,7 @@ def test_all_damaged_is_one_error_line(corpus, straight, tmp_path, capsys):
     run = tmp_path / "run"
     for step in checkpoint.all_steps(run):
         _flip_a_byte(_largest_data_file(run, step))
-    from jaxformer.cli import main
+    from jaxformer.cli.main import main
     code = main(["generate", "--run", str(run), "--prompt", "the ", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
@@ -256,7 +257,7 @@ def test_diagnosis_names_the_backward_stage(params, monkeypatch):
 def test_training_stop_names_the_layer(corpus, tmp_path):
     """A checkpoint whose blocks[1].ffn.w_in is finite but so large that x @ w_in
     overflows: the next step's loss is NaN, and the diagnosis names that layer."""
-    from jaxformer.generate import load_state
+    from jaxformer.inference.generate import load_state
     train(tiny_settings(corpus, steps=1), tmp_path, progress=False)
     state, _, _, meta = load_state(tmp_path)
     w_in = state.params["blocks"]["ffn"]["w_in"]
@@ -308,7 +309,7 @@ def test_cli_resume_and_diagnose_in_a_subprocess(corpus, tmp_path):
     run = tmp_path / "run"
     common = ["--out", str(run), "--corpus", corpus, "--no-progress", "--eval-batches", "1"]
     script = (
-        "import sys; from jaxformer.cli import main; "
+        "import sys; from jaxformer.cli.main import main; "
         "a = sys.argv[1:]; i = a.index('--'); "
         "c1 = main(a[:i]); import pathlib; "
         "f = max((p for p in pathlib.Path(a[a.index('--out') + 1], 'checkpoints', '4', 'state')"

@@ -1,4 +1,4 @@
-"""manual_grads.layer_norm against jax.vjp of jaxformer.layers.layer_norm, in float64."""
+"""manual_grads.layer_norm against jax.vjp of jaxformer.model.layer_norm, in float64."""
 
 from functools import partial
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxformer.layers import layer_norm
+from jaxformer.model.layer_norm import layer_norm
 from manual_grads.check import assert_trees_close
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
 

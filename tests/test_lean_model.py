@@ -12,7 +12,7 @@ import pytest
 
 import jaxformer
 import manual_grads
-from jaxformer.config import PRESETS
+from jaxformer.model.config import PRESETS
 from manual_grads import custom_vjp
 from manual_grads.check import assert_trees_close
 from test_manual_model import make_batch, make_params

@@ -1,4 +1,4 @@
-"""manual_grads.linear against jax.vjp of jaxformer.layers.linear, in float64."""
+"""manual_grads.linear against jax.vjp of jaxformer.model.linear, in float64."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxformer.layers import linear
+from jaxformer.model.linear import linear
 from manual_grads.check import assert_trees_close
 from manual_grads.linear import linear_bwd, linear_fwd
 

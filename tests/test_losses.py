@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.model import cross_entropy
+from jaxformer.model.losses import cross_entropy
 from manual_grads.check import assert_trees_close
 from manual_grads.losses import cross_entropy_bwd, cross_entropy_fwd
 

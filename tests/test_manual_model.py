@@ -8,7 +8,7 @@ import pytest
 
 import jaxformer
 import manual_grads
-from jaxformer.config import PRESETS, SMALL_PRESETS
+from jaxformer.model.config import PRESETS, SMALL_PRESETS
 from manual_grads.check import assert_trees_close, finite_difference_check
 
 MANUAL = jax.jit(manual_grads.value_and_grad, static_argnums=2)

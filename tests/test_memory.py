@@ -1,6 +1,6 @@
 """jaxformer.memory at a tiny shape: the structure of its figures (no timing assertions)."""
 
-from jaxformer import memory
+from jaxformer.tools import memory
 
 
 def test_memory_report_structure():

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import jaxformer as jf
-from jaxformer import layers
-from jaxformer.config import ACTIVATIONS, NORMS, POSITIONS, PRESETS, SMALL_PRESETS, ModelConfig
-from jaxformer.params import check_params
+from jaxformer.model import layers
+from jaxformer.model.config import (ACTIVATIONS, NORMS, POSITIONS, PRESETS, SMALL_PRESETS,
+                                    ModelConfig)
+from jaxformer.model.params import check_params
 
 TINY = dict(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import checkpoint
-from jaxformer.model import loss_fn
-from jaxformer.train import read_metrics, train
+from jaxformer.checkpoints import checkpoint
+from jaxformer.model.transformer import loss_fn
+from jaxformer.training.loop import read_metrics, train
 from test_train import tiny_settings, write_corpus
 
 STEPS = 3
@@ -36,7 +36,7 @@ def test_two_processes_match_one(corpus, tmp_path):
                JAX_DISABLE_MOST_OPTIMIZATIONS="true", JAX_ENABLE_X64="true",  # as in the test process
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2")
     out = tmp_path / "two"
-    command = [sys.executable, "-m", "jaxformer.cli", "train", "--preset", "tiny", "--corpus", corpus,
+    command = [sys.executable, "-m", "jaxformer.cli.main", "train", "--preset", "tiny", "--corpus", corpus,
                "--steps", str(STEPS), "--log-every", "1", "--eval-every", str(STEPS), "--eval-batches", "2",
                "--ckpt-every", "0", "--mesh", "data=1,fsdp=2", "--no-progress", "--out", str(out)]
     procs = [subprocess.Popen(command, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,

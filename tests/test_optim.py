@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxformer.optim import current_lr, decay_mask, make_optimizer, make_schedule
+from jaxformer.training.optim import current_lr, decay_mask, make_optimizer, make_schedule
 
 ATOL, RTOL = 1e-12, 1e-12  # float64 throughout (x64 is on in tests)
 

@@ -16,11 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import compare, init_params, loss_fn
-from jaxformer.compare_cli import announce_replaced
-from jaxformer.config import ModelConfig
-from jaxformer.layers import layer_norm, matmul
-from jaxformer.model import forward
+from jaxformer import init_params, loss_fn
+from jaxformer.tools import compare
+from jaxformer.cli.compare_grads import announce_replaced
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.layer_norm import layer_norm
+from jaxformer.model.precision import matmul
+from jaxformer.model.transformer import forward
 from manual_grads import check, value_and_grad
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
 

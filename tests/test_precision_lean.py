@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from test_precision import assert_bfloat16_within_autodiff, dot_generals, manual_vg
 
-from jaxformer import diagnose, init_params
-from jaxformer.blockwise import blockwise_attention_core
-from jaxformer.chunked_loss import chunked_head_loss
-from jaxformer.config import ModelConfig
-from jaxformer.kv_cache import forward_cached, init_cache
-from jaxformer.model import forward
+from jaxformer import init_params
+from jaxformer.training import diagnose
+from jaxformer.model.blockwise import blockwise_attention_core
+from jaxformer.model.chunked_loss import chunked_head_loss
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.kv_cache import forward_cached, init_cache
+from jaxformer.model.transformer import forward
 from manual_grads import attention as _attn
 from manual_grads import block as _block
 from manual_grads import blockwise as _bw

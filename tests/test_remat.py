@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import PRESETS
+from jaxformer.model.config import PRESETS
 from manual_grads.check import assert_trees_close
 from manual_grads.remat import blocks_bwd, blocks_fwd
 from test_manual_model import make_params

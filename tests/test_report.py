@@ -12,13 +12,13 @@ import jax
 import pytest
 
 from jaxformer import data, get_preset, init_params
-from jaxformer.cli import main
-from jaxformer.config import PRESET_TRAINING, PRESETS
-from jaxformer.optim import make_schedule
-from jaxformer.params import count_params
-from jaxformer.settings import recipe_notes, settings_for
-from jaxformer.tb import read_scalars
-from jaxformer.train import read_metrics
+from jaxformer.cli.main import main
+from jaxformer.model.config import PRESET_TRAINING, PRESETS
+from jaxformer.training.optim import make_schedule
+from jaxformer.model.params import count_params
+from jaxformer.training.settings import recipe_notes, settings_for
+from jaxformer.observe.tb import read_scalars
+from jaxformer.training.loop import read_metrics
 from test_train import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]

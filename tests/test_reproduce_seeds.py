@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.config import get_preset
-from jaxformer.params import init_params
+from jaxformer.model.config import get_preset
+from jaxformer.model.params import init_params
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxformer import cli, configfile
-from jaxformer.config import PRESETS, SMALL_PRESETS, get_preset
-from jaxformer.params import count_params, init_params
-from jaxformer.settings import config_diff, settings_for
-from jaxformer.train import NonFiniteLossError, grad_source, read_metrics, train
+from jaxformer.cli import main as cli
+from jaxformer.training import configfile
+from jaxformer.model.config import PRESETS, SMALL_PRESETS, get_preset
+from jaxformer.model.params import count_params, init_params
+from jaxformer.training.settings import config_diff, settings_for
+from jaxformer.training.loop import NonFiniteLossError, grad_source, read_metrics, train
 from test_train import tiny_settings, write_corpus
 
 

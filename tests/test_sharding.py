@@ -11,8 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from jaxformer.sharding import leaf_spec, make_mesh, mesh_shape, parse_mesh
-from jaxformer.train import train
+from jaxformer.training.sharding import leaf_spec, make_mesh, mesh_shape, parse_mesh
+from jaxformer.training.loop import train
 from test_train import tiny_settings, write_corpus
 
 STEPS = 3
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     jax.config.update("jax_enable_x64", True)  # as in the test process
-    from jaxformer.train import make_mesh, put_batch, train
+    from jaxformer.training.loop import make_mesh, put_batch, train
     from test_train import tiny_settings
 
     corpus, out, steps, cases = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])

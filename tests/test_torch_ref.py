@@ -7,10 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxformer.config import ModelConfig
-from jaxformer.model import loss_fn
-from jaxformer.params import init_params
-from jaxformer.torch_ref import TorchTransformer, to_torch_batch
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.transformer import loss_fn
+from jaxformer.model.params import init_params
+from jaxformer.tools.torch_ref import TorchTransformer, to_torch_batch
 
 BASE = ModelConfig(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)
 CASES = {

@@ -9,12 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import checkpoint
-from jaxformer.optim import make_optimizer
-from jaxformer.train import (
-    NonFiniteLossError, TrainState, grad_source, init_state, make_train_step, read_metrics,
-    settings_for, train,
-)
+from jaxformer.checkpoints import checkpoint
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.loop import (NonFiniteLossError, TrainState, grad_source, init_state,
+                                     make_train_step, read_metrics, settings_for, train)
 
 WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat "
          "and birds sang in tall green trees").split()

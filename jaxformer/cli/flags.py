@@ -1,0 +1,86 @@
+"""Command-line flags for every ModelConfig field, shared by all commands.
+
+``add_model_flags(parser)`` adds ``--d-model``, ``--n-heads``, ... (one per field
+of ModelConfig except ``vocab_size``, which comes from the tokenizer), each
+defaulting to None so an unset flag falls through to the preset or config file;
+``model_overrides(args)`` collects the ones given. Values are checked by
+ModelConfig itself, so a bad shape gets the same named ValueError from a flag,
+a file or the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from jaxformer.model import config as _config
+
+# Allowed values of the string fields, for --help and for argparse's own check.
+CHOICES = {
+    "activation": _config.ACTIVATIONS,
+    "norm": _config.NORMS,
+    "positions": _config.POSITIONS,
+    "attention_impl": _config.ATTENTION_IMPLS,
+    "remat": _config.REMATS,
+    "compute_dtype": _config.COMPUTE_DTYPES,
+}
+
+# Fields no flag sets: the tokenizer decides the vocabulary.
+NOT_FLAGS = ("vocab_size",)
+
+
+def model_fields() -> list[dataclasses.Field]:
+    """The ModelConfig fields that have a command-line flag, in declaration order."""
+    return [f for f in dataclasses.fields(_config.ModelConfig) if f.name not in NOT_FLAGS]
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _field_type(field: dataclasses.Field):
+    hints = typing.get_type_hints(_config.ModelConfig)
+    return hints[field.name]
+
+
+def _number(kind):
+    def parse(text):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
+                    "(overrides the preset; checked by ModelConfig)") -> argparse._ArgumentGroup:
+    """Add one flag per ModelConfig field (``dest`` = the field name, default None)."""
+    group = parser.add_argument_group(title)
+    for f in model_fields():
+        kind = _field_type(f)
+        default = f.default
+        helptext = f"default: the preset's ({default!r} in ModelConfig)"
+        if kind is bool:
+            group.add_argument(flag_name(f.name), dest=f.name, default=None,
+                               action=argparse.BooleanOptionalAction, help=helptext)
+        elif f.name in CHOICES:
+            group.add_argument(flag_name(f.name), dest=f.name, default=None,
+                               choices=list(CHOICES[f.name]), help=helptext)
+        elif kind is int:
+            group.add_argument(flag_name(f.name), dest=f.name, default=None, type=_number(int),
+                               metavar="N", help=helptext)
+        elif kind is float:
+            group.add_argument(flag_name(f.name), dest=f.name, default=None, type=_number(float),
+                               metavar="X", help=helptext)
+        else:
+            group.add_argument(flag_name(f.name), dest=f.name, default=None, help=helptext)
+    return group
+
+
+def model_overrides(args: argparse.Namespace) -> dict:
+    """{field: value} for each model flag given on the command line."""
+    return {f.name: getattr(args, f.name) for f in model_fields()
+            if getattr(args, f.name, None) is not None}

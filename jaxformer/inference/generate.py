@@ -1,0 +1,280 @@
+"""Sampling text from a trained model.
+
+With the key/value cache (the default), a prompt is run once (a prefill of the
+last ``max_seq_len`` = S prompt tokens, padded to S, so any prompt compiles once)
+and then each new token is one step of the model on that token alone, inside one
+jitted ``lax.fori_loop`` whose carry holds the cache (jaxformer/kv_cache.py).
+
+The sliding rule past S: the cache holds at most S tokens, in slots 0..S-1, and
+the token in slot j has position j (learned positions stay the ones the model
+was trained on). When the cache is full and a new token arrives, the context
+restarts as the last S // 2 tokens (the new one included), prefilled again at
+positions 0..S//2 - 1; decoding then goes on one token per step. So up to S
+tokens of prompt plus output, the cached sampler sees exactly what the model
+sees in training; past S it sees between S // 2 and S tokens of context.
+
+``use_cache=False`` is the reference: every step runs the whole model on the
+window of the last S tokens (the window slides by one token per step past S).
+Both give the same tokens while prompt + output fit in S.
+
+Temperature 0 is greedy decoding; ``top_k`` keeps the k most likely tokens and
+``top_p`` the smallest set of most likely tokens whose probability reaches p
+(nucleus sampling) before drawing. Sample b of ``num_samples`` draws step i
+with the key ``fold_in(fold_in(PRNGKey(seed), b), i)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.checkpoints import checkpoint
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.validate import validate_ids
+from jaxformer.model.kv_cache import forward_cached, init_cache
+from jaxformer.model.transformer import forward
+from jaxformer.training.optim import make_optimizer
+from jaxformer.model.params import init_params
+
+
+def _check_options(max_new_tokens, temperature, top_k, top_p=None, num_samples=1):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
+                              or top_k < 0):
+        raise ValueError(f"top_k must be a non-negative integer (0: no limit), got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] (1: no limit), got {top_p!r}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) \
+            or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+
+
+def sample_logits(key, logits, temperature, top_k: int, greedy: bool, top_p: float = 1.0):
+    """One token id from logits (V,): argmax when greedy, else a draw from
+    softmax(logits / temperature) restricted to the top_k largest (0: all) and then
+    to the nucleus: the fewest likeliest tokens whose probability sums to >= top_p
+    (1: all; top_p is static, 1 skips the filter so it equals no top-p exactly)."""
+    if greedy:
+        return jnp.argmax(logits).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][-1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1:
+        ranked = jnp.sort(logits)[::-1]  # (V,) largest first
+        probs = jax.nn.softmax(ranked)
+        before = jnp.cumsum(probs) - probs  # mass of the likelier tokens
+        n_keep = jnp.sum(before < top_p)  # >= 1: the likeliest token always stays
+        logits = jnp.where(logits < ranked[n_keep - 1], -jnp.inf, logits)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+def _sample_rows(keys, logits, temperature, top_k, greedy, top_p):
+    """keys (B, 2), logits (B, V) -> one token per row (B,)."""
+    return jax.vmap(lambda k, l: sample_logits(k, l, temperature, top_k, greedy, top_p))(keys, logits)
+
+
+_STATIC = ("config", "max_new_tokens", "top_k", "greedy", "top_p")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _sample_cached(params, window, n_context, keys, temperature, *, config: ModelConfig,
+                   max_new_tokens: int, top_k: int, greedy: bool, top_p: float):
+    """window int32 (B, S): the context in slots [0, n_context), zeros after; keys (B, 2).
+    Returns the new tokens int32 (B, N): one prefill, then one cached step per token."""
+    S = config.max_seq_len
+    keep = max(S // 2, 1)  # the context kept when the cache is full
+    B = window.shape[0]
+    cache = init_cache(config, B, params["tok_embed"].dtype)
+    logits, cache = forward_cached(params, window, cache, 0, config)  # prefill (B, S, V)
+    last = jax.lax.dynamic_index_in_dim(logits, n_context - 1, axis=1, keepdims=False)  # (B, V)
+
+    def draw(i, logits):
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+        return _sample_rows(step_keys, logits, temperature, top_k, greedy, top_p)
+
+    def feed(tok, window, cache, n):  # room in the cache: slot n gets the token
+        window = jax.lax.dynamic_update_slice(window, tok[:, None], (jnp.int32(0), n))
+        logits, cache = forward_cached(params, tok[:, None], cache, n, config)  # (B, 1, V)
+        return logits[:, 0], window, cache, n + 1
+
+    def refill(tok, window, cache, n):  # full: the last `keep` tokens, prefilled at slot 0
+        kept = jnp.concatenate([window[:, S - keep + 1:], tok[:, None]], axis=1)  # (B, keep)
+        window = jnp.pad(kept, ((0, 0), (0, S - keep)))
+        logits, cache = forward_cached(params, window, cache, 0, config)
+        return logits[:, keep - 1], window, cache, jnp.int32(keep)
+
+    def body(i, carry):
+        out, last, window, cache, n = carry
+        tok = out[:, i - 1]  # the token sampled last step goes into the cache
+        last, window, cache, n = jax.lax.cond(n < S, feed, refill, tok, window, cache, n)
+        return out.at[:, i].set(draw(i, last)), last, window, cache, n
+
+    out = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(draw(0, last))
+    carry = (out, last, window, cache, jnp.asarray(n_context, jnp.int32))
+    return jax.lax.fori_loop(1, max_new_tokens, body, carry)[0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _sample_loop(params, buffer, n_prompt, key, temperature, *, config: ModelConfig,
+                 max_new_tokens: int, top_k: int, greedy: bool, top_p: float):
+    """The reference, no cache: buffer int32 (S + N,) holds the prompt in [0, n_prompt);
+    fills the next N slots, each step running the model on the last S tokens."""
+    S = config.max_seq_len
+
+    def body(i, buf):
+        pos = n_prompt + i  # the slot to fill; the model sees tokens [start, pos)
+        start = jnp.maximum(pos - S, 0)
+        window = jax.lax.dynamic_slice(buf, (start,), (S,))  # (S,)
+        logits = forward(params, window[None, :], config)[0]  # (S, V), causal: later slots unseen
+        next_logits = jax.lax.dynamic_index_in_dim(logits, pos - 1 - start, keepdims=False)
+        token = sample_logits(jax.random.fold_in(key, i), next_logits, temperature, top_k, greedy,
+                              top_p)
+        return buf.at[pos].set(token)
+
+    return jax.lax.fori_loop(0, max_new_tokens, body, buffer)
+
+
+def generate(params, config: ModelConfig, prompt_ids, max_new_tokens: int, *,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int = 0, use_cache: bool = True) -> np.ndarray:
+    """The prompt's ids followed by ``max_new_tokens`` sampled ids, int32 (P + N,)."""
+    return generate_many(params, config, prompt_ids, max_new_tokens, temperature=temperature,
+                         top_k=top_k, top_p=top_p, seed=seed, use_cache=use_cache)[0]
+
+
+def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, *,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  seed: int = 0, num_samples: int = 1, use_cache: bool = True,
+                  timing: dict | None = None) -> np.ndarray:
+    """``num_samples`` continuations of one prompt, int32 (num_samples, P + N).
+
+    timing: a dict to fill with compile_s (the cached sampler is compiled ahead of
+    time; None without the cache, whose run_s then includes compiling), run_s (all
+    tokens of all samples) and s_per_token (run_s / N: the samples run side by
+    side, so this is the time per generated position).
+    """
+    if not config.causal:
+        raise ValueError("generation needs a causal model (config.causal=True)")
+    _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
+    prompt = np.asarray(prompt_ids)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(f"the prompt must be a non-empty 1-D id sequence, got shape {prompt.shape}")
+    validate_ids(prompt, config.vocab_size, "prompt")
+    prompt = prompt.astype(np.int32)
+    B, N, S = int(num_samples), int(max_new_tokens), config.max_seq_len
+    if N == 0:
+        return np.tile(prompt, (B, 1))
+    context = prompt[-S:]  # the model never sees more than S tokens
+    key = jax.random.PRNGKey(seed)
+    keys = jnp.stack([jax.random.fold_in(key, b) for b in range(B)])  # (B, 2)
+    static = dict(config=config, max_new_tokens=N, top_k=int(top_k or 0),
+                  greedy=temperature == 0, top_p=float(1.0 if top_p is None else top_p))
+    temp = jnp.float32(max(temperature, 1e-6))
+    if use_cache:
+        window = np.zeros((B, S), np.int32)
+        window[:, : len(context)] = context
+        fn, args = _sample_cached, (params, jnp.asarray(window), jnp.int32(len(context)), keys, temp)
+    else:
+        buffer = np.zeros(S + N, np.int32)
+        buffer[: len(context)] = context
+
+        def fn(params, buffer, n, keys, temp, **static):  # one sample after another
+            return jnp.stack([_sample_loop(params, buffer, n, keys[b], temp, **static)
+                              [len(context):] for b in range(B)])
+
+        args = (params, jnp.asarray(buffer), jnp.int32(len(context)), keys, temp)
+    if timing is None:
+        new = np.asarray(fn(*args, **static))
+    else:
+        t0 = time.perf_counter()
+        compiled = fn.lower(*args, **static).compile() if use_cache else functools.partial(fn, **static)
+        t1 = time.perf_counter()
+        new = np.asarray(jax.block_until_ready(compiled(*args)))
+        t2 = time.perf_counter()
+        timing.update(compile_s=t1 - t0 if use_cache else None, run_s=t2 - t1,
+                      s_per_token=(t2 - t1) / N)
+    new = new[:, :N]
+    return np.concatenate([np.tile(prompt, (B, 1)), new], axis=1)
+
+
+def load_state(run_dir, step: int | None = None, report=checkpoint.warn):
+    """(state, config, tokenizer, meta) of a run's checkpoint ``step``, or of its newest
+    checkpoint that verifies (each damaged one skipped is reported in one line)."""
+    run_dir = Path(run_dir)
+    _, loaded = checkpoint.load_newest_good(run_dir, lambda s: _load_step(run_dir, s), step, report)
+    return loaded
+
+
+def _load_step(run_dir: Path, step: int):
+    from jaxformer import data
+    from jaxformer.training.loop import TrainSettings, init_state
+
+    meta = checkpoint.read_meta(run_dir, step)
+    path = checkpoint.checkpoint_dir(run_dir) / str(step)
+    try:
+        config = ModelConfig.from_dict(meta["config"])
+        tokenizer = data.tokenizer_from_dict(meta["tokenizer"])
+        settings = TrainSettings.from_dict(meta["settings"])
+        dtype = jnp.dtype(meta.get("param_dtype", "float32"))
+    except (ValueError, TypeError, KeyError) as e:
+        raise checkpoint.CheckpointError(f"checkpoint {path} has bad meta data: {e}") from None
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("this run's params are float64: enable jax_enable_x64 to load them")
+    optimizer = make_optimizer(**settings.optimizer_kwargs())
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    template = jax.eval_shape(
+        lambda: init_state(init_params(jax.random.PRNGKey(0), config, dtype), optimizer))
+    template = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), template)
+    state = checkpoint.restore(run_dir, template, step)
+    return state, config, tokenizer, meta
+
+
+def load_run(run_dir, step: int | None = None, model: dict | None = None):
+    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run;
+    without ``step``, the newest checkpoint that verifies (damaged ones are skipped
+    with a one-line warning on stderr). ``model``: ModelConfig fields to change that
+    keep the params' shapes (e.g. attention_impl, compute_dtype)."""
+    state, config, tokenizer, meta = load_state(run_dir, step)
+    return state.params, config.replace(**(model or {})), tokenizer, meta
+
+
+def sample_text(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
+                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                step: int | None = None, model: dict | None = None) -> str:
+    """Load a run's checkpoint and return ``prompt`` followed by the sampled text
+    (``model``: see ``load_run``)."""
+    return sample_texts(run_dir, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, step=step, model=model)[0]
+
+
+def sample_texts(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 step: int | None = None, num_samples: int = 1, use_cache: bool = True,
+                 timing: dict | None = None, model: dict | None = None) -> list[str]:
+    """``num_samples`` texts: ``prompt`` followed by what the run's model samples."""
+    _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
+    params, config, tokenizer, _ = load_run(run_dir, step, model)
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one character")
+    try:
+        ids = tokenizer.encode(prompt)
+    except ValueError as e:
+        raise ValueError(f"the prompt cannot be encoded by this run's tokenizer: {e}") from None
+    out = generate_many(params, config, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, num_samples=num_samples, use_cache=use_cache,
+                        timing=timing)
+    return [tokenizer.decode(row) for row in out]

@@ -1,0 +1,90 @@
+"""Multi-head attention: full (the (B, H, T, T) probabilities) or blockwise.
+
+Head h of attention uses columns h*Dh:(h+1)*Dh of wq/wk/wv (Dh = D // H); q, k and v
+come out of one product x @ [wq | wk | wv]; scores are scaled by 1/sqrt(Dh)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.blockwise import blockwise_attention_core
+from jaxformer.model.linear import linear
+from jaxformer.model.precision import matmul, upcast
+
+def split_heads(x, n_heads):
+    """(B, T, D) -> (B, H, T, Dh): head h takes features h*Dh:(h+1)*Dh."""
+    B, T, D = x.shape
+    return x.reshape(B, T, n_heads, D // n_heads).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x):
+    """(B, H, T, Dh) -> (B, T, D), the inverse of split_heads."""
+    B, H, T, Dh = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
+
+
+def qkv_weights(p):
+    """The three input projections side by side: w = [wq | wk | wv] (D, 3D), b (3D,)."""
+    return (jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1),
+            jnp.concatenate([p["bq"], p["bk"], p["bv"]]))
+
+
+def split_qkv(qkv, n_heads):
+    """(B, T, 3D) -> q, k, v (B, H, T, Dh) each, in one transpose: columns j*D:(j+1)*D
+    are q, k, v (j = 0, 1, 2), and head h of each takes its features h*Dh:(h+1)*Dh."""
+    B, T, D3 = qkv.shape
+    qkv = qkv.reshape(B, T, 3, n_heads, D3 // (3 * n_heads)).transpose(2, 0, 3, 1, 4)
+    return qkv[0], qkv[1], qkv[2]  # (B, H, T, Dh) each
+
+
+def merge_qkv(q, k, v):
+    """q, k, v (B, H, T, Dh) -> (B, T, 3D), the inverse of split_qkv."""
+    B, H, T, Dh = q.shape
+    return jnp.stack([q, k, v]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * H * Dh)
+
+
+def qkv_heads(p, x, n_heads, compute_dtype=None):
+    """x (B, T, D) -> q, k, v (B, H, T, Dh): one product x @ [wq | wk | wv] + [bq | bk | bv]."""
+    w, b = qkv_weights(p)
+    return split_qkv(linear(x, w, b, compute_dtype), n_heads)  # (B, H, T, Dh) each
+
+
+def causal_mask(T):
+    """(T, T) bool, True where query t may attend to key s (s <= t)."""
+    return jnp.tril(jnp.ones((T, T), dtype=bool))
+
+
+def attention_probs(q, k, causal, compute_dtype=None):
+    """q, k (B, H, T, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, T, T), future masked if causal.
+    q k^T runs in ``compute_dtype``; the softmax in float32 or wider."""
+    scores = upcast(matmul(q, jnp.swapaxes(k, -1, -2), compute_dtype)) / math.sqrt(q.shape[-1])
+    if causal:
+        T = q.shape[-2]
+        scores = jnp.where(causal_mask(T), scores, jnp.finfo(scores.dtype).min)
+    scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    e = jnp.exp(scores)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D).
+    impl "blockwise" runs blockwise_attention with query and key blocks of ``block``."""
+    if impl == "blockwise":
+        return blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
+    cd = compute_dtype
+    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
+    probs = attention_probs(q, k, causal, cd)  # (B, H, T, T)
+    return linear(merge_heads(matmul(probs, v, cd)), p["wo"], p["bo"], cd)
+
+
+def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
+    """attention(p, x, n_heads, causal) without the (B, H, T, T) probabilities: an online
+    softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). Every product,
+    the projections' and the blocks', runs in ``compute_dtype``."""
+    cd = compute_dtype
+    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
+    out, _ = blockwise_attention_core(q, k, v, causal, block, cd)  # (B, H, T, Dh)
+    return linear(merge_heads(out), p["wo"], p["bo"], cd)

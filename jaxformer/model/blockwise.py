@@ -1,0 +1,137 @@
+"""Blockwise (flash-style) attention: softmax(q k^T / sqrt(Dh)) v without the (T, T) matrix.
+
+Shape letters: B batch, H heads, T time, Dh head width, K the block size,
+N = ceil(T / K) the number of blocks, Tp = N * K the padded length.
+
+q, k and v are padded to Tp and cut into N blocks of K positions. For each query
+block i, an online softmax runs over the key blocks j: it keeps the row max m,
+the row sum l of exp(s - m) and the unnormalized output acc, rescaling them as
+each block raises the max. With ``causal`` the key blocks above the diagonal
+(j > i) are skipped by a ``lax.cond``, never computed; padded keys are masked.
+The forward returns the output and the row log-sum-exp lse = m + log(l), all the
+backward (manual_grads/blockwise.py) needs to recompute any block of
+probabilities as exp(s - lse).
+
+These pieces are the single definition of the blockwise math: the manual
+backward loops over the same blocks with ``block_scores`` and ``if_visible``.
+Softmax statistics are kept in at least float32 (``stats_dtype``).
+
+Precision (``compute_dtype``, ModelConfig's): the two products of each block pair,
+q_i k_j^T and P_ij v_j, read their inputs in the compute dtype and accumulate in
+float32 or wider (``matmul``); m, l, acc, the output and lse stay in stats_dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.precision import matmul, stats_dtype
+
+
+def n_blocks(T: int, block: int) -> int:
+    return -(-T // block)
+
+
+def to_blocks(x, block: int):
+    """(B, H, T, ...) -> (N, B, H, K, ...), zero-padded from T up to Tp = N * K."""
+    T = x.shape[2]
+    N = n_blocks(T, block)
+    pad = [(0, 0)] * x.ndim
+    pad[2] = (0, N * block - T)
+    x = jnp.pad(x, pad)  # (B, H, Tp, ...)
+    x = x.reshape(x.shape[:2] + (N, block) + x.shape[3:])  # (B, H, N, K, ...)
+    return jnp.moveaxis(x, 2, 0)  # (N, B, H, K, ...)
+
+
+def from_blocks(x, T: int):
+    """(N, B, H, K, ...) -> (B, H, T, ...), the inverse of to_blocks (padding dropped)."""
+    N, B, H, K = x.shape[:4]
+    x = jnp.moveaxis(x, 0, 2).reshape((B, H, N * K) + x.shape[4:])  # (B, H, Tp, ...)
+    return x[:, :, :T]
+
+
+def block_size(T: int, block: int) -> int:
+    """The block size K used for length T: ``block``, or T when T is shorter (no padding)."""
+    return min(block, T)
+
+
+def if_visible(i, j, causal: bool, update, carry):
+    """update(carry) when query block i sees any of key block j (always, or j <= i when
+    causal), else carry unchanged: a causal block above the diagonal is never computed."""
+    if not causal:
+        return update(carry)
+    return jax.lax.cond(j <= i, update, lambda c: c, carry)
+
+
+def block_scores(q_i, k_j, i, j, T: int, causal: bool, compute_dtype=None):
+    """q_i, k_j (B, H, K, Dh) -> s (B, H, K, K) = q_i k_j^T / sqrt(Dh) in stats_dtype,
+    -inf where the key is padding (position >= T) or, if causal, in the future.
+    The product runs in ``compute_dtype``."""
+    K, Dh = q_i.shape[-2], q_i.shape[-1]
+    f = stats_dtype(q_i.dtype)
+    s = matmul(q_i, jnp.swapaxes(k_j, -1, -2), compute_dtype).astype(f) / math.sqrt(Dh)  # (B, H, K, K)
+    q_pos = i * K + jnp.arange(K)[:, None]  # (K, 1)
+    k_pos = j * K + jnp.arange(K)[None, :]  # (1, K)
+    allowed = k_pos < T
+    if causal:
+        allowed = allowed & (k_pos <= q_pos)  # (K, K)
+    return jnp.where(allowed, s, -jnp.inf)
+
+
+def online_softmax_step(carry, s, v_j, compute_dtype=None):
+    """Fold one key block into the running (m, l, acc) of a query block.
+
+    carry: m (B, H, K) row max so far, l (B, H, K) row sum of exp(s - m),
+    acc (B, H, K, Dh) sum of exp(s - m) v; s (B, H, K, K) scores; v_j (B, H, K, Dh).
+    A row with every key masked so far keeps m = -inf, l = 0, acc = 0.
+    The product exp(s - m) v_j runs in ``compute_dtype``.
+    """
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jax.lax.stop_gradient(jnp.max(s, axis=-1)))  # (B, H, K)
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B, H, K)
+    p = jnp.exp(s - m_safe[..., None])  # (B, H, K, K): 0 where masked
+    alpha = jnp.exp(m - m_safe)  # (B, H, K): rescales the old sums; 0 while m = -inf
+    l = alpha * l + jnp.sum(p, axis=-1)
+    acc = alpha[..., None] * acc + matmul(p.astype(v_j.dtype), v_j, compute_dtype).astype(acc.dtype)
+    return m_new, l, acc
+
+
+def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None):
+    """One query block i against every visible key block: (out_i (B, H, K, Dh), lse_i (B, H, K))."""
+    f = stats_dtype(q_i.dtype)
+    shape = q_i.shape[:-1]  # (B, H, K)
+    init = (jnp.full(shape, -jnp.inf, f), jnp.zeros(shape, f), jnp.zeros(q_i.shape, f))
+
+    def key_step(carry, xs):
+        k_j, v_j, j = xs
+
+        def update(c):
+            s = block_scores(q_i, k_j, i, j, T, causal, compute_dtype)  # (B, H, K, K)
+            return online_softmax_step(c, s, v_j, compute_dtype)
+
+        return if_visible(i, j, causal, update, carry), None
+
+    (m, l, acc), _ = jax.lax.scan(key_step, init, (kb, vb, jnp.arange(kb.shape[0])))
+    return (acc / l[..., None]).astype(q_i.dtype), m + jnp.log(l)
+
+
+def blockwise_attention_core(q, k, v, causal: bool, block: int, compute_dtype=None):
+    """q, k, v (B, H, T, Dh) -> (out (B, H, T, Dh), lse (B, H, T) in stats_dtype).
+
+    out = softmax(q k^T / sqrt(Dh)) v (future masked if causal), computed K query
+    rows and K keys at a time; lse is each row's log-sum-exp of the scores. The
+    products run in ``compute_dtype`` (None: the inputs' own dtype).
+    """
+    T = q.shape[2]
+    K = block_size(T, block)
+    qb, kb, vb = to_blocks(q, K), to_blocks(k, K), to_blocks(v, K)  # (N, B, H, K, Dh)
+
+    def query_step(_, xs):
+        q_i, i = xs
+        return None, _query_block(q_i, i, kb, vb, T, causal, compute_dtype)
+
+    _, (ob, lseb) = jax.lax.scan(query_step, None, (qb, jnp.arange(qb.shape[0])))
+    return from_blocks(ob, T), from_blocks(lseb, T)

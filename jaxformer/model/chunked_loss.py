@@ -1,0 +1,80 @@
+"""The head and the cross entropy, C positions at a time: the (B, T, V) logits never exist.
+
+Shape letters: N = B * T positions, C the chunk, M = ceil(N / C) chunks,
+Np = M * C the padded count.
+
+    loss = sum_n w_n * (logsumexp(x_n @ w + b) - (x_n @ w + b)[target_n])
+    w_n  = mask_n / max(sum(mask), 1)      (1 / N without a mask)
+
+The positions are flattened, padded up to Np (padding gets weight 0) and cut
+into M chunks; a ``lax.scan`` adds each chunk's weighted negative log-likelihood.
+Log-sum-exp and the sum are kept in at least float32; the head's product x_c @ w
+runs in ``compute_dtype`` with float32 accumulation (``jaxformer.layers.matmul``).
+Under JAX's ``grad`` each chunk is a ``jax.checkpoint``, so autodiff too keeps one
+chunk of logits at a time; the manual backward (manual_grads/chunked_loss.py)
+recomputes them itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.precision import stats_dtype
+from jaxformer.model.linear import linear
+
+
+def position_weights(targets, mask, dtype):
+    """(...) weight of each position in the mean: mask / max(sum(mask), 1), or 1 / N."""
+    if mask is None:
+        return jnp.full(targets.shape, 1.0 / targets.size, dtype)
+    mask = mask.astype(dtype)
+    return mask / jnp.maximum(jnp.sum(mask), 1)
+
+
+def to_chunks(x, chunk: int):
+    """(N, ...) -> (M, C, ...), zero-padded from N up to Np = M * C."""
+    N = x.shape[0]
+    M = -(-N // chunk)
+    x = jnp.pad(x, [(0, M * chunk - N)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape((M, chunk) + x.shape[1:])
+
+
+def chunk_logits_lse(x_c, w, b, compute_dtype=None):
+    """x_c (C, D) -> (logits (C, V), lse (C,)), both in stats_dtype; the product in compute_dtype."""
+    logits = linear(x_c, w, b, compute_dtype).astype(stats_dtype(x_c.dtype))  # (C, V)
+    return logits, jax.nn.logsumexp(logits, axis=-1)
+
+
+def chunk_nll(x_c, w, b, t_c, compute_dtype=None):
+    """x_c (C, D), t_c int (C,) -> -log softmax(x_c @ w + b)[t_c] (C,), and lse (C,)."""
+    logits, lse = chunk_logits_lse(x_c, w, b, compute_dtype)
+    target_logit = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]  # (C,)
+    return lse - target_logit, lse
+
+
+def chunked_inputs(x, targets, mask, chunk: int):
+    """Flatten and chunk: (x (M, C, D), targets (M, C), weights (M, C) in stats_dtype)."""
+    D = x.shape[-1]
+    f = stats_dtype(x.dtype)
+    weights = position_weights(targets, mask, f)  # (B, T)
+    return (to_chunks(x.reshape(-1, D), chunk), to_chunks(targets.reshape(-1), chunk),
+            to_chunks(weights.reshape(-1), chunk))
+
+
+def chunked_head_loss(head, x, targets, mask, chunk: int, compute_dtype=None):
+    """head = {"w": (D, V), "b": (V,)}, x (B, T, D), targets int (B, T), mask (B, T) or None
+    -> the mean cross entropy of x @ w + b, as cross_entropy(linear(x, w, b, compute_dtype),
+    targets, mask)."""
+    xc, tc, wc = chunked_inputs(x, targets, mask, chunk)
+
+    @jax.checkpoint
+    def chunk_loss(x_c, t_c, w_c):
+        nll, _ = chunk_nll(x_c, head["w"], head["b"], t_c, compute_dtype)  # (C,)
+        return jnp.sum(nll * w_c)
+
+    def step(total, xs):
+        return total + chunk_loss(*xs), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), stats_dtype(x.dtype)), (xc, tc, wc))
+    return total.astype(x.dtype)

@@ -1,0 +1,35 @@
+"""Token and position embeddings: tok_embed[ids] + positions (learned or sinusoidal)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxformer.model.config import ModelConfig
+
+def sinusoidal_positions(T, D, dtype=jnp.float32):
+    """(T, D) table: sin(t / 10000^(2i/D)) at feature 2i, cos(...) at feature 2i+1."""
+    t = jnp.arange(T, dtype=jnp.promote_types(dtype, jnp.float32))[:, None]
+    i = jnp.arange(0, D, 2, dtype=t.dtype)[None, :]
+    angle = t / (10000.0 ** (i / D))  # (T, ceil(D/2))
+    table = jnp.zeros((T, D), t.dtype)
+    table = table.at[:, 0::2].set(jnp.sin(angle))
+    table = table.at[:, 1::2].set(jnp.cos(angle[:, : D // 2]))
+    return table.astype(dtype)
+
+
+def positions(params, T, config: ModelConfig, dtype):
+    """The (T, D) position term added to the token embeddings."""
+    if config.positions == "learned":
+        return params["pos_embed"][:T]
+    return sinusoidal_positions(T, config.d_model, dtype)
+
+
+def token_embedding(table, ids):
+    """table (V, D), ids int (...) -> the rows table[ids] (..., D)."""
+    return jnp.take(table, ids, axis=0)
+
+
+def embed(params, inputs, config: ModelConfig):
+    """inputs int (B, T) -> tok_embed[inputs] + positions (B, T, D)."""
+    x = token_embedding(params["tok_embed"], inputs)
+    return x + positions(params, inputs.shape[-1], config, x.dtype)

@@ -1,0 +1,20 @@
+"""Every layer's forward in one namespace: ``from jaxformer.model import layers``.
+
+A convenience for notebooks, tests and custom models (``layers.attention(...)``);
+each name is defined once, in the module of its layer kind, and only gathered here.
+``manual_grads.custom_vjp`` offers the same names as drop-ins whose gradient is the
+hand-derived one.
+"""
+
+from jaxformer.model.activations import (ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C,  # noqa: F401
+                                         activation, gelu, gelu_tanh, relu, tanh)
+from jaxformer.model.attention import (attention, attention_probs, blockwise_attention,  # noqa: F401
+                                       causal_mask, merge_heads, merge_qkv, qkv_heads, qkv_weights,
+                                       split_heads, split_qkv)
+from jaxformer.model.block import block, feed_forward  # noqa: F401
+from jaxformer.model.embedding import (embed, positions, sinusoidal_positions,  # noqa: F401
+                                       token_embedding)
+from jaxformer.model.layer_norm import layer_norm, layer_norm_stats, row_scale  # noqa: F401
+from jaxformer.model.linear import linear  # noqa: F401
+from jaxformer.model.losses import cross_entropy  # noqa: F401
+from jaxformer.model.precision import cast, matmul, stats_dtype, upcast  # noqa: F401

@@ -1,0 +1,101 @@
+"""init_params(key, config) -> the parameter pytree of DESIGN.md.
+
+Weights are drawn from N(0, 0.02^2) (GPT-2's init), the two projections that
+write into the residual stream (attention ``wo``, feed-forward ``w_out``) are
+scaled down by 1/sqrt(2 * n_layers) so the stream's variance does not grow with
+depth; biases start at zero, layer-norm scales at one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+def init_params(key: jax.Array, config: ModelConfig, dtype=jnp.float32) -> dict:
+    """Random parameters for ``config``; every leaf has dtype ``dtype``.
+
+    Jitted as one program (config and dtype static): drawn op by op, the many
+    small random draws would each compile on their own.
+    """
+    return _init_params(key, config, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _init_params(key, config: ModelConfig, dtype) -> dict:
+    V, D, F, L, S = (config.vocab_size, config.d_model, config.d_ff,
+                     config.n_layers, config.max_seq_len)
+    keys = iter(jax.random.split(key, 9))
+
+    def normal(shape, std=INIT_STD):
+        return (std * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
+    ones = lambda *shape: jnp.ones(shape, dtype)  # noqa: E731
+    out_std = INIT_STD / (2 * L) ** 0.5
+
+    params = {"tok_embed": normal((V, D))}
+    if config.positions == "learned":
+        params["pos_embed"] = normal((S, D))
+    params["blocks"] = {
+        "ln1": {"scale": ones(L, D), "bias": zeros(L, D)},
+        "attn": {
+            "wq": normal((L, D, D)), "bq": zeros(L, D),
+            "wk": normal((L, D, D)), "bk": zeros(L, D),
+            "wv": normal((L, D, D)), "bv": zeros(L, D),
+            "wo": normal((L, D, D), out_std), "bo": zeros(L, D),
+        },
+        "ln2": {"scale": ones(L, D), "bias": zeros(L, D)},
+        "ffn": {
+            "w_in": normal((L, D, F)), "b_in": zeros(L, F),
+            "w_out": normal((L, F, D), out_std), "b_out": zeros(L, D),
+        },
+    }
+    if config.norm == "pre":
+        params["ln_f"] = {"scale": ones(D), "bias": zeros(D)}
+    params["head"] = {"w": normal((D, V)), "b": zeros(V)}
+    return params
+
+
+def count_params(params) -> int:
+    return sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+@functools.lru_cache(maxsize=32)
+def expected_shapes(config: ModelConfig) -> dict[str, tuple]:
+    """{leaf path (keystr, e.g. "['blocks']['attn']['wq']"): shape} of ``config``'s params."""
+    expected = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+    return {jax.tree_util.keystr(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(expected)[0]}
+
+
+def validate_params(params, config: ModelConfig) -> None:
+    """Raise ValueError naming the first leaf that is missing, unexpected or of the
+    wrong shape for ``config`` (e.g. a tok_embed with fewer rows than vocab_size).
+    Looks only at the tree and the shapes, so it costs nothing under jit."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be a dict (the params pytree), got {type(params).__name__}")
+    expected = expected_shapes(config)
+    got = {jax.tree_util.keystr(path): leaf
+           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for path, shape in expected.items():
+        if path not in got:
+            raise ValueError(f"params{path} is missing (the config needs shape {shape})")
+        leaf_shape = tuple(getattr(got[path], "shape", ()))
+        if leaf_shape != shape:
+            raise ValueError(f"params{path} has shape {leaf_shape}, the config needs {shape}")
+    extra = [path for path in got if path not in expected]
+    if extra:
+        raise ValueError(f"params{extra[0]} is not a parameter of this config")
+
+
+def check_params(params, config: ModelConfig) -> None:
+    """Raise ValueError naming the first leaf whose path or shape does not fit ``config``
+    (the same check as ``validate_params``)."""
+    validate_params(params, config)

@@ -1,0 +1,146 @@
+"""Model FLOPs per token, device peaks and MFU (model FLOPs utilization).
+
+The convention (docs/design.md, "FLOPs and MFU"), per token of a training step
+(forward + backward, the backward counted as twice the forward):
+
+    6 * N                      N = matmul parameters: L * (4 D^2 + 2 D F) + D V
+                               (q, k, v, o projections, the feed-forward's two
+                               weights, the head; no biases, layer norms or
+                               embeddings: the embedding is a gather, not a matmul)
+  + 12 * L * T * D             attention scores q k^T and the weighted sum P v,
+                               forward 2 matmuls * 2 FLOPs * T * D, times 3
+  / 2 when causal              a causal model uses only the lower triangle of
+                               the scores, so half of the attention term counts
+
+MFU = achieved model FLOP/s / the device's peak FLOP/s, where achieved =
+tokens/s * FLOPs per token. The masked half of a causal attention that the
+"full" implementation still computes is not counted: MFU measures useful work.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.config import ModelConfig
+
+CONVENTION = (
+    "training FLOPs per token = 6*N + 12*L*T*D (attention), the attention term halved when "
+    "causal; N = matmul params L*(4*D^2 + 2*D*F) + D*V (no biases, norms or embedding gather)"
+)
+
+TFLOP = 1e12
+
+# Dense (no structured sparsity) peak FLOP/s per accelerator and matmul dtype, from
+# NVIDIA's datasheets, which quote bf16/tf32 "with sparsity": the dense figure is half.
+#   H100 / H200 SXM: NVIDIA H100 Tensor Core GPU datasheet and NVIDIA H200 product page
+#     (https://www.nvidia.com/en-us/data-center/h100/, https://www.nvidia.com/en-us/data-center/h200/):
+#     BF16 1979 TFLOP/s sparse -> 989.4 dense, TF32 989 sparse -> 494.7 dense, FP32 67.
+#   H100 PCIe: same datasheet: BF16 1513 sparse -> 756, TF32 756 sparse -> 378, FP32 51.
+#   A100 SXM/PCIe: NVIDIA A100 Tensor Core GPU datasheet
+#     (https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
+#      nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 312, TF32 156, FP32 19.5.
+# float32 matmuls map to tf32: XLA's default matmul precision on these GPUs uses TF32.
+# Keys are matched against jax.Device.device_kind, first match wins (PCIe before SXM).
+KNOWN_PEAKS = (
+    ("H100 PCIe", {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12}),
+    ("H100", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
+    ("H200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
+    ("A100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
+)
+# Non-tensor-core FP32 peaks (the same datasheets), for reference in reports.
+FP32_NON_TENSOR = {"H100 PCIe": 51.2e12, "H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """N: weights that take part in a matmul (q, k, v, o, w_in, w_out per layer; the head)."""
+    D, F, L, V = config.d_model, config.d_ff, config.n_layers, config.vocab_size
+    return L * (4 * D * D + 2 * D * F) + D * V
+
+
+def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """12 * L * T * D for a bidirectional model, half that when causal."""
+    full = 12 * config.n_layers * seq_len * config.d_model
+    return full // 2 if config.causal else full
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training (forward + backward) model FLOPs per token; see the module docstring."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    return 6 * matmul_params(config) + attention_flops_per_token(config, seq_len)
+
+
+def flops_breakdown(config: ModelConfig, seq_len: int) -> dict:
+    """The terms of flops_per_token, for reports."""
+    return {
+        "matmul_params": matmul_params(config),
+        "dense_6N": 6 * matmul_params(config),
+        "attention": attention_flops_per_token(config, seq_len),
+        "per_token": flops_per_token(config, seq_len),
+        "convention": CONVENTION,
+    }
+
+
+def matmul_dtype(config: ModelConfig, param_dtype="float32") -> str:
+    """The dtype matmuls run in: compute_dtype when set, else the params' dtype."""
+    return config.compute_dtype or jnp.dtype(param_dtype).name
+
+
+@functools.lru_cache(maxsize=4)
+def measure_cpu_peak(n: int = 1024, reps: int = 3) -> float:
+    """FLOP/s of the fastest of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the
+    CPU, measured once per process (so it sees the same threads and load)."""
+    return cpu_matmul_flops(n, reps)
+
+
+def cpu_matmul_flops(n: int = 1024, reps: int = 3) -> float:
+    """FLOP/s of the fastest of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the CPU, now."""
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    b = jax.device_put(jnp.full((n, n), 0.5, jnp.float32), cpu)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, b).block_until_ready()  # compile
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it comes from) for ``device`` (default: the first JAX device).
+    Known accelerators use the table above; a CPU measures a float32 matmul now;
+    anything else gives (None, reason)."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return measure_cpu_peak(cpu_matmul), f"measured: best float32 {cpu_matmul}x{cpu_matmul} matmul"
+    kind = getattr(device, "device_kind", "")
+    for key, peaks in KNOWN_PEAKS:
+        if key in kind:
+            if dtype in peaks:
+                return peaks[dtype], f"{key} dense {dtype} datasheet figure"
+            return None, f"no {dtype} peak known for {kind}"
+    return None, f"no peak known for {kind or device.platform}"
+
+
+def mfu(tokens_per_s: float, config: ModelConfig, seq_len: int, device=None,
+        param_dtype="float32", n_devices: int = 1) -> float | None:
+    """Model FLOPs utilization of a training run at ``tokens_per_s`` (all devices
+    together) on ``n_devices`` devices like ``device`` (default: the first JAX device);
+    None when the device's peak is unknown."""
+    peak, _ = device_peak(device, matmul_dtype(config, param_dtype))
+    if not peak:
+        return None
+    return tokens_per_s * flops_per_token(config, seq_len) / (peak * n_devices)
+
+
+def mfu_text(tokens_per_s: float, config: ModelConfig, seq_len: int, device=None,
+             param_dtype="float32", n_devices: int = 1) -> str:
+    """mfu() as a percentage for a log line, "n/a" when the peak is unknown."""
+    value = mfu(tokens_per_s, config, seq_len, device, param_dtype, n_devices)
+    return "n/a" if value is None else f"{100 * value:.1f}%"

@@ -1,0 +1,173 @@
+"""What a training run tells its user: the resolved settings and the data at the
+start, the compile time on its own, steady-state speed, and the summary at the end.
+
+Timing words, used the same way everywhere:
+  compile_s     the first step of this call: tracing, XLA compilation and one step
+  steady        every later step: its tokens / its time (validation and checkpoint
+                writing excluded), the speed a longer run keeps
+  overall       all tokens of this call / training time (compile_s + steady time)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import textwrap
+import time
+
+LN2 = math.log(2.0)
+
+
+def _fields(d: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in d.items())
+
+
+def settings_block(settings, config, n_params: int, devices: str, notes=()) -> list[str]:
+    """The resolved model and training settings, every field, a few wrapped lines."""
+    lines = [f"model    {settings.preset}: {n_params:,} params ({settings.dtype})"]
+    wrap = dict(width=100, initial_indent=" " * 9, subsequent_indent=" " * 9)
+    lines += textwrap.wrap(_fields(config.to_dict()), **wrap)
+    lines.append("training")
+    train = {k: v for k, v in settings.to_dict().items() if k != "preset"}
+    lines += textwrap.wrap(_fields(train), **wrap)
+    lines += [f"         note: {note}" for note in notes]
+    lines.append(f"devices  {devices}")
+    return lines
+
+
+def data_lines(corpus: str, tokenizer, n_train: int, n_val: int) -> list[str]:
+    """The corpus line (data.describe_corpus) and what the tokenizer made of it."""
+    return [f"corpus   {corpus}",
+            f"tokens   {tokenizer.kind} tokenizer, vocab {tokenizer.vocab_size}; "
+            f"{n_train:,} train / {n_val:,} validation tokens"]
+
+
+def val_bits(val_loss: float, tokenizer_kind: str) -> dict:
+    """Validation loss in bits per byte (byte tokenizer) or per character (char)."""
+    key = {"byte": "val_bits_per_byte", "char": "val_bits_per_char"}[tokenizer_kind]
+    return {key: val_loss / LN2}
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Times a training call: its first step apart (compile), the others as the steady
+    state; ``paused()`` excludes validation and checkpoint writing."""
+
+    tokens_per_step: int
+    t: float = dataclasses.field(default_factory=time.perf_counter)
+    compile_s: float | None = None
+    steady_s: float = 0.0
+    steady_steps: int = 0
+
+    def step_done(self, n: int = 1) -> float | None:
+        """Call when the results of the ``n`` steps since the last call are on the host
+        (the loop fetches the first step of a call alone); returns compile_s after the
+        first call."""
+        now = time.perf_counter()
+        if self.compile_s is None:
+            self.compile_s = now - self.t
+            self.t = now
+            return self.compile_s
+        self.steady_s += now - self.t
+        self.steady_steps += n
+        self.t = now
+        return None
+
+    @contextlib.contextmanager
+    def paused(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t += time.perf_counter() - t0
+
+    def summary(self) -> dict:
+        steps = self.steady_steps + (self.compile_s is not None)
+        train_s = (self.compile_s or 0.0) + self.steady_s
+        tokens = steps * self.tokens_per_step
+        return {
+            "steps": steps, "tokens": tokens, "compile_s": self.compile_s,
+            "steady_steps": self.steady_steps, "steady_s": self.steady_s,
+            "steady_tokens_per_s": (self.steady_steps * self.tokens_per_step / self.steady_s
+                                    if self.steady_s > 0 else None),
+            "train_s": train_s, "overall_tokens_per_s": tokens / train_s if train_s > 0 else None,
+        }
+
+
+def compile_line(compile_s: float, step: int) -> str:
+    return f"step {step} (compile + first step) took {compile_s:.2f} s; progress and speed from here on"
+
+
+def summary_line(t: dict) -> str:
+    """The end of a training call, each speed named."""
+    if not t["steps"]:
+        return "no steps run"
+    steady = (f"steady state {t['steady_tokens_per_s']:,.0f} tokens/s over {t['steady_steps']} steps "
+              f"({t['steady_s']:.2f} s)" if t["steady_tokens_per_s"] else "no steady-state steps")
+    return (f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['train_s']:.2f} s: compile + "
+            f"first step {t['compile_s']:.2f} s; {steady}; overall {t['overall_tokens_per_s']:,.0f} "
+            f"tokens/s (all tokens / training time incl. compile; validation and checkpoints excluded)")
+
+
+class Progress:
+    """The tqdm bar, opened after the first step of a call so that its rate and ETA
+    come from the steady state (the first step's compile is timed apart)."""
+
+    def __init__(self, start: int, total: int, enabled: bool):
+        self.start, self.total, self.enabled = start, total, enabled
+        self.done, self.bar, self.postfix = 0, None, {}
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.total, initial=self.start + self.done, disable=not self.enabled,
+                        unit="step", dynamic_ncols=True)
+        self.bar.set_postfix(**self.postfix)
+
+    def set_postfix(self, **postfix) -> None:
+        """Values shown after the bar; before the bar opens (the first step's record),
+        tok_s and mfu are the compile step's, so they are left out."""
+        if self.bar is None:
+            postfix.pop("tok_s", None)
+            postfix.pop("mfu", None)
+        self.postfix = postfix
+        if self.bar is not None:
+            self.bar.set_postfix(**postfix)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def recipe_text(recipe: dict) -> str:
+    """A preset's training recipe (config.PRESET_TRAINING) as name=value pairs."""
+    return _fields(recipe)
+
+
+def presets_table() -> list[str]:
+    """Each preset's shape, parameter count (vocab 256: the byte tokenizer) and recipe."""
+    import jax
+
+    from jaxformer.model.config import PRESET_TRAINING, PRESETS
+    from jaxformer.model.params import init_params
+
+    head = ("preset", "L", "D", "H", "F", "T", "norm", "activation", "positions", "params (V=256)")
+    rows = []
+    for name, config in PRESETS.items():
+        config = config.replace(vocab_size=256)
+        shapes = jax.eval_shape(lambda c=config: init_params(jax.random.PRNGKey(0), c))
+        n = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
+        rows.append((name, config.n_layers, config.d_model, config.n_heads, config.d_ff,
+                     config.max_seq_len, config.norm, config.activation, config.positions, f"{n:,}"))
+    widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
+    fmt = "  ".join(f"{{:{'>' if i in (1, 2, 3, 4, 5, 9) else '<'}{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*head)] + [fmt.format(*r) for r in rows]
+    lines += ["", "L layers, D d_model, H heads, F d_ff, T max_seq_len; training recipes "
+              "(flags of `jaxformer train` override them):"]
+    lines += [f"  {name:<{widths[0]}}  {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS]
+    return lines

@@ -1,0 +1,154 @@
+"""Memory and time of one gradient computation, read from XLA: the figures of
+experiments/memory.py, as functions a benchmark can reuse.
+
+Memory comes from ``jax.jit(f).lower(...).compile().memory_analysis()``: XLA's own
+plan for the compiled program, without running it (temp = the scratch buffers the
+program needs at once, argument = its inputs). Gradient sources compared, all
+``(params, batch) -> (loss, grads)``:
+
+    autodiff       jax.value_and_grad(loss_fn) of the plain model (full attention,
+                   no chunking, no recompute)
+    manual         manual_grads.value_and_grad of the plain model
+    blockwise      manual, blockwise attention only
+    lean           manual, blockwise attention + chunked loss + remat "block"
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.transformer import loss_fn
+from jaxformer.model.params import init_params
+
+SOURCES = ("autodiff", "manual", "blockwise", "lean")
+
+
+class MemoryStats(NamedTuple):
+    temp_bytes: int  # XLA's temp_size_in_bytes: scratch buffers alive at once
+    argument_bytes: int  # argument_size_in_bytes: params and batch
+    output_bytes: int  # output_size_in_bytes: loss and grads
+
+
+def memory_config(seq_len: int = 1024, d_model: int = 256, n_heads: int = 4, n_layers: int = 2,
+                  vocab_size: int = 256, attention_block: int = 128, **overrides) -> ModelConfig:
+    """The plain model the figures are measured on (d_ff = 4 * d_model); attention_block is
+    the block size the blockwise and lean sources use."""
+    return ModelConfig(vocab_size=vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers,
+                       d_ff=4 * d_model, max_seq_len=seq_len, attention_block=attention_block,
+                       **overrides)
+
+
+def source_config(config: ModelConfig, source: str, loss_chunk: int) -> ModelConfig:
+    """The config a source runs: plain for autodiff and manual, the options for the others."""
+    if source == "blockwise":
+        return config.replace(attention_impl="blockwise")
+    if source == "lean":
+        return config.replace(attention_impl="blockwise", loss_chunk=loss_chunk, remat="block")
+    return config.replace(attention_impl="full", loss_chunk=0, remat="none")
+
+
+def grad_fn(config: ModelConfig, source: str, loss_chunk: int) -> Callable:
+    """(params, batch) -> (loss, grads) for ``source`` (see the module docstring)."""
+    import manual_grads  # the manual backward, imported only when asked for
+
+    cfg = source_config(config, source, loss_chunk)
+    if source == "autodiff":
+        return lambda params, batch: jax.value_and_grad(loss_fn)(params, batch, cfg)
+    return lambda params, batch: manual_grads.value_and_grad(params, batch, cfg)
+
+
+def abstract_inputs(config: ModelConfig, batch_size: int, seq_len: int, dtype=jnp.float32):
+    """ShapeDtypeStructs of params and a batch (no memory is allocated)."""
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config, dtype=dtype))
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    return params, {"inputs": tokens, "targets": tokens}
+
+
+def compiled_memory(fn: Callable, *args) -> MemoryStats:
+    """XLA's memory plan for jax.jit(fn) compiled at ``args`` (arrays or ShapeDtypeStructs)."""
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return MemoryStats(int(analysis.temp_size_in_bytes), int(analysis.argument_size_in_bytes),
+                       int(analysis.output_size_in_bytes))
+
+
+def measure_memory(config: ModelConfig, batch_size: int, seq_len: int, loss_chunk: int,
+                   sources=SOURCES) -> dict[str, MemoryStats]:
+    """{source: MemoryStats} of one gradient computation at (batch_size, seq_len)."""
+    config = config.replace(max_seq_len=max(config.max_seq_len, seq_len))
+    args = abstract_inputs(config, batch_size, seq_len)
+    return {s: compiled_memory(grad_fn(config, s, loss_chunk), *args) for s in sources}
+
+
+def random_inputs(config: ModelConfig, batch_size: int, seq_len: int, seed: int = 0):
+    """Real params (init_params, float32) and a random batch for timing."""
+    params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(seed), config, jnp.float32)
+    rng = np.random.default_rng(seed)
+    tokens = lambda: jnp.asarray(rng.integers(0, config.vocab_size, (batch_size, seq_len)), jnp.int32)  # noqa: E731
+    return params, {"inputs": tokens(), "targets": tokens()}
+
+
+def time_sources(fns: dict[str, Callable], args, rounds: int = 5, warmup: int = 1) -> dict[str, float]:
+    """{name: median seconds per call}: the jitted fns run interleaved, one call each per
+    round, ``warmup`` rounds (compile included) not counted; block_until_ready on each."""
+    jitted = {name: jax.jit(fn) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for r in range(warmup + rounds):
+        for name, fn in jitted.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+class MemoryReport(NamedTuple):
+    memory: dict  # {seq_len: {source: MemoryStats}}
+    lean_vs_autodiff: float  # temp(lean) / temp(autodiff) at the base length
+    growth: dict  # {source: temp at the long length / temp at the base length}
+    step_seconds: dict  # {source: median seconds}, empty when not timed
+    lean_vs_manual_time: float | None  # step(lean) / step(manual), None when not timed
+    loadavg: tuple  # os.getloadavg() when the timing ended (or at the end of the memory runs)
+
+
+def memory_report(config: ModelConfig, batch_size: int, seq_len: int, long_seq_len: int,
+                  loss_chunk: int, rounds: int = 5, timing: bool = True) -> MemoryReport:
+    """Every figure of experiments/memory.py, from one run."""
+    memory = {T: measure_memory(config, batch_size, T, loss_chunk) for T in (seq_len, long_seq_len)}
+    base, long = memory[seq_len], memory[long_seq_len]
+    growth = {s: long[s].temp_bytes / base[s].temp_bytes for s in SOURCES}
+    steps, ratio = {}, None
+    if timing:
+        cfg = config.replace(max_seq_len=max(config.max_seq_len, seq_len))
+        fns = {s: grad_fn(cfg, s, loss_chunk) for s in ("manual", "lean")}
+        steps = time_sources(fns, random_inputs(cfg, batch_size, seq_len), rounds=rounds)
+        ratio = steps["lean"] / steps["manual"]
+    return MemoryReport(memory, base["lean"].temp_bytes / base["autodiff"].temp_bytes, growth,
+                        steps, ratio, os.getloadavg())
+
+
+def format_report(report: MemoryReport, seq_len: int, long_seq_len: int) -> str:
+    mib = lambda n: f"{n / 2**20:9.1f} MiB"  # noqa: E731
+    lines = [f"{'source':<10} {'T':>5} {'temp':>13} {'arguments':>13} {'outputs':>13}"]
+    for T, stats in report.memory.items():
+        for s, m in stats.items():
+            lines.append(f"{s:<10} {T:>5} {mib(m.temp_bytes)} {mib(m.argument_bytes)} {mib(m.output_bytes)}")
+    lines.append("")
+    lines.append(f"(a) temp, lean manual / autodiff at T={seq_len}: {report.lean_vs_autodiff:.3f}"
+                 f"  (target <= 0.25)")
+    for s in SOURCES:
+        lines.append(f"(b) temp growth T={long_seq_len} / T={seq_len}, {s:<9}: {report.growth[s]:.2f}x"
+                     + ("  (target <= 2.2)" if s in ("blockwise", "lean") else ""))
+    if report.step_seconds:
+        for s, t in report.step_seconds.items():
+            lines.append(f"(c) step, {s:<6}: {1e3 * t:9.1f} ms (median)")
+        lines.append(f"(c) step, lean / manual: {report.lean_vs_manual_time:.2f}x  (target <= 1.3)")
+    lines.append(f"load average: {' '.join(f'{x:.2f}' for x in report.loadavg)}")
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""One training step for any gradient source: the state, the step and eval factories.
+
+A gradient source is any function ``(params, batch) -> (loss, grads)``:
+``grad_source("auto", config)`` wraps ``jax.value_and_grad(loss_fn)``,
+``grad_source("manual", config)`` the hand-derived ``manual_grads.value_and_grad``.
+``make_train_step(grad_fn, optimizer)`` turns either into the same jitted step
+
+    state, metrics = step(state, batch)   # metrics: loss, grad_norm, update_norm, lr
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.transformer import loss_fn
+from jaxformer.training.optim import current_lr, make_optimizer
+from jaxformer.model.params import init_params
+from jaxformer.training.settings import GRAD_SOURCES
+from jaxformer.training.sharding import make_mesh, mesh_shardings, state_shardings
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # () int32: optimizer calls made so far (micro-steps with accumulation)
+    params: Any  # the params pytree of DESIGN.md
+    opt_state: Any  # the optimizer's state
+    data_index: jax.Array  # () int32: index of the next training batch (Batcher.batch)
+    rng: jax.Array  # (2,) uint32 key of the run (a stochastic layer at step s: fold_in(rng, s))
+
+
+def init_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        data_index=jnp.zeros((), jnp.int32),
+        rng=jax.random.PRNGKey(seed),
+    )
+
+
+GradFn = Callable[[Any, dict], tuple[jax.Array, Any]]
+
+
+def grad_source(kind: str, config: ModelConfig) -> GradFn:
+    """The gradient source ``(params, batch) -> (loss, grads)`` named ``kind``:
+    "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``)."""
+    if kind == "auto":
+        value_and_grad = jax.value_and_grad(loss_fn)
+        return lambda params, batch: value_and_grad(params, batch, config)
+    if kind == "manual":
+        import manual_grads  # here: manual_grads imports jaxformer
+
+        return lambda params, batch: manual_grads.value_and_grad(params, batch, config)
+    raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
+
+
+def layer_grad_norms(grads) -> dict:
+    """The gradient norm of each layer: ``grad_norm/embed`` (token and position
+    embeddings), ``grad_norm/block{i}`` (block i's slice of every blocks leaf) and
+    ``grad_norm/head`` (final norm and head). {} for trees without the params layout."""
+    if not isinstance(grads, dict) or "blocks" not in grads:
+        return {}
+    group = lambda keys: optax.tree.norm({k: grads[k] for k in keys if k in grads})  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(grads["blocks"])
+    per_block = sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in leaves)  # (L,)
+    per_block = jnp.sqrt(per_block)
+    out = {"grad_norm/embed": group(("tok_embed", "pos_embed"))}
+    out.update({f"grad_norm/block{i}": per_block[i] for i in range(per_block.shape[0])})
+    out["grad_norm/head"] = group(("ln_f", "head"))
+    return out
+
+
+def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
+                    mesh: Mesh | None = None, donate: bool = True, state_sharding=None):
+    """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
+    source. The input state's buffers are donated (do not reuse it after the call).
+
+    With a ``mesh`` (sharding.make_mesh), the batch is split along its first axis over
+    data x fsdp, and the state laid out by ``state_sharding`` (a TrainState of
+    NamedShardings, sharding.state_shardings; default: replicated): jit inserts the
+    collectives. The metrics come back replicated and stay on the device.
+    metrics: loss, grad_norm (global norm of the gradient), update_norm, lr, and the
+    per-layer norms of ``layer_grad_norms``.
+    """
+
+    def step(state: TrainState, batch):
+        loss, grads = grad_fn(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, state.rng)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
+            "lr": current_lr(opt_state),
+            **layer_grad_norms(grads),
+        }
+        return new_state, metrics
+
+    kwargs = {"donate_argnums": (0,)} if donate else {}
+    if mesh is not None:
+        replicated, split = mesh_shardings(mesh)
+        layout = replicated if state_sharding is None else state_sharding
+        kwargs.update(in_shardings=(layout, split), out_shardings=(layout, replicated))
+    return jax.jit(step, **kwargs)
+
+
+def make_eval_step(config: ModelConfig, mesh: Mesh | None = None):
+    """Jitted ``(params, batch) -> loss``."""
+    kwargs = {}
+    if mesh is not None:
+        replicated, _ = mesh_shardings(mesh)
+        kwargs.update(out_shardings=replicated)
+    return jax.jit(lambda params, batch: loss_fn(params, batch, config), **kwargs)
+
+
+# Runs in one process with the same model, optimizer and mesh share one compiled
+# step (a resumed run, a test suite): jit caches per function object. A mesh is
+# named by its devices and its (data, fsdp) shape, both hashable.
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(opt_items: tuple) -> optax.GradientTransformation:
+    return make_optimizer(**dict(opt_items))
+
+
+def _mesh(devices: tuple, shape: tuple[int, int]) -> Mesh:
+    return make_mesh(devices, shape)
+
+
+@functools.lru_cache(maxsize=8)
+def _state_sharding(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple,
+                    shape: tuple[int, int]):
+    """The TrainState's NamedShardings on the mesh (sharding.state_shardings)."""
+    shapes = jax.eval_shape(_init_state_fn(config, dtype, opt_items), 0)
+    return state_shardings(shapes, _mesh(devices, shape))
+
+
+def _init_state_fn(config: ModelConfig, dtype: str, opt_items: tuple):
+    def init(seed):
+        params = init_params(jax.random.PRNGKey(seed), config, dtype=jnp.dtype(dtype))
+        return init_state(params, _optimizer(opt_items), seed)
+
+    return init
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple, shape: tuple[int, int]):
+    """Jitted seed -> the initial TrainState, laid out on the mesh (one compile
+    instead of one per random draw; each device computes only its own shards)."""
+    layout = _state_sharding(config, dtype, opt_items, devices, shape)
+    return jax.jit(_init_state_fn(config, dtype, opt_items), out_shardings=layout)
+
+
+@functools.lru_cache(maxsize=8)
+def _step(config: ModelConfig, grads: str | GradFn, opt_items: tuple, dtype: str, devices: tuple,
+          shape: tuple[int, int]):
+    """The jitted step of gradient source ``grads`` (a name or a function) on the mesh."""
+    grad_fn = grad_source(grads, config) if isinstance(grads, str) else grads
+    return make_train_step(grad_fn, _optimizer(opt_items), mesh=_mesh(devices, shape),
+                           state_sharding=_state_sharding(config, dtype, opt_items, devices, shape))
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_step(config: ModelConfig, devices: tuple, shape: tuple[int, int]):
+    return make_eval_step(config, _mesh(devices, shape))
