@@ -11,7 +11,7 @@ further into the model:
 
 Each stage runs on a preset (default loopos) and the embedded corpus, once with the
 hand-derived gradients (manual_grads) and once with jax.grad, through the very same
-jitted step (train.make_train_step over train.grad_source). What learns is decided by
+jitted step (step.make_train_step over step.grad_source). What learns is decided by
 optax alone:
 
     optax.chain(
@@ -54,9 +54,9 @@ import optax
 
 from jaxformer import data
 from jaxformer.model.config import PRESETS, get_preset
-from jaxformer.training.optim import decay_mask
 from jaxformer.model.params import init_params
-from jaxformer.training.loop import grad_source, init_state, make_eval_step, make_train_step
+from jaxformer.training.optim import decay_mask
+from jaxformer.training.step import grad_source, init_state, make_eval_step, make_train_step
 
 STAGES = {
     1: "embedding + output",
@@ -167,7 +167,7 @@ def run_one(config, *, stage: int, optimizer: str, grads: str, steps: int, batch
             decay: str = "all", train_ids=None, val_ids=None, eval_fn=None,
             init=None) -> dict:
     """Train one (stage, optimizer, gradient source) from ``seed``; returns its record.
-    To share between runs: ``eval_fn``, a train.make_eval_step(config), and ``init``, the
+    To share between runs: ``eval_fn``, a step.make_eval_step(config), and ``init``, the
     initial params as host arrays (each run gets its own device copy: steps donate them)."""
     if train_ids is None:
         _, train_ids, val_ids = _load()

@@ -268,9 +268,9 @@ TRAINING = [
 # Training with manual and automatic gradients
 
 A gradient source is any function `(params, batch) -> (loss, grads)`.
-`jaxformer.train.make_train_step(grad_fn, optimizer)` turns either source into the same
-jitted optax step, so training from the same seed on the same batches must give the
-same loss curve, to round-off. Here a small model learns the embedded corpus byte by
+`jaxformer.training.step.make_train_step(grad_fn, optimizer)` turns either source into
+the same jitted optax step, so training from the same seed on the same batches must give
+the same loss curve, to round-off. Here a small model learns the embedded corpus byte by
 byte, once with each source, and then writes some text.
 
 It trains in float64 so that "the same to round-off" is plain to see. In float32 the two
@@ -358,7 +358,7 @@ The curves lie on top of each other: what differs is float64 round-off.
 
 ## Sampling
 
-`jaxformer.generate.generate` runs the model autoregressively (one jitted loop),
+`jaxformer.inference.generate.generate` runs the model autoregressively (one jitted loop),
 drawing each byte from the softmax of its logits at a temperature.
 """),
     code(r"""

@@ -10,9 +10,10 @@ import pytest
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.checkpoint import CheckpointError
-from jaxformer.observe.metrics import RUN_KEYS
+from jaxformer.observe.metrics import RUN_KEYS, read_metrics
+from jaxformer.training.loop import train
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training.loop import init_state, read_metrics, train
+from jaxformer.training.step import init_state
 from test_train import tiny_settings, write_corpus
 
 N = 4  # steps before the interruption

@@ -9,9 +9,11 @@ import pytest
 from jaxformer import forward, get_preset, init_params
 from jaxformer.checkpoints import checkpoint
 from jaxformer.data import CharTokenizer
-from jaxformer.inference.generate import generate, generate_many, sample_logits, sample_text
+from jaxformer.inference.generate import generate, generate_many, sample_logits
+from jaxformer.inference.text import sample_text
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training.loop import TrainSettings, init_state
+from jaxformer.training.settings import TrainSettings
+from jaxformer.training.step import init_state
 
 CONFIG = get_preset("tiny", vocab_size=11)  # max_seq_len 16
 

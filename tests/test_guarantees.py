@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 
 import manual_grads
-from jaxformer.checkpoints import checkpoint
-from jaxformer.training import diagnose
+from jaxformer.checkpoints import checkpoint, runs
 from jaxformer.checkpoints.checkpoint import CheckpointError
 from jaxformer.model.config import get_preset
-from jaxformer.inference.generate import load_run
-from jaxformer.model.transformer import forward, loss_fn
 from jaxformer.model.params import init_params
-from jaxformer.training.loop import (DataChangedError, NonFiniteLossError, TrainSettings,
-                                     read_metrics, train)
+from jaxformer.model.transformer import forward, loss_fn
+from jaxformer.observe.metrics import read_metrics
+from jaxformer.training import diagnose
+from jaxformer.training.loop import NonFiniteLossError, train
+from jaxformer.training.resume import DataChangedError
+from jaxformer.training.settings import TrainSettings
+from jaxformer.training.step import state_template
 from test_train import tiny_settings, write_corpus
 
 
@@ -86,16 +88,16 @@ def test_array_digests_catch_what_the_files_do_not(corpus, straight, tmp_path, c
     meta["digests"][name] = "0" * 64  # as if the array had read back different values
     (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"checkpoint step 6 is damaged: state.* differs"):
-        load_run(run, step=6)
+        runs.load_run(run, state_template, step=6)
     capsys.readouterr()
-    params, _, _, meta4 = load_run(run)  # falls back to step 4
+    params, _, _, meta4 = runs.load_run(run, state_template)  # falls back to step 4
     assert meta4["step"] == 4
     assert capsys.readouterr().err.startswith(
         "warning: skipped checkpoint step 6, using step 4: checkpoint step 6 is damaged: state")
     f = _largest_data_file(run, 4)
     f.write_bytes(f.read_bytes()[:10])  # truncated
     with pytest.raises(CheckpointError, match=r"checkpoint step 4 is damaged: .* has 10 bytes"):
-        load_run(run, step=4)
+        runs.load_run(run, state_template, step=4)
 
 
 def test_all_damaged_is_one_error_line(corpus, straight, tmp_path, capsys):
@@ -257,9 +259,8 @@ def test_diagnosis_names_the_backward_stage(params, monkeypatch):
 def test_training_stop_names_the_layer(corpus, tmp_path):
     """A checkpoint whose blocks[1].ffn.w_in is finite but so large that x @ w_in
     overflows: the next step's loss is NaN, and the diagnosis names that layer."""
-    from jaxformer.inference.generate import load_state
     train(tiny_settings(corpus, steps=1), tmp_path, progress=False)
-    state, _, _, meta = load_state(tmp_path)
+    state, _, _, meta = runs.load_state(tmp_path, state_template)
     w_in = state.params["blocks"]["ffn"]["w_in"]
     state.params["blocks"]["ffn"]["w_in"] = w_in.at[1].set(jnp.sign(w_in[1]) * 1e38)
     import shutil

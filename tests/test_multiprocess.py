@@ -13,7 +13,8 @@ import pytest
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.model.transformer import loss_fn
-from jaxformer.training.loop import read_metrics, train
+from jaxformer.observe.metrics import read_metrics
+from jaxformer.training.loop import train
 from test_train import tiny_settings, write_corpus
 
 STEPS = 3

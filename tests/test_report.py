@@ -18,7 +18,7 @@ from jaxformer.training.optim import make_schedule
 from jaxformer.model.params import count_params
 from jaxformer.training.settings import recipe_notes, settings_for
 from jaxformer.observe.tb import read_scalars
-from jaxformer.training.loop import read_metrics
+from jaxformer.observe.metrics import read_metrics
 from test_train import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]

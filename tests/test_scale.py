@@ -10,7 +10,9 @@ from jaxformer.training import configfile
 from jaxformer.model.config import PRESETS, SMALL_PRESETS, get_preset
 from jaxformer.model.params import count_params, init_params
 from jaxformer.training.settings import config_diff, settings_for
-from jaxformer.training.loop import NonFiniteLossError, grad_source, read_metrics, train
+from jaxformer.observe.metrics import read_metrics
+from jaxformer.training.loop import NonFiniteLossError, train
+from jaxformer.training.step import grad_source
 from test_train import tiny_settings, write_corpus
 
 

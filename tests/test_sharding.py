@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     jax.config.update("jax_enable_x64", True)  # as in the test process
-    from jaxformer.training.loop import make_mesh, put_batch, train
+    from jaxformer.training.loop import train
+    from jaxformer.training.sharding import make_mesh, put_batch
     from test_train import tiny_settings
 
     corpus, out, steps, cases = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from jaxformer.checkpoints import checkpoint
+from jaxformer.observe.metrics import read_metrics
+from jaxformer.training.loop import NonFiniteLossError, train
 from jaxformer.training.optim import make_optimizer
-from jaxformer.training.loop import (NonFiniteLossError, TrainState, grad_source, init_state,
-                                     make_train_step, read_metrics, settings_for, train)
+from jaxformer.training.settings import settings_for
+from jaxformer.training.step import TrainState, grad_source, init_state, make_train_step
 
 WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat "
          "and birds sang in tall green trees").split()

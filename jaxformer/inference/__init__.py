@@ -1,6 +1,9 @@
 """The inference room: sampling from a trained model over the key/value cache
-(temperature, top-k, top-p, greedy), and text from a run folder.
+(temperature, top-k, top-p, greedy: ``generate``), and text from a run folder
+(``text``).
 
-May import: ``jaxformer.checkpoints``, ``jaxformer.observe``, ``jaxformer.data``
-and ``jaxformer.model``.
+May import: ``jaxformer.checkpoints``, ``jaxformer.observe``, ``jaxformer.data``,
+``jaxformer.model``, and ``jaxformer.training.step`` for the shape of the train state
+a run's checkpoint holds (the optimizer state's layout is training's); training
+never imports this room.
 """

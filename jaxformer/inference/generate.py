@@ -1,9 +1,9 @@
-"""Sampling text from a trained model.
+"""Sampling tokens from a trained model's params (text from a run folder: text.py).
 
 With the key/value cache (the default), a prompt is run once (a prefill of the
 last ``max_seq_len`` = S prompt tokens, padded to S, so any prompt compiles once)
 and then each new token is one step of the model on that token alone, inside one
-jitted ``lax.fori_loop`` whose carry holds the cache (jaxformer/kv_cache.py).
+jitted ``lax.fori_loop`` whose carry holds the cache (jaxformer/model/kv_cache.py).
 
 The sliding rule past S: the cache holds at most S tokens, in slots 0..S-1, and
 the token in slot j has position j (learned positions stay the ones the model
@@ -28,22 +28,18 @@ from __future__ import annotations
 import functools
 import math
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.checkpoints import checkpoint
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.validate import validate_ids
 from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.transformer import forward
-from jaxformer.training.optim import make_optimizer
-from jaxformer.model.params import init_params
+from jaxformer.model.validate import validate_ids
 
 
-def _check_options(max_new_tokens, temperature, top_k, top_p=None, num_samples=1):
+def check_options(max_new_tokens, temperature, top_k, top_p=None, num_samples=1):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
@@ -168,7 +164,7 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
     """
     if not config.causal:
         raise ValueError("generation needs a causal model (config.causal=True)")
-    _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
+    check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
     prompt = np.asarray(prompt_ids)
     if prompt.ndim != 1 or prompt.size == 0:
         raise ValueError(f"the prompt must be a non-empty 1-D id sequence, got shape {prompt.shape}")
@@ -208,73 +204,3 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
                       s_per_token=(t2 - t1) / N)
     new = new[:, :N]
     return np.concatenate([np.tile(prompt, (B, 1)), new], axis=1)
-
-
-def load_state(run_dir, step: int | None = None, report=checkpoint.warn):
-    """(state, config, tokenizer, meta) of a run's checkpoint ``step``, or of its newest
-    checkpoint that verifies (each damaged one skipped is reported in one line)."""
-    run_dir = Path(run_dir)
-    _, loaded = checkpoint.load_newest_good(run_dir, lambda s: _load_step(run_dir, s), step, report)
-    return loaded
-
-
-def _load_step(run_dir: Path, step: int):
-    from jaxformer import data
-    from jaxformer.training.loop import TrainSettings, init_state
-
-    meta = checkpoint.read_meta(run_dir, step)
-    path = checkpoint.checkpoint_dir(run_dir) / str(step)
-    try:
-        config = ModelConfig.from_dict(meta["config"])
-        tokenizer = data.tokenizer_from_dict(meta["tokenizer"])
-        settings = TrainSettings.from_dict(meta["settings"])
-        dtype = jnp.dtype(meta.get("param_dtype", "float32"))
-    except (ValueError, TypeError, KeyError) as e:
-        raise checkpoint.CheckpointError(f"checkpoint {path} has bad meta data: {e}") from None
-    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
-        raise ValueError("this run's params are float64: enable jax_enable_x64 to load them")
-    optimizer = make_optimizer(**settings.optimizer_kwargs())
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    template = jax.eval_shape(
-        lambda: init_state(init_params(jax.random.PRNGKey(0), config, dtype), optimizer))
-    template = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), template)
-    state = checkpoint.restore(run_dir, template, step)
-    return state, config, tokenizer, meta
-
-
-def load_run(run_dir, step: int | None = None, model: dict | None = None):
-    """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run;
-    without ``step``, the newest checkpoint that verifies (damaged ones are skipped
-    with a one-line warning on stderr). ``model``: ModelConfig fields to change that
-    keep the params' shapes (e.g. attention_impl, compute_dtype)."""
-    state, config, tokenizer, meta = load_state(run_dir, step)
-    return state.params, config.replace(**(model or {})), tokenizer, meta
-
-
-def sample_text(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
-                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                step: int | None = None, model: dict | None = None) -> str:
-    """Load a run's checkpoint and return ``prompt`` followed by the sampled text
-    (``model``: see ``load_run``)."""
-    return sample_texts(run_dir, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, step=step, model=model)[0]
-
-
-def sample_texts(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
-                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 step: int | None = None, num_samples: int = 1, use_cache: bool = True,
-                 timing: dict | None = None, model: dict | None = None) -> list[str]:
-    """``num_samples`` texts: ``prompt`` followed by what the run's model samples."""
-    _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
-    params, config, tokenizer, _ = load_run(run_dir, step, model)
-    if not prompt:
-        raise ValueError("the prompt is empty; give at least one character")
-    try:
-        ids = tokenizer.encode(prompt)
-    except ValueError as e:
-        raise ValueError(f"the prompt cannot be encoded by this run's tokenizer: {e}") from None
-    out = generate_many(params, config, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, seed=seed, num_samples=num_samples, use_cache=use_cache,
-                        timing=timing)
-    return [tokenizer.decode(row) for row in out]

@@ -15,7 +15,8 @@ GRAD_PLOT_FILE = "grad_norms.png"
 GRAD_NORM_PREFIX = "grad_norm/"  # per-layer gradient norms: grad_norm/embed, grad_norm/block0, ...
 
 
-def _write_record(path: Path, record: dict) -> None:
+def write_record(path: Path, record: dict) -> None:
+    """Append ``record`` to the metrics file ``path`` as one JSON line."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -44,7 +45,7 @@ def read_metrics(run_dir) -> list[dict]:
     return _parse_lines(path)[0]
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
+def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop lines logged after ``last_step`` (written after the checkpoint a run resumes),
     and repair a last line cut off by a kill (dropped, with a note on stderr)."""
     if not path.exists():

@@ -16,6 +16,12 @@ import math
 import textwrap
 import time
 
+import jax
+from tqdm.auto import tqdm
+
+from jaxformer.model.config import PRESET_TRAINING, PRESETS
+from jaxformer.model.params import init_params
+
 LN2 = math.log(2.0)
 
 
@@ -123,8 +129,6 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
             return
-        from tqdm.auto import tqdm
-
         self.bar = tqdm(total=self.total, initial=self.start + self.done, disable=not self.enabled,
                         unit="step", dynamic_ncols=True)
         self.bar.set_postfix(**self.postfix)
@@ -151,11 +155,6 @@ def recipe_text(recipe: dict) -> str:
 
 def presets_table() -> list[str]:
     """Each preset's shape, parameter count (vocab 256: the byte tokenizer) and recipe."""
-    import jax
-
-    from jaxformer.model.config import PRESET_TRAINING, PRESETS
-    from jaxformer.model.params import init_params
-
     head = ("preset", "L", "D", "H", "F", "T", "norm", "activation", "positions", "params (V=256)")
     rows = []
     for name, config in PRESETS.items():

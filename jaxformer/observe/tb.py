@@ -11,6 +11,7 @@ shows them. Each metrics record becomes scalars at its step:
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
@@ -54,8 +55,6 @@ def open_event_log(run_dir, purge_step: int | None = None, log=None) -> EventLog
 def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value)] from the run folder's event files, parsed from their
     TFRecord framing (length, crc, Event proto, crc) with tensorboardX's protobufs."""
-    import struct
-
     from tensorboardX.proto.event_pb2 import Event
 
     out: dict[str, list[tuple[int, float]]] = {}

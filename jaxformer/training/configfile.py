@@ -21,6 +21,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.training.settings import TrainSettings, settings_for
 
 CONFIG_FILE = "config.toml"
 TABLES = ("model", "train")
@@ -28,8 +29,6 @@ OFF_IS_ZERO = ("clip_value", "clip_norm")  # None (off) is written as 0
 
 
 def _train_fields() -> set[str]:
-    from jaxformer.training.settings import TrainSettings
-
     return {f.name for f in dataclasses.fields(TrainSettings)} - {"model"}
 
 
@@ -100,8 +99,6 @@ def settings_from_file(path, preset: str | None = None, **flags):
     """TrainSettings from the file ``path``, then ``flags`` (None: unset) on top; the
     preset is ``preset``, else the file's, else loopos. ``flags["model"]``: ModelConfig
     overrides on top of the file's [model] table."""
-    from jaxformer.training.settings import settings_for
-
     model, train = read_config(path)
     model.update(flags.pop("model", None) or {})
     preset = preset or train.pop("preset", None) or "loopos"

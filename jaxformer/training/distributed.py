@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 ENV = {  # setting -> environment variable
     "coordinator": "JAX_COORDINATOR_ADDRESS",
     "num_processes": "JAX_NUM_PROCESSES",
@@ -55,8 +57,6 @@ def initialize(coordinator=None, num_processes=None, process_id=None) -> bool:
     kwargs = settings_from(coordinator, num_processes, process_id)
     if kwargs is None:
         return False
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; no-op on GPU
     jax.distributed.initialize(**kwargs)
     return True

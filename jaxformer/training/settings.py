@@ -11,6 +11,7 @@ import jax
 
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
 from jaxformer.training.optim import make_optimizer
+from jaxformer.training.sharding import parse_mesh
 
 GRAD_SOURCES = ("auto", "manual")
 # numeric settings that must be finite (the optimizer and the data split check their ranges)
@@ -110,8 +111,6 @@ class TrainSettings:
         if self.seq_len > max_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len "
                              f"{max_len}{' (with the model overrides)' if self.model else ''}")
-        from jaxformer.training.sharding import parse_mesh
-
         parse_mesh(self.mesh)  # the syntax; the device count is checked when the mesh is built
         if self.schedule != "constant" and self.warmup_steps >= _updates(self):
             raise ValueError(

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+import manual_grads
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
 from jaxformer.training.optim import current_lr, make_optimizer
-from jaxformer.model.params import init_params
-from jaxformer.training.settings import GRAD_SOURCES
+from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
 from jaxformer.training.sharding import make_mesh, mesh_shardings, state_shardings
 
 
@@ -54,8 +55,6 @@ def grad_source(kind: str, config: ModelConfig) -> GradFn:
         value_and_grad = jax.value_and_grad(loss_fn)
         return lambda params, batch: value_and_grad(params, batch, config)
     if kind == "manual":
-        import manual_grads  # here: manual_grads imports jaxformer
-
         return lambda params, batch: manual_grads.value_and_grad(params, batch, config)
     raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
 
@@ -120,9 +119,21 @@ def make_eval_step(config: ModelConfig, mesh: Mesh | None = None):
     return jax.jit(lambda params, batch: loss_fn(params, batch, config), **kwargs)
 
 
-# Runs in one process with the same model, optimizer and mesh share one compiled
-# step (a resumed run, a test suite): jit caches per function object. A mesh is
-# named by its devices and its (data, fsdp) shape, both hashable.
+# The builders the loop uses, cached: runs in one process with the same model,
+# optimizer and mesh share one compiled step (a resumed run, a test suite): jit
+# caches per function object. ``opt_items`` are the optimizer's keyword arguments as
+# sorted (name, value) pairs (``optimizer_items``); a mesh is named by its devices and
+# its (data, fsdp) shape (``mesh_key``), all hashable.
+
+
+def optimizer_items(settings: TrainSettings) -> tuple:
+    """The run's optimizer arguments, hashable: the cache key of the builders below."""
+    return tuple(sorted(settings.optimizer_kwargs().items()))
+
+
+def mesh_key(mesh: Mesh) -> tuple[tuple, tuple[int, int]]:
+    """(devices, (data, fsdp) shape) of ``mesh``, hashable: the builders' mesh arguments."""
+    return tuple(mesh.devices.flat), tuple(mesh.devices.shape)
 
 
 @functools.lru_cache(maxsize=8)
@@ -151,7 +162,7 @@ def _init_state_fn(config: ModelConfig, dtype: str, opt_items: tuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple, shape: tuple[int, int]):
+def init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple, shape: tuple[int, int]):
     """Jitted seed -> the initial TrainState, laid out on the mesh (one compile
     instead of one per random draw; each device computes only its own shards)."""
     layout = _state_sharding(config, dtype, opt_items, devices, shape)
@@ -159,8 +170,8 @@ def _init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple, 
 
 
 @functools.lru_cache(maxsize=8)
-def _step(config: ModelConfig, grads: str | GradFn, opt_items: tuple, dtype: str, devices: tuple,
-          shape: tuple[int, int]):
+def compiled_step(config: ModelConfig, grads: str | GradFn, opt_items: tuple, dtype: str,
+                  devices: tuple, shape: tuple[int, int]):
     """The jitted step of gradient source ``grads`` (a name or a function) on the mesh."""
     grad_fn = grad_source(grads, config) if isinstance(grads, str) else grads
     return make_train_step(grad_fn, _optimizer(opt_items), mesh=_mesh(devices, shape),
@@ -168,5 +179,15 @@ def _step(config: ModelConfig, grads: str | GradFn, opt_items: tuple, dtype: str
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_step(config: ModelConfig, devices: tuple, shape: tuple[int, int]):
+def compiled_eval_step(config: ModelConfig, devices: tuple, shape: tuple[int, int]):
+    """The jitted ``(params, batch) -> loss`` on the mesh."""
     return make_eval_step(config, _mesh(devices, shape))
+
+
+def state_template(config: ModelConfig, meta: dict) -> TrainState:
+    """The shapes and dtypes (``jax.ShapeDtypeStruct``) of the TrainState a run's
+    checkpoint holds, from its ``meta`` (train settings, param dtype): the template
+    ``checkpoints.runs.load_state`` restores into."""
+    settings = TrainSettings.from_dict(meta["settings"])
+    dtype = meta.get("param_dtype", "float32")
+    return jax.eval_shape(_init_state_fn(config, dtype, optimizer_items(settings)), 0)

@@ -1,0 +1,51 @@
+"""orbax's log noise: its INFO lines on every save and restore, and the tracebacks
+its worker threads log and leave behind when a read fails (the failure is reported
+once, as the CheckpointError it becomes)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+
+
+def quiet_orbax() -> None:
+    """orbax reports every save and restore at INFO level through absl logging: keep WARNING and up."""
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def silenced():
+    """No log lines (orbax logs the tracebacks of failed reads from its worker threads):
+    a failed read is reported once, as the CheckpointError it becomes."""
+    _drop_closed_loop_noise()
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax", "jax", "tensorstore")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _drop_closed_loop_noise() -> None:
+    """After a failed read, orbax's leftover read coroutines and callbacks fail again
+    when collected or when they hit their closed asyncio loop, and Python prints each
+    as an "Exception ignored" traceback; drop those (only those): the failure itself is
+    reported once, as a CheckpointError."""
+    hook = sys.unraisablehook
+    if getattr(hook, "_jaxformer_filter", False):
+        return
+
+    def unraisable(info):
+        code = getattr(info.object, "cr_code", None)
+        if code is not None and "orbax" in code.co_filename:
+            return
+        if isinstance(info.exc_value, RuntimeError) and "Event loop is closed" in str(info.exc_value):
+            return
+        hook(info)
+
+    unraisable._jaxformer_filter = True
+    sys.unraisablehook = unraisable

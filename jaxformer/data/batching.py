@@ -1,0 +1,154 @@
+"""The train/validation split and batching of token ids (numpy only).
+
+Shape letters as elsewhere: N tokens in a corpus, B batch, T sequence length.
+
+``split_train_val`` cuts off the last fraction of a corpus's ids for validation, and
+a ``Batcher`` serves training batches
+
+    {"inputs": int32 (B, T), "targets": int32 (B, T)}    targets[:, t] == inputs[:, t + 1]
+
+as a pure function of ``(seed, index)``, so a run resumed at step ``index`` sees the
+very batches an uninterrupted run would have seen. ``sequential_batches`` gives the
+validation batches, the same every time.
+
+Windows (the choice, and why): the corpus is cut into non-overlapping windows of
+T + 1 tokens with stride T (neighbouring windows share one token, the last target
+of one being the first input of the next), so one epoch predicts every covered
+token exactly once. Each epoch shifts the whole grid by a random offset inside the
+slack the grid leaves at the end of the corpus, and visits the windows in a random
+order; both are drawn from ``np.random.default_rng([seed, epoch])``. Within an
+epoch windows are drawn without replacement: the ``n_windows % B`` windows that do
+not fill a last batch are skipped for that epoch (a different few each epoch). When
+the corpus holds fewer windows than one batch, an epoch is a single batch holding
+every window, the permutation repeated to fill B rows, so each window appears
+floor(B / n_windows) or ceil(B / n_windows) times.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from jaxformer.model.validate import as_id_array, check_positive_int
+
+
+def _check_nonneg_int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+
+def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): the last floor(N * val_fraction) tokens are validation, the rest train.
+
+    Deterministic and contiguous (no shuffling: neighbouring text would leak across a
+    shuffled split). val_fraction in [0, 1); 0 gives an empty validation array.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"ids must be 1-D, got shape {arr.shape}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float, np.floating)) \
+            or not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    n_val = int(len(arr) * float(val_fraction))
+    n_train = len(arr) - n_val
+    if n_train <= 0:
+        raise ValueError(f"nothing left to train on: {len(arr)} tokens, val_fraction={val_fraction}")
+    return arr[:n_train], arr[n_train:]
+
+
+class Batcher:
+    """Training batches as a pure function of (seed, index); see the module docstring
+    for the windowing and the without-replacement sampling."""
+
+    def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int):
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.seq_len = check_positive_int("seq_len", seq_len)
+        self.seed = _check_nonneg_int("seed", seed)
+        arr = as_id_array(ids, "ids")
+        if arr.ndim != 1:
+            raise ValueError(f"ids must be a 1-D token array, got shape {arr.shape}")
+        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+            raise ValueError("ids do not fit in int32")
+        self.ids = np.ascontiguousarray(arr, dtype=np.int32)  # (N,)
+        n, t = len(self.ids), self.seq_len
+        if n < t + 1:
+            raise ValueError(
+                f"corpus too short: {n} tokens, need at least seq_len + 1 = {t + 1}"
+            )
+        self.n_windows = (n - 1) // t  # windows of T + 1 tokens at stride T
+        self.slack = (n - 1) - self.n_windows * t  # room to shift the grid, in [0, T)
+        self.batches_per_epoch = max(1, self.n_windows // self.batch_size)
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def epoch_starts(self, epoch: int) -> np.ndarray:
+        """int64 (n_windows,): the window starts of an epoch in visiting order."""
+        epoch = _check_nonneg_int("epoch", epoch)
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        offset = int(rng.integers(0, self.slack + 1))
+        starts = offset + rng.permutation(self.n_windows).astype(np.int64) * self.seq_len
+        starts.setflags(write=False)  # cached: shared between calls
+        self._cache = (epoch, starts)
+        return starts
+
+    def batch_starts(self, index: int) -> np.ndarray:
+        """int64 (B,): the window starts of batch ``index``."""
+        index = _check_nonneg_int("index", index)
+        epoch, k = divmod(index, self.batches_per_epoch)
+        starts = self.epoch_starts(epoch)
+        if self.n_windows < self.batch_size:  # one batch an epoch: every window, repeated
+            return np.resize(starts, self.batch_size)
+        return starts[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def batch(self, index: int) -> dict:
+        """{"inputs": int32 (B, T), "targets": int32 (B, T)} for step ``index``."""
+        return _windows(self.ids, self.batch_starts(index), self.seq_len)
+
+    def __iter__(self) -> Iterator[dict]:
+        """Batches 0, 1, 2, ... without end."""
+        index = 0
+        while True:
+            yield self.batch(index)
+            index += 1
+
+    def __repr__(self) -> str:
+        return (f"Batcher(tokens={len(self.ids)}, batch_size={self.batch_size}, "
+                f"seq_len={self.seq_len}, seed={self.seed}, n_windows={self.n_windows}, "
+                f"batches_per_epoch={self.batches_per_epoch})")
+
+
+def _windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> dict:
+    rows = ids[starts[:, None] + np.arange(seq_len + 1)]  # (B, T + 1)
+    return {"inputs": np.ascontiguousarray(rows[:, :-1]),
+            "targets": np.ascontiguousarray(rows[:, 1:])}
+
+
+def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
+                       max_batches: int | None = None) -> Iterator[dict]:
+    """Evaluation batches: the windows of ``Batcher`` (stride T, no offset) in corpus
+    order, B at a time, so a validation loss is the same every time it is computed.
+
+    Only full batches are yielded, except that a corpus with fewer than B windows gives
+    one smaller batch of all of them. ValueError when ids hold fewer than T + 1 tokens.
+    """
+    batch_size = check_positive_int("batch_size", batch_size)
+    seq_len = check_positive_int("seq_len", seq_len)
+    if max_batches is not None:
+        max_batches = check_positive_int("max_batches", max_batches)
+    arr = np.ascontiguousarray(as_id_array(ids, "ids"), dtype=np.int32)
+    if arr.ndim != 1:
+        raise ValueError(f"ids must be a 1-D token array, got shape {arr.shape}")
+    if len(arr) < seq_len + 1:
+        raise ValueError(
+            f"corpus too short: {len(arr)} tokens, need at least seq_len + 1 = {seq_len + 1}"
+        )
+    starts = np.arange((len(arr) - 1) // seq_len, dtype=np.int64) * seq_len
+    n_batches = max(1, len(starts) // batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    for k in range(n_batches):
+        yield _windows(arr, starts[k * batch_size:(k + 1) * batch_size], seq_len)

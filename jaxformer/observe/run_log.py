@@ -1,0 +1,136 @@
+"""What a training call writes about itself as it goes: a metrics.jsonl line (and
+TensorBoard scalars) per logged step on the first process, the progress bar, the
+step clock (the compile step apart, steady tokens/s), and the plots at the end.
+
+The step's metrics stay on the device until a record needs them: ``add`` keeps
+them, ``fetch`` brings every pending step's to the host in one transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+
+import jax
+
+from jaxformer.observe import flops, report, tb
+from jaxformer.observe.metrics import (GRAD_PLOT_FILE, METRICS_FILE, PLOT_FILE, plot_grad_norms,
+                                       plot_losses, read_metrics, truncate_metrics, write_record)
+
+
+def first_non_finite_loss(fetched: list) -> tuple[int, dict] | None:
+    """(step, metrics) of the first non-finite loss or gradient norm among the
+    fetched (step, metrics) pairs; None when all are finite."""
+    for s, m in fetched:
+        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+            return s, m
+    return None
+
+
+class RunLog:
+    """The records of one training call in ``run_dir`` from step ``start`` on.
+
+    settings: the run's TrainSettings (steps, batch_size, seq_len, dtype); config: its
+    ModelConfig and n_devices its device count (for MFU); resumed: this call resumes
+    the run (records after ``start`` are dropped, the first record is marked);
+    main: this process writes the files; progress: show the bar; log: a function
+    given human-readable lines (the compile time, the summary), or None."""
+
+    def __init__(self, run_dir: Path, settings, config, n_devices: int, start: int, *,
+                 resumed: bool, main: bool, progress: bool, log=None):
+        self.run_dir, self.settings, self.config, self.n_devices = run_dir, settings, config, n_devices
+        self.resumed, self.main, self.log = resumed, main, log
+        self.path = run_dir / METRICS_FILE
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if resumed:
+                truncate_metrics(self.path, start)
+            elif self.path.exists():
+                self.path.unlink()
+        self.events = tb.open_event_log(run_dir, start + 1 if resumed else None, log) if main else None
+        tokens_per_step = settings.batch_size * settings.seq_len
+        self.clock = report.StepClock(tokens_per_step)
+        self.bar = report.Progress(start, settings.steps, progress and main)
+        self.pending: list = []  # (step, metrics on the device) since the last fetch
+        self.records: list[dict] = []  # the records written by this call
+        self.tokens_per_step = tokens_per_step
+        self.t_last, self.steps_since = time.perf_counter(), 0  # the interval of tokens_per_s
+
+    def add(self, step: int, metrics: dict) -> None:
+        """Step ``step`` was dispatched; its ``metrics`` are still on the device."""
+        self.pending.append((step, metrics))
+        self.steps_since += 1
+
+    def fetch(self) -> list[tuple[int, dict]]:
+        """The (step, metrics) pairs since the last fetch, brought to the host at once."""
+        steps = [s for s, _ in self.pending]
+        values = jax.device_get([m for _, m in self.pending])
+        fetched = [(s, {k: float(v) for k, v in m.items()}) for s, m in zip(steps, values)]
+        self.pending.clear()
+        compile_s = self.clock.step_done(len(fetched))
+        if compile_s is not None and self.log:
+            self.log(report.compile_line(compile_s, fetched[0][0]))
+        return fetched
+
+    def record(self, step: int, host: dict) -> dict:
+        """The record of ``step`` from its fetched metrics, with the training speed
+        since the last record (the first record of a call carries compile_s instead of
+        a steady speed, and ``resumed`` when the call resumed the run)."""
+        now = time.perf_counter()
+        record = {"step": step, **host,
+                  "tokens_per_s": self.tokens_per_step * self.steps_since / max(now - self.t_last, 1e-9)}
+        if not self.records:  # the first step of this call: its time is mostly compiling
+            record["compile_s"] = self.clock.compile_s
+        if self.resumed and not self.records:
+            record["resumed"] = True
+        return record
+
+    def write(self, record: dict) -> None:
+        """metrics.jsonl and TensorBoard get ``record``; the bar shows it."""
+        if self.main:
+            write_record(self.path, record)
+            if self.events:
+                self.events.write(record)
+        self.records.append(record)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             mfu=self.mfu(record["tokens_per_s"]))
+        self.t_last, self.steps_since = time.perf_counter(), 0
+
+    def step_done(self) -> None:
+        self.bar.update(1)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time that is not training (validation, checkpoint writing): left out of the
+        step clock and of tokens/s."""
+        t0 = time.perf_counter()
+        with self.clock.paused():
+            yield
+        self.t_last += time.perf_counter() - t0
+
+    def mfu(self, tokens_per_s: float) -> str:
+        """Model FLOPs utilization of ``tokens_per_s`` on this run's devices (flops.py)."""
+        return flops.mfu_text(tokens_per_s, self.config, self.settings.seq_len,
+                              param_dtype=self.settings.dtype, n_devices=self.n_devices)
+
+    def close(self) -> None:
+        """Close the bar and the event file; plot every record of the run (all calls)."""
+        self.bar.close()
+        if self.events:
+            self.events.close()
+        if self.main:
+            all_records = read_metrics(self.run_dir)
+            if all_records:
+                plot_losses(all_records, self.run_dir / PLOT_FILE)
+                plot_grad_norms(all_records, self.run_dir / GRAD_PLOT_FILE)
+
+    def summary(self) -> dict:
+        """The call's timing (report.StepClock.summary), also given to ``log`` in one line."""
+        timing = self.clock.summary()
+        if self.log:
+            steady = timing.get("steady_tokens_per_s")
+            self.log(report.summary_line(timing)
+                     + (f"; steady-state MFU {self.mfu(steady)}" if steady else ""))
+        return timing
