@@ -197,7 +197,8 @@ def test_parse_args_defaults_and_choices():
     assert args.preset == list(compare.DEFAULT_PRESETS) == ["loopos", "sunfish", "cllm"]
     assert (args.dtype, args.batch_size, args.seq_len, args.fd) == ("float32", 4, 32, False)
     assert args.out == "runs/compare_grads"
-    assert compare_grads.parse_args(["--preset", "tiny", "cllm", "--preset", "tiny"]).preset == ["tiny", "cllm"]
+    again = compare_grads.parse_args(["--preset", "tiny", "cllm", "--preset", "tiny"])
+    assert again.preset == ["tiny", "cllm"]
     for bad, words in ((["--preset", "nope"], "invalid choice: 'nope'"),
                        (["--dtype", "float16"], "invalid choice: 'float16'"),
                        (["--repeats", "0"], "--repeats: expected a positive integer")):

@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmark a training step: manual, jax.grad, PyTorch (see its --help)",
+    p = subparsers.add_parser("bench",
+                              help="benchmark a training step: manual, jax.grad, PyTorch (see its --help)",
                               description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

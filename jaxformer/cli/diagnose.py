@@ -22,7 +22,8 @@ examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    d = subparsers.add_parser("diagnose", help="per-layer activation ranges and gradient norms of a checkpoint",
+    d = subparsers.add_parser("diagnose",
+                              help="per-layer activation ranges and gradient norms of a checkpoint",
                               description="Find the layer that makes a NaN or an infinity.",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--run", required=True, metavar="DIR", help="run folder written by `jaxformer train`")
