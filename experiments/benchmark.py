@@ -6,12 +6,13 @@
     python experiments/benchmark.py --help
 
 Writes report.json, report.md and bench.png to --out (default runs/bench). The
-logic is in jaxformer/bench.py (also run by `jaxformer bench`).
+command line is jaxformer/cli/bench.py (also `jaxformer bench`), the benchmark
+jaxformer/tools/bench.py.
 """
 
 import sys
 
-from jaxformer.tools.bench import main
+from jaxformer.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="benchmark.py"))

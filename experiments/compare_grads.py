@@ -6,14 +6,15 @@
     python experiments/compare_grads.py --help
 
 Writes report.json, report.md and rel_errors.png to --out (default runs/compare_grads);
-exits 1, naming the leaf, when any gradient is over tolerance. The logic is in
-jaxformer/compare.py, compare_report.py and compare_cli.py (also run by
-`jaxformer compare-grads`).
+exits 1, naming the leaf, when any gradient is over tolerance. The command line is
+jaxformer/cli/compare_grads.py (also `jaxformer compare-grads`), the comparison
+jaxformer/tools/compare.py and compare_fd.py, the reports compare_report.py and
+compare_plot.py.
 """
 
 import sys
 
-from jaxformer.tools.compare import main
+from jaxformer.cli.compare_grads import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="compare_grads.py"))

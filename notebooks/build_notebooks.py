@@ -234,7 +234,7 @@ check(lambda z: cross_entropy_fwd(z, targets), lambda res, d: cross_entropy_bwd(
 `manual_grads.model.value_and_grad` runs the forward keeping each layer's residuals,
 then the backwards in reverse order: loss, head, final layer norm, the blocks (a
 reverse `lax.scan`; inside a block the residual connections add their gradients),
-the embeddings. `jaxformer.compare` compares it with `jax.value_and_grad(loss_fn)`
+the embeddings. `jaxformer.tools.compare` compares it with `jax.value_and_grad(loss_fn)`
 on a batch of the embedded corpus, leaf by leaf (relative error of each leaf).
 """),
     code(r"""
@@ -243,17 +243,19 @@ from pathlib import Path
 
 from IPython.display import Image, display
 
-from jaxformer.tools import compare
 from jaxformer.model.config import PRESETS
 from jaxformer.model.params import init_params
+from jaxformer.tools import compare
+from jaxformer.tools.compare_plot import plot_report
+from jaxformer.tools.compare_report import build_report, format_preset
 
 config = PRESETS["tiny"]
 params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
 batch = compare.make_batch(config, batch_size=4, seq_len=16, seed=0)
 report = compare.run_comparison(config, params, batch, name="tiny", repeats=2)
-print(compare.format_preset(report))
+print(format_preset(report))
 png = Path(tempfile.mkdtemp()) / "rel_errors.png"
-compare.plot_report(compare.build_report([report], {}), png)
+plot_report(build_report([report], {}), png)
 display(Image(filename=str(png)))
 assert report.passed
 """),

@@ -5,11 +5,11 @@ import types
 
 import pytest
 
-from jaxformer.observe import flops
-from jaxformer.tools.bench import main
-from jaxformer.tools.bench_report import format_markdown
+from jaxformer.cli.bench import main
 from jaxformer.cli.main import main as cli_main
 from jaxformer.model.config import get_preset
+from jaxformer.observe import flops
+from jaxformer.tools.bench_report import format_markdown
 
 
 @pytest.fixture(scope="module")

@@ -113,4 +113,4 @@ def test_help_in_a_subprocess():
     for word in ("train", "generate", "compare-grads", "examples:"):
         assert word in result.stdout
     assert main(["train", "--help"]) == 0
-    assert main(["compare-grads", "--help"]) == 0  # forwarded to jaxformer.compare
+    assert main(["compare-grads", "--help"]) == 0  # jaxformer.cli.compare_grads

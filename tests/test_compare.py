@@ -1,7 +1,8 @@
-"""The main job, jaxformer.compare (experiments/compare_grads.py): on the tiny preset in
-float64, every leaf of the real manual gradient passes, the three reports are written
-and parse, and a deliberately perturbed manual gradient makes the job fail naming the
-leaf, in run_comparison and in main's exit code."""
+"""The main job, jaxformer.tools.compare and its command line jaxformer.cli.compare_grads
+(experiments/compare_grads.py): on the tiny preset in float64, every leaf of the real
+manual gradient passes, the three reports are written and parse, and a deliberately
+perturbed manual gradient makes the job fail naming the leaf, in run_comparison and in
+main's exit code."""
 
 import contextlib
 import copy
@@ -17,8 +18,10 @@ import jax.numpy as jnp
 import pytest
 
 from jaxformer import init_params
-from jaxformer.tools import compare
+from jaxformer.cli import compare_grads
+from jaxformer.cli.args import UsageError
 from jaxformer.model.config import PRESETS
+from jaxformer.tools import compare, compare_fd, compare_report, leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 PERTURBED = ("blocks", "ffn", "w_in")  # the leaf the broken gradient source gets wrong
@@ -51,7 +54,7 @@ def broken_fn():
 def run_main(argv, **kwargs):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = compare.main(argv, **kwargs)
+        rc = compare_grads.main(argv, **kwargs)
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -83,7 +86,7 @@ def test_every_leaf_passes_with_the_real_manual_gradients(good_run):
     big = max(x["ref_norm"] for x in p["leaves"]) * 1e-6
     assert all(x["cosine"] > 1 - 1e-12 for x in p["leaves"] if x["ref_norm"] > big)
     assert p["fd"]["passed"], p["fd"]
-    assert all(x["rel"] <= compare.FD_TOLERANCE for x in p["fd"]["leaves"] + p["fd"]["whole_tree"])
+    assert all(x["rel"] <= compare_fd.FD_TOLERANCE for x in p["fd"]["leaves"] + p["fd"]["whole_tree"])
 
 
 def test_json_report_structure(good_run):
@@ -146,7 +149,7 @@ def test_reports_with_a_nan_leaf_stay_strict_json(good_run, tmp_path):
     leaf = broken["presets"][0]["leaves"][0]
     leaf["rel"], leaf["passed"] = math.nan, False
     broken["presets"][0]["passed"] = broken["passed"] = False
-    paths = compare.write_reports(broken, tmp_path)
+    paths = compare_report.write_reports(broken, tmp_path)
     text = paths["json"].read_text()
     assert "NaN" not in text and json.loads(text)["presets"][0]["leaves"][0]["rel"] == "nan"
     assert "Overall: **FAIL**" in paths["markdown"].read_text()
@@ -190,22 +193,27 @@ def test_main_exits_nonzero_and_names_the_leaf(broken_fn, tmp_path):
 
 
 def test_parse_args_defaults_and_choices():
-    args = compare.parse_args([])
+    args = compare_grads.parse_args([])
     assert args.preset == list(compare.DEFAULT_PRESETS) == ["loopos", "sunfish", "cllm"]
     assert (args.dtype, args.batch_size, args.seq_len, args.fd) == ("float32", 4, 32, False)
     assert args.out == "runs/compare_grads"
-    assert compare.parse_args(["--preset", "tiny", "cllm", "--preset", "tiny"]).preset == ["tiny", "cllm"]
-    for bad in (["--preset", "nope"], ["--dtype", "float16"], ["--repeats", "0"]):
-        with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
-            compare.parse_args(bad)
-        assert exc.value.code == 2
+    again = compare_grads.parse_args(["--preset", "tiny", "cllm", "--preset", "tiny"])
+    assert again.preset == ["tiny", "cllm"]
+    for bad, words in ((["--preset", "nope"], "invalid choice: 'nope'"),
+                       (["--dtype", "float16"], "invalid choice: 'float16'"),
+                       (["--repeats", "0"], "--repeats: expected a positive integer")):
+        with pytest.raises(UsageError, match=words):
+            compare_grads.parse_args(bad)
+        rc, stdout, stderr = run_main(bad)  # one error line, exit code 2
+        assert rc == 2 and stdout == "" and stderr.splitlines() == [stderr.strip()], stderr
+        assert stderr.startswith("error: ") and words in stderr, stderr
 
 
 def test_leaf_names_and_blocks():
-    assert compare.dotted("['blocks']['attn']['wq']") == "blocks.attn.wq"
-    assert compare.dotted("['tok_embed']") == "tok_embed"
-    assert compare.block_of("blocks.attn.wq") == "blocks.attn"
-    assert compare.block_of("head.w") == "head" and compare.block_of("tok_embed") == "tok_embed"
+    assert leaves.dotted("['blocks']['attn']['wq']") == "blocks.attn.wq"
+    assert leaves.dotted("['tok_embed']") == "tok_embed"
+    assert leaves.block_of("blocks.attn.wq") == "blocks.attn"
+    assert leaves.block_of("head.w") == "head" and leaves.block_of("tok_embed") == "tok_embed"
 
 
 def test_script_help():

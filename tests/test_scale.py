@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxformer.cli import main as cli
+from jaxformer.cli import train as cli_train
 from jaxformer.training import configfile
 from jaxformer.model.config import PRESETS, SMALL_PRESETS, get_preset
 from jaxformer.model.params import count_params, init_params
@@ -76,7 +77,7 @@ def test_resume_compares_the_resolved_shape(corpus, tmp_path):
 
 
 def _cli_settings(argv):
-    return cli._train_settings(cli.build_parser().parse_args(["train", "--out", "unused", *argv]))
+    return cli_train.train_settings(cli.build_parser().parse_args(["train", "--out", "unused", *argv]))
 
 
 def test_config_file_round_trip_and_flags_override(tmp_path):

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import typing
 
+from jaxformer.cli.args import number
 from jaxformer.model import config as _config
 
 # Allowed values of the string fields, for --help and for argparse's own check.
@@ -44,17 +45,6 @@ def _field_type(field: dataclasses.Field):
     return hints[field.name]
 
 
-def _number(kind):
-    def parse(text):
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
                     "(overrides the preset; checked by ModelConfig)") -> argparse._ArgumentGroup:
     """Add one flag per ModelConfig field (``dest`` = the field name, default None)."""
@@ -70,10 +60,10 @@ def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
             group.add_argument(flag_name(f.name), dest=f.name, default=None,
                                choices=list(CHOICES[f.name]), help=helptext)
         elif kind is int:
-            group.add_argument(flag_name(f.name), dest=f.name, default=None, type=_number(int),
+            group.add_argument(flag_name(f.name), dest=f.name, default=None, type=number(int),
                                metavar="N", help=helptext)
         elif kind is float:
-            group.add_argument(flag_name(f.name), dest=f.name, default=None, type=_number(float),
+            group.add_argument(flag_name(f.name), dest=f.name, default=None, type=number(float),
                                metavar="X", help=helptext)
         else:
             group.add_argument(flag_name(f.name), dest=f.name, default=None, help=helptext)

@@ -1,9 +1,16 @@
-"""The tools room: what a developer runs to check and measure the model.
-``compare`` (manual vs automatic gradients, leaf by leaf, and finite differences)
-and its report, ``bench`` (step time, MFU and memory against jax.grad and PyTorch)
-and its report, ``memory`` (what each backward keeps), and ``torch_ref`` (an
-independent PyTorch model; imports torch, so only the benchmark and tests load it).
+"""The tools room: what a developer runs to check and measure the model, as computation
+and reports (no argument parsing: the command lines are in ``jaxformer.cli``).
+
+    compare, compare_fd     manual vs automatic gradients, leaf by leaf; finite differences
+    compare_report, compare_plot, leaves
+                            the comparison's terminal table, JSON / Markdown and PNG reports,
+                            and the names and order of the leaves they show
+    bench, bench_contestants, bench_report
+                            step time, MFU and memory against jax.grad and PyTorch; the report
+    memory                  what each backward keeps
+    torch_ref               an independent PyTorch model (imports torch: only the benchmark's
+                            PyTorch contestants and tests load it)
 
 May import: ``jaxformer.training``, ``jaxformer.inference`` and every room below them,
-and ``manual_grads``.
+and ``manual_grads``; never ``jaxformer.cli``.
 """

@@ -7,10 +7,10 @@ jitted (config static):
     autodiff   jax.value_and_grad(jaxformer.loss_fn)(params, batch, config)
 
 and every parameter leaf is compared with ``manual_grads.check.compare_trees``
-against the tolerance of the dtype (``check.tolerance_for``). With ``--fd`` the
+against the tolerance of the dtype (``check.tolerance_for``). With ``fd`` the
 manual gradient is also checked in float64 against central finite differences of
-the loss (``check.finite_difference_check``) along random directions inside each
-leaf and over the whole tree.
+the loss along random directions inside each leaf and over the whole tree
+(``compare_fd``).
 
 With ``config.compute_dtype`` set below the params' dtype (``--compute-dtype
 bfloat16``), the two sources cannot agree to float32 round-off: each is judged
@@ -19,25 +19,19 @@ params' dtype throughout), and a leaf passes when the manual gradient is at most
 MIXED_FACTOR times further from it than the autodiff gradient
 (``mixed_precision_passed``).
 
-Output: a table per preset in the terminal, and ``report.json``, ``report.md``
-and ``rel_errors.png`` in the output folder (``jaxformer.compare_report``; the
-command line is ``jaxformer.compare_cli``). ``main`` returns 1 and names the
-leaf when any leaf is over tolerance, 0 when all pass.
-
-    python experiments/compare_grads.py                      # loopos, sunfish, cllm in float32
-    python experiments/compare_grads.py --dtype float64 --fd
-    jaxformer compare-grads --preset tiny --repeats 3
+The result is a ``PresetReport`` per preset, read by ``compare_report`` (terminal
+table, report.json, report.md) and ``compare_plot`` (rel_errors.png). The command
+line is ``jaxformer.cli.compare_grads`` (``jaxformer compare-grads``,
+``experiments/compare_grads.py``).
 
 A gradient source is any ``(params, batch, config) -> (loss, grads)`` with
-config static under jit; ``run_comparison`` and ``main`` take one as
+config static under jit; ``run_comparison`` and ``compare_preset`` take one as
 ``manual_fn``, so a deliberately broken source can show that the job fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -46,20 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.tools.compare_report import (SOURCE_AUTO, SOURCE_AUTO_REF, SOURCE_FD,
-                                            SOURCE_MANUAL_REF, _rank, build_report,
-                                            describe_config, format_markdown, format_preset,
-                                            plot_report, write_reports)
+import manual_grads
+from jaxformer.data import Batcher, ByteTokenizer, load_corpus
 from jaxformer.model.config import PRESETS, ModelConfig
-from jaxformer.model.transformer import loss_fn
 from jaxformer.model.params import count_params, init_params
+from jaxformer.model.transformer import loss_fn
+from jaxformer.tools.compare_fd import FD_DIRECTIONS, fd_check
+from jaxformer.tools.leaves import block_of, dotted, error_rank, model_order_key
+from manual_grads import check
 
 DEFAULT_PRESETS = ("loopos", "sunfish", "cllm")  # the three systems the project grew from
-FD_TOLERANCE = 1e-6  # relative error allowed between finite differences and the manual gradient
-FD_EPS = 1e-5  # step of the central differences (float64), check.finite_difference_check's
-FD_ROUNDOFF_ULPS = 8  # round-off of one float64 loss evaluation, in units of eps * |loss|
-FD_DIRECTIONS = 3  # random directions per leaf
-FD_MAX_HALVINGS = 4  # the step may shrink to eps / 16 to step off a kink of the loss
 # Mixed precision: a leaf passes when err(manual) <= MIXED_FACTOR * max(err(autodiff), MIXED_FLOOR),
 # both errors relative to the reference without compute_dtype. Measured in bfloat16 (batch
 # 4 x 32, seed 0), the worst leaf's err(manual) / max(err(autodiff), floor) is 1.05 on loopos,
@@ -74,31 +64,21 @@ GradFn = Callable[[Any, dict, ModelConfig], tuple]  # (params, batch, config) ->
 
 
 # ----------------------------------------------------------------------------
-# gradient sources
+# gradient sources and inputs
 
 
 def manual_value_and_grad() -> GradFn:
-    """``manual_grads.value_and_grad``, imported here (manual_grads imports jaxformer)."""
-    from manual_grads import value_and_grad
-
-    return value_and_grad
+    """``manual_grads.value_and_grad``."""
+    return manual_grads.value_and_grad
 
 
 def autodiff_value_and_grad(params, batch, config: ModelConfig):
     """The reference: ``jax.value_and_grad(loss_fn)``."""
-    from manual_grads import check
-
     return check.autodiff_value_and_grad(loss_fn, params, batch, config)
-
-
-# ----------------------------------------------------------------------------
-# inputs
 
 
 def make_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int) -> dict:
     """Batch 0 of the embedded corpus, byte-tokenized: {"inputs", "targets"} int32 (B, T)."""
-    from jaxformer.data import Batcher, ByteTokenizer, load_corpus
-
     tokenizer = ByteTokenizer()
     if tokenizer.vocab_size != config.vocab_size:
         raise ValueError(f"the byte tokenizer has {tokenizer.vocab_size} tokens, "
@@ -106,31 +86,6 @@ def make_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int) ->
     ids = tokenizer.encode(load_corpus("default"))
     batch = Batcher(ids, batch_size, seq_len, seed).batch(0)
     return {k: jnp.asarray(v) for k, v in batch.items()}
-
-
-def dotted(keystr: str) -> str:
-    """"['blocks']['attn']['wq']" -> "blocks.attn.wq"."""
-    parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", keystr)
-    return ".".join(next(p for p in groups if p) for groups in parts) or keystr
-
-
-def block_of(path: str) -> str:
-    """The group a leaf is summarized in: "blocks.attn.wq" -> "blocks.attn", "head.w" -> "head"."""
-    parts = path.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" and len(parts) > 2 else parts[0]
-
-
-# Parameter names in the order the model uses them (DESIGN.md's tree): embeddings, blocks
-# (ln1, attn, ln2, ffn), final norm, head. jax flattens dicts in sorted-key order instead.
-MODEL_ORDER = ("tok_embed", "pos_embed", "blocks", "ln1", "attn", "ln2", "ffn", "ln_f", "head",
-               "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo", "w_in", "b_in", "w_out", "b_out",
-               "scale", "bias", "w", "b")
-
-
-def model_order_key(path: str) -> tuple:
-    """Sort key putting dotted leaf paths in model order; unknown names go last, by name."""
-    rank = {name: i for i, name in enumerate(MODEL_ORDER)}
-    return tuple((rank.get(part, len(rank)), part) for part in path.split("."))
 
 
 # ----------------------------------------------------------------------------
@@ -171,88 +126,6 @@ def time_calls(fns: Sequence[Callable], args: tuple, repeats: int) -> list[list[
 
 
 # ----------------------------------------------------------------------------
-# finite differences
-
-
-
-def _fd_rel(numeric: float, analytic: float, floor: float) -> float:
-    """|numeric - analytic| / max(|numeric|, |analytic|, floor)."""
-    return abs(numeric - analytic) / max(abs(numeric), abs(analytic), floor)
-
-
-def fd_floor(eps: float, grad_floor: float, loss_abs: float) -> float:
-    """The floor of the finite differences' relative error at step ``eps``: the larger of
-    ``grad_floor`` and the round-off of the difference quotient divided by the tolerance,
-    FD_ROUNDOFF_ULPS * eps_float64 * |loss| / eps / FD_TOLERANCE (below it, central
-    differences at that step resolve nothing)."""
-    roundoff = FD_ROUNDOFF_ULPS * np.finfo(np.float64).eps * loss_abs / eps
-    return max(grad_floor, roundoff / FD_TOLERANCE, np.finfo(np.float64).tiny)
-
-
-def fd_along(loss: Callable, params, grads, key, eps: float, grad_floor: float,
-             loss_abs: float) -> dict:
-    """Finite differences along one random unit direction (fixed by ``key``):
-    ``check.finite_difference_check`` at steps eps, eps/2, eps/4, ... until two successive
-    estimates agree to FD_TOLERANCE, so a step that straddles a kink of the loss (a ReLU
-    pre-activation within eps of zero) is replaced by a smaller one. Only the numeric
-    estimates choose the step, never the gradient under test."""
-    from manual_grads import check
-
-    (prev,) = check.finite_difference_check(loss, params, grads, key, 1, eps)
-    used = eps
-    for _ in range(FD_MAX_HALVINGS):
-        (cur,) = check.finite_difference_check(loss, params, grads, key, 1, used / 2)
-        agree = FD_TOLERANCE * max(abs(cur.numeric), fd_floor(used / 2, grad_floor, loss_abs))
-        if abs(cur.numeric - prev.numeric) <= agree:
-            break
-        prev, used = cur, used / 2
-    floor = fd_floor(used, grad_floor, loss_abs)
-    rel = _fd_rel(prev.numeric, prev.analytic, floor)
-    return dict(numeric=prev.numeric, analytic=prev.analytic, rel=rel, eps=used, floor=floor,
-                passed=bool(rel <= FD_TOLERANCE))
-
-
-def finite_difference_leaves(params64, grads64, batch, config: ModelConfig, key,
-                             n_directions: int = FD_DIRECTIONS, eps: float = FD_EPS) -> dict:
-    """Float64 finite differences of the loss (``fd_along``) along ``n_directions`` random
-    unit directions inside each leaf, and along directions over the whole tree, against
-    the manual gradient; JSON-ready, worst direction per leaf.
-
-    The relative error's denominator has a floor (``fd_floor``): at least FLOOR_FRAC *
-    global gradient norm, as in check.compare_trees, so a leaf whose true gradient is zero
-    (the attention key bias) is not judged against zero; at least what round-off lets
-    central differences resolve.
-    """
-    from manual_grads import check
-
-    loss64 = jax.jit(loss_fn, static_argnums=2)
-    leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params64)
-    leaves_g = jax.tree_util.tree_leaves(grads64)
-    global_norm = math.sqrt(sum(float(jnp.sum(g * g)) for g in leaves_g))
-    loss_abs = abs(float(loss64(params64, batch, config)))
-    grad_floor = check.FLOOR_FRAC * global_norm
-    plain = [leaf for _, leaf in leaves_p]
-
-    def with_leaf(i, x):
-        return jax.tree_util.tree_unflatten(treedef, plain[:i] + [x] + plain[i + 1:])
-
-    rows = []
-    keys = jax.random.split(key, len(plain) + 1)
-    for i, ((path, leaf), grad) in enumerate(zip(leaves_p, leaves_g)):
-        loss_i = lambda x, i=i: loss64(with_leaf(i, x), batch, config)  # noqa: E731
-        checks = [fd_along(loss_i, leaf, grad, k, eps, grad_floor, loss_abs)
-                  for k in jax.random.split(keys[i], n_directions)]
-        worst = max(checks, key=lambda d: _rank(d["rel"]))
-        rows.append(dict(path=dotted(jax.tree_util.keystr(path)), **worst))
-    whole = [fd_along(lambda p: loss64(p, batch, config), params64, grads64, k, eps,
-                      grad_floor, loss_abs) for k in jax.random.split(keys[-1], n_directions)]
-    return dict(tolerance=FD_TOLERANCE, eps=eps, n_directions=n_directions,
-                floor=fd_floor(eps, grad_floor, loss_abs), global_norm=global_norm,
-                leaves=rows, whole_tree=whole,
-                passed=all(r["passed"] for r in rows) and all(w["passed"] for w in whole))
-
-
-# ----------------------------------------------------------------------------
 # one preset
 
 
@@ -270,7 +143,7 @@ class PresetReport:
     #               (mixed precision: also manual_ref_rel, auto_ref_rel)
     blocks: list  # one dict per group: block, n_leaves, worst_leaf, worst_rel, passed
     timings: dict  # manual, auto (Timing dicts), ratio_step, ratio_compile (manual / auto)
-    fd: dict | None  # finite_difference_leaves(...) or None
+    fd: dict | None  # compare_fd.finite_difference_leaves(...) or None
     failures: list  # one line per failing leaf / check, naming it
     passed: bool
     mixed: dict | None = None  # compute_dtype, factor, floor when judged by mixed_precision_passed
@@ -304,8 +177,6 @@ def _loss_check(loss_m: float, loss_a: float, tol: float, loss_ref: float | None
 def _leaf_rows(grads_a, grads_m, grads_ref, tol: float, failures: list) -> list:
     """One dict per leaf in model order: manual vs autodiff, and (grads_ref given) each
     against the reference, judged by mixed_precision_passed instead of ``tol``."""
-    from manual_grads import check
-
     try:
         comparisons = check.compare_trees(grads_a, grads_m)
     except ValueError as err:  # a missing or misshapen leaf
@@ -342,34 +213,9 @@ def _block_rows(leaves: list) -> list:
                                                         passed=True))
         b["n_leaves"] += 1
         b["passed"] &= r["passed"]
-        if _rank(r["rel"]) > _rank(b["worst_rel"]):
+        if error_rank(r["rel"]) > error_rank(b["worst_rel"]):
             b["worst_leaf"], b["worst_rel"] = r["path"], r["rel"]
     return list(blocks.values())
-
-
-def _fd_check(manual_fn, params, grads_m, batch, config, dtype, mixed, seed, fd_directions,
-              failures) -> dict:
-    """Finite differences of the float64 loss (without compute_dtype) against the manual
-    gradient in float64."""
-    if not jax.config.jax_enable_x64:
-        raise RuntimeError("finite differences run in float64: enable jax_enable_x64 first")
-    config = config.replace(compute_dtype=None)
-    params64 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), params)
-    if dtype == "float64" and not mixed:
-        grads64 = grads_m
-    else:
-        _, grads64 = jax.jit(manual_fn, static_argnums=2)(params64, batch, config)
-    fd_result = finite_difference_leaves(params64, grads64, batch, config,
-                                         jax.random.PRNGKey(seed + 1), fd_directions)
-    for r in fd_result["leaves"]:
-        if not r["passed"]:
-            failures.append(f"{r['path']}: finite differences {r['numeric']:.9e} vs manual "
-                            f"{r['analytic']:.9e}, rel {r['rel']:.2e} > {FD_TOLERANCE:.0e}")
-    for i, w in enumerate(fd_result["whole_tree"]):
-        if not w["passed"]:
-            failures.append(f"whole tree, direction {i}: finite differences rel "
-                            f"{w['rel']:.2e} > {FD_TOLERANCE:.0e}")
-    return fd_result
 
 
 def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeats: int = 5,
@@ -379,8 +225,6 @@ def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeat
     (default: jax.value_and_grad(loss_fn)) on ``params`` and ``batch``, both jitted.
     With mixed precision (``is_mixed``) both are also compared with ``auto_fn`` run
     without the compute dtype, the reference of ``mixed_precision_passed``."""
-    from manual_grads import check
-
     manual_fn = manual_fn or manual_value_and_grad()
     auto_fn = auto_fn or autodiff_value_and_grad
     dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
@@ -410,8 +254,10 @@ def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeat
     leaves = _leaf_rows(grads_a, grads_m, grads_ref, tol, failures)
     fd_result = None
     if fd:
-        fd_result = _fd_check(manual_fn, params, grads_m, batch, config, dtype, mixed, seed,
-                              fd_directions, failures)
+        exact = dtype == "float64" and not mixed  # grads_m is then the float64 gradient
+        fd_result, fd_failures = fd_check(manual_fn, params, grads_m if exact else None, batch,
+                                          config, seed=seed, n_directions=fd_directions)
+        failures += fd_failures
     timings = dict(manual=t_manual.to_dict(), auto=t_auto.to_dict(),
                    ratio_step=t_manual.step_s / t_auto.step_s,
                    ratio_compile=t_manual.compile_s / max(t_auto.compile_s, 1e-9))
@@ -440,26 +286,3 @@ def compare_preset(name: str, *, dtype: str = "float32", batch_size: int = 4, se
     batch = make_batch(config, batch_size, min(seq_len, config.max_seq_len), seed)
     return run_comparison(config, params, batch, name=name, repeats=repeats, fd=fd,
                           fd_directions=fd_directions, seed=seed, manual_fn=manual_fn)
-
-
-# ----------------------------------------------------------------------------
-# the command line lives in jaxformer.compare_cli; these keep ``compare.main`` working
-
-
-def parse_args(argv: Sequence[str] | None = None):
-    from jaxformer.cli.compare_grads import parse_args as _parse_args
-
-    return _parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None, manual_fn: GradFn | None = None) -> int:
-    """Run the comparison; 0 when every leaf of every preset passes, 1 otherwise."""
-    from jaxformer.cli.compare_grads import main as _main
-
-    return _main(argv, manual_fn)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

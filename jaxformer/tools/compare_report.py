@@ -1,5 +1,5 @@
-"""Reporting for the gradient comparison (jaxformer.compare): the terminal table of a
-preset, the JSON / Markdown / PNG report files.
+"""Reporting for the gradient comparison (``tools.compare``): the terminal table of a
+preset, the JSON and Markdown report files (the PNG is ``compare_plot``'s).
 
 Everything here reads a ``compare.PresetReport`` (or its ``to_dict()``); nothing
 computes a gradient.
@@ -16,30 +16,22 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
-import numpy as np
 
-SOURCE_AUTO = "manual vs autodiff"
-SOURCE_FD = "finite differences vs manual (float64)"
-SOURCE_MANUAL_REF = "manual vs float32 reference"
-SOURCE_AUTO_REF = "autodiff vs float32 reference"
-
-
-def _rank(rel) -> float:
-    """Sort key of a relative error: NaN ranks above everything."""
-    rel = float(rel)
-    return math.inf if math.isnan(rel) else rel
-
+from jaxformer.tools.compare_plot import plot_report
+from jaxformer.tools.leaves import error_rank
 
 
 # ----------------------------------------------------------------------------
 # terminal output
 
 
-def _use_color(stream) -> bool:
+def use_color(stream) -> bool:
+    """Whether to color PASS / FAIL on ``stream``: a terminal, and NO_COLOR not set."""
     return hasattr(stream, "isatty") and stream.isatty() and "NO_COLOR" not in os.environ
 
 
-def _status(passed: bool, color: bool) -> str:
+def status(passed: bool, color: bool) -> str:
+    """PASS or FAIL, green or red when ``color``."""
     word = "PASS" if passed else "FAIL"
     if not color:
         return word
@@ -88,7 +80,7 @@ def format_preset(r, color: bool = False) -> str:
         f"{r.dtype}, batch {r.batch_size} x {r.seq_len}, tolerance {r.tolerance:.0e} (relative, per leaf)"
         if not mixed else f"batch {r.batch_size} x {r.seq_len}; {criterion(r.dtype, r.tolerance, mixed)}",
         f"loss: manual {r.loss['manual']:.9e}   autodiff {r.loss['auto']:.9e}   "
-        f"rel {_sci(r.loss['rel'])}{_mixed_loss(r.loss)}   {_status(r.loss['passed'], color)}",
+        f"rel {_sci(r.loss['rel'])}{_mixed_loss(r.loss)}   {status(r.loss['passed'], color)}",
         rule,
     ]
     width = max([len(x["path"]) for x in r.leaves] + [4])
@@ -102,7 +94,7 @@ def format_preset(r, color: bool = False) -> str:
         ref = (f"{_sci(x['manual_ref_rel']):>10}  {_sci(x['auto_ref_rel']):>9}  "
                if mixed else "")
         line = (f"{x['path']:<{width}}  {_shape(x['shape']):<14} {_sci(x['max_abs']):>11}  "
-                f"{_sci(x['rel']):>9}  {x['cosine']:>15.12f}  {ref}{_status(x['passed'], color)}")
+                f"{_sci(x['rel']):>9}  {x['cosine']:>15.12f}  {ref}{status(x['passed'], color)}")
         if r.fd and x["path"] in fd_rel:
             line += f"  {_sci(fd_rel[x['path']]):>9}"
         lines.append(line)
@@ -111,7 +103,7 @@ def format_preset(r, color: bool = False) -> str:
     lines.append(f"{'block':<{bw}}  {'leaves':>6}  {'worst rel':>9}  {'worst leaf':<{width}}")
     for b in r.blocks:
         lines.append(f"{b['block']:<{bw}}  {b['n_leaves']:>6}  {_sci(b['worst_rel']):>9}  "
-                     f"{b['worst_leaf']:<{width}}  {_status(b['passed'], color)}")
+                     f"{b['worst_leaf']:<{width}}  {status(b['passed'], color)}")
     lines.append(rule)
     t = r.timings
     n = len(t["manual"]["steps_s"])
@@ -123,22 +115,22 @@ def format_preset(r, color: bool = False) -> str:
     ]
     if r.fd:
         checks = r.fd["leaves"] + r.fd["whole_tree"]
-        worst = max(checks, key=lambda x: _rank(x["rel"]))
+        worst = max(checks, key=lambda x: error_rank(x["rel"]))
         smaller = sum(x["eps"] < r.fd["eps"] for x in checks)
         lines += [rule, (
             f"finite differences (float64, eps {r.fd['eps']:g}, {r.fd['n_directions']} "
             f"directions per leaf and over the whole tree): worst rel {_sci(worst['rel'])} at "
             f"{worst.get('path', 'whole tree')}, tolerance {r.fd['tolerance']:.0e}  "
-            f"{_status(r.fd['passed'], color)}")]
+            f"{status(r.fd['passed'], color)}")]
         if smaller:
             lines.append(f"  (step reduced, down to {min(x['eps'] for x in checks):g}, in {smaller} "
                          f"of the {len(checks)} directions shown, where the loss has a kink "
                          f"within eps)")
-    worst = max(r.leaves, key=lambda x: _rank(x["rel"]), default=None)
-    summary = f"{r.preset}: {_status(r.passed, color)}"
+    worst = max(r.leaves, key=lambda x: error_rank(x["rel"]), default=None)
+    summary = f"{r.preset}: {status(r.passed, color)}"
     if worst is not None and mixed:
         ratio = max((x["manual_ref_rel"] / max(x["auto_ref_rel"], mixed["floor"])
-                     for x in r.leaves), key=_rank)
+                     for x in r.leaves), key=error_rank)
         summary += (f"  ({len(r.leaves)} leaves, worst manual err / max(autodiff err, floor) "
                     f"{ratio:.2f}, allowed {mixed['factor']:g})")
     elif worst is not None:
@@ -197,7 +189,7 @@ def format_markdown(report: dict) -> str:
         "|---|---|---:|---:|---|---:|---:|---|",
     ]
     for p in report["presets"]:
-        worst = max(p["leaves"], key=lambda x: _rank(x["rel"]), default=dict(rel=math.nan, path="-"))
+        worst = max(p["leaves"], key=lambda x: error_rank(x["rel"]), default=dict(rel=math.nan, path="-"))
         lines.append(f"| {p['preset']} | {p['dtype']} | {len(p['leaves'])} | {_sci(_num(worst['rel']))} "
                      f"| `{worst['path']}` | {_tolerance_cell(p)} | {p['timings']['ratio_step']:.2f} x "
                      f"| {yes(p['passed'])} |")
@@ -257,63 +249,6 @@ def format_markdown(report: dict) -> str:
 
 def _num(x) -> float:
     return float(x)  # also reads back "nan" / "inf" from _json_safe
-
-
-def plot_report(report: dict, path: Path) -> None:
-    """Relative error per leaf on a log axis, one panel per preset, one color per source."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    presets = report["presets"]
-    n_leaves = max([len(p["leaves"]) for p in presets] + [1])
-    fig = Figure(figsize=(max(8.0, 0.38 * n_leaves + 2), 3.6 * len(presets)), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(presets), 1, squeeze=False)[:, 0]
-    for ax, p in zip(axes, presets):
-        paths = [x["path"] for x in p["leaves"]]
-        xs = np.arange(len(paths))
-        fd_rel = {x["path"]: x["rel"] for x in (p["fd"] or {}).get("leaves", [])}
-        series = [(SOURCE_AUTO, [_num(x["rel"]) for x in p["leaves"]], "o", "tab:blue",
-                   p["tolerance"], f"tolerance {p['dtype']}", "--")]
-        if p.get("mixed"):
-            series = [(SOURCE_AUTO, [_num(x["rel"]) for x in p["leaves"]], "o", "tab:blue",
-                       None, "", ""),
-                      (SOURCE_MANUAL_REF, [_num(x["manual_ref_rel"]) for x in p["leaves"]], "s",
-                       "tab:green", None, "", ""),
-                      (SOURCE_AUTO_REF, [_num(x["auto_ref_rel"]) for x in p["leaves"]], "D",
-                       "tab:purple", p["mixed"]["floor"], "floor", ":")]
-        if p["fd"]:
-            series.append((SOURCE_FD, [_num(fd_rel.get(q, math.nan)) for q in paths], "^",
-                           "tab:orange", p["fd"]["tolerance"], "tolerance finite differences", ":"))
-        # exact zeros (both sources ran the same floating-point operations) and NaNs cannot
-        # sit on a log axis: zeros are drawn hollow a decade below the smallest value, NaNs
-        # hollow at the top.
-        finite = [v for _, ys, *_ in series for v in ys if math.isfinite(v) and v > 0]
-        low = 10 ** (math.floor(math.log10(min(finite + [p["tolerance"]]))) - 1)
-        high = 10 ** (math.ceil(math.log10(max(finite + [p["tolerance"]]))) + 1)
-        for label, ys, marker, color, tol, tol_label, ls in series:
-            ok = [i for i, v in enumerate(ys) if math.isfinite(v) and v > 0]
-            ax.scatter(xs[ok], [ys[i] for i in ok], marker=marker, s=28, color=color,
-                       label=label, zorder=3)
-            zero = [i for i, v in enumerate(ys) if v == 0]
-            if zero:
-                ax.scatter(xs[zero], [low] * len(zero), marker=marker, s=28, facecolors="none",
-                           edgecolors=color, label=f"{label}: exactly 0", zorder=3)
-            bad = [i for i, v in enumerate(ys) if not math.isfinite(v)]
-            if bad:
-                ax.scatter(xs[bad], [high] * len(bad), marker="x", s=40, color="tab:red",
-                           label=f"{label}: not finite", zorder=3)
-            if tol is not None:
-                ax.axhline(tol, color=color, ls=ls, lw=1, label=f"{tol_label} ({tol:.0e})")
-        ax.set_yscale("log")
-        ax.set_xticks(xs, paths, rotation=60, ha="right", fontsize=8)
-        ax.set_ylabel("relative error")
-        products = f", products in {p['mixed']['compute_dtype']}" if p.get("mixed") else ""
-        ax.set_title(f"{p['preset']} ({p['dtype']}{products}): {'PASS' if p['passed'] else 'FAIL'}",
-                     loc="left", fontsize=10)
-        ax.grid(True, axis="y", which="major", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, dpi=110)
 
 
 def write_reports(report: dict, out: str | os.PathLike) -> dict:

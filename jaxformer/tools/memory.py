@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import manual_grads
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.transformer import loss_fn
 from jaxformer.model.params import init_params
+from jaxformer.model.transformer import loss_fn
 
 SOURCES = ("autodiff", "manual", "blockwise", "lean")
 
@@ -57,8 +58,6 @@ def source_config(config: ModelConfig, source: str, loss_chunk: int) -> ModelCon
 
 def grad_fn(config: ModelConfig, source: str, loss_chunk: int) -> Callable:
     """(params, batch) -> (loss, grads) for ``source`` (see the module docstring)."""
-    import manual_grads  # the manual backward, imported only when asked for
-
     cfg = source_config(config, source, loss_chunk)
     if source == "autodiff":
         return lambda params, batch: jax.value_and_grad(loss_fn)(params, batch, cfg)

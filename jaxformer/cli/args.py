@@ -1,0 +1,87 @@
+"""What every command shares: argument types and the one error style.
+
+Bad input (a bad flag, an unknown preset, a missing file, an invalid setting, a
+bad or mismatched checkpoint) ends with one ``error: ...`` line on stderr and
+exit code 2, never a usage block or a traceback; a run stopped by a non-finite
+loss exits with 1, an interrupted one with 130. ``Parser`` turns argparse's own
+errors into ``UsageError``; ``run_command`` turns exceptions into exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from jaxformer.checkpoints.checkpoint import CheckpointError
+from jaxformer.training.loop import NonFiniteLossError
+
+
+class UsageError(Exception):
+    """Bad command-line input, reported as one line and exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise UsageError (one line, no usage block)."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def number(kind: type) -> Callable[[str], int | float]:
+    """argparse type: ``kind(text)`` (int or float), with a message naming what was expected."""
+    def parse(text):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def one_line(e: BaseException) -> str:
+    """The exception's message on one line (its type's name when it has none)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def run_command(fn: Callable[..., int | None], *args, **kwargs) -> int:
+    """Call ``fn(*args, **kwargs)`` and return its exit code (None counts as 0), reporting
+    exceptions in the one error style: bad input 2, a non-finite loss 1, Ctrl-C 130;
+    ``--help`` and ``--version`` (argparse's SystemExit) return their own code."""
+    try:
+        code = fn(*args, **kwargs)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except (UsageError, CheckpointError, ValueError, OSError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0 if code is None else int(code)

@@ -1,0 +1,79 @@
+"""``jaxformer generate``: sample text from a run's checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+from jaxformer.checkpoints import checkpoint
+from jaxformer.cli.args import UsageError, nonneg_int, positive_int
+from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
+from jaxformer.inference.generate import sample_texts
+
+EPILOG = """\
+examples:
+  jaxformer generate --run runs/loopos --prompt "Once upon a time" --max-new-tokens 200
+  jaxformer generate --run runs/loopos --prompt "The " --temperature 0      (greedy)
+  jaxformer generate --run runs/loopos --prompt "The " --temperature 0.8 --top-k 20 --seed 3
+  jaxformer generate --run runs/loopos --prompt "The " --top-p 0.9 --num-samples 3
+
+Sampling uses a key/value cache: one prefill of the prompt's last max_seq_len
+tokens, then one cached step per token. When the cache is full the context
+restarts as its last max_seq_len // 2 tokens (positions stay within the trained
+table). --no-cache runs the whole sliding window per token instead.
+"""
+
+# ModelConfig fields generate may change: how the model computes, not its shape.
+MODEL_FLAGS = ("attention_impl", "attention_block", "loss_chunk", "remat", "compute_dtype")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    g = subparsers.add_parser("generate", help="sample text from a trained run",
+                              description="Sample text from a run's latest checkpoint.", epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("--run", required=True, metavar="DIR", help="run folder written by `jaxformer train`")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=nonneg_int, default=200, metavar="N", help="default 200")
+    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy (default 0.8)")
+    g.add_argument("--top-k", type=nonneg_int, default=0, metavar="K", help="sample among the K likeliest (0: all)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample among the likeliest tokens whose probability sums to P, in (0, 1] (default 1: all)")
+    g.add_argument("--num-samples", type=positive_int, default=1, metavar="N",
+                   help="continuations of the prompt, sampled side by side (default 1)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="run the whole window per token instead of the key/value cache (the reference)")
+    g.add_argument("--seed", type=nonneg_int, default=0)
+    g.add_argument("--step", type=nonneg_int, metavar="N", help="use the checkpoint of step N (default: latest)")
+    add_model_flags(g, title="model computation (the shape comes from the checkpoint; only "
+                             f"{', '.join(flag_name(n) for n in MODEL_FLAGS)} apply)")
+    return g
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = model_overrides(args)
+    shape = sorted(set(overrides) - set(MODEL_FLAGS))
+    if shape:
+        raise UsageError(f"generate takes the model's shape from the checkpoint; "
+                         f"{', '.join(flag_name(n) for n in shape)} cannot change it")
+
+    meta = checkpoint.read_meta(args.run, args.step) if args.step is not None \
+        else checkpoint.newest_meta(args.run)
+    if meta.get("param_dtype") == "float64":
+        jax.config.update("jax_enable_x64", True)
+    timing = {}
+    texts = sample_texts(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step,
+                         num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing,
+                         model=overrides)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1} of {len(texts)}")
+        print(text)
+    if timing:
+        how = ("no cache; compile included" if timing["compile_s"] is None else
+               f"key/value cache; compile {timing['compile_s']:.2f} s, not counted")
+        print(f"{args.num_samples} x {args.max_new_tokens} tokens in {timing['run_s']:.2f} s: "
+              f"{1e3 * timing['s_per_token']:.2f} ms per token position ({how})", file=sys.stderr)
+    return 0

@@ -1,0 +1,170 @@
+"""``jaxformer train``: train a model from a preset, a config file or a run to resume."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+
+from jaxformer.checkpoints import checkpoint
+from jaxformer.cli.args import nonneg_int, positive_int
+from jaxformer.cli.flags import add_model_flags, model_overrides
+from jaxformer.model.config import PRESET_TRAINING, PRESETS
+from jaxformer.model.params import count_params
+from jaxformer.observe.report import recipe_text
+from jaxformer.training import distributed
+from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
+from jaxformer.training.loop import train
+from jaxformer.training.optim import OPTIMIZERS, SCHEDULES
+from jaxformer.training.settings import TrainSettings, settings_for
+
+EPILOG = """\
+Unset options come from the preset's training recipe (jaxformer.config.PRESET_TRAINING);
+with --resume, from the checkpoint's settings. The model's vocab_size is the tokenizer's.
+
+examples:
+  jaxformer train --preset loopos --steps 300 --out runs/loopos
+  jaxformer train --preset sunfish --corpus stdlib --tokenizer char --steps 500 --out runs/sun
+  jaxformer train --preset tiny --optimizer sgd --lr 0.1 --clip-value 5 --steps 100 --out runs/t
+  jaxformer train --out runs/loopos --resume --steps 600
+  jaxformer train --preset tiny --d-model 64 --n-layers 4 --d-ff 256 --steps 200 --out runs/t4
+  jaxformer train --config runs/t4/config.toml --lr 3e-3 --out runs/t4b
+        every run folder holds its resolved settings as config.toml; flags override it
+  jaxformer train --preset gpt2 --compute-dtype bfloat16 --mesh data=2,fsdp=4 --out runs/gpt2
+        GPT-2 small's shape, batch split over 8 devices, params and optimizer state over 4
+"""
+
+# The flags that are TrainSettings fields of the same name (None when not given).
+TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "max_corpus_bytes", "val_fraction",
+               "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps", "schedule_steps",
+               "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
+               "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
+
+
+def epilog() -> str:
+    """EPILOG and each preset's recipe, from config.PRESET_TRAINING."""
+    recipes = "\n".join(f"  {name:<8} {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS)
+    return (f"{EPILOG}\npreset recipes (the defaults of the options above; `jaxformer presets` "
+            f"for shapes):\n{recipes}\nA recipe's warmup that does not fit a short run's decaying "
+            f"schedule is cut to a tenth of its updates\n(the run says so; --warmup-steps sets it).\n")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    t = subparsers.add_parser("train", help="train a model; writes metrics, a loss plot and checkpoints",
+                              description="Train a model from a preset.", epilog=epilog(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--out", required=True, metavar="DIR", help="run folder (created)")
+    t.add_argument("--preset", choices=list(PRESETS), help="model and training recipe (default: loopos)")
+    t.add_argument("--grads", choices=["auto", "manual"],
+                   help="gradient source: jax.grad (auto, default) or the hand-derived backward (manual)")
+    t.add_argument("--steps", type=positive_int, help="total training steps of the run (default 100)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the run folder's newest checkpoint that verifies")
+    t.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: accept a corpus or tokenizer that differs from the recorded one")
+    t.add_argument("--config", metavar="FILE",
+                   help="TOML file with [model] and [train] tables (a run folder's config.toml); "
+                        "flags override it")
+    d = t.add_argument_group("data")
+    d.add_argument("--corpus", metavar="SPEC",
+                   help='"default" (built-in English text), "stdlib" (Python sources) or a file/folder path')
+    d.add_argument("--tokenizer", choices=["byte", "char"], help="byte (256 ids) or char (the corpus's characters)")
+    d.add_argument("--max-corpus-bytes", type=positive_int, metavar="N", help="read at most N bytes of the corpus")
+    d.add_argument("--val-fraction", type=float, metavar="F", help="held-out tail of the corpus (default 0.1)")
+    d.add_argument("--batch-size", type=positive_int, metavar="B", help="sequences per step")
+    d.add_argument("--seq-len", type=positive_int, metavar="T", help="tokens per sequence (<= the model's max_seq_len)")
+    d.add_argument("--seed", type=nonneg_int, help="seed of the params init and the batch order")
+    o = t.add_argument_group("optimizer")
+    o.add_argument("--optimizer", choices=list(OPTIMIZERS))
+    o.add_argument("--lr", type=float, help="(peak) learning rate")
+    o.add_argument("--schedule", choices=list(SCHEDULES), help="learning-rate schedule after the warmup")
+    o.add_argument("--warmup-steps", type=nonneg_int, metavar="N")
+    o.add_argument("--schedule-steps", type=positive_int, metavar="N",
+                   help="the schedule's horizon (default: --steps; a resumed run keeps its own)")
+    o.add_argument("--clip-value", type=float, metavar="V", help="clip each gradient entry to [-V, V] (0: off)")
+    o.add_argument("--clip-norm", type=float, metavar="N", help="clip the gradient's global norm to N (0: off)")
+    o.add_argument("--weight-decay", type=float, metavar="W")
+    o.add_argument("--momentum", type=float, metavar="M", help="for --optimizer momentum (default 0.9)")
+    o.add_argument("--accum-steps", type=positive_int, metavar="K", help="average K micro-batches per update")
+    o.add_argument("--dtype", choices=["float32", "float64"], help="params dtype (default float32)")
+    r = t.add_argument_group("logging and checkpoints")
+    r.add_argument("--eval-every", type=nonneg_int, metavar="N", help="validation loss every N steps (0: at the end only)")
+    r.add_argument("--eval-batches", type=positive_int, metavar="N", help="validation batches per evaluation")
+    r.add_argument("--log-every", type=positive_int, metavar="N", help="a metrics.jsonl line every N steps")
+    r.add_argument("--ckpt-every", type=nonneg_int, metavar="N", help="checkpoint every N steps (0: at the end only)")
+    r.add_argument("--keep-checkpoints", type=positive_int, metavar="N", help="latest checkpoints kept (default 3)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = t.add_argument_group("devices and processes")
+    m.add_argument("--mesh", metavar="SPEC",
+                   help="device mesh data=N,fsdp=M: the batch splits over N*M devices, params and "
+                        "optimizer state over M (default: every device on data)")
+    m.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-process run: process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    m.add_argument("--num-processes", type=positive_int, metavar="N",
+                   help="multi-process run: number of processes (or JAX_NUM_PROCESSES)")
+    m.add_argument("--process-id", type=nonneg_int, metavar="I",
+                   help="multi-process run: this process's index (or JAX_PROCESS_ID)")
+    add_model_flags(t)
+    return t
+
+
+def train_settings(args: argparse.Namespace) -> TrainSettings:
+    """Settings from (lowest first) the preset's recipe or the resumed checkpoint's
+    settings, the --config file, the flags. A clipping threshold of 0 means off."""
+    flags = {name: getattr(args, name) for name in TRAIN_FLAGS}
+    model = model_overrides(args)
+    if args.resume:
+        saved = TrainSettings.from_dict(checkpoint.newest_meta(args.out)["settings"])
+        given, file_model = {}, {}
+        if args.config:
+            file_model, given = read_config(args.config)
+        given.update({k: v for k, v in flags.items() if v is not None})
+        if args.preset is not None:
+            given["preset"] = args.preset
+        given["model"] = {**saved.model, **file_model, **model}
+        settings = saved.replace(**given)
+    elif args.config:
+        settings = settings_from_file(args.config, args.preset, **flags, model=model)
+    else:
+        settings = settings_for(args.preset or "loopos", **flags, model=model)
+    return off_is_zero(settings)
+
+
+def run(args: argparse.Namespace) -> int:
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    settings = train_settings(args)
+    if settings.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    settings.validate()  # before the banner: a bad setting is the only line
+
+    t0 = time.perf_counter()
+    main = jax.process_index() == 0
+    log = (lambda line: print(line, file=sys.stderr)) if main else None
+    print(f"training -> {args.out} ({jax.device_count()} {jax.devices()[0].platform} device(s) "
+          f"in {jax.process_count()} process(es))", file=sys.stderr)
+    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
+                   log=log, allow_data_change=args.allow_data_change)
+    wall = time.perf_counter() - t0
+    if not main:
+        return 0
+    if not result.records:
+        print(f"{args.out} already trained for {settings.steps} steps; nothing to do")
+        return 0
+    print(summary(result, wall))
+    print(f"run folder: {result.run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
+    return 0
+
+
+def summary(result, wall: float) -> str:
+    """One line: params, the loss from first to last record, and each speed named."""
+    first, last, t = result.records[0], result.records[-1], result.timing
+    val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    steady = (f"{t['steady_tokens_per_s']:,.0f} tokens/s steady state (steps after the first, "
+              f"validation and checkpoints excluded)" if t.get("steady_tokens_per_s")
+              else "no steady-state steps")
+    return (f"{count_params(result.state.params):,} params, vocab {result.config.vocab_size}; "
+            f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+            f"(step {last['step']}){val}; {steady}; compile + first step {t['compile_s']:.1f} s; "
+            f"{wall:.1f} s wall in all")
