@@ -10,7 +10,7 @@ import jax
 from jaxformer.checkpoints import checkpoint
 from jaxformer.cli.args import UsageError, nonneg_int, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
-from jaxformer.inference.generate import sample_texts
+from jaxformer.inference.text import sample_texts
 
 EPILOG = """\
 examples:
