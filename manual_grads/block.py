@@ -6,6 +6,12 @@
 Where a value feeds both a residual branch and the skip connection, the two
 gradients add. The residual's type (PreBlockRes or PostBlockRes) tells the
 backward which block it undoes.
+
+This is the one manual composition of the block (its forward's twin is
+jaxformer/model/block.py's ``compose_block``): custom_vjp.py registers it as the
+block's rule, remat.py scans it over the layers, and the diagnosis
+(jaxformer/training/diagnose.py) watches it through the optional ``tap`` (tap.py),
+which sees every stage's input, output, parameters and gradients.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from manual_grads.attention import AttentionRes
 from manual_grads.blockwise import BlockwiseAttentionRes, any_attention_bwd, any_attention_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.tap import tap_backward, tap_forward
 
 # ----------------------------------------------------------------------------
 # feed-forward: y = act(x @ w_in + b_in) @ w_out + b_out
@@ -66,58 +73,86 @@ class PostBlockRes(NamedTuple):
     ln2: LayerNormRes  # of x1 + ffn(x1) (B, T, D)
 
 
-def block_fwd(p, x, config: ModelConfig):
-    """One block; p is one layer's slice of params["blocks"]; x (B, T, D) -> y (B, T, D)."""
+def block_fwd(p, x, config: ModelConfig, tap=None):
+    """One block; p is one layer's slice of params["blocks"]; x (B, T, D) -> y (B, T, D).
+    ``tap`` (tap.py) sees each stage: ln1, attn, attn residual, ln2, ffn, ffn residual."""
     if config.norm == "pre":
-        return pre_block_fwd(p, x, config)
-    return post_block_fwd(p, x, config)
+        return pre_block_fwd(p, x, config, tap)
+    return post_block_fwd(p, x, config, tap)
 
 
-def block_bwd(res, dy):
-    """dy (B, T, D) -> (dp with p's tree structure, dx (B, T, D))."""
+def block_bwd(res, dy, tap=None):
+    """dy (B, T, D) -> (dp with p's tree structure, dx (B, T, D)); ``tap`` sees each stage."""
     if isinstance(res, PreBlockRes):
-        return pre_block_bwd(res, dy)
-    return post_block_bwd(res, dy)
+        return pre_block_bwd(res, dy, tap)
+    return post_block_bwd(res, dy, tap)
 
 
-def pre_block_fwd(p, x, config: ModelConfig):
+def pre_block_fwd(p, x, config: ModelConfig, tap=None):
     eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
     h1, ln1_res = layer_norm_fwd(p["ln1"], x, eps)  # (B, T, D)
+    tap_forward(tap, "ln1", x, h1, p["ln1"])
     a, attn_res = any_attention_fwd(p["attn"], h1, config)  # (B, T, D)
+    tap_forward(tap, "attn", h1, a, p["attn"])
     x1 = x + a  # (B, T, D)
+    tap_forward(tap, "attn residual", a, x1)
     h2, ln2_res = layer_norm_fwd(p["ln2"], x1, eps)  # (B, T, D)
+    tap_forward(tap, "ln2", x1, h2, p["ln2"])
     f, ffn_res = feed_forward_fwd(p["ffn"], h2, act, cd)  # (B, T, D)
-    return x1 + f, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res)
+    tap_forward(tap, "ffn", h2, f, p["ffn"])
+    y = x1 + f  # (B, T, D)
+    tap_forward(tap, "ffn residual", f, y)
+    return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res)
 
 
-def pre_block_bwd(res: PreBlockRes, dy):
+def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     # y = x1 + ffn(ln2(x1)): x1 gets dy through the skip and through the branch
     d_ffn, dh2 = feed_forward_bwd(res.ffn, dy)
+    tap_backward(tap, "ffn", dy, d_ffn, dh2)
     d_ln2, dx1_branch = layer_norm_bwd(res.ln2, dh2)
+    tap_backward(tap, "ln2", dh2, d_ln2, dx1_branch)
     dx1 = dy + dx1_branch
+    tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
     # x1 = x + attn(ln1(x))
     d_attn, dh1 = any_attention_bwd(res.attn, dx1)
+    tap_backward(tap, "attn", dx1, d_attn, dh1)
     d_ln1, dx_branch = layer_norm_bwd(res.ln1, dh1)
+    tap_backward(tap, "ln1", dh1, d_ln1, dx_branch)
     dx = dx1 + dx_branch
+    tap_backward(tap, "attn residual", dx_branch, None, dx)
     return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx
 
 
-def post_block_fwd(p, x, config: ModelConfig):
+def post_block_fwd(p, x, config: ModelConfig, tap=None):
     eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
     a, attn_res = any_attention_fwd(p["attn"], x, config)  # (B, T, D)
-    x1, ln1_res = layer_norm_fwd(p["ln1"], x + a, eps)  # (B, T, D)
+    tap_forward(tap, "attn", x, a, p["attn"])
+    s1 = x + a  # (B, T, D)
+    tap_forward(tap, "attn residual", a, s1)
+    x1, ln1_res = layer_norm_fwd(p["ln1"], s1, eps)  # (B, T, D)
+    tap_forward(tap, "ln1", s1, x1, p["ln1"])
     f, ffn_res = feed_forward_fwd(p["ffn"], x1, act, cd)  # (B, T, D)
-    y, ln2_res = layer_norm_fwd(p["ln2"], x1 + f, eps)  # (B, T, D)
+    tap_forward(tap, "ffn", x1, f, p["ffn"])
+    s2 = x1 + f  # (B, T, D)
+    tap_forward(tap, "ffn residual", f, s2)
+    y, ln2_res = layer_norm_fwd(p["ln2"], s2, eps)  # (B, T, D)
+    tap_forward(tap, "ln2", s2, y, p["ln2"])
     return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res)
 
 
-def post_block_bwd(res: PostBlockRes, dy):
+def post_block_bwd(res: PostBlockRes, dy, tap=None):
     # y = ln2(x1 + ffn(x1)): x1 gets ds2 through the skip and through the branch
     d_ln2, ds2 = layer_norm_bwd(res.ln2, dy)
+    tap_backward(tap, "ln2", dy, d_ln2, ds2)
     d_ffn, dx1_branch = feed_forward_bwd(res.ffn, ds2)
+    tap_backward(tap, "ffn", ds2, d_ffn, dx1_branch)
     dx1 = ds2 + dx1_branch
+    tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
     # x1 = ln1(x + attn(x))
     d_ln1, ds1 = layer_norm_bwd(res.ln1, dx1)
+    tap_backward(tap, "ln1", dx1, d_ln1, ds1)
     d_attn, dx_branch = any_attention_bwd(res.attn, ds1)
+    tap_backward(tap, "attn", ds1, d_attn, dx_branch)
     dx = ds1 + dx_branch
+    tap_backward(tap, "attn residual", dx_branch, None, dx)
     return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx

@@ -1,23 +1,25 @@
 """The manual backward passes registered as ``jax.custom_vjp`` rules.
 
-Each function here is a drop-in replacement for the ``jaxformer.layers``
+Each function here is a drop-in replacement for the ``jaxformer.model.layers``
 function of the same name and signature: same output, but JAX's ``grad`` runs the
 hand-derived backward. Static arguments (eps, n_heads, causal, block, chunk,
 compute_dtype, names, config) are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
 ``None`` (zero) cotangents. Mixing is free: any of these layers can sit in a
 model whose other layers JAX's ``grad`` differentiates itself.
 
-``forward`` and ``loss_fn`` below are the whole model built from these layers,
-so JAX's ``grad`` of ``loss_fn`` returns the manual gradients.
+``features``, ``forward`` and ``loss_fn`` below are jaxformer.model.transformer's own
+functions given these layers (``LAYERS``, a ``ModelLayers``): the model's sequence is
+written once, there, and JAX's ``grad`` of ``loss_fn`` returns the manual gradients.
+``block`` registers the whole block (manual_grads/block.py) as one rule.
 """
 
 from __future__ import annotations
 
 import jax
 
+from jaxformer.model import transformer
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.precision import upcast
-from jaxformer.model.validate import validate_batch, validate_tokens
+from jaxformer.model.transformer import ModelLayers
 from manual_grads import activations as _act
 from manual_grads import attention as _attn
 from manual_grads import block as _block
@@ -151,33 +153,22 @@ def chunked_head_loss(head, x, targets, mask, chunk, compute_dtype=None):
 
 
 # ----------------------------------------------------------------------------
-# the model, as jaxformer.model builds it, from the layers above
+# the model: jaxformer.model.transformer's one sequence, composed of the layers above
+
+LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entropy, chunked_head_loss)
 
 
 def features(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> the head's input (B, T, D); remat "block" uses remat_block."""
-    validate_tokens("inputs", inputs, config)
-    x = upcast(embed(params, inputs, config))  # (B, T, D), float32 or wider
-    layer = remat_block if config.remat == "block" else block
-    x, _ = jax.lax.scan(lambda x, p: (layer(p, x, config), None), x, params["blocks"])
-    if config.norm == "pre":
-        x = layer_norm(params["ln_f"], x, config.ln_eps)
-    return x
+    return transformer.features(params, inputs, config, LAYERS)
 
 
 def forward(params, inputs, config: ModelConfig):
     """inputs int (B, T) -> logits (B, T, V)."""
-    x = features(params, inputs, config)  # (B, T, D)
-    return linear(x, params["head"]["w"], params["head"]["b"], config.compute_dtype)  # (B, T, V)
+    return transformer.forward(params, inputs, config, LAYERS)
 
 
 def loss_fn(params, batch, config: ModelConfig):
     """Mean next-token cross entropy; JAX's ``grad`` of it runs the manual backward.
     loss_chunk > 0 runs the head and the loss chunk by chunk (chunked_head_loss)."""
-    validate_batch(batch, config)
-    if config.loss_chunk:
-        x = features(params, batch["inputs"], config)  # (B, T, D)
-        return chunked_head_loss(params["head"], x, batch["targets"], batch.get("mask"),
-                                 config.loss_chunk, config.compute_dtype)
-    logits = forward(params, batch["inputs"], config)
-    return cross_entropy(logits, batch["targets"], batch.get("mask"))
+    return transformer.loss_fn(params, batch, config, LAYERS)

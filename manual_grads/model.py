@@ -10,22 +10,30 @@ Forward, keeping each layer's residuals:
 Backward: the same list, bottom to top; the blocks run a reverse scan over the
 stacked residuals, whose outputs already have params["blocks"]' stacked layout.
 Attention is full or blockwise (manual_grads/blockwise.py), as config.attention_impl says.
+
+This is the one manual composition of the whole model. An optional ``tap`` (tap.py)
+sees every stage, forward and backward, with the names "embed", "blocks[l].ln1", ...,
+"ln_f", "head", "loss" (or one "head + loss" with loss_chunk > 0); the diagnosis of a
+non-finite value (jaxformer/training/diagnose.py) is built on it.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
-from jaxformer.model.params import validate_params
-from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
+from manual_grads.chunked_loss import ChunkedLossRes, chunked_head_loss_bwd, chunked_head_loss_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
-from manual_grads.linear import linear_bwd, linear_fwd
-from manual_grads.losses import cross_entropy_bwd, cross_entropy_fwd
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.remat import blocks_bwd, blocks_fwd
+from manual_grads.tap import tap_backward, tap_forward
 
 EMBED_KEYS = ("tok_embed", "pos_embed")
 
@@ -35,9 +43,42 @@ def embed_params(params):
     return {k: params[k] for k in EMBED_KEYS if k in params}
 
 
-def value_and_grad(params, batch, config: ModelConfig):
+class HeadLossRes(NamedTuple):
+    head: LinearRes  # x (B, T, D), w (D, V)
+    loss: CrossEntropyRes  # probs (B, T, V), targets, weights (B, T)
+
+
+def head_loss_fwd(head, x, targets, mask, config: ModelConfig, tap=None):
+    """x (B, T, D) -> (loss (), res): the head and the cross entropy, or with loss_chunk > 0
+    both chunk by chunk (res a ChunkedLossRes; no (B, T, V) logits)."""
+    cd = config.compute_dtype
+    if config.loss_chunk:
+        loss, res = chunked_head_loss_fwd(head, x, targets, mask, config.loss_chunk, cd)
+        tap_forward(tap, "head + loss", x, loss, head)
+        return loss, res
+    logits, head_res = linear_fwd(head, x, cd)  # (B, T, V)
+    tap_forward(tap, "head", x, logits, head)
+    loss, loss_res = cross_entropy_fwd(logits, targets, mask)  # ()
+    tap_forward(tap, "loss", logits, loss)
+    return loss, HeadLossRes(head_res, loss_res)
+
+
+def head_loss_bwd(res, dloss, tap=None):
+    """dloss () -> (dhead {"w", "b"}, dx (B, T, D))."""
+    if isinstance(res, ChunkedLossRes):
+        d_head, dx = chunked_head_loss_bwd(res, dloss)  # loss = chunked_head_loss(head, x)
+        tap_backward(tap, "head + loss", dloss, d_head, dx)
+        return d_head, dx
+    dlogits, _, _ = cross_entropy_bwd(res.loss, dloss)  # loss = cross_entropy(logits)
+    tap_backward(tap, "loss", dloss, None, dlogits)
+    d_head, dx = linear_bwd(res.head, dlogits)  # logits = x @ head.w + head.b
+    tap_backward(tap, "head", dlogits, d_head, dx)
+    return d_head, dx
+
+
+def value_and_grad(params, batch, config: ModelConfig, tap=None):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
-    structure and dtype of params. jit it with ``static_argnums=2``.
+    structure and dtype of params. jit it with ``static_argnums=2`` (and no tap).
 
     With config.compute_dtype (bfloat16) the products of forward and backward run in it
     with float32 accumulation; statistics, softmax and the loss in float32; each
@@ -46,32 +87,28 @@ def value_and_grad(params, batch, config: ModelConfig):
     validate_params(params, config)
     check_precision(params, config)
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
-    eps = config.ln_eps
+    emb = embed_params(params)
 
     # forward
-    x, embed_res = embed_fwd(embed_params(params), inputs, config)  # (B, T, D)
+    x, embed_res = embed_fwd(emb, inputs, config)  # (B, T, D)
     x = upcast(x)  # the residual stream runs in float32 or wider; embed_bwd casts back
-    x, blocks_res = blocks_fwd(params["blocks"], x, config)  # (B, T, D); residuals (L, ...)
+    tap_forward(tap, "embed", None, x, emb)
+    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap)  # (B, T, D); residuals (L, ...)
     if config.norm == "pre":
-        x, ln_f_res = layer_norm_fwd(params["ln_f"], x, eps)  # (B, T, D)
-    if config.loss_chunk:
-        loss, loss_res = chunked_head_loss_fwd(params["head"], x, targets, mask, config.loss_chunk,
-                                               config.compute_dtype)
-    else:
-        logits, head_res = linear_fwd(params["head"], x, config.compute_dtype)  # (B, T, V)
-        loss, loss_res = cross_entropy_fwd(logits, targets, mask)  # ()
+        h, ln_f_res = layer_norm_fwd(params["ln_f"], x, config.ln_eps)  # (B, T, D)
+        tap_forward(tap, "ln_f", x, h, params["ln_f"])
+        x = h
+    loss, loss_res = head_loss_fwd(params["head"], x, targets, mask, config, tap)  # ()
 
     # backward, in reverse
     grads = {}
-    dloss = jnp.ones((), loss.dtype)
-    if config.loss_chunk:
-        grads["head"], dx = chunked_head_loss_bwd(loss_res, dloss)  # (B, T, D)
-    else:
-        dlogits, _, _ = cross_entropy_bwd(loss_res, dloss)  # (B, T, V)
-        grads["head"], dx = linear_bwd(head_res, dlogits)  # (B, T, D)
+    grads["head"], dx = head_loss_bwd(loss_res, jnp.ones((), loss.dtype), tap)  # (B, T, D)
     if config.norm == "pre":
-        grads["ln_f"], dx = layer_norm_bwd(ln_f_res, dx)  # (B, T, D)
-    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config)  # (B, T, D)
-    d_embed, _ = embed_bwd(embed_res, dx)
+        grads["ln_f"], dh = layer_norm_bwd(ln_f_res, dx)  # x = ln_f(x)
+        tap_backward(tap, "ln_f", dx, grads["ln_f"], dh)
+        dx = dh
+    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap)  # (B, T, D)
+    d_embed, _ = embed_bwd(embed_res, dx)  # x = tok_embed[inputs] + positions
+    tap_backward(tap, "embed", dx, d_embed)
     grads.update(d_embed)
     return loss, grads

@@ -1,42 +1,65 @@
-"""Block recompute (remat "block"): the forward keeps each block's input, nothing else.
+"""The blocks over the layers, and block recompute (remat "block").
 
-    forward:  x_{l+1} = block_l(x_l), l = 0 .. L-1        keeps x_l (L, B, T, D)
+    forward:  x_{l+1}, res_l = block_fwd(p_l, x_l), l = 0 .. L-1    lax.scan; keeps res_l
+    backward: dp_l, dx_l = block_bwd(res_l, dx_{l+1})               reverse scan
+With remat "block" the forward keeps each block's input x_l (L, B, T, D), nothing else:
     backward: _, res_l = block_fwd(p_l, x_l)              recomputes block l's residuals
               dp_l, dx_l = block_bwd(res_l, dx_{l+1})     then undoes it
 Only one block's residuals are alive at a time, in the forward and in the backward.
+
+With a ``tap`` (tap.py) the layers run as a Python loop (the tap inspects values
+eagerly), the kept values are a list with one entry per layer, and layer l's stages
+are named under "blocks[l]."; a recomputed forward is not shown to the tap again.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
 from manual_grads.block import block_bwd, block_fwd
+from manual_grads.tap import within
 
 
-def blocks_fwd(blocks, x, config: ModelConfig):
-    """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), residuals).
-    remat "none": the residuals are each block's, stacked on L; "block": the inputs x_l (L, B, T, D)."""
-    if config.remat == "block":
-        step = lambda x, p: (block_fwd(p, x, config)[0], x)  # noqa: E731  keep the input only
-    else:
-        step = lambda x, p: block_fwd(p, x, config)  # noqa: E731
-    return jax.lax.scan(step, x, blocks)
+def _layer(blocks, l):
+    """Layer l's slice of params["blocks"]."""
+    return jax.tree_util.tree_map(lambda a: a[l], blocks)
 
 
-def blocks_bwd(blocks, res, dy, config: ModelConfig):
+def blocks_fwd(blocks, x, config: ModelConfig, tap=None):
+    """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), kept).
+    remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D)."""
+
+    def step(x, p, tap=None):
+        y, res = block_fwd(p, x, config, tap)  # x_{l+1} = block_l(x_l)
+        return y, (x if config.remat == "block" else res)
+
+    if tap is None:
+        return jax.lax.scan(step, x, blocks)
+    kept = []
+    for l in range(config.n_layers):
+        x, k = step(x, _layer(blocks, l), within(tap, f"blocks[{l}]."))
+        kept.append(k)
+    return x, kept
+
+
+def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None):
     """dy (B, T, D) -> (dblocks with params["blocks"]' stacked layout, dx (B, T, D)):
     a reverse scan; with remat "block" each step first recomputes its block's forward."""
-    if config.remat == "block":
-        def step(dx, xs):
-            p, x = xs
-            _, block_res = block_fwd(p, x, config)  # x_{l+1} = block_l(x_l), recomputed
-            dp, dx = block_bwd(block_res, dx)
-            return dx, dp
-        dx, dblocks = jax.lax.scan(step, dy, (blocks, res), reverse=True)
-    else:
-        def step(dx, block_res):
-            dp, dx = block_bwd(block_res, dx)  # x_{l+1} = block_l(x_l)
-            return dx, dp
-        dx, dblocks = jax.lax.scan(step, dy, res, reverse=True)
-    return dblocks, dx
+
+    def step(dx, p, k, tap=None):
+        if config.remat == "block":
+            _, k = block_fwd(p, k, config)  # x_{l+1} = block_l(x_l), recomputed
+        dp, dx = block_bwd(k, dx, tap)  # x_{l+1} = block_l(x_l)
+        return dx, dp
+
+    if tap is None:
+        p = blocks if config.remat == "block" else None  # only a recompute reads the params
+        dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy, (p, kept), reverse=True)
+        return dblocks, dx
+    dps = [None] * config.n_layers
+    dx = dy
+    for l in reversed(range(config.n_layers)):
+        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], within(tap, f"blocks[{l}]."))
+    return jax.tree_util.tree_map(lambda *g: jnp.stack(g), *dps), dx

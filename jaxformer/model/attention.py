@@ -57,16 +57,27 @@ def causal_mask(T):
     return jnp.tril(jnp.ones((T, T), dtype=bool))
 
 
-def attention_probs(q, k, causal, compute_dtype=None):
-    """q, k (B, H, T, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, T, T), future masked if causal.
-    q k^T runs in ``compute_dtype``; the softmax in float32 or wider."""
-    scores = upcast(matmul(q, jnp.swapaxes(k, -1, -2), compute_dtype)) / math.sqrt(q.shape[-1])
-    if causal:
-        T = q.shape[-2]
-        scores = jnp.where(causal_mask(T), scores, jnp.finfo(scores.dtype).min)
+def attention_scores(q, k, compute_dtype=None):
+    """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> q k^T / sqrt(Dh) (B, H, Tq, Tk): the product in
+    ``compute_dtype``, the scores in float32 or wider."""
+    return upcast(matmul(q, jnp.swapaxes(k, -1, -2), compute_dtype)) / math.sqrt(q.shape[-1])
+
+
+def masked_softmax(scores, mask=None):
+    """softmax over the last axis of scores (..., Tk) where mask (broadcast; None: all) is
+    True: masked scores get the dtype's minimum, and the row max (no gradient) is subtracted."""
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     e = jnp.exp(scores)
     return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def attention_probs(q, k, causal, compute_dtype=None):
+    """q, k (B, H, T, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, T, T), future masked if causal.
+    q k^T runs in ``compute_dtype``; the softmax in float32 or wider."""
+    scores = attention_scores(q, k, compute_dtype)  # (B, H, T, T)
+    return masked_softmax(scores, causal_mask(q.shape[-2]) if causal else None)
 
 
 def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128):

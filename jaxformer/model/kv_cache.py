@@ -7,20 +7,21 @@ trained on). ``forward_cached`` runs t new tokens at slots [start, start + t) an
 writes their keys and values; a prefill is t = S at start 0 (padding past the
 prompt is harmless: later slots are masked, and decoding overwrites them).
 
-The pieces are layers.py's, under the same precision policy: every product runs in
-config.compute_dtype through ``matmul`` / ``linear``, the softmax in float32 or wider.
+The block is block.py's ``compose_block`` with ``attention_cached`` as its attention
+(the same fused q|k|v product ``qkv_heads`` as training, then the scores against the
+whole cache); the other pieces are the model's, under the same precision policy: every
+product runs in config.compute_dtype through ``matmul`` / ``linear``, the softmax in
+float32 or wider.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
+from jaxformer.model.attention import attention_scores, masked_softmax, merge_heads, qkv_heads
+from jaxformer.model.block import BLOCK_LAYERS, compose_block
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.attention import merge_heads, split_heads
-from jaxformer.model.block import feed_forward
 from jaxformer.model.embedding import sinusoidal_positions, token_embedding
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
@@ -33,15 +34,6 @@ def init_cache(config: ModelConfig, batch: int, dtype) -> dict:
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def masked_softmax(scores, mask):
-    """softmax over the last axis of scores (..., Tk) where mask (broadcast) is True; as in
-    layers.attention_probs, masked scores get the dtype's minimum and the row max is subtracted."""
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
-    e = jnp.exp(scores)
-    return e / jnp.sum(e, axis=-1, keepdims=True)
-
-
 def attention_cached(p, x, cache_k, cache_v, start, n_heads, compute_dtype=None):
     """Causal attention of t new tokens at cache slots [start, start + t) over the cache.
 
@@ -50,14 +42,12 @@ def attention_cached(p, x, cache_k, cache_v, start, n_heads, compute_dtype=None)
     Returns out (B, t, D) and the updated cache_k, cache_v. Products in ``compute_dtype``.
     """
     cd = compute_dtype
-    q = split_heads(linear(x, p["wq"], p["bq"], cd), n_heads)  # (B, H, t, Dh)
-    k = split_heads(linear(x, p["wk"], p["bk"], cd), n_heads)  # (B, H, t, Dh)
-    v = split_heads(linear(x, p["wv"], p["bv"], cd), n_heads)  # (B, H, t, Dh)
+    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, t, Dh) each: one product x @ [wq | wk | wv]
     zero, start = jnp.int32(0), jnp.asarray(start, jnp.int32)
     at = (zero, zero, start, zero)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
     cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), at)
-    scores = upcast(matmul(q, jnp.swapaxes(cache_k, -1, -2), cd)) / math.sqrt(q.shape[-1])  # (B, H, t, S)
+    scores = attention_scores(q, cache_k, cd)  # (B, H, t, S)
     t, S = x.shape[1], cache_k.shape[2]
     mask = jnp.arange(S)[None, :] <= start + jnp.arange(t)[:, None]  # (t, S)
     probs = masked_softmax(scores, mask)  # (B, H, t, S)
@@ -66,23 +56,21 @@ def attention_cached(p, x, cache_k, cache_v, start, n_heads, compute_dtype=None)
 
 
 def block_cached(p, x, cache_k, cache_v, start, config: ModelConfig):
-    """layers.block for t new tokens at cache slots [start, start + t): x (B, t, D);
-    cache_k, cache_v (B, H, S, Dh) of this layer. Returns (x, cache_k, cache_v)."""
-    eps, H, act, cd = config.ln_eps, config.n_heads, config.activation, config.compute_dtype
-    if config.norm == "pre":
-        a, cache_k, cache_v = attention_cached(p["attn"], layer_norm(p["ln1"], x, eps),
-                                               cache_k, cache_v, start, H, cd)
-        x = x + a
-        x = x + feed_forward(p["ffn"], layer_norm(p["ln2"], x, eps), act, cd)
-    else:
-        a, cache_k, cache_v = attention_cached(p["attn"], x, cache_k, cache_v, start, H, cd)
-        x = layer_norm(p["ln1"], x + a, eps)
-        x = layer_norm(p["ln2"], x + feed_forward(p["ffn"], x, act, cd), eps)
+    """block.block for t new tokens at cache slots [start, start + t): x (B, t, D);
+    cache_k, cache_v (B, H, S, Dh) of this layer. Returns (x, cache_k, cache_v).
+    The block's own composition, with attention_cached as its attention."""
+
+    def attend(pa, h, config):  # (y, the updated cache): compose_block hands it back
+        y, k, v = attention_cached(pa, h, cache_k, cache_v, start, config.n_heads,
+                                   config.compute_dtype)
+        return y, (k, v)
+
+    x, (cache_k, cache_v) = compose_block(p, x, config, BLOCK_LAYERS._replace(attention=attend))
     return x, cache_k, cache_v
 
 
 def embed_at(params, inputs, start, config: ModelConfig):
-    """layers.embed of inputs int (B, t) at positions [start, start + t) (start may be traced)."""
+    """embedding.embed of inputs int (B, t) at positions [start, start + t) (start may be traced)."""
     x = token_embedding(params["tok_embed"], inputs)  # (B, t, D)
     t, D = inputs.shape[-1], config.d_model
     if config.positions == "learned":
