@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from jaxformer.model.activations import activation
-from jaxformer.model.attention import attention
+from jaxformer.model.attention import attention, attention_options
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
@@ -23,7 +23,7 @@ def block(p, x, config: ModelConfig):
     """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D)."""
     eps, H, causal, act = config.ln_eps, config.n_heads, config.causal, config.activation
     cd = config.compute_dtype
-    impl = dict(impl=config.attention_impl, block=config.attention_block)
+    impl = attention_options(config)
     if config.norm == "pre":
         x = x + attention(p["attn"], layer_norm(p["ln1"], x, eps), H, causal, cd, **impl)
         x = x + feed_forward(p["ffn"], layer_norm(p["ln2"], x, eps), act, cd)
