@@ -134,16 +134,19 @@ auto_vg = jax.jit(jax.value_and_grad(jaxformer.loss_fn), static_argnums=2)
 manual_vg = jax.jit(manual_grads.value_and_grad, static_argnums=2)
 
 
-@pytest.mark.parametrize("norm,causal,sources", [
-    ("pre", True, (manual_vg, auto_vg)), ("post", False, (manual_vg,))], ids=["pre", "post"])
-def test_model_gradients_equal_the_full_model(norm, causal, sources):
+@pytest.mark.parametrize("options,sources", [
+    (dict(norm="pre"), (manual_vg, auto_vg)),
+    (dict(norm="post", causal=False, remat="block", loss_chunk=16), (manual_vg,)),
+], ids=["pre", "post-bidirectional-remat-chunked"])
+def test_model_gradients_equal_the_full_model(options, sources):
     """manual_grads.value_and_grad with impl "pallas" (and, pre-norm, jax.grad(loss_fn),
     through the model's custom_vjp), under a loss mask, equals jax.grad of the same model
-    with full attention."""
-    config = MODEL.replace(norm=norm, causal=causal)
+    with full attention; post-norm, bidirectional, beside block recompute and the chunked loss."""
+    config = MODEL.replace(**options)
     params = make_params(config, jnp.float64)
     batch = make_batch(config, 2, T, "mostly_zero")
-    loss_ref, grads_ref = auto_vg(params, batch, config.replace(attention_impl="full"))
+    plain = config.replace(attention_impl="full", remat="none", loss_chunk=0)
+    loss_ref, grads_ref = auto_vg(params, batch, plain)
     for vg in sources:
         loss, grads = vg(params, batch, config)
         assert float(loss) == pytest.approx(float(loss_ref), rel=1e-12)

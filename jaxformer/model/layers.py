@@ -8,9 +8,10 @@ hand-derived one.
 
 from jaxformer.model.activations import (ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C,  # noqa: F401
                                          activation, gelu, gelu_tanh, relu, tanh)
-from jaxformer.model.attention import (attention, attention_probs, blockwise_attention,  # noqa: F401
-                                       causal_mask, merge_heads, merge_qkv, qkv_heads, qkv_weights,
-                                       split_heads, split_qkv)
+from jaxformer.model.attention import (attention, attention_options, attention_probs,  # noqa: F401
+                                       blockwise_attention, causal_mask, cudnn_attention,
+                                       merge_heads, merge_qkv, pallas_attention, qkv_heads,
+                                       qkv_weights, split_heads, split_qkv)
 from jaxformer.model.block import block, feed_forward  # noqa: F401
 from jaxformer.model.embedding import (embed, positions, sinusoidal_positions,  # noqa: F401
                                        token_embedding)
