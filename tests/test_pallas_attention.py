@@ -97,11 +97,14 @@ def test_gpu_tiling_in_interpret_mode(monkeypatch):
     assert_trees_close(grads_ref, grads, rtol=1e-10)
 
 
-@pytest.mark.parametrize("block", [0, 12, 24])
+def test_block_sizes_default_per_device():
+    assert pa.tiling(200, 64, 0, 0, device="gpu")[1:3] == pa.DEFAULT_BLOCKS["gpu"] == (64, 64)
+    assert pa.tiling(200, 64, 0, 0, device="cpu")[1:3] == pa.DEFAULT_BLOCKS["cpu"] == (128, 128)
+    assert pa.tiling(200, 64, 32, 0, device="cpu")[1:3] == (32, 128)
+
+
+@pytest.mark.parametrize("block", [12, 24, 8])
 def test_gpu_tiles_must_be_powers_of_two(block):
-    if block == 0:
-        assert pa.tiling(T, 8, block, 64, device="gpu").Kq == pa.DEFAULT_BLOCKS["gpu"][0]
-        return
     with pytest.raises(ValueError, match="ModelConfig.pallas_block_q must be a power of two >= 16"):
         pa.tiling(T, 8, block, 64, device="gpu")
 
