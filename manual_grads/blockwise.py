@@ -35,6 +35,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.attention import merge_heads, split_heads
 from manual_grads.attention import QKVRes, _proj, attention_bwd, attention_fwd, qkv_bwd, qkv_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.pallas_attention import PallasAttentionRes, pallas_attention_bwd, pallas_attention_fwd
 
 
 class BlockwiseCoreRes(NamedTuple):
@@ -161,7 +162,16 @@ def blockwise_attention_bwd(res: BlockwiseAttentionRes, dy):
 
 
 def any_attention_fwd(p, x, config: ModelConfig):
-    """The attention layer config.attention_impl names: full or blockwise."""
+    """The attention layer config.attention_impl names: full, blockwise or pallas
+    ("cudnn" has no hand-derived backward and is refused)."""
+    if config.attention_impl == "cudnn":
+        raise ValueError("attention_impl 'cudnn' has no hand-derived backward (cuDNN's kernel is "
+                         "differentiated by JAX's grad only): the manual gradient source cannot run "
+                         "it; use --grads auto, or attention_impl 'pallas' for a hand-written "
+                         "flash-attention backward")
+    if config.attention_impl == "pallas":
+        return pallas_attention_fwd(p, x, config.n_heads, config.causal, config.pallas_block_q,
+                                    config.pallas_block_k, config.compute_dtype)
     if config.attention_impl == "blockwise":
         return blockwise_attention_fwd(p, x, config.n_heads, config.causal, config.attention_block,
                                        config.compute_dtype)
@@ -170,6 +180,8 @@ def any_attention_fwd(p, x, config: ModelConfig):
 
 def any_attention_bwd(res, dy):
     """Undoes whichever attention forward made ``res``."""
+    if isinstance(res, PallasAttentionRes):
+        return pallas_attention_bwd(res, dy)
     if isinstance(res, BlockwiseAttentionRes):
         return blockwise_attention_bwd(res, dy)
     return attention_bwd(res, dy)

@@ -29,6 +29,7 @@ from manual_grads import embedding as _emb
 from manual_grads import layer_norm as _ln
 from manual_grads import linear as _lin
 from manual_grads import losses as _loss
+from manual_grads import pallas_attention as _pallas
 from manual_grads.model import embed_params
 
 
@@ -98,6 +99,15 @@ def feed_forward(p, x, activation_name, compute_dtype=None):
 def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
     """attention(p, x, n_heads, causal, compute_dtype) in blocks of ``block`` positions."""
     return _blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
+
+
+_pallas_attention = _register(_pallas.pallas_attention_fwd, _pallas.pallas_attention_bwd,
+                              nondiff_argnums=(2, 3, 4, 5, 6))
+
+
+def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None):
+    """attention(p, x, n_heads, causal, compute_dtype) with the Pallas flash-attention core."""
+    return _pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype)
 
 
 

@@ -1,4 +1,5 @@
-"""Multi-head attention: full (the (B, H, T, T) probabilities) or blockwise.
+"""Multi-head attention: full (the (B, H, T, T) probabilities), blockwise (a lax loop
+over blocks), pallas (the same online softmax as one Pallas kernel) or cudnn (cuDNN's).
 
 Head h of attention uses columns h*Dh:(h+1)*Dh of wq/wk/wv (Dh = D // H); q, k and v
 come out of one product x @ [wq | wk | wv]; scores are scaled by 1/sqrt(Dh)."""
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.blockwise import blockwise_attention_core
 from jaxformer.model.linear import linear
+from jaxformer.model.pallas_backward import flash_attention
 from jaxformer.model.precision import matmul, upcast
 
 def split_heads(x, n_heads):
@@ -80,11 +82,23 @@ def attention_probs(q, k, causal, compute_dtype=None):
     return masked_softmax(scores, causal_mask(q.shape[-2]) if causal else None)
 
 
-def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128):
+def attention_options(config) -> dict:
+    """The keyword arguments of ``attention`` a ModelConfig sets: impl and block sizes."""
+    return dict(impl=config.attention_impl, block=config.attention_block,
+                block_q=config.pallas_block_q, block_k=config.pallas_block_k)
+
+
+def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128, block_q=0, block_k=0):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D).
-    impl "blockwise" runs blockwise_attention with query and key blocks of ``block``."""
+    impl "blockwise" runs blockwise_attention with query and key blocks of ``block``;
+    "pallas" pallas_attention with blocks of block_q, block_k (0: the device's);
+    "cudnn" cudnn_attention."""
     if impl == "blockwise":
         return blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
+    if impl == "pallas":
+        return pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype)
+    if impl == "cudnn":
+        return cudnn_attention(p, x, n_heads, causal, compute_dtype)
     cd = compute_dtype
     q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
     probs = attention_probs(q, k, causal, cd)  # (B, H, T, T)
@@ -99,3 +113,41 @@ def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
     q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
     out, _ = blockwise_attention_core(q, k, v, causal, block, cd)  # (B, H, T, Dh)
     return linear(merge_heads(out), p["wo"], p["bo"], cd)
+
+
+def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None):
+    """attention(p, x, n_heads, causal) with the core softmax(q k^T / sqrt(Dh)) v as one
+    Pallas kernel (pallas_attention.py) whose derivative is the hand-written backward
+    kernels (pallas_backward.py); the projections are the linear layers above."""
+    cd = compute_dtype
+    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
+    out = flash_attention(q, k, v, causal, block_q, block_k, cd)  # (B, H, T, Dh)
+    return linear(merge_heads(out), p["wo"], p["bo"], cd)
+
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def check_cudnn(products_dtype) -> None:
+    """Raise ValueError where cuDNN's fused attention cannot run: off a GPU, or with
+    products in a dtype other than bfloat16 / float16."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise ValueError(f"attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); "
+                         f"the backend is {backend!r}: use 'pallas', 'blockwise' or 'full'")
+    if jnp.dtype(products_dtype).name not in CUDNN_DTYPES:
+        raise ValueError(f"attention_impl 'cudnn' needs bfloat16 or float16 products, not "
+                         f"{jnp.dtype(products_dtype).name}: set compute_dtype='bfloat16'")
+
+
+def cudnn_attention(p, x, n_heads, causal, compute_dtype=None):
+    """attention(p, x, n_heads, causal) with the core from jax.nn.dot_product_attention's
+    cuDNN implementation (GPU only, bfloat16 or float16 products; JAX's grad only)."""
+    cd = compute_dtype
+    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
+    dtype = jnp.dtype(cd or q.dtype)
+    check_cudnn(dtype)
+    q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")  # (B, T, H, Dh)
+    B, T = x.shape[:2]
+    return linear(out.reshape(B, T, -1), p["wo"], p["bo"], cd)

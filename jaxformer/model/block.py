@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import jax
 
 from jaxformer.model.activations import activation
-from jaxformer.model.attention import attention
+from jaxformer.model.attention import attention, attention_options
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
@@ -38,9 +38,8 @@ class BlockLayers(NamedTuple):
 
 
 def model_attention(p, x, config: ModelConfig):
-    """The attention config.attention_impl names (full or blockwise), with no aux: (y, None)."""
-    y = attention(p, x, config.n_heads, config.causal, config.compute_dtype,
-                  impl=config.attention_impl, block=config.attention_block)
+    """The attention config.attention_impl names (full, blockwise, pallas, cudnn), with no aux: (y, None)."""
+    y = attention(p, x, config.n_heads, config.causal, config.compute_dtype, **attention_options(config))
     return y, None
 
 

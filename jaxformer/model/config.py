@@ -14,7 +14,7 @@ from typing import Any
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh")
 NORMS = ("pre", "post")
 POSITIONS = ("learned", "sinusoidal")
-ATTENTION_IMPLS = ("full", "blockwise")
+ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,7 +34,10 @@ class ModelConfig:
     ln_eps: float = 1e-5  # added to the variance inside layer norm
     # --- memory: how the forward and the manual backward trade memory for compute
     attention_impl: str = "full"  # full: (B, H, T, T) probabilities; blockwise: online softmax over key blocks
+    # (pallas: the same as one Pallas kernel, GPU or CPU interpret mode; cudnn: cuDNN's, GPU, autodiff only)
     attention_block: int = 128  # query and key block size of blockwise attention (any T works)
+    pallas_block_q: int = 0  # pallas: query block size; 0 takes the device's (GPU 64, CPU interpret 128)
+    pallas_block_k: int = 0  # pallas: key block size; 0 takes the device's (GPU 64, CPU interpret 128)
     loss_chunk: int = 0  # 0: head + cross entropy on all positions; N: N positions at a time
     remat: str = "none"  # none: each block keeps its residuals; block: keep the input, recompute
     # --- precision: None computes in the params' dtype; else matmul inputs are cast to it
@@ -71,6 +74,11 @@ class ModelConfig:
                 or self.attention_block <= 0:
             raise ValueError(
                 f"ModelConfig.attention_block must be a positive integer, got {self.attention_block!r}")
+        for name in ("pallas_block_q", "pallas_block_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"ModelConfig.{name} must be a non-negative integer "
+                                 f"(0: the device's default), got {value!r}")
         if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             raise ValueError(
                 f"ModelConfig.loss_chunk must be a non-negative integer (0: no chunking), "
@@ -79,6 +87,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.compute_dtype must be None (the params' dtype) or one of "
                 f"{', '.join(COMPUTE_DTYPES)}; got {self.compute_dtype!r}")
+        if self.attention_impl == "cudnn" and self.compute_dtype == "float32":
+            raise ValueError("ModelConfig.attention_impl 'cudnn' cannot run with compute_dtype "
+                             "'float32': cuDNN's fused attention reads bfloat16 or float16; "
+                             "set compute_dtype='bfloat16'")
 
     @property
     def d_head(self) -> int:

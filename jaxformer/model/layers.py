@@ -8,10 +8,11 @@ hand-derived one.
 
 from jaxformer.model.activations import (ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C,  # noqa: F401
                                          activation, gelu, gelu_tanh, relu, tanh)
-from jaxformer.model.attention import (attention, attention_probs, attention_scores,  # noqa: F401
-                                       blockwise_attention, causal_mask, masked_softmax,
-                                       merge_heads, merge_qkv, qkv_heads, qkv_weights,
-                                       split_heads, split_qkv)
+from jaxformer.model.attention import (attention, attention_options, attention_probs,  # noqa: F401
+                                       attention_scores, blockwise_attention, causal_mask,
+                                       cudnn_attention, masked_softmax, merge_heads, merge_qkv,
+                                       pallas_attention, qkv_heads, qkv_weights, split_heads,
+                                       split_qkv)
 from jaxformer.model.block import (BLOCK_LAYERS, BlockLayers, block, compose_block,  # noqa: F401
                                    feed_forward, remat_block)
 from jaxformer.model.embedding import (embed, positions, sinusoidal_positions,  # noqa: F401

@@ -47,8 +47,8 @@ from manual_grads.model import value_and_grad
 
 def settings(config: ModelConfig) -> str:
     """The layer implementations and precision diagnose_batch runs for ``config``."""
-    attn = (f"blockwise attention (block {config.attention_block})"
-            if config.attention_impl == "blockwise" else "full attention")
+    attn = {"blockwise": f"blockwise attention (block {config.attention_block})",
+            "pallas": "pallas flash attention"}.get(config.attention_impl, "full attention")
     products = f"products in {config.compute_dtype or 'the params dtype'}"
     loss = (f"head + loss in chunks of {config.loss_chunk}" if config.loss_chunk
             else "head and loss over all positions")
