@@ -15,9 +15,9 @@ import tokenize
 
 import jax
 import jax.ad_checkpoint
-import jax.extend.core
 import jax.numpy as jnp
 import pytest
+from helpers import equations
 from jax._src.interpreters import ad as jax_ad
 
 import manual_grads
@@ -121,18 +121,8 @@ def no_autodiff(monkeypatch):
 
 
 def primitives(jaxpr) -> set[str]:
-    """Names of every primitive in ``jaxpr`` and in the jaxprs nested in its equations
-    (scan bodies, cond branches, custom rules)."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        found.add(eqn.primitive.name)
-        for param in eqn.params.values():
-            for sub in (param if isinstance(param, (tuple, list)) else [param]):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found |= primitives(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found |= primitives(sub)
-    return found
+    """Names of every primitive in ``jaxpr`` and in the jaxprs nested in it."""
+    return {eqn.primitive.name for eqn in equations(jaxpr)}
 
 
 TINY = ModelConfig(vocab_size=11, d_model=8, n_heads=2, n_layers=2, d_ff=12, max_seq_len=8)
