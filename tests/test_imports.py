@@ -1,6 +1,7 @@
 """Imports flow one way (tests/import_rules.py states the rules): the checker is first
 shown to catch each kind of breach in small fake packages, then run on the real one."""
 
+import collections
 import pathlib
 import textwrap
 
@@ -156,4 +157,6 @@ def test_real_package_is_scanned():
 
 def test_real_package_imports_flow_one_way():
     found = check(ROOT)
-    assert not found, f"{len(found)} import rule violation(s):\n" + "\n".join(map(str, found))
+    by_rule = collections.Counter(v.rule for v in found)
+    summary = ", ".join(f"{rule} {n}" for rule, n in sorted(by_rule.items()))
+    assert not found, f"{len(found)} import rule violation(s) ({summary}):\n" + "\n".join(map(str, found))
