@@ -1,42 +1,18 @@
 """manual_grads.attention against jax.vjp of jaxformer.model.attention, in float64."""
 
-from functools import partial
-
-import jax
 import numpy as np
 import pytest
+from helpers import Layer, assert_layer_matches_vjp, attention_params
 
 from jaxformer.model.attention import attention
 from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
-from manual_grads.check import assert_trees_close
 
-
-def make(seed, B, T, D):
-    rng = np.random.default_rng(seed)
-    p = {}
-    for name in "qkvo":
-        p["w" + name] = rng.standard_normal((D, D)) / np.sqrt(D)
-        p["b" + name] = 0.5 * rng.standard_normal(D)
-    return p, rng.standard_normal((B, T, D)), rng.standard_normal((B, T, D))
-
-
-def manual(p, x, dy, H, causal):
-    y, res = attention_fwd(p, x, H, causal)
-    return y, attention_bwd(res, dy)
-
-
-@partial(jax.jit, static_argnums=(3, 4))
-def reference(p, x, dy, H, causal):
-    y, vjp = jax.vjp(lambda p, x: attention(p, x, H, causal), p, x)
-    return y, vjp(dy)
+ATTENTION = Layer(attention_fwd, attention_bwd, attention)
 
 
 def check(B, T, D, H, causal, jit, seed=0):
-    p, x, dy = make(seed, B, T, D)
-    y, (dp, dx) = (jax.jit(manual, static_argnums=(3, 4)) if jit else manual)(p, x, dy, H, causal)
-    y_ref, (dp_ref, dx_ref) = reference(p, x, dy, H, causal)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
-    assert_trees_close((dp_ref, dx_ref), (dp, dx), rtol=1e-10)
+    p, x, dy = attention_params(seed, B, T, D)
+    (_, (dp, _)), _ = assert_layer_matches_vjp(ATTENTION, (p, x), dy, static=(H, causal), jit=jit)
     return dp
 
 

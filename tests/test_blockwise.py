@@ -6,31 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Layer, assert_layer_matches_vjp, attention_params, layer_and_vjp, vjp_of_forward
 
 from jaxformer.model.blockwise import blockwise_attention_core
 from jaxformer.model.attention import attention, attention_probs, blockwise_attention
 from manual_grads.blockwise import (BlockwiseCoreRes, CausalBlockwiseCoreRes, blockwise_attention_bwd,
                                     blockwise_attention_fwd, blockwise_core_bwd, blockwise_core_fwd)
 from manual_grads.check import assert_trees_close, compare_trees
-from test_attention import make
 
 D, H = 8, 2
-
-
-def manual(p, x, dy, causal, block):
-    y, res = blockwise_attention_fwd(p, x, H, causal, block)
-    return y, blockwise_attention_bwd(res, dy)
-
-
-MANUAL = jax.jit(manual, static_argnums=(3, 4))
-
-
-def reference(p, x, dy, causal):
-    y, vjp = jax.vjp(lambda p, x: attention(p, x, H, causal), p, x)
-    return y, vjp(dy)
-
-
-REFERENCE = jax.jit(reference, static_argnums=3)
+# the manual blockwise pair against jax.vjp of the full layer (the block size aside)
+BLOCKWISE = Layer(blockwise_attention_fwd, blockwise_attention_bwd,
+                  lambda p, x, H, causal, block: attention(p, x, H, causal))
 
 
 # (B, T, block, causal): T = 1, T < block, T a multiple of the block, T not a multiple
@@ -38,12 +25,9 @@ REFERENCE = jax.jit(reference, static_argnums=3)
     (1, 1, 4, True), (2, 3, 5, False), (2, 8, 4, True), (3, 13, 4, True), (2, 13, 5, False),
 ])
 def test_blockwise_layer_matches_full(B, T, block, causal):
-    p, x, dy = make(0, B, T, D)
-    y, (dp, dx) = MANUAL(p, x, dy, causal, block)
-    y_ref, (dp_ref, dx_ref) = REFERENCE(p, x, dy, causal)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
+    p, x, dy = attention_params(0, B, T, D)
+    _, (y_ref, _) = assert_layer_matches_vjp(BLOCKWISE, (p, x), dy, static=(H, causal, block))
     np.testing.assert_allclose(blockwise_attention(p, x, H, causal, block), y_ref, rtol=1e-13, atol=1e-13)
-    assert_trees_close((dp_ref, dx_ref), (dp, dx), rtol=1e-10)
 
 
 def test_float32_within_tolerance():
@@ -51,11 +35,11 @@ def test_float32_within_tolerance():
     inputs: each leaf within the float32 tolerance (1e-4), or no worse than twice the full
     layer's own float32 error. (The key bias's true gradient is 0, softmax being shift
     invariant: in float32 both layers give round-off near the comparison's floor.)"""
-    p, x, dy = (jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), t) for t in make(1, 2, 13, D))
-    y, grads = MANUAL(p, x, dy, True, 4)
-    _, grads_full32 = REFERENCE(p, x, dy, True)
+    p, x, dy = (jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), t)
+                for t in attention_params(1, 2, 13, D))
+    (y, grads), (_, grads_full32) = layer_and_vjp(BLOCKWISE, (p, x), dy, static=(H, True, 4))
     to64 = lambda t: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)  # noqa: E731
-    y_ref, grads_ref = REFERENCE(to64(p), to64(x), to64(dy), True)
+    y_ref, grads_ref = vjp_of_forward(BLOCKWISE, (to64(p), to64(x)), to64(dy), static=(H, True, 4))
     assert y.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     full32 = {r.path: r.rel for r in compare_trees(grads_ref, grads_full32)}
@@ -100,11 +84,12 @@ def test_causal_blocks_above_the_diagonal_are_skipped():
 def test_custom_vjp_blockwise_attention_runs_the_manual_rule():
     from manual_grads import custom_vjp
 
-    p, x, dy = make(4, 2, 13, D)
+    p, x, dy = attention_params(4, 2, 13, D)
 
     @jax.jit
     def grads(p, x, dy):
         _, vjp = jax.vjp(lambda p, x: custom_vjp.blockwise_attention(p, x, H, True, 4), p, x)
         return vjp(dy)
 
-    assert_trees_close(REFERENCE(p, x, dy, True)[1], grads(p, x, dy), rtol=1e-10)
+    _, grads_ref = vjp_of_forward(BLOCKWISE, (p, x), dy, static=(H, True, 4))
+    assert_trees_close(grads_ref, grads(p, x, dy), rtol=1e-10)

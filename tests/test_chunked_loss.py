@@ -5,15 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Layer, assert_layer_matches_vjp, layer_and_vjp, masks
 
 from jaxformer.model.chunked_loss import chunked_head_loss
 from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
 from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
-from manual_grads.check import assert_trees_close
-from test_losses import masks
 
 B, T, D, V = 2, 7, 6, 11
+# the manual chunked pair against jax.vjp of the unchunked head + cross entropy
+CHUNKED = Layer(chunked_head_loss_fwd, chunked_head_loss_bwd,
+                lambda h, x, targets, mask, chunk: cross_entropy(linear(x, h["w"], h["b"]), targets, mask))
+CHUNKED_AUTO = jax.jit(chunked_head_loss, static_argnums=4)
 
 
 def make(seed):
@@ -23,31 +26,21 @@ def make(seed):
     return head, x, jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32), float(rng.standard_normal())
 
 
-def both(head, x, targets, mask, dloss, chunk):
-    loss, res = chunked_head_loss_fwd(head, x, targets, mask, chunk)
-    ref, vjp = jax.vjp(lambda h, x: cross_entropy(linear(x, h["w"], h["b"]), targets, mask), head, x)
-    return (loss, chunked_head_loss_bwd(res, dloss)), (ref, vjp(dloss)), chunked_head_loss(
-        head, x, targets, mask, chunk)
-
-
-BOTH = jax.jit(both, static_argnums=5)
-
-
 # chunk 1, 3 (14 = 4 * 3 + 2: a padded tail), 7 (divides 14), 14 (all), 20 (more than all)
 @pytest.mark.parametrize("chunk,mask_name", [
     (1, "none"), (3, "mostly_zero"), (7, "bool"), (14, "none"), (20, "mostly_zero"), (3, "int")])
 def test_chunked_matches_full(chunk, mask_name):
     head, x, targets, dloss = make(0)
     mask = masks(1, B, T)[mask_name]
-    (loss, grads), (ref, grads_ref), loss_auto = BOTH(head, x, targets, mask, dloss, chunk)
-    np.testing.assert_allclose(loss, ref, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(loss_auto, ref, rtol=1e-12, atol=1e-12)
-    assert_trees_close(grads_ref, grads, rtol=1e-10)
+    _, (ref, _) = assert_layer_matches_vjp(CHUNKED, (head, x), dloss, consts=(targets, mask), static=(chunk,),
+                                           y_rtol=1e-12, y_atol=1e-12)
+    np.testing.assert_allclose(CHUNKED_AUTO(head, x, targets, mask, chunk), ref, rtol=1e-12, atol=1e-12)
 
 
 def test_all_zero_mask_gives_zero():
     head, x, targets, dloss = make(2)
-    (loss, (dp, dx)), _, _ = BOTH(head, x, targets, np.zeros((B, T)), dloss, 3)
+    (loss, (dp, dx)), _ = layer_and_vjp(CHUNKED, (head, x), dloss, consts=(targets, np.zeros((B, T))),
+                                        static=(3,))
     assert float(loss) == 0.0
     assert not np.any(dx) and not np.any(dp["w"]) and not np.any(dp["b"])
 

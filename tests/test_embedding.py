@@ -1,15 +1,12 @@
 """manual_grads.embedding against jax.vjp of jaxformer.model.embed, in float64."""
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Layer, assert_layer_matches_vjp
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import embed, sinusoidal_positions, token_embedding
-from manual_grads.check import assert_trees_close
 from manual_grads.embedding import (embed_bwd, embed_fwd, learned_positions_bwd,
                                     learned_positions_fwd, token_embed_bwd, token_embed_fwd)
 
@@ -23,15 +20,8 @@ def make(seed, config, B, T):
     return p, ids, rng.standard_normal((B, T, config.d_model))
 
 
-def manual(p, ids, dx, config):
-    x, res = embed_fwd(p, ids, config)
-    return x, embed_bwd(res, dx)
-
-
-@partial(jax.jit, static_argnums=3)
-def reference(p, ids, dx, config):
-    x, vjp = jax.vjp(lambda p: embed(p, ids, config), p)
-    return x, vjp(dx)[0]
+# token ids are not differentiated: embed_bwd gives None for them, jax.vjp nothing
+EMBED = Layer(embed_fwd, embed_bwd, embed, cotangents=lambda out: out[:1])
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -40,11 +30,10 @@ def reference(p, ids, dx, config):
 def test_embed_matches_autodiff(positions, B, T, jit):
     config = ModelConfig(vocab_size=7, d_model=6, n_heads=2, max_seq_len=12, positions=positions)
     p, ids, dx = make(0, config, B, T)
-    x, (dp, d_ids) = (jax.jit(manual, static_argnums=3) if jit else manual)(p, ids, dx, config)
-    x_ref, dp_ref = reference(p, ids, dx, config)
-    np.testing.assert_allclose(x, x_ref, rtol=1e-14, atol=1e-14)
+    # also fails on a missing or extra leaf
+    (_, (dp, d_ids)), _ = assert_layer_matches_vjp(EMBED, (p,), dx, consts=(ids,), static=(config,), jit=jit,
+                                                   y_rtol=1e-14, y_atol=1e-14)
     assert d_ids is None
-    assert_trees_close(dp_ref, dp, rtol=1e-10)  # also fails on a missing or extra leaf
     assert set(dp) == set(p)  # no pos_embed when positions are sinusoidal
 
 

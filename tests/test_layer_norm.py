@@ -1,16 +1,15 @@
 """manual_grads.layer_norm against jax.vjp of jaxformer.model.layer_norm, in float64."""
 
-from functools import partial
-
-import jax
 import numpy as np
 import pytest
+from helpers import Layer, assert_layer_matches_vjp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxformer.model.layer_norm import layer_norm
-from manual_grads.check import assert_trees_close
 from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
+
+LAYER_NORM = Layer(layer_norm_fwd, layer_norm_bwd, layer_norm)
 
 
 def make(seed, shape):
@@ -23,22 +22,8 @@ def make(seed, shape):
     return p, x, rng.standard_normal(shape)
 
 
-def manual(p, x, dy, eps):
-    y, res = layer_norm_fwd(p, x, eps)
-    return y, layer_norm_bwd(res, dy)
-
-
-@partial(jax.jit, static_argnums=3)
-def reference(p, x, dy, eps):
-    y, vjp = jax.vjp(lambda p, x: layer_norm(p, x, eps), p, x)
-    return y, vjp(dy)
-
-
 def check(p, x, dy, eps, jit):
-    y, grads = (jax.jit(manual, static_argnums=3) if jit else manual)(p, x, dy, eps)
-    y_ref, grads_ref = reference(p, x, dy, eps)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
-    assert_trees_close(grads_ref, grads, rtol=1e-10)
+    assert_layer_matches_vjp(LAYER_NORM, (p, x), dy, static=(eps,), jit=jit)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -55,7 +40,8 @@ def test_layer_norm_leading_dims(shape):
 def test_layer_norm_width_one():
     """D = 1: xhat is 0, so dx is 0 and only the bias gets a gradient."""
     p, x, dy = make(1, (2, 3, 1))
-    dp, dx = manual(p, x, dy, 1e-5)[1]
+    _, res = layer_norm_fwd(p, x, 1e-5)
+    dp, dx = layer_norm_bwd(res, dy)
     np.testing.assert_array_equal(dx, 0.0)
     np.testing.assert_allclose(dp["bias"], dy.sum(axis=(0, 1)), rtol=1e-14)
 

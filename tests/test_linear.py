@@ -1,15 +1,16 @@
 """manual_grads.linear against jax.vjp of jaxformer.model.linear, in float64."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Layer, assert_layer_matches_vjp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxformer.model.linear import linear
-from manual_grads.check import assert_trees_close
 from manual_grads.linear import linear_bwd, linear_fwd
+
+LINEAR = Layer(linear_fwd, linear_bwd, lambda p, x: linear(x, p["w"], p["b"]))
 
 
 def make(seed, lead, I, O):
@@ -18,22 +19,8 @@ def make(seed, lead, I, O):
     return p, rng.standard_normal((*lead, I)), rng.standard_normal((*lead, O))
 
 
-def manual(p, x, dy):
-    y, res = linear_fwd(p, x)
-    return y, linear_bwd(res, dy)
-
-
-@jax.jit
-def reference(p, x, dy):
-    y, vjp = jax.vjp(lambda p, x: linear(x, p["w"], p["b"]), p, x)
-    return y, vjp(dy)
-
-
 def check(p, x, dy, jit):
-    y, (dp, dx) = (jax.jit(manual) if jit else manual)(p, x, dy)
-    y_ref, grads_ref = reference(p, x, dy)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
-    assert_trees_close(grads_ref, (dp, dx), rtol=1e-10)
+    (_, (dp, dx)), _ = assert_layer_matches_vjp(LINEAR, (p, x), dy, jit=jit)
     assert dp["w"].dtype == dp["b"].dtype == dx.dtype == jnp.float64
 
 

@@ -1,6 +1,18 @@
-"""jaxformer.memory at a tiny shape: the structure of its figures (no timing assertions)."""
+"""jaxformer.tools.memory: the structure of its report at a tiny shape, and XLA's memory
+plan at a small one, where each lean option must save temp memory (no timing assertions)."""
 
+import pytest
+
+import manual_grads
 from jaxformer.tools import memory
+
+# Small, yet each option's saving is plain in the plan: the logits (B, T, V) and the
+# attention probabilities (B, H, T, T) per layer both weigh on the peak.
+SHAPE = dict(seq_len=64, d_model=16, n_heads=4, n_layers=2, vocab_size=512, attention_block=16)
+BATCH, LOSS_CHUNK = 2, 16
+LEAN_OPTIONS = {"blockwise": dict(attention_impl="blockwise"), "chunked_loss": dict(loss_chunk=LOSS_CHUNK),
+                "remat": dict(remat="block")}
+SAVING = 0.9  # each lean option's temp memory at most this fraction of the plain model's
 
 
 def test_memory_report_structure():
@@ -18,3 +30,27 @@ def test_memory_report_structure():
     text = memory.format_report(report, 8, 16)
     assert "(a)" in text and "(b)" in text and "(c)" in text
 
+
+@pytest.fixture(scope="module")
+def temp_bytes():
+    """{name: XLA temp bytes of one gradient at SHAPE}: autodiff and manual of the plain model,
+    and the manual gradient with each lean option alone."""
+    config = memory.memory_config(**SHAPE)
+    stats = memory.measure_memory(config, BATCH, SHAPE["seq_len"], LOSS_CHUNK, sources=("autodiff", "manual"))
+    temps = {name: m.temp_bytes for name, m in stats.items()}
+    args = memory.abstract_inputs(config, BATCH, SHAPE["seq_len"])
+    for name, options in LEAN_OPTIONS.items():
+        grads = lambda params, batch, cfg=config.replace(**options): manual_grads.value_and_grad(  # noqa: E731
+            params, batch, cfg)
+        temps[name] = memory.compiled_memory(grads, *args).temp_bytes
+    return temps
+
+
+@pytest.mark.parametrize("option", LEAN_OPTIONS)
+def test_lean_option_needs_less_temp_memory(temp_bytes, option):
+    ratio = temp_bytes[option] / temp_bytes["manual"]
+    assert ratio <= SAVING, f"{option}: temp {temp_bytes[option]} B is {ratio:.2f}x the plain model's"
+
+
+def test_manual_backward_needs_no_more_than_autodiff(temp_bytes):
+    assert temp_bytes["manual"] <= temp_bytes["autodiff"], temp_bytes

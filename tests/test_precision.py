@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bfloat16_within_autodiff, auto_vg, dot_generals, manual_vg
 
 from jaxformer import init_params, loss_fn
 from jaxformer.tools import compare
@@ -42,14 +43,6 @@ def params_for(config, dtype=jnp.float32):
     return init_params(jax.random.PRNGKey(0), config, dtype)
 
 
-auto_vg = jax.jit(jax.value_and_grad(loss_fn), static_argnums=2)
-manual_vg = jax.jit(value_and_grad, static_argnums=2)
-
-
-def leaf_rels(ref, got):
-    return {c.path: c.rel for c in check.compare_trees(ref, got)}
-
-
 # ---------------------------------------------------------------------------- bfloat16
 
 
@@ -60,34 +53,6 @@ def leaf_rels(ref, got):
 def test_bfloat16_manual_error_is_within_autodiff_error(norm, activation, positions):
     config = SMALL.replace(norm=norm, activation=activation, positions=positions)
     assert_bfloat16_within_autodiff(params_for(config), batch_for(config), config)
-
-
-def assert_bfloat16_within_autodiff(params, batch, config):
-    """Under compute_dtype bfloat16, each leaf's manual gradient is as close to the
-    float32 reference (the same params without a compute dtype) as autodiff's."""
-    mixed = config.replace(compute_dtype="bfloat16")
-    loss_ref, ref = auto_vg(params, batch, config)
-    loss_a, grads_a = auto_vg(params, batch, mixed)
-    loss_m, grads_m = manual_vg(params, batch, mixed)
-    assert {x.dtype for x in jax.tree_util.tree_leaves((grads_a, grads_m))} == {jnp.dtype("float32")}
-    err_a, err_m = leaf_rels(ref, grads_a), leaf_rels(ref, grads_m)
-    for path in err_a:
-        assert compare.mixed_precision_passed(err_m[path], err_a[path]), (path, err_m[path], err_a[path])
-    # bfloat16 really ran: the gradients moved by bfloat16 round-off (2^-9), not float32's
-    assert 1e-4 < max(err_a.values()) < 0.1 and 1e-4 < max(err_m.values()) < 0.1
-    assert float(loss_m) == pytest.approx(float(loss_a), rel=1e-6)
-    assert float(loss_a) == pytest.approx(float(loss_ref), rel=1e-2)
-
-
-def dot_generals(jaxpr):
-    """Every dot_general equation of a jaxpr, inside scans and jits too."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if hasattr(sub, "eqns"):
-                    yield from dot_generals(getattr(sub, "jaxpr", sub))
 
 
 def test_policy_products_in_bfloat16_params_and_grads_in_float32():

@@ -1,7 +1,7 @@
 """bfloat16 products (ModelConfig.compute_dtype) in the memory options: blockwise
 attention, the chunked head + cross entropy and block recompute, alone and together.
 
-Gradients are judged as compare-grads judges them (test_precision.py): each source
+Gradients are judged as compare-grads judges them (helpers.assert_bfloat16_within_autodiff): each source
 against a reference from the same float32 params without the compute dtype, the
 manual error at most compare.MIXED_FACTOR times autodiff's (or than MIXED_FLOOR).
 """
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_precision import assert_bfloat16_within_autodiff, dot_generals, manual_vg
+from helpers import assert_bfloat16_within_autodiff, dot_generals, manual_vg
 
 from jaxformer import init_params
 from jaxformer.training import diagnose

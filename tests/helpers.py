@@ -1,0 +1,140 @@
+"""Helpers shared by the test files: one manual-layer-vs-jax.vjp harness, the
+bfloat16-vs-autodiff judgement, the equations of a jaxpr, and test inputs."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import loss_fn
+from jaxformer.tools import compare
+from manual_grads import check, value_and_grad
+
+# ---------------------------------------------------------------- a manual layer against jax.vjp
+
+
+def _same(cotangents):
+    return cotangents
+
+
+class Layer(NamedTuple):
+    """A manual pair and the model function it mirrors, each called as
+    ``f(*primals, *consts, *static)``: primals are differentiated, consts are arrays that
+    are not (token ids, targets, masks), static are Python values (jit-static)."""
+    fwd: Callable  # -> (y, res)
+    bwd: Callable  # (res, dy) -> cotangents
+    forward: Callable  # the model's function -> y
+    cotangents: Callable = _same  # bwd's output -> the primals' cotangents, as jax.vjp gives them
+
+
+def _manual(layer, primals, consts, dy, static):
+    y, res = layer.fwd(*primals, *consts, *static)
+    return y, layer.bwd(res, dy)
+
+
+def _reference(layer, primals, consts, dy, static):
+    y, vjp = jax.vjp(lambda *p: layer.forward(*p, *consts, *static), *primals)
+    return y, vjp(dy)
+
+
+def _both(layer, primals, consts, dy, static):
+    return _manual(layer, primals, consts, dy, static), _reference(layer, primals, consts, dy, static)
+
+
+_BOTH = jax.jit(_both, static_argnums=(0, 4))  # one compile per case for manual and reference
+_REFERENCE = jax.jit(_reference, static_argnums=(0, 4))
+
+
+def layer_and_vjp(layer: Layer, primals, dy, consts=(), static=(), jit: bool = True):
+    """((y, bwd's output), (y_ref, jax.vjp's cotangents)): the manual pair run jitted with the
+    reference, or eagerly (``jit=False``) beside the jitted reference."""
+    args = (layer, tuple(primals), tuple(consts), dy, tuple(static))
+    return _BOTH(*args) if jit else (_manual(*args), _REFERENCE(*args))
+
+
+def vjp_of_forward(layer: Layer, primals, dy, consts=(), static=()):
+    """(y_ref, jax.vjp's cotangents) of the model function alone, jitted."""
+    return _REFERENCE(layer, tuple(primals), tuple(consts), dy, tuple(static))
+
+
+def assert_layer_matches_vjp(layer: Layer, primals, dy, consts=(), static=(), *, jit: bool = True,
+                             y_rtol: float = 1e-13, y_atol: float = 1e-13, rtol: float = 1e-10):
+    """The manual pair's output equals the model function's within (y_rtol, y_atol) and its
+    cotangents equal jax.vjp's leaf by leaf within ``rtol`` (a missing or extra leaf fails).
+    Returns ((y, bwd's output), (y_ref, jax.vjp's cotangents))."""
+    (y, out), (y_ref, grads_ref) = layer_and_vjp(layer, primals, dy, consts, static, jit)
+    np.testing.assert_allclose(y, y_ref, rtol=y_rtol, atol=y_atol)
+    check.assert_trees_close(grads_ref, layer.cotangents(out), rtol=rtol)
+    return (y, out), (y_ref, grads_ref)
+
+
+# ---------------------------------------------------------------- bfloat16 against autodiff
+
+auto_vg = jax.jit(jax.value_and_grad(loss_fn), static_argnums=2)
+manual_vg = jax.jit(value_and_grad, static_argnums=2)
+
+
+def leaf_rels(ref, got):
+    return {c.path: c.rel for c in check.compare_trees(ref, got)}
+
+
+def assert_bfloat16_within_autodiff(params, batch, config):
+    """Under compute_dtype bfloat16, each leaf's manual gradient is as close to the
+    float32 reference (the same params without a compute dtype) as autodiff's."""
+    mixed = config.replace(compute_dtype="bfloat16")
+    loss_ref, ref = auto_vg(params, batch, config)
+    loss_a, grads_a = auto_vg(params, batch, mixed)
+    loss_m, grads_m = manual_vg(params, batch, mixed)
+    assert {x.dtype for x in jax.tree_util.tree_leaves((grads_a, grads_m))} == {jnp.dtype("float32")}
+    err_a, err_m = leaf_rels(ref, grads_a), leaf_rels(ref, grads_m)
+    for path in err_a:
+        assert compare.mixed_precision_passed(err_m[path], err_a[path]), (path, err_m[path], err_a[path])
+    # bfloat16 really ran: the gradients moved by bfloat16 round-off (2^-9), not float32's
+    assert 1e-4 < max(err_a.values()) < 0.1 and 1e-4 < max(err_m.values()) < 0.1
+    assert float(loss_m) == pytest.approx(float(loss_a), rel=1e-6)
+    assert float(loss_a) == pytest.approx(float(loss_ref), rel=1e-2)
+
+
+# ---------------------------------------------------------------- jaxprs
+
+
+def equations(jaxpr):
+    """Every equation of a jaxpr, and of the jaxprs nested in its equations (scan and
+    while bodies, cond branches, jit calls, custom rules)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if hasattr(sub, "eqns"):
+                    yield from equations(getattr(sub, "jaxpr", sub))
+
+
+def dot_generals(jaxpr):
+    """Every dot_general equation of a jaxpr, inside scans and jits too."""
+    return (eqn for eqn in equations(jaxpr) if eqn.primitive.name == "dot_general")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def attention_params(seed, B, T, D):
+    """Attention params {wq, bq, ..., wo, bo} (D, D) / (D,), an input x and a cotangent dy (B, T, D)."""
+    rng = np.random.default_rng(seed)
+    p = {}
+    for name in "qkvo":
+        p["w" + name] = rng.standard_normal((D, D)) / np.sqrt(D)
+        p["b" + name] = 0.5 * rng.standard_normal(D)
+    return p, rng.standard_normal((B, T, D)), rng.standard_normal((B, T, D))
+
+
+def masks(seed, B, T):
+    """Loss masks by name: none, mostly zero (one position kept at least), bool, int, all zero."""
+    rng = np.random.default_rng(seed)
+    mostly_zero = (rng.random((B, T)) < 0.2).astype(np.float64)
+    mostly_zero.flat[0] = 1.0
+    return {"none": None, "mostly_zero": mostly_zero, "bool": rng.random((B, T)) < 0.5,
+            "int": (rng.random((B, T)) < 0.5).astype(np.int32), "zeros": np.zeros((B, T))}
