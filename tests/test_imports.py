@@ -76,8 +76,7 @@ def test_room_circle_is_reported(tmp_path):
         "jaxformer/inference/sample.py": "from jaxformer.training.step import x\n"})
     circles = [v for v in found if v.rule == "room circle"]
     assert len(circles) == 1 and "jaxformer.inference -> jaxformer.training -> jaxformer.inference" in circles[0].what
-    assert {("jaxformer/training/loop.py", 1, "direction"),
-            ("jaxformer/inference/sample.py", 1, "direction")} <= rules(found)
+    assert ("jaxformer/training/loop.py", 1, "direction") in rules(found)
 
 
 @pytest.mark.parametrize("path,source,what", [
