@@ -133,10 +133,11 @@ def test_resume_is_marked_in_metrics_and_events(cli_run, tmp_path, capsys):
     assert scalars["run/resumed"] == [(5, 1.0)]
 
 
-def test_stdlib_cap_is_said_with_its_flag():
-    text = data.describe_corpus("stdlib", None, data.DEFAULT_STDLIB_MAX_BYTES)
-    assert text.startswith("stdlib (the .py sources under ")
-    assert "(capped at 8.0 MiB: the stdlib default; --max-corpus-bytes N sets another)" in text
+def test_stdlib_is_read_whole_and_a_cap_is_said_with_its_flag():
+    text = data.describe_corpus("stdlib", None, 12 * 2**20)
+    assert text.startswith("stdlib (the .py sources under ") and "capped" not in text
+    text = data.describe_corpus("stdlib", 2**20, 2**20)
+    assert "(capped at 1.0 MiB: --max-corpus-bytes)" in text
     assert data.describe_corpus("default", None, 10).startswith("default (the English text")
 
 

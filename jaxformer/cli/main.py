@@ -1,4 +1,4 @@
-"""The ``jaxformer`` command: train, generate, presets, diagnose, compare-grads, bench.
+"""The ``jaxformer`` command: prepare, train, generate, presets, diagnose, compare-grads, bench.
 
 Each command is a module of this package with ``add_parser(subparsers)`` and
 ``run(args) -> int``; this one assembles them and dispatches. Bad input ends with
@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 
 import jaxformer
-from jaxformer.cli import bench, compare_grads, diagnose, generate, presets, train
+from jaxformer.cli import bench, compare_grads, diagnose, generate, prepare, presets, train
 from jaxformer.cli.args import Parser, UsageError, run_command
 
 DESCRIPTION = """\
@@ -26,6 +26,8 @@ EPILOG = """\
 examples:
   jaxformer presets
         the presets: shape, parameter count, training recipe
+  jaxformer prepare --corpus stdlib --tokenizer bpe --vocab-size 4096 --out data/stdlib
+        tokenize a corpus once into token shards that `train --data` memory-maps
   jaxformer train --preset loopos --steps 300 --out runs/loopos
         train the loopos model on the built-in text; the run folder gets
         metrics.jsonl, loss.png and checkpoints/
@@ -45,7 +47,7 @@ Run `jaxformer COMMAND --help` for the options of each command.
 """
 
 # The subcommands in the order --help lists them: name -> module with add_parser and run.
-COMMANDS = {"train": train, "generate": generate, "presets": presets, "diagnose": diagnose,
+COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets": presets, "diagnose": diagnose,
             "compare-grads": compare_grads, "bench": bench}
 
 

@@ -27,6 +27,8 @@ with --resume, from the checkpoint's settings. The model's vocab_size is the tok
 examples:
   jaxformer train --preset loopos --steps 300 --out runs/loopos
   jaxformer train --preset sunfish --corpus stdlib --tokenizer char --steps 500 --out runs/sun
+  jaxformer prepare --corpus stdlib --tokenizer bpe --vocab-size 4096 --out data/stdlib
+  jaxformer train --preset sunfish --data data/stdlib --steps 500 --out runs/sun-bpe
   jaxformer train --preset tiny --optimizer sgd --lr 0.1 --clip-value 5 --steps 100 --out runs/t
   jaxformer train --out runs/loopos --resume --steps 600
   jaxformer train --preset tiny --d-model 64 --n-layers 4 --d-ff 256 --steps 200 --out runs/t4
@@ -37,7 +39,7 @@ examples:
 """
 
 # The flags that are TrainSettings fields of the same name (None when not given).
-TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "max_corpus_bytes", "val_fraction",
+TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "vocab_size", "data", "max_corpus_bytes", "val_fraction",
                "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps", "schedule_steps",
                "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
                "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
@@ -70,7 +72,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d = t.add_argument_group("data")
     d.add_argument("--corpus", metavar="SPEC",
                    help='"default" (built-in English text), "stdlib" (Python sources) or a file/folder path')
-    d.add_argument("--tokenizer", choices=["byte", "char"], help="byte (256 ids) or char (the corpus's characters)")
+    d.add_argument("--data", metavar="DATA_DIR",
+                   help="a folder of token shards written by `jaxformer prepare` (memory-mapped, never "
+                        "read whole); replaces --corpus and --tokenizer")
+    d.add_argument("--tokenizer", metavar="KIND",
+                   help="byte (256 ids), char (the corpus's characters), bpe (a byte-level BPE learned "
+                        "from the training text; --vocab-size), gpt2 (GPT-2's, when its tokenizer.json is "
+                        "on the machine) or a path to a tokenizer.json")
+    d.add_argument("--vocab-size", type=positive_int, metavar="N", help="the vocabulary --tokenizer bpe learns")
     d.add_argument("--max-corpus-bytes", type=positive_int, metavar="N", help="read at most N bytes of the corpus")
     d.add_argument("--val-fraction", type=float, metavar="F", help="held-out tail of the corpus (default 0.1)")
     d.add_argument("--batch-size", type=positive_int, metavar="B", help="sequences per step")

@@ -22,6 +22,10 @@ not fill a last batch are skipped for that epoch (a different few each epoch). W
 the corpus holds fewer windows than one batch, an epoch is a single batch holding
 every window, the permutation repeated to fill B rows, so each window appears
 floor(B / n_windows) or ceil(B / n_windows) times.
+
+The ids may be an in-memory array or the memory-mapped shards of a prepared data
+folder (``shards.ShardedTokens``): the same tokens give the same windows, and the
+shards are read a window at a time, never whole.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
+from jaxformer.data.shards import ShardedTokens
 from jaxformer.model.validate import as_id_array, check_positive_int
 
 
@@ -67,12 +72,7 @@ class Batcher:
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.seq_len = check_positive_int("seq_len", seq_len)
         self.seed = _check_nonneg_int("seed", seed)
-        arr = as_id_array(ids, "ids")
-        if arr.ndim != 1:
-            raise ValueError(f"ids must be a 1-D token array, got shape {arr.shape}")
-        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-            raise ValueError("ids do not fit in int32")
-        self.ids = np.ascontiguousarray(arr, dtype=np.int32)  # (N,)
+        self.ids = _token_source(ids)  # (N,): int32 in memory, or shards.ShardedTokens (memory-mapped)
         n, t = len(self.ids), self.seq_len
         if n < t + 1:
             raise ValueError(
@@ -104,9 +104,21 @@ class Batcher:
             return np.resize(starts, self.batch_size)
         return starts[k * self.batch_size:(k + 1) * self.batch_size]
 
-    def batch(self, index: int) -> dict:
-        """{"inputs": int32 (B, T), "targets": int32 (B, T)} for step ``index``."""
-        return _windows(self.ids, self.batch_starts(index), self.seq_len)
+    def batch(self, index: int, rows=None) -> dict:
+        """{"inputs": int32 (B, T), "targets": int32 (B, T)} for step ``index``.
+
+        rows: the row indices to read (a process reads only the rows it places on
+        its devices); the others are left zero. None: every row."""
+        starts = self.batch_starts(index)
+        if rows is None:
+            return _windows(self.ids, starts, self.seq_len)
+        rows = np.asarray(rows, dtype=np.int64)
+        part = _windows(self.ids, starts[rows], self.seq_len)
+        out = {}
+        for key, value in part.items():
+            out[key] = np.zeros((self.batch_size, self.seq_len), np.int32)
+            out[key][rows] = value
+        return out
 
     def __iter__(self) -> Iterator[dict]:
         """Batches 0, 1, 2, ... without end."""
@@ -121,8 +133,24 @@ class Batcher:
                 f"batches_per_epoch={self.batches_per_epoch})")
 
 
-def _windows(ids: np.ndarray, starts: np.ndarray, seq_len: int) -> dict:
-    rows = ids[starts[:, None] + np.arange(seq_len + 1)]  # (B, T + 1)
+def _token_source(ids):
+    """ids as the batcher reads them: a memory-mapped ``ShardedTokens`` as it is (never
+    read whole), anything else as an int32 (N,) array."""
+    if isinstance(ids, ShardedTokens):
+        return ids
+    arr = as_id_array(ids, "ids")
+    if arr.ndim != 1:
+        raise ValueError(f"ids must be a 1-D token array, got shape {arr.shape}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError("ids do not fit in int32")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _windows(ids, starts: np.ndarray, seq_len: int) -> dict:
+    if isinstance(ids, ShardedTokens):
+        rows = ids.rows(starts, seq_len + 1)  # (B, T + 1), read from the mapped shards
+    else:
+        rows = ids[starts[:, None] + np.arange(seq_len + 1)]  # (B, T + 1)
     return {"inputs": np.ascontiguousarray(rows[:, :-1]),
             "targets": np.ascontiguousarray(rows[:, 1:])}
 
@@ -139,9 +167,7 @@ def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
     seq_len = check_positive_int("seq_len", seq_len)
     if max_batches is not None:
         max_batches = check_positive_int("max_batches", max_batches)
-    arr = np.ascontiguousarray(as_id_array(ids, "ids"), dtype=np.int32)
-    if arr.ndim != 1:
-        raise ValueError(f"ids must be a 1-D token array, got shape {arr.shape}")
+    arr = _token_source(ids)
     if len(arr) < seq_len + 1:
         raise ValueError(
             f"corpus too short: {len(arr)} tokens, need at least seq_len + 1 = {seq_len + 1}"

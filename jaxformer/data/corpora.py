@@ -10,7 +10,7 @@ import sysconfig
 
 from jaxformer.model.validate import check_positive_int
 
-DEFAULT_STDLIB_MAX_BYTES = 8 * 1024 * 1024  # 8 MiB: plenty for a small model, quick to read
+DEFAULT_STDLIB_MAX_BYTES = None  # the stdlib is read whole (about 12 MiB); --max-corpus-bytes cuts it
 CORPUS_NAMES = ("default", "stdlib")  # reserved specs; write "./default" for a file so named
 
 
@@ -80,8 +80,8 @@ def load_corpus(spec: str, max_bytes: int | None = None) -> bytes:
 
     spec:
       "default"  the English text shipped with the package (jaxformer/corpus/default.txt)
-      "stdlib"   the standard library's .py sources, sorted by path, concatenated; capped
-                 at DEFAULT_STDLIB_MAX_BYTES when max_bytes is None
+      "stdlib"   the standard library's .py sources that are valid UTF-8, sorted by path,
+                 concatenated (whole unless max_bytes says otherwise)
       a path     a file, or a folder: its regular files, recursively, sorted by relative
                  path, hidden ones skipped, a newline added after a file lacking one
 
@@ -97,8 +97,7 @@ def load_corpus(spec: str, max_bytes: int | None = None) -> bytes:
         data = importlib.resources.files("jaxformer").joinpath("corpus/default.txt").read_bytes()
         return _cap(data, max_bytes)
     if spec == "stdlib":
-        cap = DEFAULT_STDLIB_MAX_BYTES if max_bytes is None else max_bytes
-        data = _concat(stdlib_files(), cap, utf8_only=True)  # valid UTF-8: a char vocabulary fits
+        data = _concat(stdlib_files(), max_bytes, utf8_only=True)  # valid UTF-8: a char vocabulary fits
         if not data:
             raise ValueError(f"no standard library sources found under {sysconfig.get_paths()['stdlib']}")
         return data
@@ -145,9 +144,6 @@ def describe_corpus(spec: str, max_bytes: int | None, n_read: int) -> str:
         files = _files_below(path) if os.path.isdir(path) else [path]
         where = f"{spec} ({len(files)} files)" if os.path.isdir(path) else spec
         total = sum(os.path.getsize(f) for f in files)
-    cap = DEFAULT_STDLIB_MAX_BYTES if spec == "stdlib" and max_bytes is None else max_bytes
-    if cap is None or total <= cap:
+    if max_bytes is None or total <= max_bytes:
         return f"{where}: {_size(n_read)}"
-    why = ("the stdlib default; --max-corpus-bytes N sets another" if max_bytes is None
-           else "--max-corpus-bytes")
-    return f"{where}: {_size(n_read)} read of {_size(total)} (capped at {_size(cap)}: {why})"
+    return f"{where}: {_size(n_read)} read of {_size(total)} (capped at {_size(max_bytes)}: --max-corpus-bytes)"

@@ -2,19 +2,24 @@
 
 ``ByteTokenizer`` is lossless for any file (one id per byte, vocab 256);
 ``CharTokenizer`` gives one id per character of a UTF-8 text (the vocabulary: the
-sorted set of a text's characters). ``to_dict`` / ``tokenizer_from_dict`` store
-either in a run's checkpoint; ``make_tokenizer(kind, corpus)`` builds one by name.
+sorted set of a text's characters); ``HFTokenizer`` (hf_tokenizers.py) is any
+Hugging Face tokenizers file, a byte-level BPE trained here or GPT-2's. ``to_dict`` /
+``tokenizer_from_dict`` store any of them in a run's checkpoint and a prepared data
+folder; ``make_tokenizer(spec, corpus)`` builds one by name or file.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Union
 
 import numpy as np
 
+from jaxformer.data.hf_tokenizers import (HFTokenizer, gpt2_tokenizer, hf_from_dict, is_hf_file,
+                                          read_tokenizer_json, train_bpe)
 from jaxformer.model.validate import as_id_array, validate_ids
 
-Tokenizer = Union["ByteTokenizer", "CharTokenizer"]
+Tokenizer = Union["ByteTokenizer", "CharTokenizer", HFTokenizer]
 
 
 def _ids_1d(ids, vocab_size: int, name: str = "ids") -> np.ndarray:
@@ -54,6 +59,7 @@ class ByteTokenizer:
 
     kind = "byte"
     vocab_size = 256
+    eot_id = None  # no end-of-text id: documents are joined by a newline
 
     def encode(self, data: str | bytes) -> np.ndarray:
         """int32 (N,) of the bytes of data; a str is encoded as UTF-8 first."""
@@ -89,6 +95,7 @@ class CharTokenizer:
     """
 
     kind = "char"
+    eot_id = None
 
     def __init__(self, chars: Iterable[str]):
         chars = list(chars)
@@ -115,6 +122,16 @@ class CharTokenizer:
         if not text:
             raise ValueError("cannot build a char vocabulary from an empty text")
         return cls(sorted(set(text)))
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> "CharTokenizer":
+        """The sorted set of the characters of a stream of texts."""
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        if not chars:
+            raise ValueError("cannot build a char vocabulary from an empty text")
+        return cls(sorted(chars))
 
     def encode(self, data: str | bytes) -> np.ndarray:
         """int32 (N,), one id per character; ValueError naming the first unknown one."""
@@ -162,10 +179,10 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-TOKENIZER_KINDS = ("byte", "char")
+TOKENIZER_KINDS = ("byte", "char", "bpe", "gpt2")  # or a path to a tokenizer.json
 
 
-def tokenizer_from_dict(d: dict) -> ByteTokenizer | CharTokenizer:
+def tokenizer_from_dict(d: dict) -> Tokenizer:
     """Inverse of ``to_dict``; ValueError on an unknown kind or a malformed dict."""
     if not isinstance(d, dict):
         raise ValueError(f"tokenizer dict must be a dict, got {type(d).__name__}")
@@ -186,13 +203,44 @@ def tokenizer_from_dict(d: dict) -> ByteTokenizer | CharTokenizer:
                 f"{tok.vocab_size} chars"
             )
         return tok
-    raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(TOKENIZER_KINDS)}")
+    if kind == "hf":
+        return hf_from_dict(d)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of byte, char, hf")
 
 
-def make_tokenizer(kind: str, corpus: bytes) -> ByteTokenizer | CharTokenizer:
-    """"byte": ByteTokenizer(); "char": the characters of corpus (UTF-8). ValueError otherwise."""
+def load_tokenizer_file(path: str) -> Tokenizer:
+    """A tokenizer.json: a Hugging Face tokenizers file, or the package's own dict
+    (the tokenizer.json of a data folder prepared with a byte or char tokenizer)."""
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise ValueError(f"tokenizer file {path!r} does not exist")
+    own = read_tokenizer_json(path)
+    return tokenizer_from_dict(own) if own is not None else HFTokenizer.from_file(path)
+
+
+def make_tokenizer(kind: str, corpus: bytes | None = None, vocab_size: int | None = None,
+                   texts: Iterable[str] | None = None) -> Tokenizer:
+    """A tokenizer by name or file.
+
+    "byte": ByteTokenizer(); "char": the characters of ``corpus`` (UTF-8) or of
+    ``texts``; "bpe": a byte-level BPE of ``vocab_size`` tokens trained on them; "gpt2":
+    GPT-2's encoding when its tokenizer.json is on the machine; a path: a tokenizer.json.
+    ``texts`` (an iterable of str) is read only by "char" and "bpe". ValueError otherwise.
+    """
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "char":
-        return CharTokenizer.from_text(corpus)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(TOKENIZER_KINDS)}")
+    if kind in ("char", "bpe"):
+        if texts is None:
+            if corpus is None:
+                raise ValueError(f"the {kind} tokenizer is built from a corpus; none given")
+            texts = [_as_text(corpus, "corpus")]
+        if kind == "char":
+            return CharTokenizer.from_texts(texts)
+        if vocab_size is None:
+            raise ValueError("--tokenizer bpe needs --vocab-size N")
+        return train_bpe(texts, vocab_size)
+    if kind == "gpt2":
+        return gpt2_tokenizer()
+    if isinstance(kind, str) and kind and is_hf_file(kind):
+        return load_tokenizer_file(kind)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(TOKENIZER_KINDS)} "
+                     "or a path to a tokenizer.json")

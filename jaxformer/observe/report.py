@@ -50,9 +50,10 @@ def data_lines(corpus: str, tokenizer, n_train: int, n_val: int) -> list[str]:
 
 
 def val_bits(val_loss: float, tokenizer_kind: str) -> dict:
-    """Validation loss in bits per byte (byte tokenizer) or per character (char)."""
-    key = {"byte": "val_bits_per_byte", "char": "val_bits_per_char"}[tokenizer_kind]
-    return {key: val_loss / LN2}
+    """Validation loss in bits per byte (byte tokenizer) or per character (char); {}
+    for a subword tokenizer (its loss per token is the figure)."""
+    key = {"byte": "val_bits_per_byte", "char": "val_bits_per_char"}.get(tokenizer_kind)
+    return {key: val_loss / LN2} if key else {}
 
 
 @dataclasses.dataclass

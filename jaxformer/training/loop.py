@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxformer.checkpoints import checkpoint
+from jaxformer.data import Prefetcher
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params
 from jaxformer.observe import report
@@ -39,7 +40,7 @@ from jaxformer.training.diagnose import diagnose_failure
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
 from jaxformer.training.run_data import run_data
 from jaxformer.training.settings import TrainSettings, recipe_notes
-from jaxformer.training.sharding import check_batch_size, make_mesh, put_batch
+from jaxformer.training.sharding import check_batch_size, local_rows, make_mesh, put_batch
 from jaxformer.training.step import (GradFn, TrainState, compiled_eval_step, compiled_step, init_fn,
                                      mesh_key, optimizer_items)
 
@@ -133,10 +134,13 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
                           f"{m['grad_norm']})")
         return fetched[-1][1]
 
-    # the loop
+    # the loop; host batches are made two ahead on a thread, each process reading
+    # only the rows it places
+    rows = local_rows(settings.batch_size, mesh)
+    batches = Prefetcher(lambda i: data.batcher.batch(i, rows), index, depth=2)
     try:
         for s in range(start + 1, settings.steps + 1):  # s: the step count after this step
-            batch = put_batch(data.batcher.batch(index), mesh)
+            batch = put_batch(batches.next(), mesh)
             state, metrics = step_fn(state, batch)  # dispatched; nothing waits for it here
             run_log.add(s, metrics)
             index += 1
@@ -163,6 +167,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
         if run_log.pending:
             fetch()
     finally:
+        batches.close()
         run_log.close()
 
     # the report

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from jaxformer.checkpoints import checkpoint
-from jaxformer.data import tokenizer_from_dict
+from jaxformer.data import shards_fingerprint, tokenizer_from_dict
 from jaxformer.model.config import ModelConfig
 from jaxformer.training.settings import (RESUMABLE_CHANGES, TrainSettings, config_diff, diff_fields,
                                          keep_schedule)
@@ -47,6 +47,14 @@ def data_fingerprint(corpus: bytes, tokenizer) -> dict:
     """sha256 of the corpus bytes and of the tokenizer's JSON, recorded with the run."""
     tok = json.dumps(tokenizer.to_dict(), sort_keys=True).encode()
     return {"corpus_sha256": hashlib.sha256(corpus).hexdigest(),
+            "tokenizer_sha256": hashlib.sha256(tok).hexdigest()}
+
+
+def prepared_fingerprint(meta: dict, tokenizer) -> dict:
+    """data_fingerprint of a prepared folder: its shard digests (from meta.json, no
+    shard re-hashed) and the tokenizer's JSON."""
+    tok = json.dumps(tokenizer.to_dict(), sort_keys=True).encode()
+    return {"corpus_sha256": shards_fingerprint(meta),
             "tokenizer_sha256": hashlib.sha256(tok).hexdigest()}
 
 

@@ -13,35 +13,89 @@ import numpy as np
 from jaxformer import data
 from jaxformer.checkpoints import checkpoint
 from jaxformer.observe import report
-from jaxformer.training.resume import check_data, data_fingerprint
+from jaxformer.training.resume import check_data, data_fingerprint, prepared_fingerprint
 from jaxformer.training.settings import TrainSettings
 
 
 class RunData(NamedTuple):
-    tokenizer: Any  # data.ByteTokenizer or data.CharTokenizer
+    tokenizer: Any  # a data.Tokenizer (byte, char or hf)
     batcher: data.Batcher  # training batches, a pure function of (seed, index)
     val_batches: list  # host batches {"inputs": (B, T), "targets": (B, T)}; [] without validation
     fingerprint: dict  # resume.data_fingerprint of the corpus and tokenizer
 
 
 def load_data(settings: TrainSettings, tokenizer=None, check: Callable[[dict], None] | None = None,
-              log=None) -> tuple[Any, np.ndarray, np.ndarray, dict]:
+              log=None) -> tuple[Any, Any, Any, dict]:
     """(tokenizer, train ids, val ids, fingerprint); a given tokenizer (a resumed run's)
     is kept. ``check(fingerprint)`` runs before the corpus is encoded; ``log``: a
-    function given the lines that describe the data."""
+    function given the lines that describe the data. With ``settings.data`` the ids are
+    the prepared folder's memory-mapped shards (data.ShardedTokens), never read whole."""
+    if settings.data:
+        return load_prepared(settings, tokenizer, check, log)
     corpus = data.load_corpus(settings.corpus, max_bytes=settings.max_corpus_bytes)
-    if tokenizer is None:
-        tokenizer = data.make_tokenizer(settings.tokenizer, corpus)
-    fingerprint = data_fingerprint(corpus, tokenizer)
-    if check is not None:
-        check(fingerprint)
-    ids = tokenizer.encode(corpus)
+    try:
+        if tokenizer is None:
+            tokenizer = make_tokenizer(settings, corpus)
+        fingerprint = data_fingerprint(corpus, tokenizer)
+        if check is not None:
+            check(fingerprint)
+        ids = tokenizer.encode(corpus)
+    except ValueError as e:
+        if "UTF-8" not in str(e):
+            raise
+        raise ValueError(f"corpus {settings.corpus}: {e}") from None
     train_ids, val_ids = data.split_train_val(ids, settings.val_fraction)
     if log:
         source = data.describe_corpus(settings.corpus, settings.max_corpus_bytes, len(corpus))
         for line in report.data_lines(source, tokenizer, len(train_ids), len(val_ids)):
             log(line)
     return tokenizer, train_ids, val_ids, fingerprint
+
+
+def make_tokenizer(settings: TrainSettings, corpus: bytes):
+    """The tokenizer ``settings.tokenizer`` names; a bpe learns its merges from the
+    training part of the corpus only (the bytes before the validation tail)."""
+    if settings.tokenizer != "bpe":
+        return data.make_tokenizer(settings.tokenizer, corpus, vocab_size=settings.vocab_size)
+    try:
+        text = corpus.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid UTF-8 at byte {e.start}; use --tokenizer byte for such files") from None
+    train_text = text[:len(text) - int(len(text) * settings.val_fraction)]
+    return data.make_tokenizer("bpe", vocab_size=settings.vocab_size, texts=[train_text])
+
+
+def load_prepared(settings: TrainSettings, tokenizer=None, check=None, log=None):
+    """load_data of a prepared folder: meta.json read and the shard sizes checked (the
+    digests were checked when it was prepared; the fingerprint is made of them)."""
+    meta = data.read_meta(settings.data)
+    data.check_sizes(settings.data, meta)
+    own = data.tokenizer_from_dict(meta["tokenizer"])
+    fingerprint = prepared_fingerprint(meta, own)
+    if check is not None:
+        check(fingerprint)
+    tokenizer = tokenizer or own
+    if tokenizer.vocab_size != meta["vocab_size"]:
+        raise ValueError(f"the tokenizer's vocabulary ({tokenizer.vocab_size}) does not match the "
+                         f"{meta['vocab_size']} of {settings.data}/meta.json")
+    train_ids = data.open_split(settings.data, meta, "train")
+    val_ids = data.open_split(settings.data, meta, "val")
+    if log:
+        source = (f"{settings.data} (prepared from {meta['source']['corpus']}: "
+                  f"{len(meta['splits']['train']['shards']) + len(meta['splits']['val']['shards'])} "
+                  f"{meta['dtype']} shards, memory-mapped)")
+        for line in report.data_lines(source, tokenizer, len(train_ids), len(val_ids)):
+            log(line)
+    return tokenizer, train_ids, val_ids, fingerprint
+
+
+def check_vocab(settings: TrainSettings, tokenizer) -> None:
+    """A model vocabulary set by hand (a config file's vocab_size) must be the tokenizer's."""
+    want = settings.model.get("vocab_size") if isinstance(settings.model, dict) else None
+    if want is not None and want != tokenizer.vocab_size:
+        where = settings.data or settings.corpus
+        raise ValueError(f"the model's vocab_size {want} does not match the {tokenizer.kind} "
+                         f"tokenizer's vocabulary of {tokenizer.vocab_size} ({where})")
 
 
 def run_data(settings: TrainSettings, run_dir: Path, saved_meta: dict | None = None,
@@ -55,7 +109,12 @@ def run_data(settings: TrainSettings, run_dir: Path, saved_meta: dict | None = N
         check = functools.partial(check_data, saved_meta.get("data"),
                                   where=checkpoint.checkpoint_dir(run_dir), allow_change=allow_change)
     tokenizer, train_ids, val_ids, fingerprint = load_data(settings, tokenizer, check, log)
-    batcher = data.Batcher(train_ids, settings.batch_size, settings.seq_len, settings.seed)
+    check_vocab(settings, tokenizer)
+    try:
+        batcher = data.Batcher(train_ids, settings.batch_size, settings.seq_len, settings.seed)
+    except ValueError as e:
+        where = settings.data or settings.corpus
+        raise ValueError(f"the training split of {where} is too small for one batch: {e}") from None
     val_batches = []
     if len(val_ids) > settings.seq_len:
         val_batches = list(data.sequential_batches(

@@ -30,7 +30,9 @@ class TrainSettings:
     steps: int = 100  # total optimizer calls of the run
     schedule_steps: int | None = None  # the schedule's horizon (None: steps); kept on resume
     corpus: str = "default"  # "default", "stdlib" or a file/folder path
-    tokenizer: str = "byte"  # byte | char
+    tokenizer: str = "byte"  # byte | char | bpe | gpt2 | a tokenizer.json path
+    vocab_size: int | None = None  # the vocabulary a bpe tokenizer learns (--tokenizer bpe)
+    data: str | None = None  # a prepared data folder (jaxformer prepare); replaces corpus/tokenizer
     max_corpus_bytes: int | None = None  # read at most this much of the corpus
     val_fraction: float = 0.1  # the last part of the corpus, held out for validation
     optimizer: str = "adam"  # sgd | momentum | adam | adamw
@@ -137,7 +139,7 @@ class TrainSettings:
 # (The model shape is compared through the resolved ModelConfig: config_diff.)
 RESUMABLE_CHANGES = frozenset(
     {"steps", "schedule_steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every",
-     "keep_checkpoints", "mesh"}
+     "keep_checkpoints", "mesh", "data"}  # data: the folder may move; its digests are checked
 )
 
 

@@ -122,6 +122,18 @@ def check_batch_size(batch_size: int, mesh: Mesh) -> None:
             f"mesh data={data} x fsdp={fsdp})")
 
 
+def local_rows(batch_size: int, mesh: Mesh) -> np.ndarray | None:
+    """The rows of a (batch_size, ...) training batch this process places on its own
+    devices (sorted); None when it places every row (a single process)."""
+    if jax.process_count() == 1:
+        return None
+    _, split = mesh_shardings(mesh)
+    rows = set()
+    for index in split.addressable_devices_indices_map((batch_size, 1)).values():
+        rows.update(range(batch_size)[index[0]])
+    return np.array(sorted(rows), dtype=np.int64)
+
+
 def put_batch(batch: dict, mesh: Mesh) -> dict:
     """The host batch on the mesh: split along the batch axis when it divides evenly
     over data x fsdp, replicated otherwise (a short evaluation batch). Each process

@@ -1,0 +1,197 @@
+"""Tokenize a corpus once into flat token shards (``jaxformer prepare``).
+
+The corpus streams in (sources.py): pieces of at most about a MiB or one record at a
+time, tokenized in batches (the ``tokenizers`` library encodes a batch on all cores),
+documents joined by the tokenizer's end-of-text id (by a newline for the byte and
+char tokenizers, which have none). Memory stays bounded by one shard.
+
+The validation split: the token stream is cut into consecutive spans of
+``shard_tokens``; the last ``floor(span * val_fraction)`` tokens of each span are
+validation (val_K.bin), the rest training (train_K.bin); the final, shorter span is
+split the same way. A corpus that fits one span is split exactly as
+``split_train_val`` splits it in memory. The "char" vocabulary and the "bpe" merges
+are learned in a first pass over the whole stream (a char vocabulary must cover the
+validation text too; for bpe this lets validation text take part in the merge counts).
+
+Atomic: every file is written under a temporary name, fsynced and renamed, and
+meta.json comes last, so a folder with meta.json is complete. A finished folder
+asked again for the same thing is verified and left alone; a folder without
+meta.json (an interrupted prepare) has its partial shards removed and starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxformer.data import shards
+from jaxformer.data.sources import Piece, pieces, total_bytes
+from jaxformer.data.tokenizers import make_tokenizer
+
+DEFAULT_SHARD_TOKENS = 1 << 25  # 32 Mi tokens: 64 MiB of uint16
+BATCH_BYTES = 8 << 20  # text tokenized per batch
+
+
+class PrepareResult(dict):
+    """meta.json's contents, with ``done_before``: the folder was already prepared."""
+
+    done_before = False
+
+
+def _text(piece: Piece) -> str:
+    """A piece as text: strict UTF-8, naming the file and byte offset of a bad byte."""
+    if isinstance(piece.data, str):
+        return piece.data
+    try:
+        return piece.data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{piece.where} is not valid UTF-8 at byte {piece.offset + e.start} "
+                         f"({piece.data[e.start:e.start + 1]!r}); use --tokenizer byte for such files"
+                         ) from None
+
+
+def _batches(stream: Iterator[Piece]) -> Iterator[list[Piece]]:
+    batch, size = [], 0
+    for piece in stream:
+        batch.append(piece)
+        size += len(piece.data)
+        if size >= BATCH_BYTES or len(batch) >= 4096:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encode_stream(tokenizer, stream: Iterator[Piece], bar=None) -> Iterator[np.ndarray]:
+    """The token ids of a stream of pieces, a batch at a time, documents joined."""
+    eot = getattr(tokenizer, "eot_id", None)
+    first, ends_newline = True, True
+    for batch in _batches(stream):
+        if tokenizer.kind == "byte":
+            datas = [p.data if isinstance(p.data, bytes) else p.data.encode("utf-8") for p in batch]
+        else:
+            datas = [_text(p) for p in batch]
+        if hasattr(tokenizer, "encode_batch"):
+            encoded = tokenizer.encode_batch(datas)
+        else:
+            encoded = [tokenizer.encode(d) for d in datas]
+        for piece, data, ids in zip(batch, datas, encoded):
+            if piece.new_doc and not first:
+                if eot is not None:
+                    yield np.array([eot], np.int32)
+                elif not ends_newline:
+                    yield tokenizer.encode(b"\n" if tokenizer.kind == "byte" else "\n")
+            first = False
+            if len(data):
+                ends_newline = data[-1:] in (b"\n", "\n")
+            yield ids
+            if bar is not None:
+                bar.update(len(piece.data) if isinstance(piece.data, bytes) else len(data.encode("utf-8")))
+
+
+class ShardWriter:
+    """Token ids in, train and val shards out (see the module docstring for the split)."""
+
+    def __init__(self, out: Path, dtype: np.dtype, span: int, val_fraction: float):
+        self.out, self.dtype, self.span, self.val_fraction = out, dtype, span, val_fraction
+        self.parts, self.held = [], 0
+        self.written = {split: [] for split in shards.SPLITS}
+
+    def add(self, ids: np.ndarray) -> None:
+        self.parts.append(ids.astype(self.dtype))
+        self.held += len(ids)
+        while self.held >= self.span:
+            whole = np.concatenate(self.parts)
+            self._write_span(whole[:self.span])
+            self.parts, self.held = [whole[self.span:]], len(whole) - self.span
+
+    def close(self) -> None:
+        if self.held:
+            self._write_span(np.concatenate(self.parts))
+        self.parts, self.held = [], 0
+
+    def _write_span(self, ids: np.ndarray) -> None:
+        n_val = int(len(ids) * self.val_fraction)
+        for split, part in (("train", ids[:len(ids) - n_val]), ("val", ids[len(ids) - n_val:])):
+            if not len(part):
+                continue
+            data = np.ascontiguousarray(part, dtype=self.dtype.newbyteorder("<")).tobytes()
+            name = shards.shard_name(split, len(self.written[split]))
+            shards.write_atomic(self.out / name, data)
+            self.written[split].append({"file": name, "tokens": int(len(part)),
+                                        "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def _leftovers(out: Path) -> list[Path]:
+    names = ("train_*.bin", "val_*.bin", ".*.tmp", shards.TOKENIZER_FILE)
+    return sorted(p for pattern in names for p in out.glob(pattern))
+
+
+def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, text_field: str = "text",
+            vocab_size: int | None = None, progress: bool = True,
+            log: Callable[[str], None] | None = None) -> PrepareResult:
+    """Tokenize ``corpus`` into the shards of the folder ``out``; returns meta.json's
+    contents. ``tokenizer``: byte, char, bpe (with ``vocab_size``), gpt2 or a
+    tokenizer.json path."""
+    out = Path(out)
+    log = log or (lambda line: None)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction!r}")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ValueError(f"--shard-tokens must be a positive integer, got {shard_tokens!r}")
+    source = {"corpus": corpus, "tokenizer": tokenizer, "vocab_size": vocab_size,
+              "text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens}
+    if (out / shards.META_FILE).is_file():
+        meta = shards.read_meta(out)
+        if meta["source"] != source:
+            raise ValueError(f"{out} already holds data prepared from {meta['source']}; choose another "
+                             "folder (or delete it) to prepare different data")
+        n = shards.verify(out, meta)
+        log(f"{out} is already prepared ({n} shards verified against {shards.META_FILE}); nothing to do")
+        result = PrepareResult(meta)
+        result.done_before = True
+        return result
+    out.mkdir(parents=True, exist_ok=True)
+    stale = _leftovers(out)
+    if stale:
+        for path in stale:
+            path.unlink()
+        log(f"removed {len(stale)} files of an interrupted prepare in {out}; starting over")
+
+    texts = (_text(p) for p in pieces(corpus, text_field))
+    tok = make_tokenizer(tokenizer, vocab_size=vocab_size, texts=texts)
+    dtype = shards.token_dtype(tok.vocab_size)
+    writer = ShardWriter(out, dtype, shard_tokens, val_fraction)
+    n_docs = n_bytes = 0
+    with tqdm(total=total_bytes(corpus), unit="B", unit_scale=True, disable=not progress,
+              desc="tokenizing", dynamic_ncols=True) as bar:
+        def counted():
+            nonlocal n_docs, n_bytes
+            for piece in pieces(corpus, text_field):
+                n_docs += piece.new_doc
+                n_bytes += len(piece.data)
+                yield piece
+        for ids in encode_stream(tok, counted(), bar):
+            writer.add(ids)
+        writer.close()
+    splits = {split: {"tokens": sum(s["tokens"] for s in writer.written[split]),
+                      "shards": writer.written[split]} for split in shards.SPLITS}
+    if not splits["train"]["tokens"]:
+        raise ValueError(f"corpus {corpus!r} gave no training tokens")
+    tok_dict = tok.to_dict()
+    tok_file = tok_dict["json"] if tok.kind == "hf" else json.dumps(tok_dict)
+    shards.write_atomic(out / shards.TOKENIZER_FILE, tok_file.encode("utf-8"))
+    meta = {"format": shards.FORMAT, "version": shards.VERSION, "dtype": dtype.name,
+            "vocab_size": tok.vocab_size, "tokenizer": tok_dict, "tokenizer_file": shards.TOKENIZER_FILE,
+            "source": source, "documents": n_docs, "bytes": n_bytes, "splits": splits}
+    shards.write_atomic(out / shards.META_FILE, json.dumps(meta, indent=1).encode("utf-8"))
+    log(f"{out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} validation "
+        f"{dtype.name} tokens in {len(writer.written['train']) + len(writer.written['val'])} shards, "
+        f"from {n_docs:,} documents ({n_bytes / 2**20:.1f} MiB); {tok.kind} tokenizer, vocab {tok.vocab_size}")
+    return PrepareResult(meta)

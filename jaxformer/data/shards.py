@@ -1,0 +1,156 @@
+"""A prepared data folder: flat token shards and their meta.json, read back memory-mapped.
+
+Layout of DATA_DIR (written by ``prepare.prepare``)::
+
+    meta.json          what follows; written last, so its presence means complete
+    tokenizer.json     the tokenizer (a tokenizers file, or the package's dict for byte/char)
+    train_00000.bin    token ids, flat, little-endian ``dtype`` (uint16 or uint32)
+    val_00000.bin      ...
+
+meta.json fields: ``format`` ("jaxformer-shards"), ``version`` (1), ``dtype``,
+``tokenizer`` (its ``to_dict``, as runs save it), ``vocab_size``, ``source`` (corpus
+spec, text field, val fraction, shard tokens), ``documents`` and ``bytes`` read,
+``splits``: {"train"|"val": {"tokens": n, "shards": [{"file", "tokens", "sha256"}]}}.
+
+``open_split`` maps a split's shards (``np.memmap``, nothing read until a window is
+asked for) as one ``ShardedTokens`` sequence; ``verify`` re-hashes every shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+META_FILE, TOKENIZER_FILE, FORMAT, VERSION = "meta.json", "tokenizer.json", "jaxformer-shards", 1
+SPLITS = ("train", "val")
+
+
+def shard_name(split: str, k: int) -> str:
+    return f"{split}_{k:05d}.bin"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def file_sha256(path, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """data at path, complete or not at all: a temporary name, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_meta(data_dir) -> dict:
+    """meta.json of a prepared folder; ValueError in one line when it is missing or bad."""
+    path = Path(data_dir) / META_FILE
+    if not Path(data_dir).is_dir():
+        raise ValueError(f"data folder {data_dir} does not exist; make it with `jaxformer prepare`")
+    if not path.is_file():
+        raise ValueError(f"{data_dir} holds no {META_FILE}: not a prepared data folder (or its "
+                         "prepare did not finish); run `jaxformer prepare --out "
+                         f"{data_dir} ...`")
+    try:
+        meta = json.loads(path.read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        np.dtype(meta["dtype"])
+        for split in SPLITS:
+            for shard in meta["splits"][split]["shards"]:
+                shard["file"], shard["tokens"], shard["sha256"]  # noqa: B018 (present)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a valid meta.json ({type(e).__name__}: {e})") from None
+    return meta
+
+
+def check_sizes(data_dir, meta: dict) -> None:
+    """Every shard exists with the size meta.json says (cheap: no reading)."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        for shard in meta["splits"][split]["shards"]:
+            path = Path(data_dir) / shard["file"]
+            if not path.is_file():
+                raise ValueError(f"shard {path} listed in {META_FILE} is missing")
+            want = shard["tokens"] * itemsize
+            if path.stat().st_size != want:
+                raise ValueError(f"shard {path} holds {path.stat().st_size} bytes but {META_FILE} says "
+                                 f"{shard['tokens']} {meta['dtype']} tokens ({want} bytes); "
+                                 "prepare the folder again")
+
+
+def verify(data_dir, meta: dict | None = None) -> int:
+    """Sizes and sha256 of every shard against meta.json; returns the shard count."""
+    meta = meta or read_meta(data_dir)
+    check_sizes(data_dir, meta)
+    n = 0
+    for split in SPLITS:
+        for shard in meta["splits"][split]["shards"]:
+            path = Path(data_dir) / shard["file"]
+            if file_sha256(path) != shard["sha256"]:
+                raise ValueError(f"shard {path} does not match its sha256 in {META_FILE} "
+                                 "(changed or damaged); prepare the folder again")
+            n += 1
+    return n
+
+
+def fingerprint_of(meta: dict) -> str:
+    """One sha256 over the shard digests of both splits (no shard is read)."""
+    digests = {split: [s["sha256"] for s in meta["splits"][split]["shards"]] for split in SPLITS}
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+
+
+class ShardedTokens:
+    """A split's shards as one read-only sequence of N token ids, memory-mapped.
+
+    ``rows(starts, length)`` gathers int32 (len(starts), length) windows, a window
+    running across a shard's end continuing in the next shard."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = [a for a in arrays if len(a)]
+        sizes = np.array([len(a) for a in self.arrays], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # (shards + 1,)
+        self.size = int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return self.size
+
+    def rows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        out = np.empty((len(starts), length), dtype=np.int32)
+        for i, start in enumerate(np.asarray(starts, dtype=np.int64)):
+            pos, filled = int(start), 0
+            while filled < length:
+                k = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+                a = self.arrays[k]
+                lo = pos - int(self.offsets[k])
+                take = min(length - filled, len(a) - lo)
+                out[i, filled:filled + take] = a[lo:lo + take]
+                filled, pos = filled + take, pos + take
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        """The whole split in memory (small splits only: evaluation of a short split)."""
+        whole = self.rows(np.zeros(1, np.int64), self.size)[0] if self.size else np.zeros(0, np.int32)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def open_split(data_dir, meta: dict, split: str) -> ShardedTokens:
+    """The memory-mapped shards of ``split`` ("train" or "val")."""
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    arrays = [np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
+              for s in meta["splits"][split]["shards"] if s["tokens"]]
+    return ShardedTokens(arrays)
