@@ -1,7 +1,8 @@
 """The data room: host-side text and tokens, numpy only (no jax).
 
 ``tokenizers`` (bytes, characters), ``corpora`` (files, folders, the bundled and
-stdlib texts) and ``batching`` (the train/validation split and the ``Batcher`` whose
+stdlib texts), ``baseline`` (the unigram loss a model must beat) and ``batching``
+(the train/validation split and the ``Batcher`` whose
 batches are a pure function of (seed, step), so a resumed run sees the batches an
 uninterrupted one would). Shape letters as elsewhere: N tokens in a corpus, B batch,
 T sequence length.
@@ -9,6 +10,7 @@ T sequence length.
 May import: numpy and ``jaxformer.model`` (to validate token ids).
 """
 
+from jaxformer.data.baseline import unigram_loss
 from jaxformer.data.batching import Batcher, sequential_batches, split_train_val
 from jaxformer.data.corpora import (CORPUS_NAMES, DEFAULT_STDLIB_MAX_BYTES, describe_corpus,
                                     load_corpus, stdlib_files)
@@ -19,4 +21,4 @@ from jaxformer.model.validate import validate_ids
 __all__ = ["CORPUS_NAMES", "DEFAULT_STDLIB_MAX_BYTES", "TOKENIZER_KINDS", "Batcher", "ByteTokenizer",
            "CharTokenizer", "Tokenizer", "describe_corpus", "load_corpus", "make_tokenizer",
            "sequential_batches", "split_train_val", "stdlib_files", "tokenizer_from_dict",
-           "validate_ids"]
+           "unigram_loss", "validate_ids"]

@@ -36,6 +36,7 @@ from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, first_non_finite_loss
 from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
+from jaxformer.training.memory_check import check_run_memory
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
 from jaxformer.training.run_data import run_data
 from jaxformer.training.settings import TrainSettings, recipe_notes
@@ -60,7 +61,7 @@ class TrainResult:
 
 def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: bool = True,
           devices=None, grad_fn: GradFn | None = None, log=None,
-          allow_data_change: bool = False) -> TrainResult:
+          allow_data_change: bool = False, check_memory: bool = True) -> TrainResult:
     """Train for ``settings.steps`` steps in the run folder ``out_dir`` (created).
 
     resume: continue from the latest checkpoint in ``out_dir``; the losses then equal
@@ -74,6 +75,9 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     devices: the devices of the mesh (default: all devices of all processes), laid
     out as ``settings.mesh`` says.
     grad_fn: a gradient source to use instead of the one ``settings.grads`` names.
+    check_memory: compile the step first and refuse (MemoryCheckError, before any
+    state exists) a step whose memory plan exceeds the device's free memory
+    (memory_check); False tries anyway.
     log: a function given human-readable lines (settings, data, compile time, the
     summary; report.py); None: silent.
 
@@ -94,6 +98,9 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
     config = settings.model_config(data.tokenizer.vocab_size)
     opt_items, on_mesh = optimizer_items(settings), mesh_key(mesh)
+    if check_memory:
+        check_run_memory(config, settings, grad_fn or settings.grads, opt_items, on_mesh,
+                         data.batcher.batch(0), mesh.devices.flat[0], log)
     state = init_fn(config, settings.dtype, opt_items, *on_mesh)(settings.seed)
     if resume:
         state = restore_newest(run_dir, state)
