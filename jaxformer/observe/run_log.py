@@ -51,6 +51,11 @@ class RunLog:
                 self.path.unlink()
         self.events = tb.open_event_log(run_dir, start + 1 if resumed else None, log) if main else None
         tokens_per_step = settings.batch_size * settings.seq_len
+        # the peak MFU divides by, found (on a CPU: measured once per machine) before the clock starts
+        self.peak, source = flops.device_peak(dtype=flops.matmul_dtype(config, settings.dtype))
+        if log:
+            log(f"MFU against a peak of {self.peak / 1e9:,.0f} GFLOP/s per device ({source})"
+                if self.peak else f"MFU: n/a ({source})")
         self.clock = report.StepClock(tokens_per_step)
         self.bar = report.Progress(start, settings.steps, progress and main)
         self.pending: list = []  # (step, metrics on the device) since the last fetch
@@ -88,15 +93,17 @@ class RunLog:
         return record
 
     def write(self, record: dict) -> None:
-        """metrics.jsonl and TensorBoard get ``record``; the bar shows it."""
-        if self.main:
-            write_record(self.path, record)
-            if self.events:
-                self.events.write(record)
-        self.records.append(record)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                             mfu=self.mfu(record["tokens_per_s"]))
-        self.t_last, self.steps_since = time.perf_counter(), 0
+        """metrics.jsonl and TensorBoard get ``record``; the bar shows it. Not step time:
+        the step clock is paused (steady tokens/s counts steps only)."""
+        with self.clock.paused():
+            if self.main:
+                write_record(self.path, record)
+                if self.events:
+                    self.events.write(record)
+            self.records.append(record)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mfu=self.mfu(record["tokens_per_s"]))
+            self.t_last, self.steps_since = time.perf_counter(), 0
 
     def step_done(self) -> None:
         self.bar.update(1)
@@ -112,8 +119,10 @@ class RunLog:
 
     def mfu(self, tokens_per_s: float) -> str:
         """Model FLOPs utilization of ``tokens_per_s`` on this run's devices (flops.py)."""
-        return flops.mfu_text(tokens_per_s, self.config, self.settings.seq_len,
-                              param_dtype=self.settings.dtype, n_devices=self.n_devices)
+        if not self.peak:
+            return "n/a"
+        per_token = flops.flops_per_token(self.config, self.settings.seq_len)
+        return f"{100 * tokens_per_s * per_token / (self.peak * self.n_devices):.1f}%"
 
     def close(self) -> None:
         """Close the bar and the event file; plot every record of the run (all calls)."""

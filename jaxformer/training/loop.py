@@ -98,13 +98,15 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
     config = settings.model_config(data.tokenizer.vocab_size)
     opt_items, on_mesh = optimizer_items(settings), mesh_key(mesh)
-    if check_memory:
-        check_run_memory(config, settings, grad_fn or settings.grads, opt_items, on_mesh,
-                         data.batcher.batch(0), mesh.devices.flat[0], log)
+    checked = None
+    if check_memory:  # the step compiled, and its memory plan checked, before any state exists
+        checked = check_run_memory(config, settings, grad_fn or settings.grads, opt_items, on_mesh,
+                                   data.batcher.batch(0), mesh.devices.flat[0], log)
     state = init_fn(config, settings.dtype, opt_items, *on_mesh)(settings.seed)
     if resume:
         state = restore_newest(run_dir, state)
-    step_fn = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
+    jitted = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
+    step_fn = checked or jitted
     eval_fn = compiled_eval_step(config, *on_mesh)
     val_batches = [put_batch(b, mesh) for b in data.val_batches]
     if log:
@@ -125,7 +127,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
         kept = (f"the newest healthy checkpoint is step {last_saved} in "
                 f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved is not None
                 else "no checkpoint was written")
-        cause = diagnose_failure(run_dir, last_saved, config, settings, step_fn, data.batcher, s,
+        cause = diagnose_failure(run_dir, last_saved, config, settings, jitted, data.batcher, s,
                                  on_mesh, opt_items)
         return NonFiniteLossError(f"{what}; training stopped, {kept}. {cause}")
 

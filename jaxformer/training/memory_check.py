@@ -130,33 +130,36 @@ def batch_shapes(batch: dict) -> dict:
 
 
 
-def step_planner(grads, opt_items: tuple, dtype: str, on_mesh: tuple, batch: dict
+def step_planner(grads, opt_items: tuple, dtype: str, on_mesh: tuple, batch: dict, compiled: dict
                  ) -> Callable[[ModelConfig], MemoryPlan]:
-    """``config -> MemoryPlan`` of the run's train step (step.compiled_step, the one the
-    loop calls, so the loop's first step reuses this compile) for the state of
-    ``config`` and the shapes of the host ``batch``."""
+    """``config -> MemoryPlan`` of the run's train step (step.compiled_step) for the
+    state of ``config`` and the shapes of the host ``batch``; each executable is kept
+    in ``compiled`` under its config (the loop runs it: no second compile)."""
     shapes = batch_shapes(batch)
 
     def compile_plan(config: ModelConfig) -> MemoryPlan:
         step_fn = compiled_step(config, grads, opt_items, dtype, *on_mesh)
         state = jax.eval_shape(init_fn(config, dtype, opt_items, *on_mesh), 0)
-        return plan_of(step_fn.lower(state, shapes).compile())
+        compiled[config] = step_fn.lower(state, shapes).compile()
+        return plan_of(compiled[config])
 
     return compile_plan
 
 
 def check_run_memory(config: ModelConfig, settings, grads, opt_items: tuple, on_mesh: tuple,
-                     batch: dict, device, log=None) -> MemoryPlan:
+                     batch: dict, device, log=None):
     """The loop's check: say that the step compiles, compile it, and check its plan
-    (check_memory); logs the compile time and the plan against the free memory."""
+    (check_memory); logs the compile time and the plan against the free memory.
+    Returns the compiled step (call it as ``step(state, batch)``)."""
     if log:
         log("compiling the train step for this shape...")
     t0 = time.perf_counter()
-    planner = step_planner(grads, opt_items, settings.dtype, on_mesh, batch)
+    compiled: dict = {}
+    planner = step_planner(grads, opt_items, settings.dtype, on_mesh, batch, compiled)
     plan = check_memory(planner, config, settings.batch_size, settings.accum_steps, device, log)
     if log:
         free = available(device)
         there = f" of {format_bytes(free[0])} {free[1]}" if free else ""
         log(f"compiled in {time.perf_counter() - t0:.1f} s; the step needs "
             f"{format_bytes(plan.total)} per device{there}")
-    return plan
+    return compiled[config]

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
+from jaxformer.observe.words import plural
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.sharding import parse_mesh
 
@@ -222,5 +223,5 @@ def keep_schedule(settings: TrainSettings, saved: TrainSettings) -> tuple[TrainS
     settings = settings.replace(schedule_steps=kept)
     if settings.schedule == "constant":
         return settings, None
-    return settings, (f"keeping the {settings.schedule} schedule's horizon at {kept} steps while "
+    return settings, (f"keeping the {settings.schedule} schedule's horizon at {plural(kept, 'step')} while "
                       f"training to step {settings.steps} (set --schedule-steps to change it)")
