@@ -48,3 +48,22 @@ def test_words():
     assert verb(1, "is") == "is" and verb(3, "is") == "are"
     assert format_bytes(512) == "512 B" and format_bytes(3 * 1024 ** 3) == "3.0 GiB"
     assert format_bytes(5 * 1024 ** 4) == "5120.0 GiB"
+
+
+def test_fresh_run_clears_a_killed_runs_leftovers(corpus, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.out.tfevents.1.old").write_bytes(b"x")
+    (run / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
+    lines = []
+    train(tiny_settings(corpus, steps=2), run, progress=False, log=lines.append)
+    assert not (run / "events.out.tfevents.1.old").exists()
+    assert any("removed the earlier run's metrics.jsonl and 1 TensorBoard event file" in line
+               for line in lines), lines
+
+
+def test_float16_compute_refused_before_any_data(tmp_path):
+    from jaxformer.training.settings import settings_for
+    with pytest.raises(ValueError, match="float16"):
+        settings_for("tiny", corpus=str(tmp_path / "missing.txt"),
+                     model={"compute_dtype": "float16"}).validate()

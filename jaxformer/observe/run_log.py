@@ -18,6 +18,7 @@ import jax
 from jaxformer.observe import flops, report, tb
 from jaxformer.observe.metrics import (GRAD_PLOT_FILE, METRICS_FILE, PLOT_FILE, plot_grad_norms,
                                        plot_losses, read_metrics, truncate_metrics, write_record)
+from jaxformer.observe.words import plural
 
 
 def first_non_finite_loss(fetched: list) -> tuple[int, dict] | None:
@@ -47,8 +48,8 @@ class RunLog:
             run_dir.mkdir(parents=True, exist_ok=True)
             if resumed:
                 truncate_metrics(self.path, start)
-            elif self.path.exists():
-                self.path.unlink()
+            else:
+                self._clear_leftovers()
         self.events = tb.open_event_log(run_dir, start + 1 if resumed else None, log) if main else None
         tokens_per_step = settings.batch_size * settings.seq_len
         # the peak MFU divides by, found (on a CPU: measured once per machine) before the clock starts
@@ -62,6 +63,20 @@ class RunLog:
         self.records: list[dict] = []  # the records written by this call
         self.tokens_per_step = tokens_per_step
         self.t_last, self.steps_since = time.perf_counter(), 0  # the interval of tokens_per_s
+
+    def _clear_leftovers(self) -> None:
+        """A fresh run in a folder without checkpoints (a killed run's): its metrics.jsonl
+        and TensorBoard event files go, and the log says so."""
+        old = []
+        if self.path.exists():
+            self.path.unlink()
+            old.append(METRICS_FILE)
+        n = tb.clear_event_files(self.run_dir)
+        if n:
+            old.append(plural(n, "TensorBoard event file"))
+        if old and self.log:
+            self.log(f"{self.run_dir} held no checkpoint; removed the earlier run's "
+                     f"{' and '.join(old)}")
 
     def add(self, step: int, metrics: dict) -> None:
         """Step ``step`` was dispatched; its ``metrics`` are still on the device."""

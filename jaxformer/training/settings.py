@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
+from jaxformer.model.validate import check_precision
 from jaxformer.observe.words import plural
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.sharding import parse_mesh
@@ -108,6 +109,7 @@ class TrainSettings:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
             raise ValueError("dtype float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
+        check_precision({}, self.model_config())  # float16 compute: refused before any data is read
         max_len = self.model_config().max_seq_len
         if self.seq_len > max_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len "
