@@ -1,6 +1,8 @@
 """Embeddings: token rows, learned positions, sinusoidal positions.
 
-    x = tok_embed[inputs] + positions[:T]      (B, T, D)
+    x = tok_embed[inputs] * s + positions[:T]      (B, T, D)
+
+s is sqrt(D) with ``embed_scale``, else 1 (model.embedding.token_scale).
 
 Token ids are integers: their cotangent is None. Sinusoidal positions have no
 parameters, so nothing flows back through them.
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.embedding import sinusoidal_positions, token_embedding
+from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
 
 
 class TokenEmbedRes(NamedTuple):
@@ -63,6 +65,7 @@ def sinusoidal_positions_fwd(T, D, dtype):
 class EmbedRes(NamedTuple):
     tok: TokenEmbedRes
     pos: LearnedPosRes | None  # None for sinusoidal positions
+    scale: jax.Array | None  # () the factor s on the token rows; None without embed_scale
 
 
 def embed_fwd(p, inputs, config: ModelConfig):
@@ -70,19 +73,25 @@ def embed_fwd(p, inputs, config: ModelConfig):
     inputs int (B, T) -> x (B, T, D)."""
     T = inputs.shape[-1]
     tok, tok_res = token_embed_fwd(p["tok_embed"], inputs)  # (B, T, D)
+    scale = None
+    if config.embed_scale:
+        scale = jnp.asarray(token_scale(config), tok.dtype)  # ()
+        tok = tok * scale  # x = token_embedding(...) * token_scale(config)
     if config.positions == "learned":
         pos, pos_res = learned_positions_fwd(p["pos_embed"], T)  # (T, D)
     else:
         pos, pos_res = sinusoidal_positions_fwd(T, config.d_model, tok.dtype)  # (T, D)
-    return tok + pos, EmbedRes(tok_res, pos_res)
+    return tok + pos, EmbedRes(tok_res, pos_res, scale)
 
 
 def embed_bwd(res: EmbedRes, dx):
     """dx (B, T, D) -> (dp with p's keys, None for the integer inputs).
 
-    Undoes ``x = tok + pos``: tok gets dx, pos (broadcast over B) gets dx summed over B.
+    Undoes ``x = tok * s + pos``: tok gets dx * s, pos (broadcast over B) gets dx
+    summed over B.
     """
-    dp = {"tok_embed": token_embed_bwd(res.tok, dx)[0]}
+    dtok = dx if res.scale is None else dx * res.scale  # x = token_embedding(...) * token_scale(config)
+    dp = {"tok_embed": token_embed_bwd(res.tok, dtok)[0]}
     if res.pos is not None:
         dp["pos_embed"] = learned_positions_bwd(res.pos, dx.sum(axis=0))
     return dp, None

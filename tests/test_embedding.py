@@ -25,10 +25,12 @@ EMBED = Layer(embed_fwd, embed_bwd, embed, cotangents=lambda out: out[:1])
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("embed_scale", [False, True], ids=["unscaled", "embed_scale"])
 @pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
 @pytest.mark.parametrize("B,T", [(3, 5), (1, 1), (2, 12)])
-def test_embed_matches_autodiff(positions, B, T, jit):
-    config = ModelConfig(vocab_size=7, d_model=6, n_heads=2, max_seq_len=12, positions=positions)
+def test_embed_matches_autodiff(positions, embed_scale, B, T, jit):
+    config = ModelConfig(vocab_size=7, d_model=6, n_heads=2, max_seq_len=12, positions=positions,
+                         embed_scale=embed_scale)
     p, ids, dx = make(0, config, B, T)
     # also fails on a missing or extra leaf
     (_, (dp, d_ids)), _ = assert_layer_matches_vjp(EMBED, (p,), dx, consts=(ids,), static=(config,), jit=jit,
@@ -69,3 +71,15 @@ def test_sinusoidal_positions_have_no_parameters():
     np.testing.assert_allclose(x - p["tok_embed"][np.asarray(ids)], table, rtol=1e-14, atol=1e-14)
     dp, _ = embed_bwd(res, dx)
     assert set(dp) == {"tok_embed"}
+
+
+def test_embed_scale_multiplies_token_rows_by_sqrt_d_model():
+    config = ModelConfig(vocab_size=5, d_model=9, n_heads=3, max_seq_len=4, positions="sinusoidal",
+                         embed_scale=True)
+    p, ids, dx = make(4, config, 2, 4)
+    x, res = embed_fwd(p, ids, config)
+    table = sinusoidal_positions(4, 9, jnp.float64)
+    np.testing.assert_allclose(x, 3.0 * p["tok_embed"][np.asarray(ids)] + table, rtol=1e-14, atol=1e-14)
+    dp, _ = embed_bwd(res, dx)
+    unscaled, _ = embed_bwd(embed_fwd(p, ids, config.replace(embed_scale=False))[1], dx)
+    np.testing.assert_allclose(dp["tok_embed"], 3.0 * unscaled["tok_embed"], rtol=1e-14)

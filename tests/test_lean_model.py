@@ -111,6 +111,17 @@ def test_custom_vjp_model_honours_the_options(norm):
     check(config, jnp.float64, 2, 13, "mostly_zero", CUSTOM_VJP, ("custom_vjp",))
 
 
+@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+def test_embed_scale_on_the_whole_model_float64(norm, positions):
+    """embed_scale (token rows times sqrt(D)) with each norm and position kind, the lean
+    options on: manual == jax.grad of the plain model; so does the custom_vjp model."""
+    config = TINY.replace(embed_scale=True, norm=norm, positions=positions,
+                          attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block")
+    check(config, jnp.float64, 2, 13, "mostly_zero")
+    check(config, jnp.float64, 2, 7, None, CUSTOM_VJP, ("custom_vjp",))
+
+
 def test_every_option_on_float32():
     """Everything on, float32: within the float32 tolerance of the plain model's jax.grad."""
     config = TINY.replace(attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block")

@@ -14,6 +14,7 @@ from jaxformer.cli.flags import add_model_flags, model_overrides
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import count_params
 from jaxformer.observe.report import recipe_text
+from jaxformer.observe.words import plural
 from jaxformer.training import distributed
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
 from jaxformer.training.loop import train
@@ -36,6 +37,12 @@ examples:
         every run folder holds its resolved settings as config.toml; flags override it
   jaxformer train --preset gpt2 --compute-dtype bfloat16 --mesh data=2,fsdp=4 --out runs/gpt2
         GPT-2 small's shape, batch split over 8 devices, params and optimizer state over 4
+
+memory: the train step is compiled before the first step and its memory plan (XLA's
+memory_analysis) checked against the free memory (host RAM on CPU); a step that does not
+fit stops the run with the options that cut it (--ignore-memory-check tries anyway).
+The gpt2 recipe (8 x 1024 tokens, --compute-dtype bfloat16) plans 22.2 GiB on one CPU
+device; with --attention-impl blockwise --loss-chunk 256 --remat block, 3.8 GiB.
 """
 
 # The flags that are TrainSettings fields of the same name (None when not given).
@@ -66,6 +73,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="continue from the run folder's newest checkpoint that verifies")
     t.add_argument("--allow-data-change", action="store_true",
                    help="with --resume: accept a corpus or tokenizer that differs from the recorded one")
+    t.add_argument("--ignore-memory-check", action="store_true",
+                   help="start even when the compiled step's memory plan exceeds the free memory "
+                        "(the check runs before the first step; see 'memory' below)")
     t.add_argument("--config", metavar="FILE",
                    help="TOML file with [model] and [train] tables (a run folder's config.toml); "
                         "flags override it")
@@ -154,12 +164,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"training -> {args.out} ({jax.device_count()} {jax.devices()[0].platform} device(s) "
           f"in {jax.process_count()} process(es))", file=sys.stderr)
     result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
-                   log=log, allow_data_change=args.allow_data_change)
+                   log=log, allow_data_change=args.allow_data_change,
+                   check_memory=not args.ignore_memory_check)
     wall = time.perf_counter() - t0
     if not main:
         return 0
     if not result.records:
-        print(f"{args.out} already trained for {settings.steps} steps; nothing to do")
+        print(f"{args.out} already trained for {plural(settings.steps, 'step')}; nothing to do")
         return 0
     print(summary(result, wall))
     print(f"run folder: {result.run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
@@ -170,8 +181,8 @@ def summary(result, wall: float) -> str:
     """One line: params, the loss from first to last record, and each speed named."""
     first, last, t = result.records[0], result.records[-1], result.timing
     val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
-    steady = (f"{t['steady_tokens_per_s']:,.0f} tokens/s steady state (steps after the first, "
-              f"validation and checkpoints excluded)" if t.get("steady_tokens_per_s")
+    steady = (f"{t['steady_tokens_per_s']:,.0f} tokens/s steady state (step times after the "
+              f"first alone)" if t.get("steady_tokens_per_s")
               else "no steady-state steps")
     return (f"{count_params(result.state.params):,} params, vocab {result.config.vocab_size}; "
             f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "

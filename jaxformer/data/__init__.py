@@ -5,7 +5,8 @@ byte-level BPE, GPT-2's), ``corpora`` (files, folders, the bundled and stdlib te
 read whole for small runs), ``sources`` (the same and JSONL, Parquet and Hugging Face
 datasets, streamed), ``prepare`` (a corpus tokenized once into token shards),
 ``shards`` (a prepared folder's meta.json and its shards, memory-mapped),
-``prefetch`` (batches made ahead on a thread) and ``batching`` (the train/validation split and the ``Batcher`` whose
+``prefetch`` (batches made ahead on a thread), ``baseline``
+(the unigram loss a model must beat) and ``batching`` (the train/validation split and the ``Batcher`` whose
 batches are a pure function of (seed, step), so a resumed run sees the batches an
 uninterrupted one would). Shape letters as elsewhere: N tokens in a corpus, B batch,
 T sequence length.
@@ -13,6 +14,7 @@ T sequence length.
 May import: numpy and ``jaxformer.model`` (to validate token ids).
 """
 
+from jaxformer.data.baseline import unigram_loss
 from jaxformer.data.batching import Batcher, sequential_batches, split_train_val
 from jaxformer.data.hf_tokenizers import HFTokenizer
 from jaxformer.data.prefetch import Prefetcher
@@ -28,4 +30,4 @@ __all__ = ["CORPUS_NAMES", "DEFAULT_STDLIB_MAX_BYTES", "TOKENIZER_KINDS", "Batch
            "CharTokenizer", "HFTokenizer", "Prefetcher", "ShardedTokens", "check_sizes", "open_split",
            "read_meta", "shards_fingerprint", "verify", "load_tokenizer_file", "Tokenizer", "describe_corpus", "load_corpus", "make_tokenizer",
            "sequential_batches", "split_train_val", "stdlib_files", "tokenizer_from_dict",
-           "validate_ids"]
+           "unigram_loss", "validate_ids"]

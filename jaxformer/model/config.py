@@ -30,6 +30,7 @@ class ModelConfig:
     activation: str = "gelu"  # feed-forward nonlinearity: gelu (erf) | gelu_tanh | relu | tanh
     norm: str = "pre"  # pre: x + f(LN(x)) and a final LN; post: LN(x + f(x))
     positions: str = "learned"  # learned table or fixed sinusoidal (sin even, cos odd)
+    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model), as the original Transformer
     causal: bool = True  # mask future positions (a decoder); False for a bidirectional encoder
     ln_eps: float = 1e-5  # added to the variance inside layer norm
     # --- memory: how the forward and the manual backward trade memory for compute
@@ -65,8 +66,9 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}"
                 )
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"ModelConfig.causal must be True or False, got {self.causal!r}")
+        for name in ("causal", "embed_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if (isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float))
                 or not math.isfinite(self.ln_eps) or not self.ln_eps > 0):
             raise ValueError(f"ModelConfig.ln_eps must be a positive finite number, got {self.ln_eps!r}")
@@ -118,10 +120,12 @@ PRESETS: dict[str, ModelConfig] = {
         d_model=128, n_heads=8, n_layers=3, d_ff=512, max_seq_len=64,
         activation="gelu", norm="pre", positions="learned",
     ),
-    # sunfish: the original Transformer's post-LN block, ReLU, sinusoidal positions; trained with Adam.
+    # sunfish: the original Transformer's post-LN block, ReLU, sinusoidal positions and
+    # token embeddings scaled by sqrt(d_model) (without it the unit-amplitude positions
+    # drown the 0.02-scale rows and the model sits at the unigram loss); trained with Adam.
     "sunfish": ModelConfig(
         d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=64,
-        activation="relu", norm="post", positions="sinusoidal",
+        activation="relu", norm="post", positions="sinusoidal", embed_scale=True,
     ),
     # cllm: a small decoder whose feed-forward layer uses tanh.
     "cllm": ModelConfig(

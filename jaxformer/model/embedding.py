@@ -1,6 +1,9 @@
-"""Token and position embeddings: tok_embed[ids] + positions (learned or sinusoidal)."""
+"""Token and position embeddings: tok_embed[ids] (times sqrt(D) with embed_scale) +
+positions (learned or sinusoidal)."""
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 
@@ -24,12 +27,20 @@ def positions(params, T, config: ModelConfig, dtype):
     return sinusoidal_positions(T, config.d_model, dtype)
 
 
+def token_scale(config: ModelConfig) -> float:
+    """The factor on the token rows: sqrt(D) with embed_scale (the original Transformer's,
+    so unit-amplitude sinusoidal positions do not drown 0.02-scale rows), else 1."""
+    return math.sqrt(config.d_model) if config.embed_scale else 1.0
+
+
 def token_embedding(table, ids):
     """table (V, D), ids int (...) -> the rows table[ids] (..., D)."""
     return jnp.take(table, ids, axis=0)
 
 
 def embed(params, inputs, config: ModelConfig):
-    """inputs int (B, T) -> tok_embed[inputs] + positions (B, T, D)."""
+    """inputs int (B, T) -> tok_embed[inputs] * token_scale + positions (B, T, D)."""
     x = token_embedding(params["tok_embed"], inputs)
+    if config.embed_scale:
+        x = x * token_scale(config)
     return x + positions(params, inputs.shape[-1], config, x.dtype)

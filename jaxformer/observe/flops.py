@@ -20,7 +20,11 @@ tokens/s * FLOPs per token. The masked half of a causal attention that the
 from __future__ import annotations
 
 import functools
+import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +37,7 @@ CONVENTION = (
 )
 
 TFLOP = 1e12
+PEAK_FILE = "peak.json"
 
 # Dense (no structured sparsity) peak FLOP/s per accelerator and matmul dtype, from
 # NVIDIA's datasheets, which quote bf16/tf32 "with sparsity": the dense figure is half.
@@ -90,11 +95,44 @@ def matmul_dtype(config: ModelConfig, param_dtype="float32") -> str:
     return config.compute_dtype or jnp.dtype(param_dtype).name
 
 
+def cpu_key(n: int) -> str:
+    """The key of this machine's CPU peak: CPU model, core count, matmul size."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} | {os.cpu_count()} cores | float32 {n}x{n} matmul"
+
+
+def peak_cache_path() -> Path:
+    """$XDG_CACHE_HOME/jaxformer/peak.json (default ~/.cache/jaxformer/peak.json)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "jaxformer" / PEAK_FILE
+
+
 @functools.lru_cache(maxsize=4)
 def measure_cpu_peak(n: int = 1024, reps: int = 3) -> float:
-    """FLOP/s of the fastest of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the
-    CPU, measured once per process (so it sees the same threads and load)."""
-    return cpu_matmul_flops(n, reps)
+    """This machine's CPU peak FLOP/s (cpu_matmul_flops), measured once per machine:
+    cached in peak_cache_path() under cpu_key(n), so every run's MFU divides by the
+    same figure. An unreadable or unwritable cache only costs a measurement."""
+    path, key = peak_cache_path(), cpu_key(n)
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+        return float(cached[key])
+    peak = cpu_matmul_flops(n, reps)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**(cached if isinstance(cached, dict) else {}), key: peak},
+                                   indent=1))
+    except OSError:
+        pass
+    return peak
 
 
 def cpu_matmul_flops(n: int = 1024, reps: int = 3) -> float:
@@ -114,11 +152,14 @@ def cpu_matmul_flops(n: int = 1024, reps: int = 3) -> float:
 
 def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) -> tuple[float | None, str]:
     """(peak FLOP/s, where it comes from) for ``device`` (default: the first JAX device).
-    Known accelerators use the table above; a CPU measures a float32 matmul now;
-    anything else gives (None, reason)."""
+    Known accelerators use the table above; a CPU measures a float32 matmul;
+    anything else gives (None, reason). A CPU's figure is measured once per machine
+    (measure_cpu_peak's cache)."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
-        return measure_cpu_peak(cpu_matmul), f"measured: best float32 {cpu_matmul}x{cpu_matmul} matmul"
+        return measure_cpu_peak(cpu_matmul), (f"measured once on this machine: best float32 "
+                                              f"{cpu_matmul}x{cpu_matmul} matmul, cached in "
+                                              f"{peak_cache_path()}")
     kind = getattr(device, "device_kind", "")
     for key, peaks in KNOWN_PEAKS:
         if key in kind:

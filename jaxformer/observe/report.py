@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import init_params
+from jaxformer.observe.words import plural
 
 LN2 = math.log(2.0)
 
@@ -110,9 +111,10 @@ def summary_line(t: dict) -> str:
     """The end of a training call, each speed named."""
     if not t["steps"]:
         return "no steps run"
-    steady = (f"steady state {t['steady_tokens_per_s']:,.0f} tokens/s over {t['steady_steps']} steps "
-              f"({t['steady_s']:.2f} s)" if t["steady_tokens_per_s"] else "no steady-state steps")
-    return (f"trained {t['steps']} steps, {t['tokens']:,} tokens in {t['train_s']:.2f} s: compile + "
+    steady = (f"steady state {t['steady_tokens_per_s']:,.0f} tokens/s over "
+              f"{plural(t['steady_steps'], 'step')} ({t['steady_s']:.2f} s of steps alone)"
+              if t["steady_tokens_per_s"] else "no steady-state steps")
+    return (f"trained {plural(t['steps'], 'step')}, {t['tokens']:,} tokens in {t['train_s']:.2f} s: compile + "
             f"first step {t['compile_s']:.2f} s; {steady}; overall {t['overall_tokens_per_s']:,.0f} "
             f"tokens/s (all tokens / training time incl. compile; validation and checkpoints excluded)")
 

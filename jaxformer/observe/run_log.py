@@ -18,6 +18,7 @@ import jax
 from jaxformer.observe import flops, report, tb
 from jaxformer.observe.metrics import (GRAD_PLOT_FILE, METRICS_FILE, PLOT_FILE, plot_grad_norms,
                                        plot_losses, read_metrics, truncate_metrics, write_record)
+from jaxformer.observe.words import plural
 
 
 def first_non_finite_loss(fetched: list) -> tuple[int, dict] | None:
@@ -47,16 +48,35 @@ class RunLog:
             run_dir.mkdir(parents=True, exist_ok=True)
             if resumed:
                 truncate_metrics(self.path, start)
-            elif self.path.exists():
-                self.path.unlink()
+            else:
+                self._clear_leftovers()
         self.events = tb.open_event_log(run_dir, start + 1 if resumed else None, log) if main else None
         tokens_per_step = settings.batch_size * settings.seq_len
+        # the peak MFU divides by, found (on a CPU: measured once per machine) before the clock starts
+        self.peak, source = flops.device_peak(dtype=flops.matmul_dtype(config, settings.dtype))
+        if log:
+            log(f"MFU against a peak of {self.peak / 1e9:,.0f} GFLOP/s per device ({source})"
+                if self.peak else f"MFU: n/a ({source})")
         self.clock = report.StepClock(tokens_per_step)
         self.bar = report.Progress(start, settings.steps, progress and main)
         self.pending: list = []  # (step, metrics on the device) since the last fetch
         self.records: list[dict] = []  # the records written by this call
         self.tokens_per_step = tokens_per_step
         self.t_last, self.steps_since = time.perf_counter(), 0  # the interval of tokens_per_s
+
+    def _clear_leftovers(self) -> None:
+        """A fresh run in a folder without checkpoints (a killed run's): its metrics.jsonl
+        and TensorBoard event files go, and the log says so."""
+        old = []
+        if self.path.exists():
+            self.path.unlink()
+            old.append(METRICS_FILE)
+        n = tb.clear_event_files(self.run_dir)
+        if n:
+            old.append(plural(n, "TensorBoard event file"))
+        if old and self.log:
+            self.log(f"{self.run_dir} held no checkpoint; removed the earlier run's "
+                     f"{' and '.join(old)}")
 
     def add(self, step: int, metrics: dict) -> None:
         """Step ``step`` was dispatched; its ``metrics`` are still on the device."""
@@ -88,15 +108,17 @@ class RunLog:
         return record
 
     def write(self, record: dict) -> None:
-        """metrics.jsonl and TensorBoard get ``record``; the bar shows it."""
-        if self.main:
-            write_record(self.path, record)
-            if self.events:
-                self.events.write(record)
-        self.records.append(record)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                             mfu=self.mfu(record["tokens_per_s"]))
-        self.t_last, self.steps_since = time.perf_counter(), 0
+        """metrics.jsonl and TensorBoard get ``record``; the bar shows it. Not step time:
+        the step clock is paused (steady tokens/s counts steps only)."""
+        with self.clock.paused():
+            if self.main:
+                write_record(self.path, record)
+                if self.events:
+                    self.events.write(record)
+            self.records.append(record)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mfu=self.mfu(record["tokens_per_s"]))
+            self.t_last, self.steps_since = time.perf_counter(), 0
 
     def step_done(self) -> None:
         self.bar.update(1)
@@ -112,8 +134,10 @@ class RunLog:
 
     def mfu(self, tokens_per_s: float) -> str:
         """Model FLOPs utilization of ``tokens_per_s`` on this run's devices (flops.py)."""
-        return flops.mfu_text(tokens_per_s, self.config, self.settings.seq_len,
-                              param_dtype=self.settings.dtype, n_devices=self.n_devices)
+        if not self.peak:
+            return "n/a"
+        per_token = flops.flops_per_token(self.config, self.settings.seq_len)
+        return f"{100 * tokens_per_s * per_token / (self.peak * self.n_devices):.1f}%"
 
     def close(self) -> None:
         """Close the bar and the event file; plot every record of the run (all calls)."""

@@ -42,6 +42,18 @@ class EventLog:
         self.writer.close()
 
 
+EVENT_GLOB = "events.out.tfevents.*"
+
+
+def clear_event_files(run_dir) -> int:
+    """Delete the event files in ``run_dir`` (left by an earlier run that wrote no
+    checkpoint, so a fresh run's curves do not mix with them); returns how many."""
+    paths = sorted(Path(run_dir).glob(EVENT_GLOB))
+    for path in paths:
+        path.unlink()
+    return len(paths)
+
+
 def open_event_log(run_dir, purge_step: int | None = None, log=None) -> EventLog | None:
     """An EventLog, or None (said once through ``log``) when tensorboardX is missing."""
     try:

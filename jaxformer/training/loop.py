@@ -37,6 +37,7 @@ from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, first_non_finite_loss
 from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
+from jaxformer.training.memory_check import check_run_memory
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
 from jaxformer.training.run_data import run_data
 from jaxformer.training.settings import TrainSettings, recipe_notes
@@ -61,7 +62,7 @@ class TrainResult:
 
 def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: bool = True,
           devices=None, grad_fn: GradFn | None = None, log=None,
-          allow_data_change: bool = False) -> TrainResult:
+          allow_data_change: bool = False, check_memory: bool = True) -> TrainResult:
     """Train for ``settings.steps`` steps in the run folder ``out_dir`` (created).
 
     resume: continue from the latest checkpoint in ``out_dir``; the losses then equal
@@ -75,6 +76,9 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     devices: the devices of the mesh (default: all devices of all processes), laid
     out as ``settings.mesh`` says.
     grad_fn: a gradient source to use instead of the one ``settings.grads`` names.
+    check_memory: compile the step first and refuse (MemoryCheckError, before any
+    state exists) a step whose memory plan exceeds the device's free memory
+    (memory_check); False tries anyway.
     log: a function given human-readable lines (settings, data, compile time, the
     summary; report.py); None: silent.
 
@@ -95,10 +99,15 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
     config = settings.model_config(data.tokenizer.vocab_size)
     opt_items, on_mesh = optimizer_items(settings), mesh_key(mesh)
+    checked = None
+    if check_memory:  # the step compiled, and its memory plan checked, before any state exists
+        checked = check_run_memory(config, settings, grad_fn or settings.grads, opt_items, on_mesh,
+                                   data.batcher.batch(0), mesh.devices.flat[0], log)
     state = init_fn(config, settings.dtype, opt_items, *on_mesh)(settings.seed)
     if resume:
         state = restore_newest(run_dir, state)
-    step_fn = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
+    jitted = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
+    step_fn = checked or jitted
     eval_fn = compiled_eval_step(config, *on_mesh)
     val_batches = [put_batch(b, mesh) for b in data.val_batches]
     if log:
@@ -119,7 +128,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
         kept = (f"the newest healthy checkpoint is step {last_saved} in "
                 f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved is not None
                 else "no checkpoint was written")
-        cause = diagnose_failure(run_dir, last_saved, config, settings, step_fn, data.batcher, s,
+        cause = diagnose_failure(run_dir, last_saved, config, settings, jitted, data.batcher, s,
                                  on_mesh, opt_items)
         return NonFiniteLossError(f"{what}; training stopped, {kept}. {cause}")
 

@@ -10,6 +10,8 @@ from typing import Any
 import jax
 
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
+from jaxformer.model.validate import check_precision
+from jaxformer.observe.words import plural
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.sharding import parse_mesh
 
@@ -109,6 +111,7 @@ class TrainSettings:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
             raise ValueError("dtype float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
+        check_precision({}, self.model_config())  # float16 compute: refused before any data is read
         max_len = self.model_config().max_seq_len
         if self.seq_len > max_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len "
@@ -224,5 +227,5 @@ def keep_schedule(settings: TrainSettings, saved: TrainSettings) -> tuple[TrainS
     settings = settings.replace(schedule_steps=kept)
     if settings.schedule == "constant":
         return settings, None
-    return settings, (f"keeping the {settings.schedule} schedule's horizon at {kept} steps while "
+    return settings, (f"keeping the {settings.schedule} schedule's horizon at {plural(kept, 'step')} while "
                       f"training to step {settings.steps} (set --schedule-steps to change it)")

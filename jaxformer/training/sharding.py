@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxformer.observe.words import plural, verb
+
 AXES = ("data", "fsdp")
 BATCH_SPEC = PartitionSpec(AXES)  # the batch axis over data x fsdp
 
@@ -55,10 +57,10 @@ def mesh_shape(text: str | None, n_devices: int) -> tuple[int, int]:
     elif n_devices % fsdp == 0:
         data = n_devices // fsdp
     else:
-        raise ValueError(f"mesh {text!r}: fsdp={fsdp} does not divide the {n_devices} devices")
+        raise ValueError(f"mesh {text!r}: fsdp={fsdp} does not divide the {plural(n_devices, 'device')}")
     if data * fsdp != n_devices:
         raise ValueError(f"mesh {text!r} has data x fsdp = {data} x {fsdp} = {data * fsdp} "
-                         f"devices, but {n_devices} are in use")
+                         f"devices, but {plural(n_devices, 'device')} {verb(n_devices, 'is')} in use")
     return data, fsdp
 
 

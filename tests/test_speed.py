@@ -1,0 +1,50 @@
+"""Honest speed: the CPU peak measured once per machine (cached) and outside every
+timed window; the steady-state figure made of step times alone."""
+
+import json
+import statistics
+import time
+
+from test_train import corpus, tiny_settings  # noqa: F401  (corpus is a fixture)
+
+from jaxformer.observe import flops, run_log
+from jaxformer.training.loop import train
+
+
+def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=3: calls.append(n) or 123e9)
+    flops.measure_cpu_peak.cache_clear()
+    try:
+        assert flops.measure_cpu_peak(64) == 123e9
+        flops.measure_cpu_peak.cache_clear()  # a new process
+        assert flops.measure_cpu_peak(64) == 123e9
+        assert calls == [64]
+        saved = json.loads((tmp_path / "jaxformer" / "peak.json").read_text())
+        assert list(saved.values()) == [123e9] and "cores" in next(iter(saved))
+        peak, source = flops.device_peak(cpu_matmul=64)
+        assert peak == 123e9 and "cached in" in source and str(tmp_path) in source
+    finally:
+        flops.measure_cpu_peak.cache_clear()
+
+
+def test_steady_state_counts_step_times_only(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """Writing a record (slowed here to 50 ms) is not step time: the steady figure
+    stays near the logged per-interval speeds, and the peak is named in the log."""
+    slow_write = run_log.write_record
+
+    def write_record(path, record):
+        time.sleep(0.05)
+        slow_write(path, record)
+
+    monkeypatch.setattr(run_log, "write_record", write_record)
+    lines = []
+    result = train(tiny_settings(corpus, steps=20, log_every=1, eval_every=0), tmp_path / "run",
+                   progress=False, log=lines.append)
+    t = result.timing
+    assert t["steady_steps"] == 19
+    assert t["steady_s"] < 19 * 0.05, t  # the 19 writes' sleeps (0.95 s) are not in it
+    logged = statistics.median(r["tokens_per_s"] for r in result.records[1:])
+    assert abs(t["steady_tokens_per_s"] - logged) < 0.3 * logged, (t, logged)
+    assert any(line.startswith("MFU against a peak of") for line in lines), lines
