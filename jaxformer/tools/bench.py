@@ -38,7 +38,7 @@ from jaxformer.model.params import count_params, init_params
 from jaxformer.observe import flops
 from jaxformer.tools.bench_contestants import (OPTIMIZER, make_batch, make_contestants, memory_stats,
                                                time_rounds, torch_version)
-from jaxformer.tools.bench_select import ALL_NAMES, TORCH_KINDS, Skip, select, torch_device
+from jaxformer.tools.bench_select import ALL_NAMES, TORCH_KINDS, Skip, Spec, select, torch_device
 from jaxformer.training.step import grad_source
 
 # Where work on the manual step should get to, at the loopos shape (reported, never
@@ -164,6 +164,17 @@ def fastest(results: dict) -> str | None:
     return max(ran, key=ran.get) if ran else None
 
 
+def choose(s: Settings) -> tuple[list[Spec], list[Skip], str | None]:
+    """(the contestants to run on the backend JAX runs on, the skipped ones, the torch
+    device or None)."""
+    backend = jax.default_backend()
+    device, torch_problem = torch_device(backend) if s.torch else (None, None)
+    specs, skipped = select(s.attention, backend, s.config.compute_dtype, torch_device=device,
+                            torch_problem=torch_problem, with_torch=s.torch,
+                            with_torch_compile=s.torch_compile, torch_compile_off=s.torch_compile_off)
+    return specs, skipped, device
+
+
 def say_skips(skipped: list[Skip], say) -> None:
     """One line per reason: contestants skipped for the same reason share it."""
     by_reason: dict[str, list[str]] = {}
@@ -178,11 +189,7 @@ def run(s: Settings, say=lambda line: print(line, file=sys.stderr, flush=True)) 
     hears one line per contestant skipped (or per shared reason) and per failure."""
     load_before = os.getloadavg()
     config, B, T = s.config, s.batch_size, s.seq_len
-    backend = jax.default_backend()
-    device, torch_problem = torch_device(backend) if s.torch else (None, None)
-    specs, skipped = select(s.attention, backend, config.compute_dtype, torch_device=device,
-                            torch_problem=torch_problem, with_torch=s.torch,
-                            with_torch_compile=s.torch_compile, torch_compile_off=s.torch_compile_off)
+    specs, skipped, device = choose(s)
     say_skips(skipped, say)
     params = init_params(jax.random.PRNGKey(s.seed), config, dtype=jnp.float32)
     batch = make_batch(config, B, T, s.seed)
