@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -222,7 +223,7 @@ def run(s: Settings, say=lambda line: print(line, file=sys.stderr, flush=True)) 
     analysis = grad_fn_analysis(s, ran_full) if s.depths else {}
     ratios = _ratios(results)
     return {
-        "command": " ".join(sys.argv),
+        "command": shlex.join(sys.argv),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "shape": {"config": config.to_dict(), "batch_size": B, "seq_len": T, "tokens_per_step": B * T,

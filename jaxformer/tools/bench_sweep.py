@@ -13,6 +13,7 @@ contestants with the same --rounds / --steps, and skips the compile-vs-depth che
 from __future__ import annotations
 
 import itertools
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -112,7 +113,7 @@ def run_sweep(base: bench.Settings, axes: dict[str, tuple[int, ...]],
         rows.append(sweep_row(point, report))
     first = reports[0]
     return {
-        "command": " ".join(sys.argv),
+        "command": shlex.join(sys.argv),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {**first["machine"], "loadavg_after": reports[-1]["machine"]["loadavg_after"]},
         "settings": first["settings"],
