@@ -1,13 +1,14 @@
-"""Benchmark one training step: manual vs automatic gradients vs the same model in PyTorch.
+"""Benchmark one training step: manual vs automatic gradients over each attention
+implementation vs the same model in PyTorch, on the device JAX sees.
 
     python experiments/benchmark.py --preset loopos
-    python experiments/benchmark.py --preset loopos --d-model 512 --n-layers 6 --d-ff 2048 \
-        --max-seq-len 256 --batch-size 8 --seq-len 256 --out runs/bench-mid
+    python experiments/benchmark.py --preset gpt2 --compute-dtype bfloat16 --batch-size 16 --seq-len 1024
+    python experiments/benchmark.py --shapes "d_model=64,128,256 seq_len=64,256" --out runs/sweep
     python experiments/benchmark.py --help
 
-Writes report.json, report.md and bench.png to --out (default runs/bench). The
-command line is jaxformer/cli/bench.py (also `jaxformer bench`), the benchmark
-jaxformer/tools/bench.py.
+Writes report.json, report.md and bench.png (a sweep: bench_sweep.png) to --out
+(default runs/bench); docs/benchmark.md explains them. The command line is
+jaxformer/cli/bench.py (also `jaxformer bench`), the benchmark jaxformer/tools/bench.py.
 """
 
 import sys

@@ -1,22 +1,48 @@
-"""The benchmark's report structure, FLOP counting and errors (never its timings)."""
+"""The benchmark's report structure, contestant selection, skip lines, the shape sweep,
+FLOP counting and errors (never its timings). Nothing here needs a GPU: the GPU's
+choices are checked with jax.default_backend() mocked."""
 
+import contextlib
+import io
 import json
+import sys
 import types
 
+import jax
 import pytest
 
-from jaxformer.cli.bench import main
+from jaxformer.cli.bench import build_parser, main, settings_from_args
 from jaxformer.cli.main import main as cli_main
 from jaxformer.model.config import get_preset
+from jaxformer.model.params import init_params
 from jaxformer.observe import flops
+from jaxformer.tools import bench, bench_select, bench_sweep
+from jaxformer.tools.bench_contestants import make_batch, make_contestants
 from jaxformer.tools.bench_report import format_markdown
+from jaxformer.tools.bench_select import Spec, select
+
+JAX_NAMES = ["manual_full", "manual_blockwise", "manual_pallas", "auto_full", "auto_cudnn"]
+
+
+def run_main(args):
+    """(exit code, stderr) of ``jaxformer bench args``."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, err.getvalue()
 
 
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
+def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert main(["--quick", "--depths", "1,2", "--out", str(out)]) == 0
-    return out, json.loads((out / "report.json").read_text())
+    code, err = run_main(["--quick", "--depths", "1,2", "--out", str(out)])
+    assert code == 0, err
+    return out, json.loads((out / "report.json").read_text()), err
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_run):
+    return quick_run[:2]
 
 
 def test_quick_run_writes_the_three_reports(quick_report):
@@ -32,17 +58,20 @@ def test_quick_run_writes_the_three_reports(quick_report):
 
 def test_each_contestant_has_consistent_figures(quick_report):
     _, report = quick_report
-    assert {"manual", "auto"} <= set(report["contestants"])
-    assert "torch_compile" not in report["contestants"]  # --quick skips torch.compile
-    for name, r in report["contestants"].items():
-        assert r["error"] is None, (name, r["error"])
+    ran = {n: r for n, r in report["contestants"].items() if r["status"] == "ran"}
+    assert {"manual_full", "manual_blockwise", "auto_full"} <= set(ran)
+    assert report["contestants"]["torch_compile"]["status"] == "skipped"  # --quick leaves it out
+    assert report["fastest"] in ran
+    for name, r in ran.items():
+        assert r["error"] is None and r["reason"] is None, (name, r["error"])
         ms, tok = r["ms_per_step"], r["tokens_per_s"]
         assert ms["min"] <= ms["median"] <= ms["max"] and len(r["samples_ms"]) == 1
         assert tok["median"] == pytest.approx(16 / (ms["median"] / 1e3))
         assert r["model_flops_per_s"] == pytest.approx(tok["median"] * report["flops"]["per_token"])
         assert r["mfu"] == pytest.approx(r["model_flops_per_s"] / report["peak"]["flops_per_s"])
     ratio = report["ratios"]["manual_over_auto_step_time"]  # one round: that round's ratio
-    expected = report["contestants"]["manual"]["samples_ms"][0] / report["contestants"]["auto"]["samples_ms"][0]
+    c = report["contestants"]
+    expected = c["manual_full"]["samples_ms"][0] / c["auto_full"]["samples_ms"][0]
     assert ratio == {"median": pytest.approx(expected), "min": pytest.approx(expected),
                      "max": pytest.approx(expected)}
 
@@ -55,11 +84,39 @@ def test_grad_fns_report_memory_and_compile_time_by_depth(quick_report):
         assert g["memory"]["argument_bytes"] > 0
 
 
+def test_report_records_every_contestant_and_why_some_are_skipped(quick_report):
+    _, report = quick_report
+    c = report["contestants"]
+    assert list(c) == JAX_NAMES + ["torch_eager", "torch_compile"]
+    assert set(c["manual_pallas"]) == {"status", "reason", "error"}
+    assert c["manual_pallas"]["status"] == "skipped" and "interpret mode" in c["manual_pallas"]["reason"]
+    assert "only on a GPU" in c["auto_cudnn"]["reason"]
+    assert c["torch_compile"]["reason"] == "left out (--quick)"
+    for name in ("manual_full", "manual_blockwise", "auto_full"):
+        assert c[name]["memory"]["argument_bytes"] > 0 and c[name]["memory"]["temp_bytes"] >= 0
+        assert c[name]["grads"] == name.split("_")[0] and c[name]["attention"] == name.split("_")[1]
+    assert report["settings"]["attention"] is None and report["settings"]["torch_device"] == "cpu"
+    assert report["settings"]["torch_autocast"] is None
+    assert len(report["notes"]) == 3  # pallas, cudnn, torch.compile
+    md = format_markdown(report)
+    assert "| JAX manual, pallas | skipped: left out on cpu by default" in md
+
+
+def test_skip_lines_on_the_terminal(quick_run):
+    *_, err = quick_run
+    lines = err.splitlines()
+    assert "Traceback" not in err
+    assert sum(line.startswith("manual_pallas: skipped: left out on cpu by default") for line in lines) == 1
+    assert sum(line.startswith("auto_cudnn: skipped: cuDNN's fused attention runs only on a GPU")
+               for line in lines) == 1
+    assert "torch_compile: skipped: left out (--quick)" in lines
+
+
 def test_a_failed_contestant_shows_its_error(quick_report):
     _, report = quick_report
     report = dict(report, contestants={**report["contestants"], "torch_compile": {
-        "compile_s": None, "error": "BackendCompilerFailed: no C++ compiler"}})
-    assert "| PyTorch torch.compile | failed: BackendCompilerFailed: no C++ compiler |" \
+        "status": "skipped", "reason": "BackendCompilerFailed: no C++ compiler", "error": None}})
+    assert "| PyTorch torch.compile, SDPA | skipped: BackendCompilerFailed: no C++ compiler |" \
         in format_markdown(report)
 
 
@@ -97,9 +154,173 @@ def _error_line(capsys, code):
     (["--quick", "--n-layers", "0"], "ModelConfig.n_layers must be a positive integer"),
     (["--quick", "--rounds", "0"], "expected a positive integer"),
     (["--quick", "--depths", "2"], "expected two positive layer counts"),
+    (["--quick", "--attention", "full,flash"], "unknown attention 'flash'"),
+    (["--quick", "--attention", "full", "--attention-impl", "pallas"], "not also --attention-impl"),
+    (["--quick", "--shapes", "width=4"], "unknown field 'width'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_input_is_one_error_line(args, message, capsys):
     line = _error_line(capsys, main(args))
     assert message in line, line
     assert message in _error_line(capsys, cli_main(["bench", *args]))
+
+
+# ---------------------------------------------------------------- selection per backend
+
+
+def names(specs):
+    return [s.name for s in specs]
+
+
+def test_cpu_default_leaves_out_pallas_and_cudnn_each_with_a_reason():
+    run, skipped = select(None, "cpu", None, torch_device="cpu")
+    assert names(run) == ["manual_full", "manual_blockwise", "auto_full", "torch_eager", "torch_compile"]
+    reasons = {s.name: s.reason for s in skipped}
+    assert set(reasons) == {"manual_pallas", "auto_cudnn"}
+    assert "interpret mode" in reasons["manual_pallas"] and "--attention" in reasons["manual_pallas"]
+    assert "only on a GPU" in reasons["auto_cudnn"]
+
+
+def test_gpu_default_runs_every_contestant_in_bfloat16():
+    run, skipped = select(None, "gpu", "bfloat16", torch_device="cuda")
+    assert names(run) == JAX_NAMES + ["torch_eager", "torch_compile"] and skipped == []
+
+
+def test_gpu_cudnn_needs_a_low_precision_compute_dtype():
+    run, skipped = select(None, "gpu", None, torch_device="cuda")
+    assert "auto_cudnn" not in names(run)
+    assert skipped[0].name == "auto_cudnn" and "--compute-dtype bfloat16" in skipped[0].reason
+
+
+def test_explicit_attention_list_runs_pallas_on_cpu_and_marks_the_rest_not_asked():
+    run, skipped = select(("full", "pallas"), "cpu", None, torch_device=None,
+                          torch_problem="PyTorch is not installed (pip install torch ...)")
+    assert names(run) == ["manual_full", "manual_pallas", "auto_full"]
+    reasons = {s.name: s.reason for s in skipped}
+    assert reasons["manual_blockwise"] == "not asked for (--attention full,pallas)"
+    assert reasons["torch_eager"] == reasons["torch_compile"] == "PyTorch is not installed (pip install torch ...)"
+
+
+def test_cudnn_asked_for_on_cpu_is_skipped_not_run():
+    run, skipped = select(("cudnn",), "cpu", "bfloat16", torch_device="cpu", with_torch=False)
+    assert names(run) == []
+    reasons = {s.name: s.reason for s in skipped}
+    assert "only on a GPU" in reasons["auto_cudnn"]
+    assert reasons["torch_eager"] == "PyTorch contestants skipped (--no-torch)"
+
+
+def test_pallas_is_refused_on_a_tpu():
+    run, skipped = select(("pallas",), "tpu", None, torch_device=None, with_torch=False)
+    assert names(run) == [] and "not on tpu" in {s.name: s.reason for s in skipped}["manual_pallas"]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_the_benchmark_chooses_for_the_backend_jax_reports(backend, monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    s = settings_from_args(build_parser().parse_args(["--quick", "--compute-dtype", "bfloat16"]))
+    specs, skipped, device = bench.choose(s)
+    reasons = {k.name: k.reason for k in skipped}
+    if backend == "cpu":
+        assert "manual_pallas" in reasons and "auto_cudnn" in reasons and device == "cpu"
+        assert "torch_eager" in names(specs)
+    else:  # a CPU build of torch sees no CUDA: PyTorch is skipped, every JAX contestant runs
+        assert names(specs) == JAX_NAMES and device is None
+        assert "sees no CUDA GPU" in reasons["torch_eager"]
+
+
+def test_torch_not_installed_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    device, reason = bench_select.torch_device("cpu")
+    assert device is None
+    assert reason == ("PyTorch is not installed "
+                      "(pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+    assert bench_select.torch_device("gpu")[1] == "PyTorch is not installed (pip install torch (a CUDA build))"
+
+
+def test_a_contestant_that_fails_to_compile_is_kept_with_one_line():
+    config = get_preset("tiny").replace(compute_dtype="bfloat16")
+    params = init_params(jax.random.PRNGKey(0), config)
+    heard = []
+    [c] = make_contestants([Spec("auto_cudnn", "auto", "cudnn")], config, params,
+                           make_batch(config, 2, 8, 0), say=heard.append)
+    assert c.run is None and "only on a GPU" in c.error
+    assert len(heard) == 1 and heard[0].startswith("auto_cudnn: skipped, it failed to build: ValueError")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("full,flash", "unknown attention 'flash'"),
+    ("full,full", "names an attention twice"),
+    (",", "expected a comma-separated list"),
+])
+def test_bad_attention_list(text, message):
+    with pytest.raises(ValueError, match=message):
+        bench_select.parse_attention(text)
+
+
+def test_known_gpu_peaks_by_device_kind():
+    for kind, bf16 in [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H200", 989.4e12),
+                       ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835.5e12),
+                       ("NVIDIA GH200 480GB", 989.4e12), ("NVIDIA A100-SXM4-80GB", 312e12)]:
+        device = types.SimpleNamespace(platform="gpu", device_kind=kind)
+        peak, source = flops.device_peak(device, "bfloat16")
+        assert peak == bf16 and "bfloat16" in source, kind
+
+
+# ---------------------------------------------------------------- the shape sweep
+
+
+def test_parse_shapes_and_the_grid_order():
+    axes = bench_sweep.parse_shapes("d_model=64,128 seq-len=16,32,64")
+    assert axes == {"d_model": (64, 128), "seq_len": (16, 32, 64)}
+    points = bench_sweep.grid(axes)
+    assert len(points) == 6 and points[0] == {"d_model": 64, "seq_len": 16}
+    assert points[1] == {"d_model": 64, "seq_len": 32}  # the last axis varies fastest
+    assert bench_sweep.point_label(points[-1]) == "D128 T64"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("d_model", "expected field=v1,v2"),
+    ("width=4", "unknown field 'width'"),
+    ("d_model=4 d_model=8", "d_model given twice"),
+    ("seq_len=8,x", "comma-separated integers"),
+    ("n_layers=0", "must be positive"),
+    ("  ", "at least one"),
+])
+def test_bad_shapes(text, message):
+    with pytest.raises(ValueError, match=message):
+        bench_sweep.parse_shapes(text)
+
+
+def test_point_settings_keep_gpt_ratio_and_room_for_the_sequence():
+    base = settings_from_args(build_parser().parse_args(["--quick", "--shapes", "d_model=32"]))
+    assert base.depths is None
+    s = bench_sweep.point_settings(base, {"d_model": 32, "seq_len": 64})
+    assert (s.config.d_model, s.config.d_ff, s.config.max_seq_len, s.seq_len) == (32, 128, 64, 64)
+    s = bench_sweep.point_settings(base, {"d_model": 32, "d_ff": 40})
+    assert s.config.d_ff == 40 and s.seq_len == base.seq_len
+    with pytest.raises(ValueError, match="shape D15: ModelConfig.d_model .15. must be divisible"):
+        bench_sweep.point_settings(base, {"d_model": 15})
+
+
+def test_sweep_writes_table_plot_and_rows(tmp_path):
+    code, err = run_main(["--quick", "--shapes", "d_model=8,16", "--attention", "full", "--no-torch",
+                          "--out", str(tmp_path)])
+    assert code == 0, err
+    assert err.count("manual_blockwise, manual_pallas, auto_cudnn: skipped: not asked for") == 1
+    sweep = json.loads((tmp_path / "report.json").read_text())
+    assert sweep["axes"] == {"d_model": [8, 16]} and len(sweep["rows"]) == len(sweep["reports"]) == 2
+    for row, d in zip(sweep["rows"], (8, 16)):
+        assert row["point"] == {"d_model": d} and row["label"] == f"D{d}"
+        assert set(row["tokens_per_s"]) == {"manual_full", "auto_full"}
+        assert row["fastest"] in row["tokens_per_s"] and "torch_eager" in row["skipped"]
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# Training-step benchmark over shapes: d_model=8,16")
+    assert "| shape | B | T | JAX manual, full | JAX jax.grad, full | fastest |" in md
+    assert md.count("| D8 |") + md.count("| D16 |") == 2 and "**" in md
+    assert (tmp_path / "bench_sweep.png").stat().st_size > 0
+    assert sweep["reports"][0]["grad_fns"] == {}  # no depth check per shape
+
+
+def test_a_bad_shape_is_one_error_line_before_anything_runs(capsys):
+    line = _error_line(capsys, main(["--quick", "--shapes", "d_model=16,15", "--no-torch"]))
+    assert "shape D15: ModelConfig.d_model (15) must be divisible by n_heads (2)" in line

@@ -10,7 +10,15 @@ from jaxformer.cli.args import Parser, positive_int, run_command
 from jaxformer.tools import memory
 
 DESCRIPTION = ("Memory of the lean manual backward (blockwise attention, chunked loss, block "
-               "recompute)")
+               "recompute), and of the Pallas flash-attention kernel's")
+
+
+def sources(text: str) -> tuple[str, ...]:
+    """argparse type of --sources."""
+    try:
+        return memory.parse_sources(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser(prog: str = "memory.py") -> argparse.ArgumentParser:
@@ -25,17 +33,26 @@ def build_parser(prog: str = "memory.py") -> argparse.ArgumentParser:
     parser.add_argument("--loss-chunk", type=positive_int, default=256, help="positions per chunk of the loss")
     parser.add_argument("--rounds", type=positive_int, default=5, help="timed rounds (after one warm-up)")
     parser.add_argument("--no-timing", dest="timing", action="store_false", help="memory only")
+    parser.add_argument("--sources", type=sources, metavar="LIST",
+                        help=f"gradient sources, comma-separated from {','.join(memory.ALL_SOURCES)} "
+                             f"(default: {','.join(memory.SOURCES)}, and pallas on a GPU; on CPU the "
+                             f"Pallas kernel runs in slow interpret mode: opt in with "
+                             f"--sources {','.join(memory.ALL_SOURCES)})")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     config = memory.memory_config(args.seq_len, args.d_model, args.n_heads, args.n_layers,
                                   args.vocab_size, args.attention_block)  # ValueError naming a field
+    if args.sources is None and "pallas" not in memory.default_sources():
+        print("pallas: left out on this backend by default (interpret mode, slow): "
+              "opt in with --sources " + ",".join(memory.ALL_SOURCES))
     print(f"B={args.batch_size} D={args.d_model} H={args.n_heads} L={args.n_layers} "
           f"V={args.vocab_size}, float32; blockwise block {args.attention_block}, "
           f"loss chunk {args.loss_chunk}")
     report = memory.memory_report(config, args.batch_size, args.seq_len, 2 * args.seq_len,
-                                  args.loss_chunk, rounds=args.rounds, timing=args.timing)
+                                  args.loss_chunk, rounds=args.rounds, timing=args.timing,
+                                  sources=args.sources)
     print(memory.format_report(report, args.seq_len, 2 * args.seq_len))
     return 0
 

@@ -45,19 +45,26 @@ PEAK_FILE = "peak.json"
 #     (https://www.nvidia.com/en-us/data-center/h100/, https://www.nvidia.com/en-us/data-center/h200/):
 #     BF16 1979 TFLOP/s sparse -> 989.4 dense, TF32 989 sparse -> 494.7 dense, FP32 67.
 #   H100 PCIe: same datasheet: BF16 1513 sparse -> 756, TF32 756 sparse -> 378, FP32 51.
+#   H100 NVL / H200 NVL: the same pages: BF16 1671 sparse -> 835.5, TF32 835 sparse -> 417.5.
+#   GH200: the H100-class GPU of Grace Hopper, the SXM figures.
 #   A100 SXM/PCIe: NVIDIA A100 Tensor Core GPU datasheet
 #     (https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
 #      nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16 312, TF32 156, FP32 19.5.
 # float32 matmuls map to tf32: XLA's default matmul precision on these GPUs uses TF32.
 # Keys are matched against jax.Device.device_kind, first match wins (PCIe before SXM).
+# jax reports e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H200".
 KNOWN_PEAKS = (
     ("H100 PCIe", {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12}),
+    ("H100 NVL", {"bfloat16": 835.5e12, "float16": 835.5e12, "float32": 417.5e12}),
+    ("H200 NVL", {"bfloat16": 835.5e12, "float16": 835.5e12, "float32": 417.5e12}),
+    ("GH200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
     ("H100", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
     ("H200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
     ("A100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
 )
 # Non-tensor-core FP32 peaks (the same datasheets), for reference in reports.
-FP32_NON_TENSOR = {"H100 PCIe": 51.2e12, "H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
+FP32_NON_TENSOR = {"H100 PCIe": 51.2e12, "H100 NVL": 60e12, "H200 NVL": 60e12, "GH200": 66.9e12,
+                   "H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
 
 
 def matmul_params(config: ModelConfig) -> int:

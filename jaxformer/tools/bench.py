@@ -1,18 +1,22 @@
-"""Training-step benchmark: manual vs automatic gradients vs PyTorch (eager, compiled).
+"""Training-step benchmark: manual vs automatic gradients over each attention
+implementation vs PyTorch (eager, compiled), on the device JAX sees.
 
     jaxformer bench --preset loopos                       # or: python experiments/benchmark.py
-    jaxformer bench --preset loopos --d-model 512 --n-layers 6 --d-ff 2048 \\
-        --max-seq-len 256 --batch-size 8 --seq-len 256
+    jaxformer bench --preset gpt2 --compute-dtype bfloat16 --batch-size 16 --seq-len 1024
 
-Every contestant (``bench_contestants``) runs the same model (one set of initial
-weights, copied into PyTorch), the same batch and AdamW with the same settings. After
+``bench_select`` chooses the contestants this device can run (manual: full,
+blockwise, pallas; jax.grad: full, cudnn; PyTorch eager and torch.compile with SDPA)
+and says why each other one is skipped. Every contestant (``bench_contestants``) runs
+the same model (one set of initial weights, copied into PyTorch), the same batch and
+AdamW with the same settings. After
 warm-up steps (compilation included, timed apart), rounds run the contestants in turn
 (A B C A B C ...) so machine drift hits all of them alike; each round times
 ``steps`` steps between two ``block_until_ready``. Reported per contestant:
 median ms/step and tokens/s with min-max over rounds, model FLOP/s and MFU
-(``observe.flops``), compile time; per JAX gradient function: XLA's memory
-analysis and compile time, also at two depths (the blocks run under lax.scan,
-so it should not grow with depth). ``run(settings)`` returns the report dict that
+(``observe.flops``) against the device's peak in the matmul dtype, compile time, and
+for JAX XLA's memory analysis of the compiled step; for the full-attention gradient
+functions, compile time at two depths (the blocks run under lax.scan, so it should
+not grow with depth). ``run(settings)`` returns the report dict that
 ``bench_report`` writes as report.json, report.md and bench.png; the command line is
 ``jaxformer.cli.bench``.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -32,8 +37,9 @@ import jax.numpy as jnp
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params, init_params
 from jaxformer.observe import flops
-from jaxformer.tools.bench_contestants import (JAX_KINDS, OPTIMIZER, TORCH_KINDS, make_batch,
-                                               make_contestants, time_rounds, torch_version)
+from jaxformer.tools.bench_contestants import (OPTIMIZER, make_batch, make_contestants, memory_stats,
+                                               time_rounds, torch_version)
+from jaxformer.tools.bench_select import ALL_NAMES, TORCH_KINDS, Skip, Spec, select, torch_device
 from jaxformer.training.step import grad_source
 
 # Where work on the manual step should get to, at the loopos shape (reported, never
@@ -50,12 +56,14 @@ class Settings(NamedTuple):
     rounds: int
     steps: int
     warmup: int
-    depths: tuple  # (L1, L2): n_layers of the compile-time-vs-depth check
+    depths: tuple | None  # (L1, L2): n_layers of the compile-time-vs-depth check; None: no check
     torch: bool
     torch_compile: bool
     cpu_matmul: int  # n of the n x n matmul that measures a CPU's peak
     torch_threads: int | None  # torch.set_num_threads, None: torch's default
     seed: int
+    attention: tuple | None = None  # attention impls to run; None: bench_select's default here
+    torch_compile_off: str = "--no-torch-compile"  # why torch_compile is False, for its skip line
 
 
 # ----------------------------------------------------------------------------
@@ -76,23 +84,11 @@ def compile_grad_fn(kind: str, config, batch_size: int, seq_len: int):
     return time.perf_counter() - t0, compiled
 
 
-def memory_stats(compiled) -> dict | None:
-    """XLA's memory_analysis of a compiled function, in bytes (None if unavailable)."""
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # not implemented on this backend
-        return None
-    if m is None:
-        return None
-    names = ("temp", "argument", "output", "alias", "generated_code")
-    return {f"{n}_bytes": int(getattr(m, f"{n}_size_in_bytes", 0) or 0) for n in names}
-
-
-def grad_fn_analysis(s: Settings) -> dict:
-    """Per JAX gradient function: compile time and memory at the benchmark's shape, and
-    compile time at each of s.depths layers."""
+def grad_fn_analysis(s: Settings, kinds=("manual", "auto")) -> dict:
+    """Per gradient source of full attention: compile time and memory at the benchmark's
+    shape, and compile time at each of s.depths layers."""
     out = {}
-    for kind in JAX_KINDS:
+    for kind in kinds:
         seconds, compiled = compile_grad_fn(kind, s.config, s.batch_size, s.seq_len)
         depth = {str(L): seconds if L == s.config.n_layers else  # the same program: not twice
                  compile_grad_fn(kind, s.config.replace(n_layers=L), s.batch_size, s.seq_len)[0]
@@ -132,11 +128,11 @@ def _ratios(results: dict) -> dict:
         return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
     out = {}
-    if samples("manual") and samples("auto"):
-        out["manual_over_auto_step_time"] = paired("manual", "auto")
+    if samples("manual_full") and samples("auto_full"):
+        out["manual_over_auto_step_time"] = paired("manual_full", "auto_full")
     for name in TORCH_KINDS:
-        if samples("manual") and samples(name):  # tokens/s ratio = inverse step-time ratio
-            out[f"manual_over_{name}_tokens_per_s"] = paired(name, "manual")
+        if samples("manual_full") and samples(name):  # tokens/s ratio = inverse step-time ratio
+            out[f"manual_over_{name}_tokens_per_s"] = paired(name, "manual_full")
     return out
 
 
@@ -163,48 +159,88 @@ def machine() -> dict:
     return info
 
 
-def run(s: Settings) -> dict:
-    """Run the benchmark of ``s``; returns the report dict (see bench_report)."""
+def fastest(results: dict) -> str | None:
+    """The contestant with the highest median tokens/s (None when none ran)."""
+    ran = {n: r["tokens_per_s"]["median"] for n, r in results.items() if r.get("tokens_per_s")}
+    return max(ran, key=ran.get) if ran else None
+
+
+def choose(s: Settings) -> tuple[list[Spec], list[Skip], str | None]:
+    """(the contestants to run on the backend JAX runs on, the skipped ones, the torch
+    device or None)."""
+    backend = jax.default_backend()
+    device, torch_problem = torch_device(backend) if s.torch else (None, None)
+    specs, skipped = select(s.attention, backend, s.config.compute_dtype, torch_device=device,
+                            torch_problem=torch_problem, with_torch=s.torch,
+                            with_torch_compile=s.torch_compile, torch_compile_off=s.torch_compile_off)
+    return specs, skipped, device
+
+
+def say_skips(skipped: list[Skip], say) -> None:
+    """One line per reason: contestants skipped for the same reason share it."""
+    by_reason: dict[str, list[str]] = {}
+    for s in skipped:
+        by_reason.setdefault(s.reason, []).append(s.name)
+    for reason, names in by_reason.items():
+        say(f"{', '.join(names)}: skipped: {reason}")
+
+
+def run(s: Settings, say=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
+    """Run the benchmark of ``s``; returns the report dict (see bench_report). ``say``
+    hears one line per contestant skipped (or per shared reason) and per failure."""
     load_before = os.getloadavg()
     config, B, T = s.config, s.batch_size, s.seq_len
+    specs, skipped, device = choose(s)
+    say_skips(skipped, say)
     params = init_params(jax.random.PRNGKey(s.seed), config, dtype=jnp.float32)
     batch = make_batch(config, B, T, s.seed)
     per_token = flops.flops_per_token(config, T)
     dtype = flops.matmul_dtype(config, "float32")
-    contestants, notes = make_contestants(config, params, batch, with_torch=s.torch,
-                                          with_torch_compile=s.torch_compile,
-                                          torch_threads=s.torch_threads)
+    contestants = make_contestants(specs, config, params, batch, torch_device=device,
+                                   torch_threads=s.torch_threads, say=say)
     peak, peak_source = flops.device_peak(dtype=dtype, cpu_matmul=s.cpu_matmul)
     probe = None
     if jax.devices()[0].platform == "cpu":  # the CPU's peak is measured in every round too
-        probe = lambda: flops.cpu_matmul_flops(s.cpu_matmul)
-    samples, probes = time_rounds(contestants, s.rounds, s.steps, s.warmup, probe)
+        probe = lambda: flops.cpu_matmul_flops(s.cpu_matmul)  # noqa: E731
+    samples, probes, failed = time_rounds(contestants, s.rounds, s.steps, s.warmup, probe, say)
     if probes:
         peak = max([peak, *probes])
         peak_source = (f"measured: best float32 {s.cpu_matmul}x{s.cpu_matmul} matmul of "
                        f"{len(probes) + 1} measurements, one after each round")
     results = {}
     for c in contestants:
-        entry = {"compile_s": c.compile_s, "error": c.error}
+        error = c.error or failed.get(c.name)
+        entry = {"status": "skipped" if error else "ran", "reason": error, "grads": c.spec.grads,
+                 "attention": c.spec.attention, "compile_s": c.compile_s, "error": error,
+                 "memory": c.memory}
         if c.name in samples:
             entry.update(_summary(samples[c.name], B * T, per_token, peak))
         results[c.name] = entry
-    analysis = grad_fn_analysis(s)
+    for skip in skipped:
+        results[skip.name] = {"status": "skipped", "reason": skip.reason, "error": None}
+    results = {n: results[n] for n in ALL_NAMES if n in results}
+    ran_full = [k for k in ("manual", "auto") if results.get(f"{k}_full", {}).get("status") == "ran"]
+    analysis = grad_fn_analysis(s, ran_full) if s.depths else {}
     ratios = _ratios(results)
     return {
-        "command": " ".join(sys.argv),
+        "command": shlex.join(sys.argv),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "shape": {"config": config.to_dict(), "batch_size": B, "seq_len": T, "tokens_per_step": B * T,
                   "params": count_params(params)},
         "settings": {"rounds": s.rounds, "steps_per_round": s.steps, "warmup_steps": s.warmup,
-                     "optimizer": OPTIMIZER, "param_dtype": "float32", "matmul_dtype": dtype},
+                     "optimizer": OPTIMIZER, "param_dtype": "float32", "matmul_dtype": dtype,
+                     "attention": list(s.attention) if s.attention else None,
+                     "torch_device": device,
+                     "torch_autocast": config.compute_dtype if device and config.compute_dtype in
+                     ("bfloat16", "float16") else None},
         "flops": flops.flops_breakdown(config, T),
         "peak": {"flops_per_s": peak, "source": peak_source, "dtype": dtype,
                  "cpu_samples": probes},
         "contestants": results,
+        "fastest": fastest(results),
         "grad_fns": analysis,
         "ratios": ratios,
         "targets": _targets(ratios),
-        "notes": notes,
+        "notes": [f"{sk.name} skipped: {sk.reason}" for sk in skipped],
     }

@@ -1,4 +1,4 @@
-"""The benchmark's reports: report.json, report.md and bench.png (see jaxformer/bench.py)."""
+"""The benchmark's reports: report.json, report.md and bench.png (see tools/bench.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,22 @@ import math
 import os
 from pathlib import Path
 
-LABELS = {"manual": "JAX manual grads", "auto": "JAX jax.grad",
-          "torch_eager": "PyTorch eager", "torch_compile": "PyTorch torch.compile"}
+LABELS = {"manual_full": "JAX manual, full", "manual_blockwise": "JAX manual, blockwise",
+          "manual_pallas": "JAX manual, pallas", "auto_full": "JAX jax.grad, full",
+          "auto_cudnn": "JAX jax.grad, cudnn", "torch_eager": "PyTorch eager, SDPA",
+          "torch_compile": "PyTorch torch.compile, SDPA"}
 RATIO_LABELS = {
-    "manual_over_auto_step_time": "manual / auto step time",
-    "manual_over_torch_eager_tokens_per_s": "manual tok/s / PyTorch eager tok/s",
-    "manual_over_torch_compile_tokens_per_s": "manual tok/s / torch.compile tok/s",
+    "manual_over_auto_step_time": "manual / jax.grad step time (full attention)",
+    "manual_over_torch_eager_tokens_per_s": "manual (full) tok/s / PyTorch eager tok/s",
+    "manual_over_torch_compile_tokens_per_s": "manual (full) tok/s / torch.compile tok/s",
 }
 
 
-def _json_safe(x):
+def json_safe(x):
     if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
@@ -38,14 +40,16 @@ def shape_line(report: dict) -> str:
     c, sh = report["shape"]["config"], report["shape"]
     return (f"L{c['n_layers']} D{c['d_model']} H{c['n_heads']} F{c['d_ff']} "
             f"B{sh['batch_size']} T{sh['seq_len']} V{c['vocab_size']} ({c['norm']}-LN, {c['activation']}, "
-            f"{c['positions']} positions, attention {c['attention_impl']}, {sh['params']:,} params)")
+            f"{c['positions']} positions, compute {c.get('compute_dtype') or 'float32'}, "
+            f"{sh['params']:,} params)")
 
 
 def contestant_rows(report: dict) -> list[list[str]]:
     rows = []
     for name, r in report["contestants"].items():
-        if r.get("error"):
-            rows.append([LABELS.get(name, name), "failed: " + r["error"], "", "", "", "", ""])
+        if r.get("status") == "skipped" or r.get("error"):
+            rows.append([LABELS.get(name, name), "skipped: " + (r.get("reason") or r.get("error") or ""),
+                         "", "", "", "", ""])
             continue
         tok, ms = r["tokens_per_s"], r["ms_per_step"]
         mfu = None if r.get("mfu") is None else 100 * r["mfu"]
@@ -53,7 +57,7 @@ def contestant_rows(report: dict) -> list[list[str]]:
                      f"{tok['median']:,.0f} ({tok['min']:,.0f}-{tok['max']:,.0f})",
                      f"{ms['median']:.2f}", f"{r['model_flops_per_s'] / 1e9:.2f}",
                      _fmt(mfu, ".2f"), _fmt(r.get("compile_s"), ".2f"),
-                     _mib((report["grad_fns"].get(name, {}).get("memory") or {}).get("temp_bytes"))])
+                     _mib((r.get("memory") or {}).get("temp_bytes"))])
     return rows
 
 
@@ -70,8 +74,10 @@ def format_markdown(report: dict) -> str:
              f"(lr {report['settings']['optimizer']['lr']}, weight decay "
              f"{report['settings']['optimizer']['weight_decay']}) in every framework.", "",
              "| contestant | tokens/s median (min-max) | ms/step | model GFLOP/s | MFU % | compile s "
-             "| XLA temp MiB |", "|---|---|---|---|---|---|---|"]
+             "| XLA temp MiB (step) |", "|---|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(row) + " |" for row in contestant_rows(report)]
+    if report.get("fastest"):
+        lines += ["", f"Fastest: {LABELS.get(report['fastest'], report['fastest'])}."]
     lines += ["", "Ratios: per round (the contestants ran side by side), median over rounds (min-max).", "",
               "| ratio | median (min-max) | target |", "|---|---|---|"]
     for key, value in report["ratios"].items():
@@ -79,15 +85,8 @@ def format_markdown(report: dict) -> str:
         target = f"{t['bound']} ({'met' if t['met'] else 'not met'})" if t else ""
         lines.append(f"| {RATIO_LABELS.get(key, key)} | {value['median']:.2f} "
                      f"({value['min']:.2f}-{value['max']:.2f}) | {target} |")
-    lines += ["", "JAX gradient functions (XLA `memory_analysis`, compile = trace + lower + compile):", "",
-              "| gradients | compile s | " + " | ".join(
-                  f"compile s at L={L}" for L in next(iter(report["grad_fns"].values()))["compile_s_by_depth"])
-              + " | temp MiB | argument MiB | output MiB |", "|---|---|---|---|---|---|---|"]
-    for name, g in report["grad_fns"].items():
-        mem = g["memory"] or {}
-        depth = " | ".join(f"{v:.2f}" for v in g["compile_s_by_depth"].values())
-        lines.append(f"| {name} | {g['compile_s']:.2f} | {depth} | {_mib(mem.get('temp_bytes'))} | "
-                     f"{_mib(mem.get('argument_bytes'))} | {_mib(mem.get('output_bytes'))} |")
+    if report["grad_fns"]:
+        lines += grad_fn_lines(report["grad_fns"])
     peak = "unknown" if p["flops_per_s"] is None else f"{p['flops_per_s'] / 1e9:,.1f} GFLOP/s"
     lines += ["", f"Model FLOPs per token: {f['per_token']:,} ({f['convention']}); "
               f"6N = {f['dense_6N']:,}, attention = {f['attention']:,}.",
@@ -96,15 +95,31 @@ def format_markdown(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def grad_fn_lines(grad_fns: dict) -> list[str]:
+    """The table of the full-attention gradient functions: compile time by depth, memory."""
+    depths = next(iter(grad_fns.values()))["compile_s_by_depth"]
+    lines = ["", "JAX gradient functions, full attention (XLA `memory_analysis`, compile = trace + "
+             "lower + compile):", "",
+             "| gradients | compile s | " + " | ".join(f"compile s at L={L}" for L in depths)
+             + " | temp MiB | argument MiB | output MiB |", "|---|---|---|---|---|---|---|"]
+    for name, g in grad_fns.items():
+        mem = g["memory"] or {}
+        depth = " | ".join(f"{v:.2f}" for v in g["compile_s_by_depth"].values())
+        lines.append(f"| {name} | {g['compile_s']:.2f} | {depth} | {_mib(mem.get('temp_bytes'))} | "
+                     f"{_mib(mem.get('argument_bytes'))} | {_mib(mem.get('output_bytes'))} |")
+    return lines
+
+
 def format_summary(report: dict) -> str:
     """A plain-text table for the terminal."""
     out = [shape_line(report),
-           f"{'contestant':<24}{'tokens/s (min-max)':>30}{'ms/step':>10}{'MFU %':>8}{'compile s':>11}"]
+           f"{'contestant':<30}{'tokens/s (min-max)':>30}{'ms/step':>10}{'MFU %':>8}{'compile s':>11}"
+           f"{'XLA temp MiB':>14}"]
     for row in contestant_rows(report):
-        if row[1].startswith("failed"):
-            out.append(f"{row[0]:<24}{row[1]}")
+        if row[1].startswith("skipped"):
+            out.append(f"{row[0]:<30}{row[1]}")
         else:
-            out.append(f"{row[0]:<24}{row[1]:>30}{row[2]:>10}{row[4]:>8}{row[5]:>11}")
+            out.append(f"{row[0]:<30}{row[1]:>30}{row[2]:>10}{row[4]:>8}{row[5]:>11}{row[6]:>14}")
     for key, value in report["ratios"].items():
         out.append(f"{RATIO_LABELS.get(key, key)}: {value['median']:.2f} per-round median "
                    f"({value['min']:.2f}-{value['max']:.2f})")
@@ -121,24 +136,27 @@ def plot(report: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = {k: r for k, r in report["contestants"].items() if not r.get("error") and r.get("tokens_per_s")}
+    ok = {k: r for k, r in report["contestants"].items() if r.get("tokens_per_s")}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     names = list(ok)
     med = [ok[n]["tokens_per_s"]["median"] for n in names]
     err = [[m - ok[n]["tokens_per_s"]["min"] for n, m in zip(names, med)],
            [ok[n]["tokens_per_s"]["max"] - m for n, m in zip(names, med)]]
-    ax1.bar(range(len(names)), med, yerr=err, capsize=4, color=["C0", "C1", "C2", "C3"][:len(names)])
-    ax1.set_xticks(range(len(names)), [LABELS.get(n, n) for n in names], fontsize=8)
+    ax1.bar(range(len(names)), med, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(names))])
+    ax1.set_xticks(range(len(names)), [LABELS.get(n, n).replace(", ", "\n") for n in names], fontsize=7)
     ax1.set_ylabel("tokens/s (median, min-max)")
     ax1.set_title(shape_line(report).split(" (")[0], fontsize=9, loc="left")
     for name, g in report["grad_fns"].items():
         depths = list(g["compile_s_by_depth"])
         ax2.plot([int(d) for d in depths], list(g["compile_s_by_depth"].values()), "o-",
-                 label=LABELS.get(name, name))
+                 label=LABELS.get(f"{name}_full", name))
     ax2.set_xlabel("n_layers")
     ax2.set_ylabel("gradient compile time (s)")
     ax2.set_ylim(bottom=0)
-    ax2.legend(fontsize=8)
+    if report["grad_fns"]:
+        ax2.legend(fontsize=8)
+    else:
+        ax2.text(0.5, 0.5, "depth check not run", ha="center", transform=ax2.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -148,7 +166,7 @@ def write_reports(report: dict, out: str | os.PathLike) -> dict:
     """report.json, report.md and bench.png in ``out`` (created); returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    safe = _json_safe(report)
+    safe = json_safe(report)
     paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "bench.png"}
     paths["json"].write_text(json.dumps(safe, indent=2) + "\n")
     paths["markdown"].write_text(format_markdown(safe))

@@ -11,6 +11,8 @@ program needs at once, argument = its inputs). Gradient sources compared, all
     manual         manual_grads.value_and_grad of the plain model
     blockwise      manual, blockwise attention only
     lean           manual, blockwise attention + chunked loss + remat "block"
+    pallas         manual, the Pallas flash-attention kernel (default_sources: on a GPU;
+                   opt-in on CPU, where the kernel runs in slow interpret mode)
 """
 
 from __future__ import annotations
@@ -29,7 +31,25 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
 
-SOURCES = ("autodiff", "manual", "blockwise", "lean")
+SOURCES = ("autodiff", "manual", "blockwise", "lean")  # measured on every backend
+ALL_SOURCES = SOURCES + ("pallas",)
+LEAN_SOURCES = ("blockwise", "lean", "pallas")  # attention without the (B, H, T, T) probabilities
+
+
+def default_sources(backend: str | None = None) -> tuple[str, ...]:
+    """The sources measured when none are named: pallas too on a GPU (``backend``,
+    default jax.default_backend()), not on CPU, where its interpret mode is slow."""
+    return ALL_SOURCES if (backend or jax.default_backend()) == "gpu" else SOURCES
+
+
+def parse_sources(text: str) -> tuple[str, ...]:
+    """"autodiff,manual,pallas" -> the sources; ValueError naming an unknown one."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ALL_SOURCES]
+    if unknown or not names:
+        raise ValueError(f"unknown memory source(s) {', '.join(unknown) or repr(text)}; "
+                         f"choose from {', '.join(ALL_SOURCES)}")
+    return names
 
 
 class MemoryStats(NamedTuple):
@@ -53,6 +73,8 @@ def source_config(config: ModelConfig, source: str, loss_chunk: int) -> ModelCon
         return config.replace(attention_impl="blockwise")
     if source == "lean":
         return config.replace(attention_impl="blockwise", loss_chunk=loss_chunk, remat="block")
+    if source == "pallas":
+        return config.replace(attention_impl="pallas", loss_chunk=0, remat="none")
     return config.replace(attention_impl="full", loss_chunk=0, remat="none")
 
 
@@ -118,15 +140,23 @@ class MemoryReport(NamedTuple):
 
 
 def memory_report(config: ModelConfig, batch_size: int, seq_len: int, long_seq_len: int,
-                  loss_chunk: int, rounds: int = 5, timing: bool = True) -> MemoryReport:
-    """Every figure of experiments/memory.py, from one run."""
-    memory = {T: measure_memory(config, batch_size, T, loss_chunk) for T in (seq_len, long_seq_len)}
+                  loss_chunk: int, rounds: int = 5, timing: bool = True,
+                  sources: tuple[str, ...] | None = None) -> MemoryReport:
+    """Every figure of experiments/memory.py, from one run; ``sources`` (default
+    default_sources()) must include autodiff, manual and lean. Timing covers manual,
+    lean and, when measured, pallas."""
+    sources = sources or default_sources()
+    missing = [s for s in ("autodiff", "manual", "lean") if s not in sources]
+    if missing:
+        raise ValueError(f"memory sources must include {', '.join(missing)} (the report's ratios need them)")
+    memory = {T: measure_memory(config, batch_size, T, loss_chunk, sources) for T in (seq_len, long_seq_len)}
     base, long = memory[seq_len], memory[long_seq_len]
-    growth = {s: long[s].temp_bytes / base[s].temp_bytes for s in SOURCES}
+    growth = {s: long[s].temp_bytes / base[s].temp_bytes for s in sources}
     steps, ratio = {}, None
     if timing:
         cfg = config.replace(max_seq_len=max(config.max_seq_len, seq_len))
-        fns = {s: grad_fn(cfg, s, loss_chunk) for s in ("manual", "lean")}
+        timed = ("manual", "lean") + (("pallas",) if "pallas" in sources else ())
+        fns = {s: grad_fn(cfg, s, loss_chunk) for s in timed}
         steps = time_sources(fns, random_inputs(cfg, batch_size, seq_len), rounds=rounds)
         ratio = steps["lean"] / steps["manual"]
     return MemoryReport(memory, base["lean"].temp_bytes / base["autodiff"].temp_bytes, growth,
@@ -142,9 +172,9 @@ def format_report(report: MemoryReport, seq_len: int, long_seq_len: int) -> str:
     lines.append("")
     lines.append(f"(a) temp, lean manual / autodiff at T={seq_len}: {report.lean_vs_autodiff:.3f}"
                  f"  (target <= 0.25)")
-    for s in SOURCES:
+    for s in report.growth:
         lines.append(f"(b) temp growth T={long_seq_len} / T={seq_len}, {s:<9}: {report.growth[s]:.2f}x"
-                     + ("  (target <= 2.2)" if s in ("blockwise", "lean") else ""))
+                     + ("  (target <= 2.2)" if s in LEAN_SOURCES else ""))
     if report.step_seconds:
         for s, t in report.step_seconds.items():
             lines.append(f"(c) step, {s:<6}: {1e3 * t:9.1f} ms (median)")

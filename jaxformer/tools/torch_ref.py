@@ -1,17 +1,21 @@
 """The jaxformer model written in PyTorch, for the benchmark (needs ``torch``).
 
-Same math as jaxformer/layers.py: pre-LN or post-LN blocks, gelu / gelu_tanh /
+Same math as jaxformer/model/: pre-LN or post-LN blocks, gelu / gelu_tanh /
 relu / tanh, learned or sinusoidal positions, causal or not, linear layers
-``x @ w + b``. It is written the way a PyTorch user would: one ``nn.Linear`` per
-projection (weight stored transposed, (O, I)), ``F.layer_norm``,
-``F.scaled_dot_product_attention`` and ``F.cross_entropy``.
+``x @ w + b``. It is written the way a PyTorch user would (nanoGPT's model.py):
+``nn.Linear`` layers (weight stored transposed, (O, I)) with q|k|v as one fused
+projection, ``nn.LayerNorm``, ``F.scaled_dot_product_attention(is_causal=...)``,
+``F.cross_entropy``; AdamW with ``foreach=True`` (``fused=True`` on CUDA); bfloat16
+``torch.autocast`` when the JAX side computes in bfloat16.
 
-    model = TorchTransformer.from_jax(params, config)     # copies the weights
-    loss = model.loss(inputs, targets)                     # torch tensors (B, T)
-    grads = model.grads_as_jax()                           # the params pytree layout, numpy
+    model = TorchTransformer.from_jax(params, config, device)   # copies the weights
+    loss = model.loss(inputs, targets)                           # torch tensors (B, T)
+    grads = model.grads_as_jax()                                 # the params pytree layout, numpy
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -47,7 +51,8 @@ class Block(nn.Module):
         self.config = config
         kw = {"dtype": dtype}
         self.ln1 = nn.LayerNorm(D, eps=config.ln_eps, **kw)
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D, **kw) for _ in range(4))
+        self.qkv = nn.Linear(D, 3 * D, **kw)  # q | k | v in one product (nanoGPT's c_attn)
+        self.o = nn.Linear(D, D, **kw)
         self.ln2 = nn.LayerNorm(D, eps=config.ln_eps, **kw)
         self.w_in, self.w_out = nn.Linear(D, F_, **kw), nn.Linear(F_, D, **kw)
 
@@ -58,7 +63,8 @@ class Block(nn.Module):
         def heads(t):  # (B, T, D) -> (B, H, T, Dh)
             return t.view(B, T, H, D // H).transpose(1, 2)
 
-        att = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)),
+        q, k, v = self.qkv(x).split(D, dim=2)  # (B, T, D) each
+        att = F.scaled_dot_product_attention(heads(q), heads(k), heads(v),
                                              is_causal=self.config.causal)  # (B, H, T, Dh)
         return self.o(att.transpose(1, 2).reshape(B, T, D))
 
@@ -106,45 +112,54 @@ class TorchTransformer(nn.Module):
     # the params pytree of DESIGN.md <-> this module's tensors
 
     def _pairs(self):
-        """(path in the params pytree, tensor, transpose?) for every parameter; block
-        leaves carry the layer index last in the path."""
-        out = [(("tok_embed",), self.tok_embed.weight, False)]
+        """(path in the params pytree, parameter, rows, transpose?) for every leaf: the
+        leaf is ``parameter[rows]`` (rows None: all of it), transposed for a weight matrix;
+        block leaves carry the layer index last in the path."""
+        D = self.config.d_model
+        out = [(("tok_embed",), self.tok_embed.weight, None, False)]
         if self.config.positions == "learned":
-            out.append((("pos_embed",), self.pos_embed, False))
+            out.append((("pos_embed",), self.pos_embed, None, False))
         for l, b in enumerate(self.blocks):
             for ln in ("ln1", "ln2"):
                 m = getattr(b, ln)
-                out += [(("blocks", ln, "scale", l), m.weight, False), (("blocks", ln, "bias", l), m.bias, False)]
-            for name in "qkvo":
-                m = getattr(b, name)
-                out += [(("blocks", "attn", "w" + name, l), m.weight, True),
-                        (("blocks", "attn", "b" + name, l), m.bias, False)]
+                out += [(("blocks", ln, "scale", l), m.weight, None, False),
+                        (("blocks", ln, "bias", l), m.bias, None, False)]
+            for i, name in enumerate("qkv"):  # rows i*D:(i+1)*D of the fused projection
+                rows = slice(i * D, (i + 1) * D)
+                out += [(("blocks", "attn", "w" + name, l), b.qkv.weight, rows, True),
+                        (("blocks", "attn", "b" + name, l), b.qkv.bias, rows, False)]
+            out += [(("blocks", "attn", "wo", l), b.o.weight, None, True),
+                    (("blocks", "attn", "bo", l), b.o.bias, None, False)]
             for name in ("in", "out"):
                 m = getattr(b, "w_" + name)
-                out += [(("blocks", "ffn", "w_" + name, l), m.weight, True),
-                        (("blocks", "ffn", "b_" + name, l), m.bias, False)]
+                out += [(("blocks", "ffn", "w_" + name, l), m.weight, None, True),
+                        (("blocks", "ffn", "b_" + name, l), m.bias, None, False)]
         if self.config.norm == "pre":
-            out += [(("ln_f", "scale"), self.ln_f.weight, False), (("ln_f", "bias"), self.ln_f.bias, False)]
-        out += [(("head", "w"), self.head.weight, True), (("head", "b"), self.head.bias, False)]
+            out += [(("ln_f", "scale"), self.ln_f.weight, None, False),
+                    (("ln_f", "bias"), self.ln_f.bias, None, False)]
+        out += [(("head", "w"), self.head.weight, None, True), (("head", "b"), self.head.bias, None, False)]
         return out
 
     @classmethod
-    def from_jax(cls, params, config: ModelConfig) -> TorchTransformer:
-        """A model holding a copy of the jaxformer ``params`` (their dtype kept)."""
+    def from_jax(cls, params, config: ModelConfig, device=None) -> TorchTransformer:
+        """A model on ``device`` (default CPU) holding a copy of the jaxformer ``params``
+        (their dtype kept)."""
         dtype = {np.dtype("float32"): torch.float32, np.dtype("float64"): torch.float64}[
             np.asarray(params["tok_embed"]).dtype]
         model = cls(config, dtype)
         with torch.no_grad():
-            for path, tensor, transpose in model._pairs():
+            for path, tensor, rows, transpose in model._pairs():
                 value = np.asarray(_get(params, path))
-                tensor.copy_(torch.from_numpy(np.array(value.T if transpose else value)))
-        return model
+                target = tensor if rows is None else tensor[rows]  # a view: the copy lands in tensor
+                target.copy_(torch.from_numpy(np.array(value.T if transpose else value)))
+        return model.to(device) if device is not None else model
 
     def grads_as_jax(self) -> dict:
         """The ``.grad`` of every parameter, as numpy arrays in the params pytree layout."""
         tree: dict = {}
-        for path, tensor, transpose in self._pairs():
+        for path, tensor, rows, transpose in self._pairs():
             g = tensor.grad.detach().cpu().numpy()
+            g = g if rows is None else g[rows]
             _set(tree, path, g.T if transpose else g)
         return _stack_layers(tree)
 
@@ -177,18 +192,33 @@ def _stack_layers(tree):
     return tree
 
 
-def to_torch_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) int64 tensors from a jaxformer batch dict."""
-    return (torch.from_numpy(np.asarray(batch["inputs"]).astype(np.int64)),
-            torch.from_numpy(np.asarray(batch["targets"]).astype(np.int64)))
+def to_torch_batch(batch, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) int64 tensors on ``device`` (default CPU) from a jaxformer batch dict."""
+    return tuple(torch.from_numpy(np.asarray(batch[k]).astype(np.int64)).to(device or "cpu")
+                 for k in ("inputs", "targets"))
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8):
     """torch.optim.AdamW with jaxformer.optim's settings: decoupled weight decay on the
-    weight matrices and embeddings only (optim.decay_mask), not on biases or norms."""
+    weight matrices and embeddings only (optim.decay_mask), not on biases or norms; the
+    fused CUDA kernel when the model is on a GPU, else the multi-tensor (foreach) one."""
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, foreach=True)
+    cuda = params[0].device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps,
+                             **({"fused": True} if cuda else {"foreach": True}))
+
+
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device_type: str, compute_dtype: str | None):
+    """The context a step runs in: ``torch.autocast`` to bfloat16 / float16 when the JAX
+    side computes in it (matmuls in the low dtype; layer norm, softmax and cross entropy
+    in float32, as jaxformer's precision policy), else no change."""
+    if compute_dtype in AUTOCAST_DTYPES:
+        return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[compute_dtype])
+    return contextlib.nullcontext()
 
