@@ -1,7 +1,7 @@
 """Softmax cross entropy, fused with its backward.
 
     loss = sum_i w_i * (logsumexp(logits_i) - logits_i[target_i])
-    w_i  = mask_i / max(sum(mask), 1)     (1 / N without a mask)
+    w_i  = mask_i / sum(mask)             (1 / N without a mask; 0 for an all-zero mask under jit)
     dlogits_i = dloss * w_i * (softmax(logits_i) - onehot(target_i))
 
 The softmax subtracts the row max, so logits of magnitude 1e4 are fine. The
@@ -23,7 +23,7 @@ from jaxformer.model.losses import cross_entropy
 class CrossEntropyRes(NamedTuple):
     probs: jax.Array  # (..., V) softmax(logits)
     targets: jax.Array  # (...) int
-    weights: jax.Array  # (...) each position's share of the mean: mask / max(sum(mask), 1)
+    weights: jax.Array  # (...) each position's share of the mean: mask / sum(mask)
 
 
 def cross_entropy_fwd(logits, targets, mask=None):

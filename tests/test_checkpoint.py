@@ -1,5 +1,6 @@
 """Checkpoints: round trip, exact resume, and clear errors for bad checkpoints."""
 
+import errno
 import shutil
 
 import chex
@@ -13,6 +14,7 @@ from jaxformer.checkpoints.checkpoint import CheckpointError
 from jaxformer.observe.metrics import RUN_KEYS, read_metrics
 from jaxformer.training.loop import train
 from jaxformer.training.optim import make_optimizer
+from jaxformer.training.resume import restore_newest
 from jaxformer.training.step import init_state
 from test_train import tiny_settings, write_corpus
 
@@ -79,10 +81,10 @@ def test_corrupted_checkpoint_names_the_path(tmp_path):
     with pytest.raises(CheckpointError, match=f"checkpoint step 0 is damaged: {step_dir}/state/"):
         checkpoint.restore(tmp_path, state)
     (step_dir / checkpoint.FILE_DIGESTS).unlink()  # without file digests orbax's read fails
-    with pytest.raises(CheckpointError, match=f"cannot restore checkpoint {step_dir}"):
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=f"is damaged: cannot restore {step_dir}"):
         checkpoint.restore(tmp_path, state)
     (step_dir / "meta" / "metadata").write_text("{not json")
-    with pytest.raises(CheckpointError, match=f"checkpoint {step_dir}"):
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=f"is damaged: cannot read {step_dir}"):
         checkpoint.read_meta(tmp_path)
 
 
@@ -155,3 +157,23 @@ def test_resume_from_a_copied_run_folder(corpus, tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     result = train(tiny_settings(corpus, steps=3), tmp_path / "b", resume=True, progress=False)
     assert [r["step"] for r in result.records] == [3]
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EIO, "Input/output error"), MemoryError("out of memory")])
+def test_a_read_error_that_is_not_damage_moves_nothing(tmp_path, monkeypatch, error):
+    """An I/O error or out of memory while restoring stops with its own cause: the
+    newest checkpoint is not passed over and nothing is set aside."""
+    for step in (2, 4):
+        checkpoint.save(tmp_path, _state()._replace(step=jnp.int32(step)), META)
+
+    def failing_restore(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", failing_restore)
+    with pytest.raises(checkpoint.CheckpointReadError,
+                       match=f"checkpoints/4 \\(step 4\\): {type(error).__name__}.*not damaged"):
+        restore_newest(tmp_path, _state())
+    monkeypatch.undo()
+    assert checkpoint.all_steps(tmp_path) == [2, 4]
+    assert not (tmp_path / checkpoint.DAMAGED_DIR).exists()
+    assert int(restore_newest(tmp_path, _state()).step) == 4

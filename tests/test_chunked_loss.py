@@ -37,10 +37,10 @@ def test_chunked_matches_full(chunk, mask_name):
     np.testing.assert_allclose(CHUNKED_AUTO(head, x, targets, mask, chunk), ref, rtol=1e-12, atol=1e-12)
 
 
-def test_all_zero_mask_gives_zero():
+def test_all_zero_mask_gives_zero_under_jit():
     head, x, targets, dloss = make(2)
     (loss, (dp, dx)), _ = layer_and_vjp(CHUNKED, (head, x), dloss, consts=(targets, np.zeros((B, T))),
-                                        static=(3,))
+                                        static=(3,), jit=True)
     assert float(loss) == 0.0
     assert not np.any(dx) and not np.any(dp["w"]) and not np.any(dp["b"])
 

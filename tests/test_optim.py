@@ -151,4 +151,5 @@ def test_lr_metric_follows_the_schedule_through_accumulation():
         lrs.append(float(current_lr(state)))
     # the lr of the last applied update: updates happen on micro-steps 2, 4, 6
     assert lrs == pytest.approx([1.0, 1.0, 1.0, 0.75, 0.75, 0.5])
-    assert math.isnan(float(current_lr(optax.adam(0.1).init(p))))
+    with pytest.raises(ValueError, match="no learning_rate hyperparameter"):
+        current_lr(optax.adam(0.1).init(p))

@@ -32,6 +32,10 @@ SCRIPT = textwrap.dedent("""
     batch = put_batch({"inputs": np.zeros((8, 16), np.int32)}, make_mesh(shape="data=2,fsdp=4"))
     assert [s.data.shape for s in batch["inputs"].addressable_shards] == [(1, 16)] * 8
     errors = {}
+    try:  # 6 rows over 8 devices: never silently replicated
+        put_batch({"inputs": np.zeros((6, 16), np.int32)}, make_mesh(shape="data=2,fsdp=4"))
+    except ValueError as e:
+        errors["rows"] = str(e)
     for name, kwargs in [("batch", dict(batch_size=12)), ("product", dict(mesh="data=3,fsdp=2")),
                          ("fsdp", dict(mesh="fsdp=3"))]:
         try:
@@ -82,6 +86,7 @@ def test_meshes_match_one_device(corpus, tmp_path):
     assert "batch_size 12 must be divisible by the number of devices (8" in errors["batch"]
     assert "data x fsdp = 3 x 2 = 6 devices, but 8 are in use" in errors["product"]
     assert "fsdp=3 does not divide the 8 devices" in errors["fsdp"]
+    assert "has 6 rows, which do not divide over the 8 devices" in errors["rows"]
     sharded = result["records"]
     for grads in ("auto", "manual"):
         single = train(tiny_settings(corpus, steps=STEPS, eval_every=STEPS, grads=grads),

@@ -187,3 +187,11 @@ def test_unknown_preset():
 def test_existing_run_needs_resume(run, corpus):
     with pytest.raises(ValueError, match="already holds checkpoints"):
         train(tiny_settings(corpus, steps=3), run.run_dir, progress=False)
+
+
+def test_settings_refuse_unknown_keys_by_name():
+    from jaxformer.training.settings import TrainSettings
+    d = TrainSettings().to_dict()
+    assert TrainSettings.from_dict(d) == TrainSettings()
+    with pytest.raises(ValueError, match="unknown train settings key.*: lrr"):
+        TrainSettings.from_dict({**d, "lrr": 0.1})

@@ -35,8 +35,9 @@ from jax.experimental import multihost_utils
 
 from jaxformer.checkpoints.digests import (FILE_DIGESTS, array_digests, first_non_finite,
                                            verify_arrays, verify_files, write_file_digests)
-from jaxformer.checkpoints.errors import (CheckpointError, DamagedCheckpointError,
-                                          UnhealthyStateError, one_line)
+from jaxformer.checkpoints.errors import (CheckpointError, CheckpointReadError,
+                                          DamagedCheckpointError, UnhealthyStateError, is_damage,
+                                          one_line)
 from jaxformer.checkpoints.quiet import quiet_orbax, silenced
 
 CHECKPOINT_DIR = "checkpoints"
@@ -145,10 +146,11 @@ def read_meta(run_dir, step: int | None = None) -> dict[str, Any]:
     try:
         with silenced():
             meta = _restore(run_dir, step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    except Exception as e:  # noqa: BLE001 - any failure to read is a bad checkpoint
-        raise CheckpointError(f"cannot read checkpoint {path} (step {step}): {one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - sorted into damage and the rest (read_failure)
+        raise read_failure(e, step, path, "read") from None
     if not isinstance(meta, dict) or "config" not in meta or "settings" not in meta:
-        raise CheckpointError(f"checkpoint {path} has no valid meta data (config, settings)")
+        raise DamagedCheckpointError(
+            f"checkpoint step {step} is damaged: {path} has no valid meta data (config, settings)")
     return meta
 
 
@@ -189,8 +191,8 @@ def restore(run_dir, template, step: int | None = None):
         with silenced():
             restored = _restore(
                 run_dir, step, ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot restore checkpoint {path} (step {step}): {one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - sorted into damage and the rest (read_failure)
+        raise read_failure(e, step, path, "restore") from None
     want = jax.tree_util.tree_structure(template)
     if jax.tree_util.tree_structure(restored) != want:
         raise CheckpointError(f"checkpoint {path} holds a state of another structure")
@@ -204,6 +206,18 @@ def restore(run_dir, template, step: int | None = None):
     return restored
 
 
+def read_failure(e: Exception, step: int, path: Path, what: str) -> CheckpointError:
+    """The error for a failed read of checkpoint ``step``: DamagedCheckpointError when
+    the failure is damage (errors.is_damage: a missing or undecodable file), else a
+    CheckpointReadError that names the real cause and says nothing was moved."""
+    if is_damage(e):
+        return DamagedCheckpointError(
+            f"checkpoint step {step} is damaged: cannot {what} {path}: {one_line(e)}")
+    return CheckpointReadError(
+        f"cannot {what} checkpoint {path} (step {step}): {one_line(e)}; the checkpoint is not "
+        "damaged and was left where it is")
+
+
 def _verify_arrays(run_dir, step: int, restored) -> None:
     verify_arrays(read_meta(run_dir, step).get("digests"), to_host(restored), step,
                   checkpoint_dir(run_dir) / str(step))
@@ -212,8 +226,11 @@ def _verify_arrays(run_dir, step: int, restored) -> None:
 def load_newest_good(run_dir, load: Callable[[int], Any], step: int | None = None,
                      report: Callable[[str], None] | None = warn):
     """(step, load(step)) for the newest checkpoint whose ``load`` succeeds; each one
-    skipped for a CheckpointError is reported in one line. With ``step`` given, only
-    that one is tried. Raises CheckpointError naming every reason when none loads."""
+    skipped as damaged (a DamagedCheckpointError: a digest mismatch, a missing or an
+    undecodable file) is reported in one line. Any other error stops the search and
+    propagates: a good checkpoint is never passed over for an out-of-memory or I/O
+    error. With ``step`` given, only that one is tried. Raises CheckpointError naming
+    every reason when none loads."""
     steps = [_pick_step(run_dir, step)] if step is not None else all_steps(run_dir)[::-1]
     if not steps:
         _pick_step(run_dir, None)  # raises: no checkpoint found
@@ -221,7 +238,7 @@ def load_newest_good(run_dir, load: Callable[[int], Any], step: int | None = Non
     for s in steps:
         try:
             value = load(s)
-        except CheckpointError as e:
+        except DamagedCheckpointError as e:
             reasons.append((s, " ".join(str(e).split())))
             continue
         for skipped, reason in reasons:
@@ -237,7 +254,7 @@ def load_newest_good(run_dir, load: Callable[[int], Any], step: int | None = Non
 
 __all__ = [
     "CHECKPOINT_DIR", "DAMAGED_DIR", "FILE_DIGESTS", "FORMAT_VERSION",
-    "CheckpointError", "DamagedCheckpointError", "UnhealthyStateError", "checkpoint_dir",
+    "CheckpointError", "CheckpointReadError", "DamagedCheckpointError", "UnhealthyStateError", "checkpoint_dir",
     "all_steps", "latest_step", "save", "read_meta", "newest_meta", "set_aside", "restore",
     "load_newest_good", "array_digests", "first_non_finite", "to_host", "warn",
 ]

@@ -26,8 +26,20 @@ from jaxformer.checkpoints.errors import DamagedCheckpointError, one_line
 FILE_DIGESTS = "files.sha256.json"
 
 
+CHUNK = 1 << 22  # bytes read at a time: a file is never read into memory whole
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read CHUNK bytes at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def array_digests(host_state) -> dict[str, str]:
@@ -64,7 +76,7 @@ def verify_arrays(recorded: dict[str, str] | None, host_state, step: int, where:
 
 def _file_digests(step_dir: Path) -> dict[str, list]:
     return {
-        str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f.read_bytes())]
+        str(f.relative_to(step_dir)): [f.stat().st_size, file_sha256(f)]
         for f in sorted(step_dir.rglob("*")) if f.is_file() and f.name != FILE_DIGESTS
     }
 
@@ -92,10 +104,10 @@ def verify_files(step: int, step_dir: Path) -> None:
         f = step_dir / name
         if not f.is_file():
             raise DamagedCheckpointError(f"checkpoint step {step} is damaged: {f} is missing")
-        data = f.read_bytes()
-        if len(data) != size:
+        got = f.stat().st_size
+        if got != size:
             raise DamagedCheckpointError(
-                f"checkpoint step {step} is damaged: {f} has {len(data)} bytes, {size} were written")
-        if _sha256(data) != digest:
+                f"checkpoint step {step} is damaged: {f} has {got} bytes, {size} were written")
+        if file_sha256(f) != digest:
             raise DamagedCheckpointError(
                 f"checkpoint step {step} is damaged: the bytes of {f} differ from their recorded sha256")

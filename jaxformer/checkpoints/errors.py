@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or does not fit what was asked for."""
@@ -12,8 +14,23 @@ class DamagedCheckpointError(CheckpointError):
     """A checkpoint's files or arrays do not match the digests recorded when it was saved."""
 
 
+class CheckpointReadError(CheckpointError):
+    """Reading an intact checkpoint failed for another reason (out of memory, an I/O
+    error, a sharding that does not fit): not damage, so nothing is set aside."""
+
+
 class UnhealthyStateError(CheckpointError):
     """A state with non-finite values was not saved."""
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether a failure to read a checkpoint means its files are damaged: a missing
+    file, or bytes that do not decode (bad JSON or text, a tensorstore data-loss or
+    not-found error). Anything else (MemoryError, an OSError such as EIO, a sharding
+    error) is not damage."""
+    if isinstance(e, (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError)):
+        return True
+    return isinstance(e, ValueError) and any(code in str(e) for code in ("NOT_FOUND", "DATA_LOSS"))
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

@@ -178,7 +178,7 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
     keys = jnp.stack([jax.random.fold_in(key, b) for b in range(B)])  # (B, 2)
     static = dict(config=config, max_new_tokens=N, top_k=int(top_k or 0),
                   greedy=temperature == 0, top_p=float(1.0 if top_p is None else top_p))
-    temp = jnp.float32(max(temperature, 1e-6))
+    temp = jnp.float32(temperature)  # 0: greedy (static above), the division never runs
     if use_cache:
         window = np.zeros((B, S), np.int32)
         window[:, : len(context)] = context

@@ -109,7 +109,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     jitted = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
     step_fn = checked or jitted
     eval_fn = compiled_eval_step(config, *on_mesh)
-    val_batches = [put_batch(b, mesh) for b in data.val_batches]
+    # a corpus with fewer than B validation windows gives one short batch: replicated
+    val_batches = [put_batch(b, mesh, replicate_short=True) for b in data.val_batches]
     if log:
         _log_settings(log, settings, config, state.params, mesh)
 

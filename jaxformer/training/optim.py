@@ -153,7 +153,9 @@ def make_optimizer(
 
 def current_lr(opt_state):
     """The learning rate of the last update (the first one's before any), read from
-    the state of an optimizer built by ``make_optimizer``; NaN for other optimizers."""
+    the state of an optimizer built by ``make_optimizer``. ValueError for a state
+    without a ``learning_rate`` hyperparameter (an optimizer not built by
+    ``make_optimizer`` or ``optax.inject_hyperparams``)."""
 
     def find(node):
         hyper = getattr(node, "hyperparams", None)
@@ -167,4 +169,7 @@ def current_lr(opt_state):
         return None
 
     found = find(opt_state)
-    return jnp.asarray(jnp.nan if found is None else found, jnp.float32)
+    if found is None:
+        raise ValueError("the optimizer state holds no learning_rate hyperparameter; build the "
+                         "optimizer with make_optimizer (optax.inject_hyperparams) to read its rate")
+    return jnp.asarray(found, jnp.float32)

@@ -62,8 +62,13 @@ class TrainSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainSettings":
+        """The settings of ``d``; a key that names no field is refused by name."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown train settings key(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(names))}")
+        return cls(**d)
 
     def replace(self, **changes) -> "TrainSettings":
         return dataclasses.replace(self, **changes)

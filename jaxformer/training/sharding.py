@@ -136,16 +136,21 @@ def local_rows(batch_size: int, mesh: Mesh) -> np.ndarray | None:
     return np.array(sorted(rows), dtype=np.int64)
 
 
-def put_batch(batch: dict, mesh: Mesh) -> dict:
-    """The host batch on the mesh: split along the batch axis when it divides evenly
-    over data x fsdp, replicated otherwise (a short evaluation batch). Each process
-    places only the rows of its own devices (``make_array_from_callback``), so every
-    process may pass the same global batch."""
+def put_batch(batch: dict, mesh: Mesh, replicate_short: bool = False) -> dict:
+    """The host batch on the mesh, split along the batch axis over data x fsdp. A
+    batch that does not divide over the mesh is a ValueError naming both sizes,
+    unless ``replicate_short`` (a short evaluation batch, asked for by name): then
+    it is replicated. Each process places only the rows of its own devices
+    (``make_array_from_callback``), so every process may pass the same global batch."""
     replicated, split = mesh_shardings(mesh)
     n = math.prod(mesh_size(mesh))
     out = {}
     for key, value in batch.items():
         value = np.asarray(value)
+        if value.shape[0] % n and not replicate_short:
+            data, fsdp = mesh_size(mesh)
+            raise ValueError(f"batch {key!r} has {value.shape[0]} rows, which do not divide over the "
+                             f"{n} devices of the mesh (data={data} x fsdp={fsdp})")
         sharding = split if value.shape[0] % n == 0 else replicated
         out[key] = jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
     return out
