@@ -15,6 +15,7 @@ from jaxformer.model import layers
 from jaxformer.model.config import (ACTIVATIONS, NORMS, POSITIONS, PRESETS, SMALL_PRESETS,
                                     ModelConfig)
 from jaxformer.model.params import check_params
+from jaxformer.model.losses import EmptyMaskError
 
 TINY = dict(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)
 
@@ -210,7 +211,10 @@ def test_cross_entropy_matches_log_softmax_and_mask():
     np.testing.assert_allclose(jf.cross_entropy(logits, targets), nll.mean(), rtol=1e-12)
     np.testing.assert_allclose(jf.cross_entropy(logits, targets, mask),
                                (nll * mask).sum() / mask.sum(), rtol=1e-12)
-    assert float(jf.cross_entropy(logits, targets, jnp.zeros_like(mask))) == 0.0
+    # an all-zero mask: refused by name eagerly, exactly 0 (never a NaN) under jit
+    with pytest.raises(EmptyMaskError, match="sums to 0"):
+        jf.cross_entropy(logits, targets, jnp.zeros_like(mask))
+    assert float(jax.jit(jf.cross_entropy)(logits, targets, jnp.zeros_like(mask))) == 0.0
 
 
 # ---------------------------------------------------------------------------- bad input

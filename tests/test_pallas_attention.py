@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention import make
+from helpers import attention_params as make
+from helpers import dot_generals, leaf_rels
 from test_manual_model import make_batch, make_params
-from test_precision import dot_generals, leaf_rels
 
 import jaxformer
 import manual_grads

@@ -91,7 +91,7 @@ def test_train_prints_settings_data_compile_and_named_speeds(cli_run):
     assert "step 1 (compile + first step) took" in err
     assert "steady state" in err and "over 3 steps" in err
     assert "overall" in err and "all tokens / training time" in err
-    assert "tokens/s steady state (steps after the first, validation and checkpoints excluded)" \
+    assert "tokens/s steady state (step times after the first alone)" \
         in stdout
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[0]["compile_s"] > 0 and all("compile_s" not in r for r in records[1:])

@@ -84,7 +84,7 @@ def test_meshes_match_one_device(corpus, tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     errors = result["errors"]
     assert "batch_size 12 must be divisible by the number of devices (8" in errors["batch"]
-    assert "data x fsdp = 3 x 2 = 6 devices, but 8 are in use" in errors["product"]
+    assert "data x fsdp = 3 x 2 = 6 devices, but 8 devices are in use" in errors["product"]
     assert "fsdp=3 does not divide the 8 devices" in errors["fsdp"]
     assert "has 6 rows, which do not divide over the 8 devices" in errors["rows"]
     sharded = result["records"]
@@ -121,7 +121,7 @@ def test_mesh_shape():
     assert mesh_shape(None, 1) == (1, 1)
     assert mesh_shape("fsdp=4", 8) == (2, 4)
     assert mesh_shape(" data = 2 , fsdp = 4 ", 8) == (2, 4)
-    with pytest.raises(ValueError, match="data x fsdp = 2 x 1 = 2 devices, but 1 are in use"):
+    with pytest.raises(ValueError, match="data x fsdp = 2 x 1 = 2 devices, but 1 device is in use"):
         mesh_shape("data=2", 1)
     mesh = make_mesh(shape="data=1,fsdp=1")
     assert mesh.axis_names == ("data", "fsdp")
