@@ -41,7 +41,7 @@ config = get_preset("tiny", vocab_size=tokenizer.vocab_size, d_model=32, n_heads
 # one set of initial parameters for both runs, kept on the host (a train step donates
 # its input buffers, so each run gets its own device copy)
 init = jax.jit(init_params, static_argnums=(1, 2))  # one compiled call instead of many small ones
-params0 = jax.tree_util.tree_map(np.asarray, init(jax.random.PRNGKey(0), config, jnp.float64))
+params0 = jax.tree_util.tree_map(np.array, init(jax.random.PRNGKey(0), config, jnp.float64))
 print(config)
 print(f"{count_params(params0):,} parameters, {len(train_ids):,} training bytes")
 
@@ -53,7 +53,7 @@ print(f"{count_params(params0):,} parameters, {len(train_ids):,} training bytes"
 def train(kind):
     optimizer = make_optimizer("adam", lr=1e-2, schedule="cosine", warmup_steps=10,
                                total_steps=STEPS, clip_norm=1.0)
-    state = init_state(jax.tree_util.tree_map(jnp.asarray, params0), optimizer)
+    state = init_state(jax.tree_util.tree_map(jnp.array, params0), optimizer)  # a copy
     step = make_train_step(grad_source(kind, config), optimizer)
     losses = []
     for i in range(STEPS):

@@ -42,8 +42,8 @@ val_batch = {k: jnp.asarray(np.concatenate([b[k] for b in data.sequential_batche
 # loopos's shape (pre-LN, GELU, learned positions), smaller: 2 blocks of width 32
 config = get_preset("loopos", vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, n_layers=2,
                     d_ff=128, max_seq_len=SEQ)
-params0 = jax.device_get(jax.jit(init_params, static_argnums=(1, 2))(
-    jax.random.PRNGKey(0), config, jnp.float32))  # on the host: each run gets its own copy
+params0 = jax.tree_util.tree_map(np.array, jax.jit(init_params, static_argnums=(1, 2))(
+    jax.random.PRNGKey(0), config, jnp.float32))  # host copies: each run makes its own device copy
 print(f"{count_params(params0):,} parameters; {STEPS} steps of {BATCH} x {SEQ} bytes; "
       f"validation on {val_batch['inputs'].size:,} bytes")
 
@@ -113,7 +113,7 @@ evaluate = jax.jit(lambda params: loss_fn(params, val_batch, config))
 
 
 def train(scope):
-    params = jax.tree_util.tree_map(jnp.asarray, params0)
+    params = jax.tree_util.tree_map(jnp.array, params0)  # a copy
     optimizer = make_optimizer(params, scope)
 
     @jax.jit
@@ -129,8 +129,8 @@ def train(scope):
     return params, np.array(jax.device_get(losses)), update
 
 
+val_first = float(evaluate(params0))
 runs = {name: train(scope) for name, scope in SCOPES.items()}
-val_first = float(evaluate(jax.tree_util.tree_map(jnp.asarray, params0)))
 print(f"{'scope':<18} {'train, last 20 steps':>21} {'validation':>11}")
 print(f"{'(before training)':<18} {'':>21} {val_first:>11.3f}")
 for name, (params, losses, _) in runs.items():
