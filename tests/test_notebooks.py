@@ -72,7 +72,7 @@ def comparable_text(nb) -> dict[str, str]:
                 parts += [f"[{mime}]\n{data}" for mime, data in sorted(out.get("data", {}).items())
                           if mime.startswith("text/")]
         text = "\n".join(line.rstrip() for line in "\n".join(parts).split("\n"))
-        rows[cell.id] = ADDRESS.sub(" at 0x...", ROUNDOFF.sub("~0", text))
+        rows[cell.id] = ADDRESS.sub(" at 0x...", text)
     return rows
 
 
@@ -91,7 +91,7 @@ def same_number(committed: str, fresh: str) -> bool:
 
 def first_difference(committed: str, fresh: str) -> str | None:
     """None when the two texts agree, else the first differing line of each."""
-    old, new = committed.split("\n"), fresh.split("\n")
+    old, new = ROUNDOFF.sub("~0", committed).split("\n"), ROUNDOFF.sub("~0", fresh).split("\n")
     for i in range(max(len(old), len(new))):
         a, b = (old[i] if i < len(old) else "<nothing>"), (new[i] if i < len(new) else "<nothing>")
         numbers_a, numbers_b = NUMBER.findall(a), NUMBER.findall(b)
