@@ -86,7 +86,8 @@ def source_notebook(path: Path):
     prefix = path.stem.split("_")[0]
     for i, cell in enumerate(nb.cells):
         cell.id = f"{prefix}-{i:02d}"
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
     return nb
 

@@ -43,7 +43,8 @@ def cmp(name, manual, auto):
     exact = bool(np.array_equal(manual, auto))
     approximate = bool(np.allclose(manual, auto, rtol=1e-10, atol=1e-12))
     maxdiff = float(np.max(np.abs(manual - auto))) if manual.size else 0.0
-    print(f"{name:<16} | exact: {exact!s:<5} | approximate: {approximate!s:<5} | maxdiff: {maxdiff:.1e}")
+    print(f"{name:<16} | exact: {exact!s:<5} | approximate: {approximate!s:<5} "
+          f"| maxdiff: {maxdiff:.1e}")
     return approximate
 
 
