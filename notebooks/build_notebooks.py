@@ -2,11 +2,13 @@
 
     python notebooks/build_notebooks.py --execute        # every notebook, with its outputs
     python notebooks/build_notebooks.py --execute 03     # only the notebooks whose name starts so
-    python notebooks/build_notebooks.py                  # sources only, no outputs (a quick check)
+    python notebooks/build_notebooks.py                  # sources only: no new outputs
 
 The committed notebooks carry their outputs; tests/test_notebooks.py executes each
 again and fails when its text outputs differ from the committed ones, so after a
-change to a source or to the code a notebook runs, rebuild with --execute.
+change to a source or to the code a notebook runs, rebuild with --execute. Without
+--execute, a code cell whose source is unchanged keeps its committed outputs and the
+others lose theirs (handy after editing markdown; the test says when to execute).
 
 Sources: ``src/NAME.py`` becomes ``NAME.ipynb``, in the "percent" format that
 jupytext and VS Code also read. A line ``# %%`` starts a code cell, ``# %% [markdown]``
@@ -103,7 +105,8 @@ def execute(nb, workdir=None):
     normalise what it saved; raises nbclient's CellExecutionError, naming the cell."""
     import nbclient
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "XLA_FLAGS")}
+    env = {k: v for k, v in os.environ.items()  # no JAX or XLA settings of the caller's
+           if not k.startswith(("JAX_", "XLA_")) and k != "MPLBACKEND"}
     env.update(JAX_PLATFORMS="cpu", PYDEVD_DISABLE_FILE_VALIDATION="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,6 +140,15 @@ def normalise(nb):
     return nb
 
 
+def keep_outputs(nb, old) -> None:
+    """Give each code cell of ``nb`` the outputs of the cell of ``old`` with its id and source."""
+    before = {(c.id, c.source): c for c in old.cells if c.cell_type == "code"}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and (cell.id, cell.source) in before:
+            cell.outputs = before[cell.id, cell.source].outputs
+            cell.execution_count = before[cell.id, cell.source].execution_count
+
+
 def build(names=(), execute_cells: bool = False, out_dir: Path = HERE, log=None) -> list[Path]:
     """Write NAME.ipynb into ``out_dir`` for each source (executed with ``execute_cells``);
     ``log(path, seconds)`` is told each one written."""
@@ -144,10 +156,12 @@ def build(names=(), execute_cells: bool = False, out_dir: Path = HERE, log=None)
     for src in sources(names):
         t0 = time.perf_counter()
         nb = source_notebook(src)
+        path = Path(out_dir) / f"{src.stem}.ipynb"
         if execute_cells:
             nb = execute(nb)
+        elif (HERE / path.name).exists():
+            keep_outputs(nb, nbformat.read(HERE / path.name, as_version=4))
         nbformat.validate(nb)
-        path = Path(out_dir) / f"{src.stem}.ipynb"
         nbformat.write(nb, path)
         paths.append(path)
         if log:
@@ -164,7 +178,7 @@ def main(argv=None) -> int:
     if not sources(args.names):
         parser.error(f"no source in {SOURCES} starts with {' or '.join(args.names)}")
     def log(path, seconds):
-        done = f"executed in {seconds:.0f} s" if args.execute else "no outputs"
+        done = f"executed in {seconds:.0f} s" if args.execute else "unchanged cells keep outputs"
         print(f"wrote {path.relative_to(ROOT)} ({done})", flush=True)
 
     build(args.names, args.execute, log=log)
