@@ -1,0 +1,305 @@
+# Cells of notebooks/01_backprop_by_hand.ipynb; rebuild with
+# `python notebooks/build_notebooks.py --execute 01` after editing.
+
+# %% [markdown]
+# # Backpropagation by hand
+#
+# Every layer of jaxformer has a forward in `jaxformer/model/` and, in `manual_grads/`,
+# a pair `y, res = layer_fwd(p, x)` / `dp, dx = layer_bwd(res, dy)` written out by hand.
+# This notebook derives each backward in a few lines, shows its code, and puts the
+# hand-derived gradient next to the one `jax.vjp` computes from the jaxformer layer, in
+# float64. At the end the whole model's hand-derived gradient meets `jax.grad`, leaf by leaf.
+#
+# Notation: $\bar y = \partial L / \partial y$ is the gradient flowing back into $y$
+# (the cotangent `dy`); sums run over every leading (batch and time) index.
+#
+# Each comparison prints one line per gradient, as in the "becoming a backprop ninja"
+# exercises: **exact** (every entry bit-for-bit equal), **approximate** (equal to float64
+# round-off: `np.allclose` with `rtol=1e-10, atol=1e-12`) and **maxdiff** (the largest
+# absolute difference). Exact is a matter of luck (the same sum in another order differs
+# in the last bit); approximate is the one that must hold.
+
+# %%
+import inspect
+
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)  # compare in float64: round-off ~1e-16
+# Every program here runs once: compile it fast rather than make it run fast.
+jax.config.update("jax_disable_most_optimizations", True)
+
+from jaxformer.model import layers
+
+rng = np.random.default_rng(0)
+rand = lambda *shape: jnp.asarray(rng.standard_normal(shape))  # noqa: E731  float64 test data
+
+
+def cmp(name, manual, auto):
+    """One line: exact | approximate | maxdiff of a hand-derived gradient against jax's."""
+    manual, auto = np.asarray(manual), np.asarray(auto)
+    exact = bool(np.array_equal(manual, auto))
+    approximate = bool(np.allclose(manual, auto, rtol=1e-10, atol=1e-12))
+    maxdiff = float(np.max(np.abs(manual - auto))) if manual.size else 0.0
+    print(f"{name:<16} | exact: {exact!s:<5} | approximate: {approximate!s:<5} "
+          f"| maxdiff: {maxdiff:.1e}")
+    return approximate
+
+
+def grad_names(grads, names):
+    """Labels of the leaves of a tuple of gradients: "dw" for p["w"], "dx" for x."""
+    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+    return [("d" + str(path[1].key)) if len(path) > 1 else "d" + names[path[0].idx]
+            for path, _ in paths]
+
+
+def check(manual_fwd, manual_bwd, layer, primals, dy, names=("p", "x")):
+    """The manual pair against jax.vjp of the jaxformer layer, both in one jitted call.
+    manual_bwd returns one gradient per differentiable input, as vjp does. Prints a few
+    entries of the last gradient (the one that flows on, towards the input) from both,
+    then the exact | approximate | maxdiff line of the output and of every gradient."""
+
+    @jax.jit
+    def both(primals, dy):
+        y, res = manual_fwd(*primals)
+        y_ref, vjp = jax.vjp(layer, *primals)
+        return (y, tuple(manual_bwd(res, dy))), (y_ref, vjp(dy))
+
+    (y, grads), (y_ref, grads_ref) = both(primals, dy)
+    labels = grad_names(grads, names)
+    last, last_ref = jax.tree_util.tree_leaves(grads)[-1], jax.tree_util.tree_leaves(grads_ref)[-1]
+    fmt = dict(precision=6, floatmode="fixed", sign=" ")
+    print(f"{labels[-1]}, first entries:")
+    print(f"  by hand   {np.array2string(np.ravel(last)[:4], **fmt)}")
+    print(f"  jax.vjp   {np.array2string(np.ravel(last_ref)[:4], **fmt)}")
+    ok = cmp("output", y, y_ref)
+    for label, g, g_ref in zip(labels, jax.tree_util.tree_leaves(grads),
+                               jax.tree_util.tree_leaves(grads_ref)):
+        ok &= cmp(label, g, g_ref)
+    return ok
+
+
+def show(fn):
+    print(inspect.getsource(fn))
+
+# %% [markdown]
+# ## Linear: $y = x W + b$
+#
+# With $x$ of shape $(N, I)$, $W$ $(I, O)$, $b$ $(O,)$ and $\bar y$ $(N, O)$:
+#
+# $$\bar W = x^\top \bar y, \qquad \bar b = \textstyle\sum_n \bar y_n, \qquad \bar x = \bar y\, W^\top.$$
+
+# %%
+from manual_grads.linear import linear_bwd, linear_fwd
+
+show(linear_bwd)
+p = {"w": rand(5, 3), "b": rand(3)}
+x, dy = rand(2, 4, 5), rand(2, 4, 3)  # (B, T, I) and (B, T, O)
+assert check(linear_fwd, linear_bwd, lambda p, x: layers.linear(x, p["w"], p["b"]), (p, x), dy)
+
+# %% [markdown]
+# ## Activations
+#
+# Elementwise, so $\bar x = \bar y \odot f'(x)$. For the exact GELU, $f(x) = x\,\Phi(x)$
+# with $\Phi$ the standard normal CDF and $\varphi$ its density:
+#
+# $$f'(x) = \Phi(x) + x\,\varphi(x).$$
+#
+# ReLU's derivative is 1 for $x>0$, 0 for $x<0$ (and 1/2 at a tie, as `jax.grad` of
+# `jnp.maximum` picks); tanh's is $1 - \tanh^2 x$, computed from the kept output.
+
+# %%
+from manual_grads.activations import activation_bwd, activation_fwd, gelu_bwd
+
+show(gelu_bwd)
+x, dy = rand(3, 7), rand(3, 7)
+for name in ("gelu", "gelu_tanh", "relu", "tanh"):
+    print(f"--- {name}")
+    assert check(lambda x: activation_fwd(name, x), lambda res, dy: (activation_bwd(res, dy),),
+                 lambda x: layers.activation(name, x), (x,), dy, names=("x",))
+
+# %% [markdown]
+# ## Layer norm
+#
+# $\hat x = (x - \mu)\, r$ with $r = 1/\sqrt{\sigma^2 + \epsilon}$ over the last axis of width $D$,
+# then $y = \hat x \odot \gamma + \beta$. So $\bar\gamma = \sum \bar y \odot \hat x$,
+# $\bar\beta = \sum \bar y$, and with $\bar{\hat x} = \bar y \odot \gamma$ the gradient reaches
+# $x$ directly and through $\mu$ and $\sigma^2$:
+#
+# $$\bar x = r\left(\bar{\hat x} - \operatorname{mean}(\bar{\hat x}) - \hat x\,\operatorname{mean}(\bar{\hat x} \odot \hat x)\right).$$
+
+# %%
+from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
+
+show(layer_norm_bwd)
+p = {"scale": rand(6), "bias": rand(6)}
+x, dy = jnp.asarray(3.0 * rng.standard_normal((2, 5, 6)) + 1.0), rand(2, 5, 6)
+assert check(lambda p, x: layer_norm_fwd(p, x, 1e-5), layer_norm_bwd,
+             lambda p, x: layers.layer_norm(p, x, 1e-5), (p, x), dy)
+
+# %% [markdown]
+# ## Attention: the softmax
+#
+# Per row, $P = \operatorname{softmax}(S)$ has Jacobian $\operatorname{diag}(P) - P P^\top$, so
+#
+# $$\bar S = P \odot \left(\bar P - \textstyle\sum_j \bar P_j P_j\right).$$
+#
+# Causally masked scores have $P = 0$ and get no gradient. The rest of attention is
+# matrix products: with $S = Q K^\top/\sqrt{d_h}$ and $A = P V$,
+# $\bar V = P^\top \bar A$, $\bar P = \bar A V^\top$, $\bar Q = \bar S K / \sqrt{d_h}$,
+# $\bar K = \bar S^\top Q / \sqrt{d_h}$, and the q, k, v projections are one linear layer
+# whose $\bar x$ adds the three paths, because $q$, $k$ and $v$ all read $x$.
+
+# %%
+from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
+
+show(softmax_bwd)
+softmax = lambda s: jax.nn.softmax(s, axis=-1)  # noqa: E731
+print("--- softmax")
+assert check(lambda s: (softmax(s), softmax(s)), lambda P, dP: (softmax_bwd(P, dP),), softmax,
+             (rand(2, 4, 4),), rand(2, 4, 4), names=("s",))
+
+print("--- attention, causal, 2 heads")
+D, H = 8, 2
+p = {f"{w}{n}": rand(D, D) if w == "w" else rand(D) for n in "qkvo" for w in "wb"}
+assert check(lambda p, x: attention_fwd(p, x, H, True), attention_bwd,
+             lambda p, x: layers.attention(p, x, H, True), (p, rand(2, 5, D)), rand(2, 5, D))
+
+# %% [markdown]
+# What the softmax backward does, seen on one head: the probabilities $P$ (lower
+# triangle: causal), the gradient $\bar P$ arriving from $A = PV$ (defined everywhere,
+# even where $P = 0$), and $\bar S$. Masked entries get exactly zero, and each row of
+# $\bar S$ sums to zero: adding a constant to a row of scores changes no probability.
+
+# %%
+T = 8
+p_soft = {k: 0.3 * v for k, v in p.items()}  # smaller weights: scores of order 1, a softer softmax
+x, dy = rand(1, T, D), rand(1, T, D)
+y, res = attention_fwd(p_soft, x, H, True)
+P = res.probs[0, 0]  # (T, T) head 0
+datt = layers.split_heads(dy @ p_soft["wo"].T, H)  # undoes y = merge_heads(P v) @ wo + bo
+dP = (datt @ jnp.swapaxes(res.v, -1, -2))[0, 0]  # (T, T)
+dS = softmax_bwd(P, dP)
+print(f"dS where masked: max |dS| = {float(jnp.max(jnp.abs(jnp.triu(dS, 1)))):.1e}")
+print(f"row sums of dS:  max |sum| = {float(jnp.max(jnp.abs(dS.sum(-1)))):.1e}")
+
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+for ax, (title, m, cmap) in zip(axes, [("P = softmax(S)", P, "viridis"), ("dP", dP, "RdBu_r"),
+                                       ("dS = P * (dP - rowsum(dP * P))", dS, "RdBu_r")]):
+    m = np.asarray(m)
+    lim = np.abs(m).max()
+    im = ax.imshow(m, cmap=cmap, vmin=0 if cmap == "viridis" else -lim, vmax=lim)
+    ax.set(title=title, xlabel="key position", ylabel="query position")
+    fig.colorbar(im, ax=ax, shrink=0.8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Blockwise attention: the FlashAttention-2 backward
+#
+# With `attention_impl="blockwise"` the forward never forms the $(T, T)$ matrix $P$: for each
+# block of $K$ queries it runs an online softmax over the key blocks (skipping, when causal,
+# the blocks above the diagonal) and keeps only $O = PV$ and each row's log-sum-exp
+# $\ell_i = \log\sum_j e^{S_{ij}}$. The backward recomputes any block of probabilities as
+# $P_{ij} = e^{S_{ij} - \ell_i}$, and needs one more number per row: since $O_i = \sum_j P_{ij} V_j$,
+#
+# $$D_i = \textstyle\sum_j \bar P_{ij} P_{ij} = \sum_j (\bar O_i \cdot V_j) P_{ij} = \bar O_i \cdot O_i .$$
+#
+# Then, one (query block, key block) pair at a time: $\bar V_j \mathrel{+}= P_{ij}^\top \bar O_i$,
+# $\bar P_{ij} = \bar O_i V_j^\top$, $\bar S_{ij} = P_{ij} \odot (\bar P_{ij} - D_i)$ (the softmax
+# backward above, with $D$ in place of the row sum), $\bar Q_i \mathrel{+}= \bar S_{ij} K_j/\sqrt{d_h}$ and
+# $\bar K_j \mathrel{+}= \bar S_{ij}^\top Q_i/\sqrt{d_h}$. Memory falls from $O(T^2)$ to $O(T)$ per head.
+
+# %%
+from manual_grads.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, pair_bwd
+
+show(pair_bwd)
+T, block = 13, 4  # 13 positions: 4 blocks of 4, the last one padded
+x, dy = rand(2, T, D), rand(2, T, D)
+for causal in (True, False):
+    print("--- blockwise against full attention,", "causal" if causal else "bidirectional")
+    assert check(lambda p, x: blockwise_attention_fwd(p, x, H, causal, block),
+                 blockwise_attention_bwd, lambda p, x: layers.attention(p, x, H, causal), (p, x), dy)
+
+# %% [markdown]
+# ## Embedding
+#
+# $x_{b,t} = E_{\text{id}_{b,t}}$ reads rows of the table, so the backward adds each
+# $\bar x_{b,t}$ into the row it was read from (a scatter-add; a token seen $n$ times
+# collects $n$ rows). The integer ids get no gradient.
+
+# %%
+from manual_grads.embedding import token_embed_bwd, token_embed_fwd
+
+show(token_embed_bwd)
+table = rand(10, 4)
+ids = jnp.array([[1, 3, 3], [0, 1, 9]])  # token 3 twice, token 1 in both rows
+assert check(lambda t: token_embed_fwd(t, ids), lambda res, dx: token_embed_bwd(res, dx)[:1],
+             lambda t: layers.token_embedding(t, ids), (table,), rand(2, 3, 4), names=("table",))
+
+# %% [markdown]
+# ## Cross entropy
+#
+# The loss is the mean over $N$ positions of $\log\sum_v e^{z_v} - z_{\text{target}}$, so
+#
+# $$\bar z = \frac{1}{N}\left(\operatorname{softmax}(z) - \operatorname{onehot}(\text{target})\right)$$
+#
+# (with a mask, $1/N$ becomes $\text{mask}/\sum \text{mask}$).
+
+# %%
+from manual_grads.losses import cross_entropy_bwd, cross_entropy_fwd
+
+show(cross_entropy_bwd)
+logits = jnp.asarray(4.0 * rng.standard_normal((2, 5, 11)))  # (B, T, V)
+targets = jnp.asarray(rng.integers(0, 11, (2, 5)))  # (B, T)
+assert check(lambda z: cross_entropy_fwd(z, targets), lambda res, d: cross_entropy_bwd(res, d)[:1],
+             lambda z: layers.cross_entropy(z, targets), (logits,), jnp.float64(1.0), names=("z",))
+
+# %% [markdown]
+# ## The whole model
+#
+# `manual_grads.value_and_grad` runs the forward keeping each layer's residuals,
+# then the backwards in reverse order: loss, head, final layer norm, the blocks (a
+# reverse `lax.scan`; inside a block the residual connections add their gradients),
+# the embeddings. Here it meets `jax.value_and_grad(jaxformer.loss_fn)` on a batch of
+# the embedded corpus, for every leaf of the parameter tree (the per-layer leaves are
+# stacked over the layers, so `blocks.attn.wq` holds both layers' $W_q$).
+
+# %%
+import manual_grads
+from jaxformer import data, init_params, loss_fn
+from jaxformer.model.config import get_preset
+
+config = get_preset("tiny")
+params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
+ids = data.ByteTokenizer().encode(data.load_corpus("default"))
+batch = {k: jnp.asarray(v) for k, v in data.Batcher(ids, 4, 16, seed=0).batch(0).items()}
+
+manual = jax.jit(lambda p, b: manual_grads.value_and_grad(p, b, config))
+auto = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, config)))
+(loss_m, grads_m), (loss_a, grads_a) = manual(params, batch), auto(params, batch)
+print(f"loss: by hand {float(loss_m):.10f}, jax.grad {float(loss_a):.10f}")
+ok = cmp("loss", loss_m, loss_a)
+leaves = {".".join(k.key for k in path): (g_m, g_a) for (path, g_m), g_a in
+          zip(jax.tree_util.tree_flatten_with_path(grads_m)[0], jax.tree_util.tree_leaves(grads_a))}
+order = ["tok_embed", "pos_embed", "blocks", "ln1", "attn", "ln2", "ffn", "ln_f", "head"]
+for path in sorted(leaves, key=lambda path: [(order.index(k) if k in order else 99, k)
+                                             for k in path.split(".")]):  # the model's order
+    ok &= cmp(path, *leaves[path])
+assert ok
+
+# %% [markdown]
+# ## Try this
+#
+# Break a backward on purpose and watch the check catch it. The most common mistake in
+# a hand-written softmax backward is to treat it as elementwise, $\bar S = P \odot \bar P$,
+# forgetting that every score moves every probability of its row. Edit the line below
+# (or `linear_bwd` above, say $\bar x = \bar y\,W$ instead of $\bar y\,W^\top$ on a square
+# $W$) and run the cell.
+
+# %%
+naive_softmax_bwd = lambda P, dP: P * dP  # noqa: E731  the row-sum term is missing
+assert not check(lambda s: (softmax(s), softmax(s)), lambda P, dP: (naive_softmax_bwd(P, dP),),
+                 softmax, (rand(2, 4, 4),), rand(2, 4, 4), names=("s",))
