@@ -80,8 +80,8 @@ def test_corrupted_checkpoint_names_the_path(tmp_path):
             f.write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=f"checkpoint step 0 is damaged: {step_dir}/state/"):
         checkpoint.restore(tmp_path, state)
-    (step_dir / checkpoint.FILE_DIGESTS).unlink()  # without file digests orbax's read fails
-    with pytest.raises(checkpoint.DamagedCheckpointError, match=f"is damaged: cannot restore {step_dir}"):
+    (step_dir / checkpoint.FILE_DIGESTS).unlink()  # a save that never finished
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=f"{step_dir}/files.sha256.json is missing"):
         checkpoint.restore(tmp_path, state)
     (step_dir / "meta" / "metadata").write_text("{not json")
     with pytest.raises(checkpoint.DamagedCheckpointError, match=f"is damaged: cannot read {step_dir}"):
@@ -95,20 +95,39 @@ def test_wrong_shapes_are_refused(tmp_path):
         checkpoint.restore(tmp_path, other)
 
 
+class _FullDisk:
+    """A write future of orbax's async save that fails in orbax's thread."""
+
+    def result(self, timeout=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+async def _write_on_full_disk(*args, **kwargs):
+    return [_FullDisk()]
+
+
+def _write_refused(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # orbax's other item save, never awaited
-def test_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("broken_write", [_write_refused, _write_on_full_disk])
+def test_full_disk_is_one_error_and_loses_nothing(tmp_path, monkeypatch, capfd, broken_write):
+    """ENOSPC when the save starts or in orbax's writer thread: one CheckpointWriteError
+    naming the folder and the cause, no orbax tracebacks, the partial checkpoint removed,
+    the earlier one intact."""
     state = _state()._replace(step=jnp.int32(2))
     checkpoint.save(tmp_path, state, META)
-
-    def broken_write(*args, **kwargs):
-        raise OSError("disk full")
-
-    # the array write fails part way through the save of step 3
+    capfd.readouterr()
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", broken_write)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=f"cannot write checkpoint step 3 to {tmp_path}/checkpoints: "
+                             r"No space left on device \(ENOSPC\); the partial checkpoint was removed"):
         checkpoint.save(tmp_path, state._replace(step=jnp.int32(3)), META)
     monkeypatch.undo()
-    assert checkpoint.all_steps(tmp_path) == [2]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ERROR:absl" not in err, err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
     chex.assert_trees_all_equal(checkpoint.restore(tmp_path, _state()), state)
     # a leftover temporary folder from a crash is ignored as well
     (tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp-123").mkdir()

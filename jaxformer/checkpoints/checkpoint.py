@@ -2,19 +2,26 @@
 
 A run folder keeps its checkpoints under ``<run>/checkpoints/<step>/``:
 
-    state/   the TrainState pytree (step, params, opt_state, data_index, rng)
-    meta/    JSON: model config, tokenizer, train settings, step, param dtype, and
-             ``digests``: the sha256 of every saved array, computed from its host values
-    files.sha256.json   the sha256 and size of every file orbax wrote, written last
+    state/   the TrainState pytree (step, params, opt_state, data_index, rng), each
+             process writing its own shards
+    meta/    JSON: model config, tokenizer, train settings, step, param dtype, format
+    files.sha256.json   the sha256 and size of every file orbax wrote, written last,
+             once the save is complete (format 2: required)
 
-Every restore verifies both (digests.py). ``load_newest_good`` falls back to the
-newest checkpoint that verifies and reports each one it skips. ``save`` refuses a
-state with non-finite values, so every checkpoint on disk is a healthy one.
+Saves are asynchronous (saver.py: the loop holds only for a finiteness check on the
+device and orbax's copy off the device). Every restore verifies the file digests
+(digests.py; a format-1 checkpoint also carries array digests, checked as well) and
+lands each array straight in its target sharding.
+
+What counts as damage (errors.is_damage): a digest mismatch, a missing file (the
+digest file included: a save that did not finish) or a file that does not decode.
+``load_newest_good`` falls back past damaged checkpoints only, reporting each; any
+other failure (out of memory, an I/O error, a sharding that does not fit) stops with
+its cause as a CheckpointReadError and nothing is moved.
 
 orbax writes each checkpoint into a temporary folder and renames it into place
-once complete, so a write that fails half way leaves the previous checkpoints as
-they were (a leftover temporary folder is ignored on restore). Only the
-``keep`` latest checkpoints are kept.
+once complete; a leftover temporary folder is ignored. Only the ``keep`` latest
+checkpoints are kept, the older ones removed once a newer one is digested.
 
 Every failure to find or read a checkpoint raises ``CheckpointError`` (a
 ValueError) naming the path (errors.py). Reading a run folder back with its model
@@ -34,40 +41,26 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxformer.checkpoints.digests import (FILE_DIGESTS, array_digests, first_non_finite,
-                                           verify_arrays, verify_files, write_file_digests)
+                                           verify_arrays, verify_files)
 from jaxformer.checkpoints.errors import (CheckpointError, CheckpointReadError,
-                                          DamagedCheckpointError, UnhealthyStateError, is_damage,
-                                          one_line)
-from jaxformer.checkpoints.quiet import quiet_orbax, silenced
-
-CHECKPOINT_DIR = "checkpoints"
-FORMAT_VERSION = 1
-DAMAGED_DIR = "damaged_checkpoints"
-
-
-def checkpoint_dir(run_dir) -> Path:
-    return Path(run_dir).absolute() / CHECKPOINT_DIR
-
+                                          CheckpointWriteError, DamagedCheckpointError,
+                                          UnhealthyStateError, is_damage, one_line)
+from jaxformer.checkpoints.quiet import silenced
+from jaxformer.checkpoints.saver import Saver, first_non_finite_on_device
+from jaxformer.checkpoints.store import (CHECKPOINT_DIR, DAMAGED_DIR, FORMAT_VERSION, checkpoint_dir,
+                                         manager)
 
 def warn(message: str) -> None:
     """A one-line warning on stderr (the default reporter of skipped checkpoints)."""
     print(f"warning: {message}", file=sys.stderr)
 
 
-def _manager(run_dir, keep: int | None = None, create: bool = False) -> ocp.CheckpointManager:
-    quiet_orbax()
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=create, enable_async_checkpointing=False,
-    )
-    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options)
-
-
 def _restore(run_dir, step: int, args):
-    manager = _manager(run_dir)
+    mgr = manager(run_dir)
     try:
-        return manager.restore(step, args=args)
+        return mgr.restore(step, args=args)
     finally:
-        manager.close()
+        mgr.close()
 
 
 def all_steps(run_dir) -> list[int]:
@@ -75,11 +68,11 @@ def all_steps(run_dir) -> list[int]:
     path = checkpoint_dir(run_dir)
     if not path.is_dir():
         return []
-    manager = _manager(run_dir)
+    mgr = manager(run_dir)
     try:
-        return sorted(manager.all_steps())
+        return sorted(mgr.all_steps())
     finally:
-        manager.close()
+        mgr.close()
 
 
 def latest_step(run_dir) -> int | None:
@@ -102,9 +95,8 @@ def _pick_step(run_dir, step: int | None) -> int:
 
 
 def to_host(tree):
-    """``tree`` as numpy arrays on this host. An array sharded over several processes
-    (a multi-process mesh) is gathered whole first, so every process hashes the same
-    values."""
+    """``tree`` as numpy arrays on this host; an array sharded over several processes is
+    gathered whole first. Only the array digests of format-1 checkpoints need this."""
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -114,29 +106,17 @@ def to_host(tree):
 
 
 def save(run_dir, state, meta: dict[str, Any], keep: int = 3) -> Path:
-    """Write ``state`` (a TrainState or any pytree of arrays) and the JSON-able
-    ``meta`` as the checkpoint of step ``int(state.step)``; keep the ``keep`` latest.
-    Returns the checkpoint's folder.
-    Raises UnhealthyStateError (nothing written) when a leaf holds NaN or infinity."""
-    host = to_host(state)
-    step = int(host.step) if hasattr(host, "step") else int(to_host(state.step))
-    bad = first_non_finite(host)
-    if bad is not None:
-        raise UnhealthyStateError(
-            f"not saving step {step}: state{bad} holds non-finite values")
-    manager = _manager(run_dir, keep=keep, create=True)
-    meta = dict(meta, step=step, format=FORMAT_VERSION, digests=array_digests(host))
-    manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-        force=True,
-    )
-    manager.wait_until_finished()
-    manager.close()
-    step_dir = checkpoint_dir(run_dir) / str(step)
-    if jax.process_index() == 0:
-        write_file_digests(step_dir)
-    return step_dir
+    """Write ``state`` (a TrainState or any pytree with a ``step``) and the JSON-able
+    ``meta`` as the checkpoint of step ``int(state.step)`` and wait until it is complete
+    and digested; keep the ``keep`` latest. Returns the checkpoint's folder. The loop
+    saves asynchronously with a ``Saver`` instead.
+    Raises UnhealthyStateError (nothing written) when a leaf holds NaN or infinity,
+    CheckpointWriteError when the write fails."""
+    saver = Saver(run_dir, keep)
+    try:
+        return saver.save(state, meta)
+    finally:
+        saver.close()
 
 
 def read_meta(run_dir, step: int | None = None) -> dict[str, Any]:
@@ -181,7 +161,8 @@ def restore(run_dir, template, step: int | None = None):
     digests recorded at save time."""
     step = _pick_step(run_dir, step)
     path = checkpoint_dir(run_dir) / str(step)
-    verify_files(step, path)
+    meta = read_meta(run_dir, step)
+    verify_files(step, path, required=meta.get("format", 1) >= 2)
     # the restore target: each array lands in the sharding of ``template``'s leaf (the
     # current mesh's layout, whatever mesh wrote the checkpoint)
     target = jax.tree_util.tree_map(
@@ -202,7 +183,8 @@ def restore(run_dir, template, step: int | None = None):
                 f"checkpoint {path} holds an array {got.dtype}{list(got.shape)} where "
                 f"{exp.dtype}{list(exp.shape)} is expected"
             )
-    _verify_arrays(run_dir, step, restored)
+    if meta.get("digests"):  # a format-1 checkpoint: array digests of the host values
+        verify_arrays(meta["digests"], to_host(restored), step, path)
     return restored
 
 
@@ -216,11 +198,6 @@ def read_failure(e: Exception, step: int, path: Path, what: str) -> CheckpointEr
     return CheckpointReadError(
         f"cannot {what} checkpoint {path} (step {step}): {one_line(e)}; the checkpoint is not "
         "damaged and was left where it is")
-
-
-def _verify_arrays(run_dir, step: int, restored) -> None:
-    verify_arrays(read_meta(run_dir, step).get("digests"), to_host(restored), step,
-                  checkpoint_dir(run_dir) / str(step))
 
 
 def load_newest_good(run_dir, load: Callable[[int], Any], step: int | None = None,
@@ -254,7 +231,8 @@ def load_newest_good(run_dir, load: Callable[[int], Any], step: int | None = Non
 
 __all__ = [
     "CHECKPOINT_DIR", "DAMAGED_DIR", "FILE_DIGESTS", "FORMAT_VERSION",
-    "CheckpointError", "CheckpointReadError", "DamagedCheckpointError", "UnhealthyStateError", "checkpoint_dir",
+    "CheckpointError", "CheckpointReadError", "CheckpointWriteError", "DamagedCheckpointError",
+    "Saver", "first_non_finite_on_device", "UnhealthyStateError", "checkpoint_dir",
     "all_steps", "latest_step", "save", "read_meta", "newest_meta", "set_aside", "restore",
     "load_newest_good", "array_digests", "first_non_finite", "to_host", "warn",
 ]

@@ -88,12 +88,15 @@ def write_file_digests(step_dir: Path) -> None:
     os.replace(tmp, step_dir / FILE_DIGESTS)
 
 
-def verify_files(step: int, step_dir: Path) -> None:
+def verify_files(step: int, step_dir: Path, required: bool = True) -> None:
     """Raise DamagedCheckpointError naming the first file that differs from its digest.
-    A checkpoint written before file digests existed (or cut off right after orbax
-    committed it) has no digest file: its arrays are still verified on restore."""
+    Without a digest file: damaged when ``required`` (a save cut off before it was
+    digested), else (a format-1 checkpoint) its arrays are verified on restore."""
     listing = step_dir / FILE_DIGESTS
     if not listing.exists():
+        if required:
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} is damaged: {listing} is missing (the save did not finish)")
         return
     try:
         recorded = json.loads(listing.read_text())

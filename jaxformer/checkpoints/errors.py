@@ -19,6 +19,11 @@ class CheckpointReadError(CheckpointError):
     error, a sharding that does not fit): not damage, so nothing is set aside."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, permission denied, the folder
+    removed); its partial folder was removed, earlier checkpoints are intact."""
+
+
 class UnhealthyStateError(CheckpointError):
     """A state with non-finite values was not saved."""
 

@@ -30,6 +30,32 @@ def silenced():
             lg.setLevel(level)
 
 
+class _OrbaxThreadErrors(logging.Filter):
+    """Drops the ERROR records orbax logs from its own files (a failed async write logs
+    its traceback from every worker thread): the failure is raised once, by the saver."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+_FILTER = _OrbaxThreadErrors()
+
+
+@contextlib.contextmanager
+def orbax_thread_noise():
+    """Within: orbax's thread tracebacks are not logged (see _OrbaxThreadErrors); and
+    the filter stays on the loggers while async writes may still fail afterwards."""
+    _drop_closed_loop_noise()
+    for name in ("absl", "orbax"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    for handler in logging.getLogger().handlers:
+        if _FILTER not in handler.filters:
+            handler.addFilter(_FILTER)
+    yield
+
+
 def _drop_closed_loop_noise() -> None:
     """After a failed read, orbax's leftover read coroutines and callbacks fail again
     when collected or when they hit their closed asyncio loop, and Python prints each

@@ -78,6 +78,7 @@ def _dispatch(argv: list[str]) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    args.argv = argv  # the command line, for the resume command of an interrupted run
     return COMMANDS[args.command].run(args)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 
@@ -20,6 +21,7 @@ from jaxformer.training.configfile import off_is_zero, read_config, settings_fro
 from jaxformer.training.loop import train
 from jaxformer.training.optim import OPTIMIZERS, SCHEDULES
 from jaxformer.training.settings import TrainSettings, settings_for
+from jaxformer.training.stopping import Interrupted
 
 EPILOG = """\
 Unset options come from the preset's training recipe (jaxformer.config.PRESET_TRAINING);
@@ -163,9 +165,13 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda line: print(line, file=sys.stderr)) if main else None
     print(f"training -> {args.out} ({jax.device_count()} {jax.devices()[0].platform} device(s) "
           f"in {jax.process_count()} process(es))", file=sys.stderr)
-    result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
-                   log=log, allow_data_change=args.allow_data_change,
-                   check_memory=not args.ignore_memory_check)
+    try:
+        result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
+                       log=log, allow_data_change=args.allow_data_change,
+                       check_memory=not args.ignore_memory_check)
+    except Interrupted as e:
+        print(f"{e}; resume with: {resume_command(args)}", file=sys.stderr)
+        return e.exit_code
     wall = time.perf_counter() - t0
     if not main:
         return 0
@@ -175,6 +181,12 @@ def run(args: argparse.Namespace) -> int:
     print(summary(result, wall))
     print(f"run folder: {result.run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
     return 0
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run: the same one, with --resume."""
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    return shlex.join(["jaxformer", *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
 def summary(result, wall: float) -> str:

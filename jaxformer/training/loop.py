@@ -42,6 +42,7 @@ from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newe
 from jaxformer.training.run_data import run_data
 from jaxformer.training.settings import TrainSettings, recipe_notes
 from jaxformer.training.sharding import check_batch_size, local_rows, make_mesh, put_batch
+from jaxformer.training.stopping import Interrupted, StopRequests
 from jaxformer.training.step import (GradFn, TrainState, compiled_eval_step, compiled_step, init_fn,
                                      mesh_key, optimizer_items)
 
@@ -82,8 +83,13 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     log: a function given human-readable lines (settings, data, compile time, the
     summary; report.py); None: silent.
 
+    SIGINT or SIGTERM (stopping.py): the step in flight finishes, the step reached is
+    checkpointed (unless it was already), the records are flushed, and Interrupted is
+    raised; a second Ctrl-C raises KeyboardInterrupt at once.
+
     Raises ValueError for bad settings, data or mesh, CheckpointError for a missing,
-    bad or mismatched checkpoint, NonFiniteLossError when the loss stops being finite.
+    bad or mismatched checkpoint (CheckpointWriteError for a failed save),
+    NonFiniteLossError when the loss stops being finite.
     """
     settings.validate()
     run_dir = Path(out_dir)
@@ -126,6 +132,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
 
     def stop(s: int, what: str) -> NonFiniteLossError:
         """The error for step s, naming the layer that made the first non-finite value."""
+        saver.wait()  # the newest checkpoint complete before it is read back
         kept = (f"the newest healthy checkpoint is step {last_saved} in "
                 f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved is not None
                 else "no checkpoint was written")
@@ -146,39 +153,58 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
 
     # the loop; host batches are made two ahead on a thread, each process reading
     # only the rows it places
+    saver = checkpoint.Saver(run_dir, keep=settings.keep_checkpoints)
+
+    def save(s: int) -> None:
+        """Start the asynchronous save of step s (never of a state past a non-finite loss)."""
+        if run_log.pending:
+            fetch()
+        with run_log.paused():  # tokens/s counts training time only
+            try:
+                saver.save(state, meta)
+            except checkpoint.UnhealthyStateError as e:
+                raise stop(s, str(e)) from None
+
+    aborted = False  # a second Ctrl-C: the save in flight is left unfinished (never damaging)
     rows = local_rows(settings.batch_size, mesh)
     batches = Prefetcher(lambda i: data.batcher.batch(i, rows), index, depth=2)
     try:
-        for s in range(start + 1, settings.steps + 1):  # s: the step count after this step
-            batch = put_batch(batches.next(), mesh)
-            state, metrics = step_fn(state, batch)  # dispatched; nothing waits for it here
-            run_log.add(s, metrics)
-            index += 1
-            last = s == settings.steps
-            do_eval = bool(val_batches) and (last or _every(s, settings.eval_every))
-            do_ckpt = last or _every(s, settings.ckpt_every)
-            if do_eval or last or s == start + 1 or s % settings.log_every == 0:
-                record = run_log.record(s, fetch())
-                if do_eval:
-                    with run_log.paused():
-                        record["val_loss"] = evaluate(eval_fn, state.params, val_batches)
-                    record.update(report.val_bits(record["val_loss"], data.tokenizer.kind))
-                run_log.write(record)
-            run_log.step_done()
-            if do_ckpt:
-                if run_log.pending:  # never checkpoint a state past a non-finite loss
-                    fetch()
-                with run_log.paused():  # tokens/s counts training time only
-                    try:
-                        checkpoint.save(run_dir, state, meta, keep=settings.keep_checkpoints)
-                    except checkpoint.UnhealthyStateError as e:
-                        raise stop(s, str(e)) from None
-                last_saved = s
-        if run_log.pending:
-            fetch()
+        with StopRequests() as stops:
+            for s in range(start + 1, settings.steps + 1):  # s: the step count after this step
+                batch = put_batch(batches.next(), mesh)
+                state, metrics = step_fn(state, batch)  # dispatched; nothing waits for it here
+                run_log.add(s, metrics)
+                index += 1
+                last = s == settings.steps
+                do_eval = bool(val_batches) and (last or _every(s, settings.eval_every))
+                if do_eval or last or s == start + 1 or s % settings.log_every == 0:
+                    record = run_log.record(s, fetch())
+                    if do_eval:
+                        with run_log.paused():
+                            record["val_loss"] = evaluate(eval_fn, state.params, val_batches)
+                        record.update(report.val_bits(record["val_loss"], data.tokenizer.kind))
+                    run_log.write(record)
+                run_log.step_done()
+                if last or _every(s, settings.ckpt_every):
+                    save(s)
+                    last_saved = s
+                if stops.requested(s):  # a signal: checkpoint the step reached, then stop
+                    saved_now = last_saved != s
+                    if saved_now:
+                        save(s)
+                    saver.close()
+                    raise Interrupted(stops.signum, s, checkpoint.checkpoint_dir(run_dir) / str(s),
+                                      saved_now)
+            if run_log.pending:
+                fetch()
+    except KeyboardInterrupt:
+        aborted = True
+        raise
     finally:
         batches.close()
         run_log.close()
+        if not aborted:
+            saver.close()
 
     # the report
     timing = run_log.summary()

@@ -1,0 +1,107 @@
+"""Stopping safely (subprocesses): SIGINT and SIGTERM checkpoint the step reached and
+a --resume continues bit-exactly; a second Ctrl-C aborts without harming a checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxformer.checkpoints import checkpoint
+from test_train import write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+def _argv(corpus, out, steps, *extra):
+    return ["train", "--preset", "tiny", "--corpus", corpus, "--steps", str(steps), "--out", str(out),
+            "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+            "--schedule", "constant", "--warmup-steps", "0", "--dtype", "float64", *extra]
+
+
+def _env():
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), JAX_DISABLE_MOST_OPTIMIZATIONS="true")
+
+
+def _losses(out) -> dict:
+    lines = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in lines if "loss" in r and "step" in r}
+
+
+def _start(corpus, out, *extra):
+    return subprocess.Popen([sys.executable, "-m", "jaxformer", *_argv(corpus, out, 100000, *extra)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _wait_for_steps(proc, out, n, timeout=180):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if (Path(out) / "metrics.jsonl").exists() and len(_losses(out)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps in {timeout} s")
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_checkpoints_the_step_reached_and_resume_is_exact(corpus, tmp_path, signum, code):
+    out = tmp_path / "run"
+    proc = _start(corpus, out)
+    _wait_for_steps(proc, out, 3)
+    sent = time.time()
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    stopped_in = time.time() - sent
+    assert proc.returncode == code, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("interrupted")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    reached = max(_losses(out))
+    assert checkpoint.all_steps(out) == [reached]  # --ckpt-every 0: only the signal's checkpoint
+    assert (f"interrupted by {signal.Signals(signum).name} at step {reached}; checkpoint "
+            f"{checkpoint.checkpoint_dir(out) / str(reached)} (saved); resume with: jaxformer train") in lines[0]
+    assert lines[0].endswith("--resume"), lines[0]
+    assert stopped_in < 30, stopped_in  # the step in flight and one save on a busy 2-core machine
+    # resume to two steps further; a straight run to there gives the very same losses
+    target = reached + 2
+    done = subprocess.run([sys.executable, "-m", "jaxformer", *_argv(corpus, out, target, "--resume")],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    straight = tmp_path / "straight"
+    ref = subprocess.run([sys.executable, "-m", "jaxformer", *_argv(corpus, straight, target)],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert _losses(out) == _losses(straight)
+
+
+def test_a_second_ctrl_c_aborts_and_harms_no_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = _start(corpus, out, "--ckpt-every", "1")
+    _wait_for_steps(proc, out, 3)
+    while proc.poll() is None:  # Ctrl-C, then again and again until it stops
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.count("error: interrupted") == 1, err[-3000:]
+    assert not [x for x in err.splitlines() if x.startswith("interrupted by")], err[-3000:]
+    steps = checkpoint.all_steps(out)
+    finished = [s for s in steps if (checkpoint.checkpoint_dir(out) / str(s) / checkpoint.FILE_DIGESTS).exists()]
+    # every finished checkpoint verifies; only the save in flight may be unfinished (then
+    # the resume sets it aside as a save that did not finish)
+    assert finished and steps[:-1] == finished[: len(steps) - 1], steps
+    for step in finished:
+        checkpoint.read_meta(out, step)
+        checkpoint.verify_files(step, checkpoint.checkpoint_dir(out) / str(step))
+    done = subprocess.run([sys.executable, "-m", "jaxformer",
+                           *_argv(corpus, out, max(checkpoint.all_steps(out)) + 1, "--resume")],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
