@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import sinusoidal_positions, token_embedding
+from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 
 
 class TokenEmbedRes(NamedTuple):
@@ -63,25 +64,28 @@ def sinusoidal_positions_fwd(T, D, dtype):
 class EmbedRes(NamedTuple):
     tok: TokenEmbedRes
     pos: LearnedPosRes | None  # None for sinusoidal positions
+    drop: DropoutRes | None = None  # the output's dropout key and rate; None: no dropout
 
 
-def embed_fwd(p, inputs, config: ModelConfig):
+def embed_fwd(p, inputs, config: ModelConfig, key=None):
     """p = {"tok_embed": (V, D), "pos_embed": (max_seq_len, D) if learned};
-    inputs int (B, T) -> x (B, T, D)."""
+    inputs int (B, T) -> x (B, T, D); with a ``key`` through dropout at config.dropout."""
     T = inputs.shape[-1]
     tok, tok_res = token_embed_fwd(p["tok_embed"], inputs)  # (B, T, D)
     if config.positions == "learned":
         pos, pos_res = learned_positions_fwd(p["pos_embed"], T)  # (T, D)
     else:
         pos, pos_res = sinusoidal_positions_fwd(T, config.d_model, tok.dtype)  # (T, D)
-    return tok + pos, EmbedRes(tok_res, pos_res)
+    x, drop_res = dropout_fwd(tok + pos, config.dropout, key)  # (B, T, D)
+    return x, EmbedRes(tok_res, pos_res, drop_res)
 
 
 def embed_bwd(res: EmbedRes, dx):
     """dx (B, T, D) -> (dp with p's keys, None for the integer inputs).
 
-    Undoes ``x = tok + pos``: tok gets dx, pos (broadcast over B) gets dx summed over B.
+    Undoes ``x = drop(tok + pos)``, then tok gets dx, pos (broadcast over B) gets dx summed over B.
     """
+    dx = dropout_bwd(res.drop, dx)
     dp = {"tok_embed": token_embed_bwd(res.tok, dx)[0]}
     if res.pos is not None:
         dp["pos_embed"] = learned_positions_bwd(res.pos, dx.sum(axis=0))
