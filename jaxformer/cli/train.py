@@ -17,7 +17,7 @@ from jaxformer.observe.report import recipe_text
 from jaxformer.training import distributed
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
 from jaxformer.training.loop import train
-from jaxformer.training.optim import OPTIMIZERS, SCHEDULES
+from jaxformer.training.optim import DECAY_RULES, OPTIMIZERS, SCHEDULES
 from jaxformer.training.settings import TrainSettings, settings_for
 
 EPILOG = """\
@@ -40,6 +40,7 @@ examples:
 TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "max_corpus_bytes", "val_fraction",
                "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps", "schedule_steps",
                "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
+               "beta1", "beta2", "adam_eps", "min_lr", "decay_rule",
                "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
 
 
@@ -87,6 +88,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--clip-norm", type=float, metavar="N", help="clip the gradient's global norm to N (0: off)")
     o.add_argument("--weight-decay", type=float, metavar="W")
     o.add_argument("--momentum", type=float, metavar="M", help="for --optimizer momentum (default 0.9)")
+    o.add_argument("--beta1", type=float, metavar="B", help="Adam's beta1 (default 0.9)")
+    o.add_argument("--beta2", type=float, metavar="B",
+                   help="Adam's beta2 (default 0.999; nanoGPT: 0.95, 0.99 for small models)")
+    o.add_argument("--adam-eps", type=float, metavar="E", help="Adam's epsilon (default 1e-8)")
+    o.add_argument("--min-lr", type=float, metavar="LR",
+                   help="where a cosine/linear schedule ends (default: a tenth of --lr)")
+    o.add_argument("--decay-rule", choices=list(DECAY_RULES),
+                   help="leaves weight decay applies to: nanogpt (weight matrices and embeddings, "
+                        "not biases or norms; default), no-embed (weight matrices only), all")
     o.add_argument("--accum-steps", type=positive_int, metavar="K", help="average K micro-batches per update")
     o.add_argument("--dtype", choices=["float32", "float64"], help="params dtype (default float32)")
     r = t.add_argument_group("logging and checkpoints")
