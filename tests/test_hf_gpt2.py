@@ -135,3 +135,66 @@ def test_bad_folders_are_named(saved, tmp_path):
     save_file(bad, str(shaped / "model.safetensors"))
     with pytest.raises(HFFormatError, match="wpe.weight.*shape"):
         read_hf_gpt2(shaped)
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def run_cli(*argv):
+    from jaxformer.cli.main import main
+    return main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def byte_gpt2(tmp_path_factory):
+    """A random GPT-2 with the byte tokenizer's 256-token vocabulary, saved."""
+    folder = tmp_path_factory.mktemp("hf256")
+    torch.manual_seed(3)
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_head=4, n_layer=2, n_positions=32,
+                                  bos_token_id=255, eos_token_id=255)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("grads", ["auto", "manual"])
+def test_fine_tune_export_generate(byte_gpt2, tmp_path, grads, capsys):
+    from test_train import write_corpus
+    corpus = write_corpus(tmp_path / "text.txt")
+    out = tmp_path / "ft"
+    assert run_cli("train", "--init-from", byte_gpt2, "--grads", grads, "--steps", 4, "--seq-len", 32,
+                   "--batch-size", 4, "--corpus", corpus, "--out", out, "--no-progress",
+                   "--eval-every", 0, "--dropout", 0.1) == 0
+    assert run_cli("export", "--run", out, "--hf", tmp_path / "hf") == 0
+    params, config = read_hf_gpt2(tmp_path / "hf", np.float32)
+    assert config.dropout == 0.0 and config.vocab_size == 256
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = np.arange(20, dtype=np.int64)[None] % 256
+    with torch.no_grad():
+        ref = back(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(jaxformer.forward(params, jnp.asarray(ids, jnp.int32), config))
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # fine-tuning moved the weights away from the imported ones
+    start, _ = read_hf_gpt2(byte_gpt2, np.float32)
+    assert not np.allclose(start["tok_embed"], params["tok_embed"])
+    assert run_cli("generate", "--run", out, "--prompt", "the", "--max-new-tokens", 5) == 0
+
+
+def test_init_from_refuses_shape_flags_and_other_vocabularies(byte_gpt2, saved, tmp_path, capsys):
+    from test_train import write_corpus
+    corpus = write_corpus(tmp_path / "text.txt")
+    assert run_cli("train", "--init-from", byte_gpt2, "--d-model", 64, "--steps", 1, "--seq-len", 16,
+                   "--corpus", corpus, "--out", tmp_path / "a") == 2
+    assert "--d-model" in capsys.readouterr().err
+    _, folder97 = saved  # vocabulary 97, the byte tokenizer has 256
+    assert run_cli("train", "--init-from", folder97, "--steps", 1, "--seq-len", 16,
+                   "--corpus", corpus, "--out", tmp_path / "b", "--no-progress") != 0
+    assert "vocabulary has 97 tokens" in capsys.readouterr().err
+    assert run_cli("train", "--init-from", tmp_path / "nowhere-xyz", "--steps", 1,
+                   "--corpus", corpus, "--out", tmp_path / "c") != 0
+    assert "nowhere-xyz" in capsys.readouterr().err
+
+
+def test_compare_grads_on_imported_weights(byte_gpt2, tmp_path, capsys):
+    assert run_cli("compare-grads", "--init-from", byte_gpt2, "--batch-size", 2, "--seq-len", 16,
+                   "--repeats", 1, "--out", tmp_path / "cmp") == 0
+    assert "hf:" in capsys.readouterr().out

@@ -82,6 +82,26 @@ def config_to_hf(config: ModelConfig) -> dict:
             "bos_token_id": config.vocab_size - 1, "eos_token_id": config.vocab_size - 1}
 
 
+def resolve_source(spec: str) -> Path:
+    """A local folder ``spec``, or a Hugging Face hub id ("gpt2", "owner/name") downloaded
+    with huggingface_hub (config.json and the weights only). One clear error offline."""
+    path = Path(spec)
+    if path.exists():
+        if not path.is_dir():
+            raise HFFormatError(f"{spec} is a file; --init-from takes a model folder or a hub id")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise HFFormatError(f"{spec} is not a folder; to download it from the Hugging Face hub "
+                            f"install huggingface_hub (pip install 'jaxformer[hf]')") from None
+    try:
+        return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, SAFETENSORS]))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...: one line, the cause named
+        raise HFFormatError(f"{spec} is not a folder and could not be downloaded from the Hugging "
+                            f"Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
     if (folder / SAFETENSORS).exists():
         from safetensors.numpy import load_file

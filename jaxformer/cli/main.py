@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 
 import jaxformer
-from jaxformer.cli import bench, compare_grads, diagnose, generate, presets, train
+from jaxformer.cli import bench, compare_grads, diagnose, export, generate, presets, train
 from jaxformer.cli.args import Parser, UsageError, run_command
 
 DESCRIPTION = """\
@@ -46,7 +46,7 @@ Run `jaxformer COMMAND --help` for the options of each command.
 
 # The subcommands in the order --help lists them: name -> module with add_parser and run.
 COMMANDS = {"train": train, "generate": generate, "presets": presets, "diagnose": diagnose,
-            "compare-grads": compare_grads, "bench": bench}
+            "compare-grads": compare_grads, "bench": bench, "export": export}
 
 
 def version() -> str:

@@ -7,10 +7,12 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from jaxformer.checkpoints import checkpoint
-from jaxformer.cli.args import nonneg_int, positive_int
-from jaxformer.cli.flags import add_model_flags, model_overrides
+from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
+from jaxformer.cli.args import UsageError, nonneg_int, positive_int
+from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import count_params
 from jaxformer.observe.report import recipe_text
@@ -65,6 +67,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="continue from the run folder's newest checkpoint that verifies")
     t.add_argument("--allow-data-change", action="store_true",
                    help="with --resume: accept a corpus or tokenizer that differs from the recorded one")
+    t.add_argument("--init-from", metavar="DIR_OR_HUB_ID",
+                   help="fine-tune a Hugging Face GPT-2 (a folder with config.json and "
+                        "model.safetensors, or a hub id, downloaded): the model comes from it; "
+                        "flags that change its shapes are refused")
     t.add_argument("--config", metavar="FILE",
                    help="TOML file with [model] and [train] tables (a run folder's config.toml); "
                         "flags override it")
@@ -142,11 +148,34 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
     return off_is_zero(settings)
 
 
+def imported_start(spec: str, settings: TrainSettings, flags: dict):
+    """(params, settings whose model is the imported GPT-2's) of ``--init-from spec``;
+    a flag that would change the imported shapes is refused by name."""
+    folder = resolve_source(spec)
+    params, config = read_hf_gpt2(folder, np.float64 if settings.dtype == "float64" else np.float32)
+    fields = config.to_dict()
+    fields.pop("vocab_size")
+    refused = sorted(name for name in SHAPE_FIELDS if name in flags and flags[name] != fields[name])
+    if refused:
+        raise UsageError(f"--init-from {spec}: the model comes from the folder; "
+                         f"{', '.join(flag_name(n) for n in refused)} would change its shape")
+    model = {k: v for k, v in settings.model.items() if k not in SHAPE_FIELDS}
+    return params, settings.replace(model={**fields, **model})
+
+
+# ModelConfig fields an imported model fixes (its params' tree and shapes, its function)
+SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activation", "norm",
+                "positions", "causal", "ln_eps", "tie_embeddings", "bias", "head_bias")
+
+
 def run(args: argparse.Namespace) -> int:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     settings = train_settings(args)
     if settings.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
+    init = None
+    if args.init_from and not args.resume:
+        init, settings = imported_start(args.init_from, settings, model_overrides(args))
     settings.validate()  # before the banner: a bad setting is the only line
 
     t0 = time.perf_counter()
@@ -155,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"training -> {args.out} ({jax.device_count()} {jax.devices()[0].platform} device(s) "
           f"in {jax.process_count()} process(es))", file=sys.stderr)
     result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
-                   log=log, allow_data_change=args.allow_data_change)
+                   log=log, allow_data_change=args.allow_data_change, init_params=init)
     wall = time.perf_counter() - t0
     if not main:
         return 0

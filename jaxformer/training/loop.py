@@ -41,7 +41,7 @@ from jaxformer.training.run_data import run_data
 from jaxformer.training.settings import TrainSettings, recipe_notes
 from jaxformer.training.sharding import check_batch_size, make_mesh, put_batch
 from jaxformer.training.step import (GradFn, TrainState, compiled_eval_step, compiled_step, init_fn,
-                                     mesh_key, optimizer_items)
+                                     mesh_key, optimizer_items, with_params)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -60,7 +60,7 @@ class TrainResult:
 
 def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: bool = True,
           devices=None, grad_fn: GradFn | None = None, log=None,
-          allow_data_change: bool = False) -> TrainResult:
+          allow_data_change: bool = False, init_params=None) -> TrainResult:
     """Train for ``settings.steps`` steps in the run folder ``out_dir`` (created).
 
     resume: continue from the latest checkpoint in ``out_dir``; the losses then equal
@@ -76,6 +76,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     grad_fn: a gradient source to use instead of the one ``settings.grads`` names.
     log: a function given human-readable lines (settings, data, compile time, the
     summary; report.py); None: silent.
+    init_params: params to start from instead of the seed's (a fine-tune, e.g. of an
+    imported Hugging Face model); their vocabulary must be the tokenizer's.
 
     Raises ValueError for bad settings, data or mesh, CheckpointError for a missing,
     bad or mismatched checkpoint, NonFiniteLossError when the loss stops being finite.
@@ -97,6 +99,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     state = init_fn(config, settings.dtype, opt_items, *on_mesh)(settings.seed)
     if resume:
         state = restore_newest(run_dir, state)
+    elif init_params is not None:
+        state = with_params(state, init_params, config)
     step_fn = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
     eval_fn = compiled_eval_step(config, *on_mesh)
     val_batches = [put_batch(b, mesh) for b in data.val_batches]

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 import manual_grads
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.params import init_params
+from jaxformer.model.params import init_params, validate_params
 from jaxformer.model.transformer import loss_fn
 from jaxformer.training.optim import current_lr, make_optimizer
 from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
@@ -43,6 +43,20 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -
         data_index=jnp.zeros((), jnp.int32),
         rng=jax.random.PRNGKey(seed),
     )
+
+
+def with_params(state: TrainState, params, config: ModelConfig) -> TrainState:
+    """``state`` with ``params`` (host arrays, e.g. an imported model) in place of its
+    own, in its dtypes and layout; ValueError naming the first leaf that does not fit
+    ``config`` (a vocabulary other than the tokenizer's names tok_embed). The optimizer
+    state of sgd / momentum / adam(w) does not depend on the params' values."""
+    rows = getattr(params.get("tok_embed") if isinstance(params, dict) else None, "shape", (None,))[0]
+    if rows is not None and rows != config.vocab_size:
+        raise ValueError(f"the initial model's vocabulary has {rows} tokens, the tokenizer's "
+                         f"{config.vocab_size}: train it with the tokenizer it was made for")
+    validate_params(params, config)
+    return state._replace(params=jax.tree_util.tree_map(
+        lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding), params, state.params))
 
 
 GradFn = Callable[[Any, dict], tuple[jax.Array, Any]]
