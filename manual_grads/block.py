@@ -1,7 +1,10 @@
 """The feed-forward layer and the residual block, pre-LN and post-LN.
 
-    pre:  x1 = x + attn(ln1(x));   y = x1 + ffn(ln2(x1))
-    post: x1 = ln1(x + attn(x));   y = ln2(x1 + ffn(x1))
+    pre:  x1 = x + drop(attn(ln1(x)));   y = x1 + drop(ffn(ln2(x1)))
+    post: x1 = ln1(x + drop(attn(x)));   y = ln2(x1 + drop(ffn(x1)))
+
+drop is dropout, only with the layer's key (jaxformer/model/dropout.py names the
+keys); the residuals keep the keys and redraw each mask in the backward.
 
 Where a value feeds both a residual branch and the skip connection, the two
 gradients add. The residual's type (PreBlockRes or PostBlockRes) tells the
@@ -19,10 +22,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, sub_key
 from manual_grads.activations import (GeluRes, GeluTanhRes, ReluRes, TanhRes,
                                       activation_bwd, activation_fwd)
 from manual_grads.attention import AttentionRes
 from manual_grads.blockwise import BlockwiseAttentionRes, any_attention_bwd, any_attention_fwd
+from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.tap import tap_backward, tap_forward
@@ -40,9 +45,9 @@ class FeedForwardRes(NamedTuple):
 def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> y (..., D).
     The products run in ``compute_dtype``, the activation in float32 or wider."""
-    h, inp_res = linear_fwd({"w": p["w_in"], "b": p["b_in"]}, x, compute_dtype)  # (..., F)
+    h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype)  # (..., F)
     a, act_res = activation_fwd(activation_name, h)  # (..., F)
-    y, out_res = linear_fwd({"w": p["w_out"], "b": p["b_out"]}, a, compute_dtype)  # (..., D)
+    y, out_res = linear_fwd(_lin(p, "out"), a, compute_dtype)  # (..., D)
     return y, FeedForwardRes(inp_res, act_res, out_res)
 
 
@@ -51,8 +56,15 @@ def feed_forward_bwd(res: FeedForwardRes, dy):
     d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
     dh = activation_bwd(res.act, da)  # a = act(h)
     d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
-    dp = {"w_in": d_in["w"], "b_in": d_in["b"], "w_out": d_out["w"], "b_out": d_out["b"]}
+    dp = {"w_in": d_in["w"], "w_out": d_out["w"]}
+    if "b" in d_in:  # the layer has biases (ModelConfig.bias)
+        dp.update(b_in=d_in["b"], b_out=d_out["b"])
     return dp, dx
+
+
+def _lin(p, name):
+    """The feed-forward's w_<name>, b_<name> as a linear layer's {"w", "b"?}."""
+    return {"w": p["w_" + name], "b": p["b_" + name]} if "b_" + name in p else {"w": p["w_" + name]}
 
 
 # ----------------------------------------------------------------------------
@@ -64,6 +76,8 @@ class PreBlockRes(NamedTuple):
     attn: AttentionRes | BlockwiseAttentionRes  # of ln1(x)
     ln2: LayerNormRes  # of x1 = x + attn(ln1(x)) (B, T, D)
     ffn: FeedForwardRes  # of ln2(x1)
+    drop_attn: DropoutRes | None = None  # the attention branch's dropout key; None: no dropout
+    drop_ffn: DropoutRes | None = None  # the feed-forward branch's
 
 
 class PostBlockRes(NamedTuple):
@@ -71,14 +85,24 @@ class PostBlockRes(NamedTuple):
     ln1: LayerNormRes  # of x + attn(x) (B, T, D)
     ffn: FeedForwardRes  # of x1 = ln1(x + attn(x))
     ln2: LayerNormRes  # of x1 + ffn(x1) (B, T, D)
+    drop_attn: DropoutRes | None = None  # the attention branch's dropout key; None: no dropout
+    drop_ffn: DropoutRes | None = None  # the feed-forward branch's
 
 
-def block_fwd(p, x, config: ModelConfig, tap=None):
+def block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     """One block; p is one layer's slice of params["blocks"]; x (B, T, D) -> y (B, T, D).
-    ``tap`` (tap.py) sees each stage: ln1, attn, attn residual, ln2, ffn, ffn residual."""
+    ``tap`` (tap.py) sees each stage: ln1, attn, attn residual, ln2, ffn, ffn residual.
+    ``key``: the layer's dropout key (None: no dropout)."""
     if config.norm == "pre":
-        return pre_block_fwd(p, x, config, tap)
-    return post_block_fwd(p, x, config, tap)
+        return pre_block_fwd(p, x, config, tap, key)
+    return post_block_fwd(p, x, config, tap, key)
+
+
+def _branch_keys(config: ModelConfig, key):
+    """(attention probabilities', attention branch's, feed-forward branch's) dropout keys."""
+    if key is None or not config.dropout:
+        return None, None, None
+    return sub_key(key, ATTN_PROBS), sub_key(key, ATTN_OUT), sub_key(key, FFN_OUT)
 
 
 def block_bwd(res, dy, tap=None):
@@ -88,33 +112,36 @@ def block_bwd(res, dy, tap=None):
     return post_block_bwd(res, dy, tap)
 
 
-def pre_block_fwd(p, x, config: ModelConfig, tap=None):
-    eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
+def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
+    eps, act, cd, rate = config.ln_eps, config.activation, config.compute_dtype, config.dropout
+    k_probs, k_attn, k_ffn = _branch_keys(config, key)
     h1, ln1_res = layer_norm_fwd(p["ln1"], x, eps)  # (B, T, D)
     tap_forward(tap, "ln1", x, h1, p["ln1"])
-    a, attn_res = any_attention_fwd(p["attn"], h1, config)  # (B, T, D)
+    a, attn_res = any_attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
+    a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
     tap_forward(tap, "attn", h1, a, p["attn"])
     x1 = x + a  # (B, T, D)
     tap_forward(tap, "attn residual", a, x1)
     h2, ln2_res = layer_norm_fwd(p["ln2"], x1, eps)  # (B, T, D)
     tap_forward(tap, "ln2", x1, h2, p["ln2"])
     f, ffn_res = feed_forward_fwd(p["ffn"], h2, act, cd)  # (B, T, D)
+    f, drop_ffn = dropout_fwd(f, rate, k_ffn)  # (B, T, D)
     tap_forward(tap, "ffn", h2, f, p["ffn"])
     y = x1 + f  # (B, T, D)
     tap_forward(tap, "ffn residual", f, y)
-    return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res)
+    return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn)
 
 
 def pre_block_bwd(res: PreBlockRes, dy, tap=None):
-    # y = x1 + ffn(ln2(x1)): x1 gets dy through the skip and through the branch
-    d_ffn, dh2 = feed_forward_bwd(res.ffn, dy)
+    # y = x1 + drop(ffn(ln2(x1))): x1 gets dy through the skip and through the branch
+    d_ffn, dh2 = feed_forward_bwd(res.ffn, dropout_bwd(res.drop_ffn, dy))
     tap_backward(tap, "ffn", dy, d_ffn, dh2)
     d_ln2, dx1_branch = layer_norm_bwd(res.ln2, dh2)
     tap_backward(tap, "ln2", dh2, d_ln2, dx1_branch)
     dx1 = dy + dx1_branch
     tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
-    # x1 = x + attn(ln1(x))
-    d_attn, dh1 = any_attention_bwd(res.attn, dx1)
+    # x1 = x + drop(attn(ln1(x)))
+    d_attn, dh1 = any_attention_bwd(res.attn, dropout_bwd(res.drop_attn, dx1))
     tap_backward(tap, "attn", dx1, d_attn, dh1)
     d_ln1, dx_branch = layer_norm_bwd(res.ln1, dh1)
     tap_backward(tap, "ln1", dh1, d_ln1, dx_branch)
@@ -123,35 +150,38 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx
 
 
-def post_block_fwd(p, x, config: ModelConfig, tap=None):
-    eps, act, cd = config.ln_eps, config.activation, config.compute_dtype
-    a, attn_res = any_attention_fwd(p["attn"], x, config)  # (B, T, D)
+def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
+    eps, act, cd, rate = config.ln_eps, config.activation, config.compute_dtype, config.dropout
+    k_probs, k_attn, k_ffn = _branch_keys(config, key)
+    a, attn_res = any_attention_fwd(p["attn"], x, config, k_probs)  # (B, T, D)
+    a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
     tap_forward(tap, "attn", x, a, p["attn"])
     s1 = x + a  # (B, T, D)
     tap_forward(tap, "attn residual", a, s1)
     x1, ln1_res = layer_norm_fwd(p["ln1"], s1, eps)  # (B, T, D)
     tap_forward(tap, "ln1", s1, x1, p["ln1"])
     f, ffn_res = feed_forward_fwd(p["ffn"], x1, act, cd)  # (B, T, D)
+    f, drop_ffn = dropout_fwd(f, rate, k_ffn)  # (B, T, D)
     tap_forward(tap, "ffn", x1, f, p["ffn"])
     s2 = x1 + f  # (B, T, D)
     tap_forward(tap, "ffn residual", f, s2)
     y, ln2_res = layer_norm_fwd(p["ln2"], s2, eps)  # (B, T, D)
     tap_forward(tap, "ln2", s2, y, p["ln2"])
-    return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res)
+    return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
 
 
 def post_block_bwd(res: PostBlockRes, dy, tap=None):
-    # y = ln2(x1 + ffn(x1)): x1 gets ds2 through the skip and through the branch
+    # y = ln2(x1 + drop(ffn(x1))): x1 gets ds2 through the skip and through the branch
     d_ln2, ds2 = layer_norm_bwd(res.ln2, dy)
     tap_backward(tap, "ln2", dy, d_ln2, ds2)
-    d_ffn, dx1_branch = feed_forward_bwd(res.ffn, ds2)
+    d_ffn, dx1_branch = feed_forward_bwd(res.ffn, dropout_bwd(res.drop_ffn, ds2))
     tap_backward(tap, "ffn", ds2, d_ffn, dx1_branch)
     dx1 = ds2 + dx1_branch
     tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
-    # x1 = ln1(x + attn(x))
+    # x1 = ln1(x + drop(attn(x)))
     d_ln1, ds1 = layer_norm_bwd(res.ln1, dx1)
     tap_backward(tap, "ln1", dx1, d_ln1, ds1)
-    d_attn, dx_branch = any_attention_bwd(res.attn, ds1)
+    d_attn, dx_branch = any_attention_bwd(res.attn, dropout_bwd(res.drop_attn, ds1))
     tap_backward(tap, "attn", ds1, d_attn, dx_branch)
     dx = ds1 + dx_branch
     tap_backward(tap, "attn residual", dx_branch, None, dx)

@@ -12,6 +12,9 @@ pair at a time (pairs above the causal diagonal skipped, as in the forward):
     dV_j += P_ij^T dO_i                       undoes O = P v
     dP_ij = dO_i v_j^T
     dS_ij = P_ij * (dP_ij - D_i)              undoes P = softmax(S)
+With dropout on the probabilities (a key), pair (i, j)'s mask is redrawn from
+block_pair_key(key, i, j): dV_j += drop(P_ij)^T dO_i and dP_ij = drop(dO_i v_j^T);
+D_i = rowsum(dO_i * O_i) still equals rowsum(dP_i * P_i), since O = drop(P) v.
     dq_i += dS_ij k_j / sqrt(Dh),  dk_j += dS_ij^T q_i / sqrt(Dh)   undo S = q k^T / sqrt(Dh)
 then the projections' backwards (one q|k|v product, one output), as in manual_grads/attention.py.
 
@@ -29,11 +32,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.blockwise import (block_scores, block_size, blockwise_attention_core,
-                                       from_blocks, if_visible, matmul, to_blocks)
+                                       from_blocks, if_visible, matmul, pair_dropout, to_blocks)
+from jaxformer.model.dropout import dropout
 from jaxformer.model.precision import stats_dtype
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.attention import merge_heads, split_heads
-from manual_grads.attention import QKVRes, _proj, attention_bwd, attention_fwd, qkv_bwd, qkv_fwd
+from manual_grads.attention import (QKVRes, _proj, attention_bwd, attention_fwd, qkv_bwd, qkv_fwd,
+                                    with_biases)
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.pallas_attention import PallasAttentionRes, pallas_attention_bwd, pallas_attention_fwd
 
@@ -47,22 +52,27 @@ class BlockwiseCoreRes(NamedTuple):
     lse: jax.Array  # (N, B, H, K) row log-sum-exp of the scores, in stats_dtype
     length: jax.Array  # (T,) int: arange(T); its length is T, the unpadded sequence length
     products: jax.Array  # (0,) empty, in the dtype the products read: compute_dtype, or q's
+    dropout_rate: jax.Array | None = None  # () the probabilities' dropout rate; None: no dropout
+    dropout_key: jax.Array | None = None  # the key each pair's mask is redrawn from
 
 
 class CausalBlockwiseCoreRes(BlockwiseCoreRes):
     pass
 
 
-def blockwise_core_fwd(q, k, v, causal, block, compute_dtype=None):
+def blockwise_core_fwd(q, k, v, causal, block, compute_dtype=None, dropout_rate=0.0, key=None):
     """q, k, v (B, H, T, Dh) -> out (B, H, T, Dh), keeping blocks of q, k, v, out and lse.
-    The products run in ``compute_dtype`` (None: q's dtype)."""
+    The products run in ``compute_dtype`` (None: q's dtype); with a ``key`` the
+    probabilities go through dropout (the residual keeps the key, not the masks)."""
     T = q.shape[2]
     K = block_size(T, block)
-    out, lse = blockwise_attention_core(q, k, v, causal, block, compute_dtype)  # (B, H, T, Dh), (B, H, T)
+    out, lse = blockwise_attention_core(q, k, v, causal, block, compute_dtype, dropout_rate,
+                                        key)  # (B, H, T, Dh), (B, H, T)
     res_type = CausalBlockwiseCoreRes if causal else BlockwiseCoreRes
     blocks = [to_blocks(a, K) for a in (q, k, v, out, lse)]
     products = jnp.zeros((0,), compute_dtype or q.dtype)
-    return out, res_type(*blocks, jnp.arange(T), products)
+    drop = (None, None) if key is None or not dropout_rate else (jnp.asarray(dropout_rate), key)
+    return out, res_type(*blocks, jnp.arange(T), products, *drop)
 
 
 def products_dtype(res: BlockwiseCoreRes):
@@ -76,15 +86,19 @@ def _softmax_correction(dout, out):
     return jnp.sum(dout.astype(f) * out.astype(f), axis=-1)
 
 
-def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, causal, cd=None):
+def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, causal, cd=None, rate=None, key=None):
     """One (query block i, key block j) pair: add its share to dq_i, dk_j, dv_j.
-    The four products run in the compute dtype ``cd`` with float32 accumulation."""
+    The four products run in the compute dtype ``cd`` with float32 accumulation;
+    ``key`` (with ``rate``): the probabilities' dropout, the pair's mask redrawn."""
     dq_i, dk_j, dv_j = carry  # (B, H, K, Dh) each, stats_dtype
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     f = dq_i.dtype
     p = jnp.exp(block_scores(q_i, k_j, i, j, T, causal, cd) - lse_i[..., None])  # (B, H, K, K): P_ij
-    dv_j = dv_j + matmul(jnp.swapaxes(p, -1, -2), do_i.astype(f), cd)  # O = P v
+    drop = pair_dropout(rate, key, i, j)
+    pd = p if drop is None else dropout(p, *drop)  # (B, H, K, K): drop(P_ij), the mask redrawn
+    dv_j = dv_j + matmul(jnp.swapaxes(pd, -1, -2), do_i.astype(f), cd)  # O = drop(P) v
     dp = matmul(do_i.astype(f), jnp.swapaxes(v_j, -1, -2).astype(f), cd)  # (B, H, K, K)
+    dp = dp if drop is None else dropout(dp, *drop)  # drop(P) = P * keep / (1 - rate)
     ds = p * (dp - d_i[..., None])  # P = softmax(S)
     dq_i = dq_i + matmul(ds, k_j.astype(f), cd) * scale  # S = q k^T / sqrt(Dh)
     dk_j = dk_j + matmul(jnp.swapaxes(ds, -1, -2), q_i.astype(f), cd) * scale
@@ -98,7 +112,7 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
     key blocks j, skipping j > i when causal, and adds into dk, dv (N, B, H, K, Dh)."""
     causal = isinstance(res, CausalBlockwiseCoreRes)
     cd = products_dtype(res)
-    qb, kb, vb, ob, lseb, length, _ = res
+    qb, kb, vb, ob, lseb, length, _, rate, key = res
     T, K = length.shape[0], qb.shape[3]
     f = lseb.dtype
     dob = to_blocks(dout, K)  # (N, B, H, K, Dh); padded rows get dO = 0
@@ -111,7 +125,8 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
         def key_step(carry, j):
             dq_i, dk, dv = carry
             pair = (dq_i, dk[j], dv[j])
-            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal, cd)  # noqa: E731
+            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, causal, cd,  # noqa: E731
+                                            rate, key)
             dq_i, dk_j, dv_j = if_visible(i, j, causal, add_pair, pair)
             return (dq_i, dk.at[j].set(dk_j), dv.at[j].set(dv_j)), None
 
@@ -134,12 +149,14 @@ class BlockwiseAttentionRes(NamedTuple):
     out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, D), w = wo (D, D)
 
 
-def blockwise_attention_fwd(p, x, n_heads, causal, block, compute_dtype=None):
+def blockwise_attention_fwd(p, x, n_heads, causal, block, compute_dtype=None, dropout_rate=0.0,
+                            key=None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D). Every product,
-    the projections' and the blocks', runs in ``compute_dtype``."""
+    the projections' and the blocks', runs in ``compute_dtype``; ``key``: the
+    probabilities' dropout."""
     cd = compute_dtype
     (q, k, v), qkv_res = qkv_fwd(p, x, n_heads, cd)  # (B, H, T, Dh) each
-    o, core_res = blockwise_core_fwd(q, k, v, causal, block, cd)  # (B, H, T, Dh)
+    o, core_res = blockwise_core_fwd(q, k, v, causal, block, cd, dropout_rate, key)  # (B, H, T, Dh)
     y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o), cd)  # (B, T, D)
     return y, BlockwiseAttentionRes(qkv_res, core_res, out_res)
 
@@ -154,16 +171,17 @@ def blockwise_attention_bwd(res: BlockwiseAttentionRes, dy):
     dq, dk, dv = blockwise_core_bwd(core_res, split_heads(do, H))  # (B, H, T, Dh) each
     # q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])
     dp, dx = qkv_bwd(qkv_res, dq, dk, dv)  # dx (B, T, D)
-    return {**dp, "wo": d_out["w"], "bo": d_out["b"]}, dx
+    return with_biases(dp, d_out), dx
 
 
 # ----------------------------------------------------------------------------
 # choosing by config (forward) and by residual type (backward)
 
 
-def any_attention_fwd(p, x, config: ModelConfig):
+def any_attention_fwd(p, x, config: ModelConfig, key=None):
     """The attention layer config.attention_impl names: full, blockwise or pallas
-    ("cudnn" has no hand-derived backward and is refused)."""
+    ("cudnn" has no hand-derived backward and is refused); ``key``: the probabilities'
+    dropout key (full, blockwise; ModelConfig refuses dropout with pallas)."""
     if config.attention_impl == "cudnn":
         raise ValueError("attention_impl 'cudnn' has no hand-derived backward (cuDNN's kernel is "
                          "differentiated by JAX's grad only): the manual gradient source cannot run "
@@ -174,8 +192,8 @@ def any_attention_fwd(p, x, config: ModelConfig):
                                     config.pallas_block_k, config.compute_dtype)
     if config.attention_impl == "blockwise":
         return blockwise_attention_fwd(p, x, config.n_heads, config.causal, config.attention_block,
-                                       config.compute_dtype)
-    return attention_fwd(p, x, config.n_heads, config.causal, config.compute_dtype)
+                                       config.compute_dtype, config.dropout, key)
+    return attention_fwd(p, x, config.n_heads, config.causal, config.compute_dtype, config.dropout, key)
 
 
 def any_attention_bwd(res, dy):

@@ -30,30 +30,30 @@ class ChunkedLossRes(NamedTuple):
     weights: jax.Array  # (M, C) each position's share of the mean (0 for padding), stats_dtype
     lse: jax.Array  # (M, C) log-sum-exp of each position's logits, stats_dtype
     w: jax.Array  # (D, V) the head's weight
-    b: jax.Array  # (V,) the head's bias (the backward recomputes the logits)
+    b: jax.Array | None  # (V,) the head's bias (the backward recomputes the logits); None: no bias
     x_shape: jax.Array  # (B, T) zeros: carries the unflattened shape of x
     products: jax.Array  # (0,) empty, in the dtype the products read: compute_dtype, or x's
 
 
 def chunked_head_loss_fwd(head, x, targets, mask, chunk, compute_dtype=None):
-    """head = {"w": (D, V), "b": (V,)}, x (B, T, D), targets int (B, T), mask (B, T) or None
+    """head = {"w": (D, V), "b": (V,) (optional)}, x (B, T, D), targets int (B, T), mask (B, T) or None
     -> scalar loss; the residuals keep x and lse, never the (B, T, V) logits. The head's
     product runs in ``compute_dtype`` (None: x's dtype)."""
     xc, tc, wc = chunked_inputs(x, targets, mask, chunk)  # (M, C, D), (M, C), (M, C)
 
     def step(total, xs):
         x_c, t_c, w_c = xs
-        nll, lse = chunk_nll(x_c, head["w"], head["b"], t_c, compute_dtype)  # (C,), (C,)
+        nll, lse = chunk_nll(x_c, head["w"], head.get("b"), t_c, compute_dtype)  # (C,), (C,)
         return total + jnp.sum(nll * w_c), lse
 
     total, lse = jax.lax.scan(step, jnp.zeros((), stats_dtype(x.dtype)), (xc, tc, wc))
-    res = ChunkedLossRes(xc, tc, wc, lse, head["w"], head["b"], jnp.zeros(x.shape[:2], jnp.int8),
+    res = ChunkedLossRes(xc, tc, wc, lse, head["w"], head.get("b"), jnp.zeros(x.shape[:2], jnp.int8),
                          jnp.zeros((0,), compute_dtype or x.dtype))
     return total.astype(x.dtype), res
 
 
 def chunked_head_loss_bwd(res: ChunkedLossRes, dloss):
-    """dloss () -> ({"w": (D, V), "b": (V,)}, dx (B, T, D))."""
+    """dloss () -> ({"w": (D, V), "b": (V,) if the head has a bias}, dx (B, T, D))."""
     xc, tc, wc, lse, w, b, x_shape, products = res
     B, T = x_shape.shape
     f = lse.dtype
@@ -68,7 +68,9 @@ def chunked_head_loss_bwd(res: ChunkedLossRes, dloss):
         dx_c = matmul(dz, w.T.astype(f), cd).astype(x_c.dtype)  # (C, D)
         return (dw + matmul(x_c.T.astype(f), dz, cd), db + jnp.sum(dz, axis=0)), dx_c
 
-    zeros = (jnp.zeros(w.shape, f), jnp.zeros(b.shape, f))
+    zeros = (jnp.zeros(w.shape, f), jnp.zeros(w.shape[-1:], f))
     (dw, db), dxc = jax.lax.scan(step, zeros, (xc, tc, wc, lse))
     dx = dxc.reshape(-1, xc.shape[-1])[:B * T].reshape(B, T, -1)  # padding dropped
+    if b is None:
+        return {"w": dw.astype(w.dtype)}, dx
     return {"w": dw.astype(w.dtype), "b": db.astype(b.dtype)}, dx

@@ -54,11 +54,23 @@ def _linear_bwd(res, dy):
     return dx, dp["w"], dp["b"]
 
 
+def _linear_nb_fwd(x, w, compute_dtype):
+    return _lin.linear_fwd({"w": w}, x, compute_dtype)
+
+
+def _linear_nb_bwd(res, dy):
+    dp, dx = _lin.linear_bwd(res, dy)
+    return dx, dp["w"]
+
+
 _linear = _register(_linear_fwd, _linear_bwd, nondiff_argnums=(3,))
+_linear_no_bias = _register(_linear_nb_fwd, _linear_nb_bwd, nondiff_argnums=(2,))
 
 
-def linear(x, w, b, compute_dtype=None):
-    """x @ w + b, the product in ``compute_dtype`` (None: the inputs' dtype)."""
+def linear(x, w, b=None, compute_dtype=None):
+    """x @ w + b (b None: no bias), the product in ``compute_dtype`` (None: the inputs' dtype)."""
+    if b is None:
+        return _linear_no_bias(x, w, compute_dtype)
     return _linear(x, w, b, compute_dtype)
 
 
@@ -76,7 +88,13 @@ def activation(name: str, x):
 
 # layers with parameters: (p, x, *static) -> y, cotangents (dp, dx)
 layer_norm = _register(_ln.layer_norm_fwd, _ln.layer_norm_bwd, nondiff_argnums=(2,))
-block = _register(_block.block_fwd, _block.block_bwd, nondiff_argnums=(2,))
+_block_rule = _register(lambda p, x, key, config: _block.block_fwd(p, x, config, None, key),
+                        lambda res, dy: (*_block.block_bwd(res, dy), None), nondiff_argnums=(3,))
+
+
+def block(p, x, config: ModelConfig, key=None):
+    """One block, the hand-derived block_bwd its rule; ``key``: the layer's dropout key."""
+    return _block_rule(p, x, key, config)
 _attention = _register(_attn.attention_fwd, _attn.attention_bwd, nondiff_argnums=(2, 3, 4))
 _feed_forward = _register(_block.feed_forward_fwd, _block.feed_forward_bwd, nondiff_argnums=(2, 3))
 _blockwise_attention = _register(_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd,
@@ -111,30 +129,36 @@ def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=
 
 
 
-# remat "block": the rule keeps (p, x) and recomputes the block's forward in its backward
-def _remat_block_fwd(p, x, config):
-    y, _ = _block.block_fwd(p, x, config)
-    return y, (p, x)
+# remat "block": the rule keeps (p, x, key) and recomputes the block's forward in its backward
+def _remat_block_fwd(p, x, key, config):
+    y, _ = _block.block_fwd(p, x, config, None, key)
+    return y, (p, x, key)
 
 
 def _remat_block_bwd(config, res, dy):
-    p, x = res
-    _, block_res = _block.block_fwd(p, x, config)  # y = block(p, x), recomputed
-    return _block.block_bwd(block_res, dy)
+    p, x, key = res
+    _, block_res = _block.block_fwd(p, x, config, None, key)  # y = block(p, x), recomputed
+    return (*_block.block_bwd(block_res, dy), None)
 
 
-remat_block = jax.custom_vjp(lambda p, x, config: _block.block_fwd(p, x, config)[0],
-                             nondiff_argnums=(2,))
-remat_block.defvjp(_remat_block_fwd, _remat_block_bwd)
+_remat_block = jax.custom_vjp(lambda p, x, key, config: _block.block_fwd(p, x, config, None, key)[0],
+                              nondiff_argnums=(3,))
+_remat_block.defvjp(_remat_block_fwd, _remat_block_bwd)
+
+
+def remat_block(p, x, config: ModelConfig, key=None):
+    """block keeping only (p, x, key) for its backward, which recomputes the forward."""
+    return _remat_block(p, x, key, config)
 
 # embeddings: integer ids get None
 token_embedding = _register(_emb.token_embed_fwd, _emb.token_embed_bwd)
-_embed = _register(_emb.embed_fwd, _emb.embed_bwd, nondiff_argnums=(2,))
+_embed = _register(lambda p, inputs, key, config: _emb.embed_fwd(p, inputs, config, key),
+                   lambda res, dx: (*_emb.embed_bwd(res, dx), None), nondiff_argnums=(3,))
 
 
-def embed(params, inputs, config: ModelConfig):
-    """inputs int (B, T) -> tok_embed[inputs] + positions (B, T, D)."""
-    return _embed(embed_params(params), inputs, config)
+def embed(params, inputs, config: ModelConfig, key=None):
+    """inputs int (B, T) -> tok_embed[inputs] + positions (B, T, D); ``key``: its dropout's."""
+    return _embed(embed_params(params), inputs, key, config)
 
 
 # the loss: targets and mask get None
@@ -149,7 +173,7 @@ def cross_entropy(logits, targets, mask=None):
 # the head and the loss, chunk by chunk: (head, x, targets, mask, chunk, compute_dtype);
 # targets and mask get None
 def _chunked_head_loss_bwd(res, dloss):
-    dp, dx = _chunked.chunked_head_loss_bwd(res, dloss)
+    dp, dx = _chunked.chunked_head_loss_bwd(res, dloss)  # dp: {"w", "b"?}, the head's own keys
     return dp, dx, None, None
 
 
@@ -168,17 +192,20 @@ def chunked_head_loss(head, x, targets, mask, chunk, compute_dtype=None):
 LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entropy, chunked_head_loss)
 
 
-def features(params, inputs, config: ModelConfig):
+def features(params, inputs, config: ModelConfig, key=None):
     """inputs int (B, T) -> the head's input (B, T, D); remat "block" uses remat_block."""
-    return transformer.features(params, inputs, config, LAYERS)
+    return transformer.features(params, inputs, config, LAYERS, key)
 
 
-def forward(params, inputs, config: ModelConfig):
+def forward(params, inputs, config: ModelConfig, key=None):
     """inputs int (B, T) -> logits (B, T, V)."""
-    return transformer.forward(params, inputs, config, LAYERS)
+    return transformer.forward(params, inputs, config, LAYERS, key)
 
 
-def loss_fn(params, batch, config: ModelConfig):
+def loss_fn(params, batch, config: ModelConfig, key=None):
     """Mean next-token cross entropy; JAX's ``grad`` of it runs the manual backward.
-    loss_chunk > 0 runs the head and the loss chunk by chunk (chunked_head_loss)."""
-    return transformer.loss_fn(params, batch, config, LAYERS)
+    loss_chunk > 0 runs the head and the loss chunk by chunk (chunked_head_loss).
+    ``key``: dropout's PRNG key (None: no dropout). The tied head's product
+    x @ tok_embed^T is the linear rule on the transposed table; JAX adds its
+    gradient into tok_embed's."""
+    return transformer.loss_fn(params, batch, config, LAYERS, key)

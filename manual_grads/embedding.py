@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
+from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 
 
 class TokenEmbedRes(NamedTuple):
@@ -65,12 +66,13 @@ def sinusoidal_positions_fwd(T, D, dtype):
 class EmbedRes(NamedTuple):
     tok: TokenEmbedRes
     pos: LearnedPosRes | None  # None for sinusoidal positions
-    scale: jax.Array | None  # () the factor s on the token rows; None without embed_scale
+    scale: jax.Array | None = None  # () the factor s on the token rows; None without embed_scale
+    drop: DropoutRes | None = None  # the output's dropout key and rate; None: no dropout
 
 
-def embed_fwd(p, inputs, config: ModelConfig):
+def embed_fwd(p, inputs, config: ModelConfig, key=None):
     """p = {"tok_embed": (V, D), "pos_embed": (max_seq_len, D) if learned};
-    inputs int (B, T) -> x (B, T, D)."""
+    inputs int (B, T) -> x (B, T, D); with a ``key`` through dropout at config.dropout."""
     T = inputs.shape[-1]
     tok, tok_res = token_embed_fwd(p["tok_embed"], inputs)  # (B, T, D)
     scale = None
@@ -81,15 +83,17 @@ def embed_fwd(p, inputs, config: ModelConfig):
         pos, pos_res = learned_positions_fwd(p["pos_embed"], T)  # (T, D)
     else:
         pos, pos_res = sinusoidal_positions_fwd(T, config.d_model, tok.dtype)  # (T, D)
-    return tok + pos, EmbedRes(tok_res, pos_res, scale)
+    x, drop_res = dropout_fwd(tok + pos, config.dropout, key)  # (B, T, D)
+    return x, EmbedRes(tok_res, pos_res, scale, drop_res)
 
 
 def embed_bwd(res: EmbedRes, dx):
     """dx (B, T, D) -> (dp with p's keys, None for the integer inputs).
 
-    Undoes ``x = tok * s + pos``: tok gets dx * s, pos (broadcast over B) gets dx
-    summed over B.
+    Undoes ``x = drop(tok * s + pos)``: the dropout first; then tok gets dx * s, pos
+    (broadcast over B) gets dx summed over B.
     """
+    dx = dropout_bwd(res.drop, dx)  # dropout(x + positions(...), config.dropout, key)
     dtok = dx if res.scale is None else dx * res.scale  # x = token_embedding(...) * token_scale(config)
     dp = {"tok_embed": token_embed_bwd(res.tok, dtok)[0]}
     if res.pos is not None:

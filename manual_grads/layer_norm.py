@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxformer.model.layer_norm import layer_norm_stats
 
@@ -13,27 +14,32 @@ class LayerNormRes(NamedTuple):
     xhat: jax.Array  # (..., D) the normalized input (x - mean) * rstd, float32 or wider
     rstd: jax.Array  # (..., 1) 1 / sqrt(var + eps), float32 or wider
     scale: jax.Array  # (D,)
+    has_bias: jax.Array | None = None  # (0,) empty when p has a bias (ModelConfig.bias), else None
 
 
 def layer_norm_fwd(p, x, eps):
-    """p = {"scale": (D,), "bias": (D,)}; x (..., D) -> y (..., D)."""
+    """p = {"scale": (D,), "bias": (D,) (optional)}; x (..., D) -> y (..., D)."""
     xhat, rstd = layer_norm_stats(x, eps)  # (..., D), (..., 1): kept for the backward
-    y = xhat * p["scale"] + p["bias"]
-    return y, LayerNormRes(xhat, rstd, p["scale"])
+    y = xhat * p["scale"]
+    if "bias" not in p:
+        return y, LayerNormRes(xhat, rstd, p["scale"])
+    return y + p["bias"], LayerNormRes(xhat, rstd, p["scale"], jnp.zeros((0,), p["bias"].dtype))
 
 
 def layer_norm_bwd(res: LayerNormRes, dy):
-    """dy (..., D) -> ({"scale": (D,), "bias": (D,)}, dx (..., D)).
+    """dy (..., D) -> ({"scale": (D,), "bias": (D,) if p has one}, dx (..., D)).
 
     Undoes ``y = xhat * scale + bias`` then ``xhat = (x - mean) * rstd``; the
     gradient reaches x directly and through the mean and the variance:
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
     """
-    xhat, rstd, scale = res
+    xhat, rstd, scale, has_bias = res
     D = xhat.shape[-1]
     dscale = (dy * xhat).reshape(-1, D).sum(axis=0)  # (D,)
     dbias = dy.reshape(-1, D).sum(axis=0)  # (D,)
     dxhat = dy * scale  # (..., D)
     dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
                  - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    if has_bias is None:
+        return {"scale": dscale.astype(scale.dtype)}, dx
     return {"scale": dscale.astype(scale.dtype), "bias": dbias.astype(scale.dtype)}, dx

@@ -22,12 +22,13 @@ from jaxformer.model.precision import cast, matmul
 class LinearRes(NamedTuple):
     x: jax.Array  # (..., I) the input, in the compute dtype
     w: jax.Array  # (I, O), in the params' dtype
+    b: jax.Array | None = None  # (O,) the bias, or None for a layer without one (no "b" gradient)
 
 
 def linear_fwd(p, x, compute_dtype=None):
-    """p = {"w": (I, O), "b": (O,)}; x (..., I) -> y (..., O)."""
-    y = linear(x, p["w"], p["b"], compute_dtype)  # (..., O)
-    return y, LinearRes(cast(x, compute_dtype), p["w"])
+    """p = {"w": (I, O), "b": (O,) (optional)}; x (..., I) -> y (..., O)."""
+    y = linear(x, p["w"], p.get("b"), compute_dtype)  # (..., O)
+    return y, LinearRes(cast(x, compute_dtype), p["w"], p.get("b"))
 
 
 def backward_dtype(x, w):
@@ -37,16 +38,18 @@ def backward_dtype(x, w):
 
 
 def linear_bwd(res: LinearRes, dy):
-    """dy (..., O) -> ({"w": (I, O), "b": (O,)}, dx (..., I)).
+    """dy (..., O) -> ({"w": (I, O), "b": (O,) if the layer has a bias}, dx (..., I)).
 
     Undoes ``y = x @ w + b``: dw = x^T dy and db = sum(dy), both summed over
     every leading dim; dx = dy @ w^T.
     """
-    x, w = res
+    x, w, b = res
     cd = backward_dtype(x, w)
     I, O = w.shape
     x2, dy2 = x.reshape(-1, I), dy.reshape(-1, O)  # (N, I), (N, O)
     dw = matmul(x2.T, dy2, cd)  # (I, O)
-    db = dy2.sum(axis=0)  # (O,)
     dx = matmul(dy, w.T, cd)  # (..., I)
+    if b is None:
+        return {"w": dw.astype(w.dtype)}, dx
+    db = dy2.sum(axis=0)  # (O,)
     return {"w": dw.astype(w.dtype), "b": db.astype(w.dtype)}, dx

@@ -1,11 +1,12 @@
 """The whole model's loss and its gradient, by hand: value_and_grad(params, batch, config).
 
 Forward, keeping each layer's residuals:
-    x = embed(inputs)                 (B, T, D)
+    x = drop(embed(inputs))           (B, T, D)
     x = block_l(x), l = 0 .. L-1      lax.scan; the residuals come out stacked on a leading L axis
                                       (remat "block": only each block's input, manual_grads/remat.py)
     x = ln_f(x)                       pre-LN only
-    logits = x @ head.w + head.b      (B, T, V)
+    logits = x @ head.w + head.b      (B, T, V); tie_embeddings: head.w = tok_embed^T, and the
+                                      head's dw^T adds into tok_embed's gradient; no b without head_bias
     loss = cross_entropy(logits)      ()   (loss_chunk > 0: both, chunk by chunk, chunked_loss.py)
 Backward: the same list, bottom to top; the blocks run a reverse scan over the
 stacked residuals, whose outputs already have params["blocks"]' stacked layout.
@@ -15,6 +16,10 @@ This is the one manual composition of the whole model. An optional ``tap`` (tap.
 sees every stage, forward and backward, with the names "embed", "blocks[l].ln1", ...,
 "ln_f", "head", "loss" (or one "head + loss" with loss_chunk > 0); the diagnosis of a
 non-finite value (jaxformer/training/diagnose.py) is built on it.
+
+Dropout (config.dropout) runs only with a PRNG ``key``, with the masks of the model's
+forward (jaxformer/model/dropout.py); what is kept is each mask's key, never a mask:
+the backward redraws every mask from its key (per layer: fold_in of the layer index).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.dropout import embed_key
+from jaxformer.model.transformer import head_params
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
@@ -64,7 +71,7 @@ def head_loss_fwd(head, x, targets, mask, config: ModelConfig, tap=None):
 
 
 def head_loss_bwd(res, dloss, tap=None):
-    """dloss () -> (dhead {"w", "b"}, dx (B, T, D))."""
+    """dloss () -> (dhead {"w", "b"?}, dx (B, T, D))."""
     if isinstance(res, ChunkedLossRes):
         d_head, dx = chunked_head_loss_bwd(res, dloss)  # loss = chunked_head_loss(head, x)
         tap_backward(tap, "head + loss", dloss, d_head, dx)
@@ -76,9 +83,10 @@ def head_loss_bwd(res, dloss, tap=None):
     return d_head, dx
 
 
-def value_and_grad(params, batch, config: ModelConfig, tap=None):
+def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
     structure and dtype of params. jit it with ``static_argnums=2`` (and no tap).
+    ``key``: dropout's PRNG key for this step (None: no dropout), as in jaxformer.loss_fn.
 
     With config.compute_dtype (bfloat16) the products of forward and backward run in it
     with float32 accumulation; statistics, softmax and the loss in float32; each
@@ -89,26 +97,36 @@ def value_and_grad(params, batch, config: ModelConfig, tap=None):
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
     emb = embed_params(params)
 
+    if not config.dropout:
+        key = None
+    head = head_params(params, config)  # {"w": head.w or tok_embed^T, "b"?}
+
     # forward
-    x, embed_res = embed_fwd(emb, inputs, config)  # (B, T, D)
-    x = upcast(x)  # the residual stream runs in float32 or wider; embed_bwd casts back
+    x, embed_res = embed_fwd(emb, inputs, config, None if key is None else embed_key(key, config.n_layers))
+    x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
-    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap)  # (B, T, D); residuals (L, ...)
+    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key)  # (B, T, D); residuals (L, ...)
     if config.norm == "pre":
         h, ln_f_res = layer_norm_fwd(params["ln_f"], x, config.ln_eps)  # (B, T, D)
         tap_forward(tap, "ln_f", x, h, params["ln_f"])
         x = h
-    loss, loss_res = head_loss_fwd(params["head"], x, targets, mask, config, tap)  # ()
+    loss, loss_res = head_loss_fwd(head, x, targets, mask, config, tap)  # ()
 
     # backward, in reverse
     grads = {}
-    grads["head"], dx = head_loss_bwd(loss_res, jnp.ones((), loss.dtype), tap)  # (B, T, D)
+    d_head, dx = head_loss_bwd(loss_res, jnp.ones((), loss.dtype), tap)  # (B, T, D)
+    if config.tie_embeddings:  # logits = x @ tok_embed^T (+ b): dtok_embed gets dw^T below
+        d_tied = d_head.pop("w").T  # (V, D)
+    if d_head:
+        grads["head"] = d_head
     if config.norm == "pre":
         grads["ln_f"], dh = layer_norm_bwd(ln_f_res, dx)  # x = ln_f(x)
         tap_backward(tap, "ln_f", dx, grads["ln_f"], dh)
         dx = dh
-    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap)  # (B, T, D)
-    d_embed, _ = embed_bwd(embed_res, dx)  # x = tok_embed[inputs] + positions
+    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key)  # (B, T, D)
+    d_embed, _ = embed_bwd(embed_res, dx)  # x = drop(tok_embed[inputs] + positions)
     tap_backward(tap, "embed", dx, d_embed)
+    if config.tie_embeddings:  # tok_embed feeds the embedding and the head: the two gradients add
+        d_embed["tok_embed"] = d_embed["tok_embed"] + d_tied.astype(d_embed["tok_embed"].dtype)
     grads.update(d_embed)
     return loss, grads

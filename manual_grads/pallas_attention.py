@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from jaxformer.model.attention import merge_heads, split_heads
 from jaxformer.model.pallas_backward import FlashRes, flash_core_bwd, flash_core_fwd
-from manual_grads.attention import QKVRes, _proj, qkv_bwd, qkv_fwd
+from manual_grads.attention import QKVRes, _proj, qkv_bwd, qkv_fwd, with_biases
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 
 
@@ -56,4 +56,4 @@ def pallas_attention_bwd(res: PallasAttentionRes, dy):
     dq, dk, dv = flash_core_bwd(core_res, split_heads(do, H))  # (B, H, T, Dh) each
     # q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])
     dp, dx = qkv_bwd(qkv_res, dq, dk, dv)  # dx (B, T, D)
-    return {**dp, "wo": d_out["w"], "bo": d_out["b"]}, dx
+    return with_biases(dp, d_out), dx

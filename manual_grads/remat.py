@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.dropout import layer_key
 from manual_grads.block import block_bwd, block_fwd
 from manual_grads.tap import within
 
@@ -27,39 +28,47 @@ def _layer(blocks, l):
     return jax.tree_util.tree_map(lambda a: a[l], blocks)
 
 
-def blocks_fwd(blocks, x, config: ModelConfig, tap=None):
-    """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), kept).
-    remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D)."""
+def _key(key, l):
+    """Layer l's dropout key (dropout.layer_key), or None."""
+    return None if key is None else layer_key(key, l)
 
-    def step(x, p, tap=None):
-        y, res = block_fwd(p, x, config, tap)  # x_{l+1} = block_l(x_l)
+
+def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None):
+    """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), kept).
+    remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D).
+    ``key``: the step's dropout key (None: no dropout); layer l draws from layer_key(key, l)."""
+
+    def step(x, p, l, tap=None):
+        y, res = block_fwd(p, x, config, tap, _key(key, l))  # x_{l+1} = block_l(x_l)
         return y, (x if config.remat == "block" else res)
 
     if tap is None:
-        return jax.lax.scan(step, x, blocks)
+        return jax.lax.scan(lambda x, xs: step(x, *xs), x, (blocks, jnp.arange(config.n_layers)))
     kept = []
     for l in range(config.n_layers):
-        x, k = step(x, _layer(blocks, l), within(tap, f"blocks[{l}]."))
+        x, k = step(x, _layer(blocks, l), l, within(tap, f"blocks[{l}]."))
         kept.append(k)
     return x, kept
 
 
-def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None):
+def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None):
     """dy (B, T, D) -> (dblocks with params["blocks"]' stacked layout, dx (B, T, D)):
-    a reverse scan; with remat "block" each step first recomputes its block's forward."""
+    a reverse scan; with remat "block" each step first recomputes its block's forward
+    (with the same dropout ``key``, hence the same masks)."""
 
-    def step(dx, p, k, tap=None):
+    def step(dx, p, k, l, tap=None):
         if config.remat == "block":
-            _, k = block_fwd(p, k, config)  # x_{l+1} = block_l(x_l), recomputed
+            _, k = block_fwd(p, k, config, None, _key(key, l))  # x_{l+1} = block_l(x_l), recomputed
         dp, dx = block_bwd(k, dx, tap)  # x_{l+1} = block_l(x_l)
         return dx, dp
 
     if tap is None:
         p = blocks if config.remat == "block" else None  # only a recompute reads the params
-        dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy, (p, kept), reverse=True)
+        dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy,
+                                   (p, kept, jnp.arange(config.n_layers)), reverse=True)
         return dblocks, dx
     dps = [None] * config.n_layers
     dx = dy
     for l in reversed(range(config.n_layers)):
-        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], within(tap, f"blocks[{l}]."))
+        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], l, within(tap, f"blocks[{l}]."))
     return jax.tree_util.tree_map(lambda *g: jnp.stack(g), *dps), dx

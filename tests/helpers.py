@@ -82,13 +82,14 @@ def leaf_rels(ref, got):
     return {c.path: c.rel for c in check.compare_trees(ref, got)}
 
 
-def assert_bfloat16_within_autodiff(params, batch, config):
+def assert_bfloat16_within_autodiff(params, batch, config, key=None):
     """Under compute_dtype bfloat16, each leaf's manual gradient is as close to the
-    float32 reference (the same params without a compute dtype) as autodiff's."""
+    float32 reference (the same params without a compute dtype) as autodiff's.
+    ``key``: dropout's key, the same for all three (None: no dropout)."""
     mixed = config.replace(compute_dtype="bfloat16")
-    loss_ref, ref = auto_vg(params, batch, config)
-    loss_a, grads_a = auto_vg(params, batch, mixed)
-    loss_m, grads_m = manual_vg(params, batch, mixed)
+    loss_ref, ref = auto_vg(params, batch, config, key=key)
+    loss_a, grads_a = auto_vg(params, batch, mixed, key=key)
+    loss_m, grads_m = manual_vg(params, batch, mixed, key=key)
     assert {x.dtype for x in jax.tree_util.tree_leaves((grads_a, grads_m))} == {jnp.dtype("float32")}
     err_a, err_m = leaf_rels(ref, grads_a), leaf_rels(ref, grads_m)
     for path in err_a:

@@ -54,7 +54,7 @@ def test_config_is_hashable_and_round_trips():
     assert hash(config) == hash(ModelConfig(**TINY))
     assert ModelConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown ModelConfig field"):
-        ModelConfig.from_dict({**config.to_dict(), "dropout": 0.1})
+        ModelConfig.from_dict({**config.to_dict(), "droput": 0.1})
 
 
 def test_presets_match_the_original_systems():

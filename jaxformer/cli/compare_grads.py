@@ -20,7 +20,7 @@ from jaxformer.cli import flags
 from jaxformer.cli.args import Parser, UsageError, nonneg_int, positive_int, run_command
 from jaxformer.model.config import PRESETS
 from jaxformer.model.validate import check_precision
-from jaxformer.tools.compare import DEFAULT_PRESETS, GradFn, compare_preset
+from jaxformer.tools.compare import DEFAULT_PRESETS, GradFn, compare_imported, compare_preset
 from jaxformer.tools.compare_fd import FD_DIRECTIONS, FD_TOLERANCE
 from jaxformer.tools.compare_report import build_report, format_preset, status, use_color, write_reports
 
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", nargs="+", action="extend", choices=sorted(PRESETS),
                         metavar="NAME", help=f"one or more of {', '.join(PRESETS)} "
                         f"(default: {' '.join(DEFAULT_PRESETS)})")
+    parser.add_argument("--init-from", metavar="DIR_OR_HUB_ID",
+                        help="compare on a Hugging Face GPT-2's real weights and config instead of "
+                             "the presets")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="dtype of params and gradients (float64 turns on jax_enable_x64); "
                              "default float32")
@@ -108,7 +111,14 @@ def run(args: argparse.Namespace, manual_fn: GradFn | None = None) -> int:
         jax.config.update("jax_enable_x64", True)  # before anything is traced
     color = use_color(sys.stdout)
     reports = []
-    for name in args.preset:
+    if args.init_from:
+        r = compare_imported(args.init_from, dtype=args.dtype, batch_size=args.batch_size,
+                             seq_len=args.seq_len, seed=args.seed, repeats=args.repeats,
+                             fd=args.fd, fd_directions=args.fd_directions, manual_fn=manual_fn,
+                             overrides=args.overrides)
+        print(format_preset(r, color), flush=True)
+        reports.append(r)
+    for name in ([] if args.init_from else args.preset):
         if sys.stderr.isatty():
             print(f"{name}: compiling and timing both gradients ({args.dtype}) ...",
                   file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 
 import jaxformer
-from jaxformer.cli import bench, compare_grads, diagnose, generate, prepare, presets, train
+from jaxformer.cli import bench, compare_grads, diagnose, export, generate, prepare, presets, train
 from jaxformer.cli.args import Parser, UsageError, run_command
 
 DESCRIPTION = """\
@@ -48,7 +48,7 @@ Run `jaxformer COMMAND --help` for the options of each command.
 
 # The subcommands in the order --help lists them: name -> module with add_parser and run.
 COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets": presets, "diagnose": diagnose,
-            "compare-grads": compare_grads, "bench": bench}
+            "compare-grads": compare_grads, "bench": bench, "export": export}
 
 
 def version() -> str:

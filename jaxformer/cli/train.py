@@ -8,10 +8,12 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from jaxformer.checkpoints import checkpoint
-from jaxformer.cli.args import nonneg_int, positive_int
-from jaxformer.cli.flags import add_model_flags, model_overrides
+from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
+from jaxformer.cli.args import UsageError, nonneg_int, positive_int
+from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import count_params
 from jaxformer.observe.report import recipe_text
@@ -19,7 +21,7 @@ from jaxformer.observe.words import plural
 from jaxformer.training import distributed
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
 from jaxformer.training.loop import train
-from jaxformer.training.optim import OPTIMIZERS, SCHEDULES
+from jaxformer.training.optim import DECAY_RULES, OPTIMIZERS, SCHEDULES
 from jaxformer.training.settings import TrainSettings, settings_for
 from jaxformer.training.stopping import Interrupted
 
@@ -51,6 +53,7 @@ device; with --attention-impl blockwise --loss-chunk 256 --remat block, 3.8 GiB.
 TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "vocab_size", "data", "max_corpus_bytes", "val_fraction",
                "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps", "schedule_steps",
                "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
+               "beta1", "beta2", "adam_eps", "min_lr", "decay_rule",
                "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
 
 
@@ -78,6 +81,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--ignore-memory-check", action="store_true",
                    help="start even when the compiled step's memory plan exceeds the free memory "
                         "(the check runs before the first step; see 'memory' below)")
+    t.add_argument("--init-from", metavar="DIR_OR_HUB_ID",
+                   help="fine-tune a Hugging Face GPT-2 (a folder with config.json and "
+                        "model.safetensors, or a hub id, downloaded): the model comes from it; "
+                        "flags that change its shapes are refused")
     t.add_argument("--config", metavar="FILE",
                    help="TOML file with [model] and [train] tables (a run folder's config.toml); "
                         "flags override it")
@@ -108,6 +115,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--clip-norm", type=float, metavar="N", help="clip the gradient's global norm to N (0: off)")
     o.add_argument("--weight-decay", type=float, metavar="W")
     o.add_argument("--momentum", type=float, metavar="M", help="for --optimizer momentum (default 0.9)")
+    o.add_argument("--beta1", type=float, metavar="B", help="Adam's beta1 (default 0.9)")
+    o.add_argument("--beta2", type=float, metavar="B",
+                   help="Adam's beta2 (default 0.999; nanoGPT: 0.95, 0.99 for small models)")
+    o.add_argument("--adam-eps", type=float, metavar="E", help="Adam's epsilon (default 1e-8)")
+    o.add_argument("--min-lr", type=float, metavar="LR",
+                   help="where a cosine/linear schedule ends (default: a tenth of --lr)")
+    o.add_argument("--decay-rule", choices=list(DECAY_RULES),
+                   help="leaves weight decay applies to: nanogpt (weight matrices and embeddings, "
+                        "not biases or norms; default), no-embed (weight matrices only), all")
     o.add_argument("--accum-steps", type=positive_int, metavar="K", help="average K micro-batches per update")
     o.add_argument("--dtype", choices=["float32", "float64"], help="params dtype (default float32)")
     r = t.add_argument_group("logging and checkpoints")
@@ -153,11 +169,34 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
     return off_is_zero(settings)
 
 
+def imported_start(spec: str, settings: TrainSettings, flags: dict):
+    """(params, settings whose model is the imported GPT-2's) of ``--init-from spec``;
+    a flag that would change the imported shapes is refused by name."""
+    folder = resolve_source(spec)
+    params, config = read_hf_gpt2(folder, np.float64 if settings.dtype == "float64" else np.float32)
+    fields = config.to_dict()
+    fields.pop("vocab_size")
+    refused = sorted(name for name in SHAPE_FIELDS if name in flags and flags[name] != fields[name])
+    if refused:
+        raise UsageError(f"--init-from {spec}: the model comes from the folder; "
+                         f"{', '.join(flag_name(n) for n in refused)} would change its shape")
+    model = {k: v for k, v in settings.model.items() if k not in SHAPE_FIELDS}
+    return params, settings.replace(model={**fields, **model})
+
+
+# ModelConfig fields an imported model fixes (its params' tree and shapes, its function)
+SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activation", "norm",
+                "positions", "causal", "ln_eps", "tie_embeddings", "bias", "head_bias")
+
+
 def run(args: argparse.Namespace) -> int:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     settings = train_settings(args)
     if settings.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
+    init = None
+    if args.init_from and not args.resume:
+        init, settings = imported_start(args.init_from, settings, model_overrides(args))
     settings.validate()  # before the banner: a bad setting is the only line
 
     t0 = time.perf_counter()
@@ -168,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
                        log=log, allow_data_change=args.allow_data_change,
-                       check_memory=not args.ignore_memory_check)
+                       check_memory=not args.ignore_memory_check, init_params=init)
     except Interrupted as e:
         print(f"{e}; resume with: {resume_command(args)}", file=sys.stderr)
         return e.exit_code

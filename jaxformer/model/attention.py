@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.blockwise import blockwise_attention_core
+from jaxformer.model.dropout import dropout
 from jaxformer.model.linear import linear
 from jaxformer.model.pallas_backward import flash_attention
 from jaxformer.model.precision import matmul, upcast
@@ -29,9 +30,10 @@ def merge_heads(x):
 
 
 def qkv_weights(p):
-    """The three input projections side by side: w = [wq | wk | wv] (D, 3D), b (3D,)."""
-    return (jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1),
-            jnp.concatenate([p["bq"], p["bk"], p["bv"]]))
+    """The three input projections side by side: w = [wq | wk | wv] (D, 3D), b (3D,)
+    (None without biases, ModelConfig.bias False)."""
+    b = jnp.concatenate([p["bq"], p["bk"], p["bv"]]) if "bq" in p else None
+    return jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1), b
 
 
 def split_qkv(qkv, n_heads):
@@ -83,36 +85,39 @@ def attention_probs(q, k, causal, compute_dtype=None):
 
 
 def attention_options(config) -> dict:
-    """The keyword arguments of ``attention`` a ModelConfig sets: impl and block sizes."""
+    """The keyword arguments of ``attention`` a ModelConfig sets: impl, block sizes, dropout."""
     return dict(impl=config.attention_impl, block=config.attention_block,
-                block_q=config.pallas_block_q, block_k=config.pallas_block_k)
+                block_q=config.pallas_block_q, block_k=config.pallas_block_k,
+                dropout_rate=config.dropout)
 
 
-def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128, block_q=0, block_k=0):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D).
+def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128, block_q=0, block_k=0,
+              dropout_rate=0.0, key=None):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo} (no b* with bias=False); x (B, T, D) -> (B, T, D).
     impl "blockwise" runs blockwise_attention with query and key blocks of ``block``;
     "pallas" pallas_attention with blocks of block_q, block_k (0: the device's);
-    "cudnn" cudnn_attention."""
+    "cudnn" cudnn_attention. With a ``key`` (full, blockwise) the probabilities go
+    through dropout at ``dropout_rate`` (dropout.py)."""
     if impl == "blockwise":
-        return blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
+        return blockwise_attention(p, x, n_heads, causal, block, compute_dtype, dropout_rate, key)
     if impl == "pallas":
         return pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype)
     if impl == "cudnn":
         return cudnn_attention(p, x, n_heads, causal, compute_dtype)
     cd = compute_dtype
     q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
-    probs = attention_probs(q, k, causal, cd)  # (B, H, T, T)
-    return linear(merge_heads(matmul(probs, v, cd)), p["wo"], p["bo"], cd)
+    probs = dropout(attention_probs(q, k, causal, cd), dropout_rate, key)  # (B, H, T, T)
+    return linear(merge_heads(matmul(probs, v, cd)), p["wo"], p.get("bo"), cd)
 
 
-def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
+def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None, dropout_rate=0.0, key=None):
     """attention(p, x, n_heads, causal) without the (B, H, T, T) probabilities: an online
     softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). Every product,
     the projections' and the blocks', runs in ``compute_dtype``."""
     cd = compute_dtype
     q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
-    out, _ = blockwise_attention_core(q, k, v, causal, block, cd)  # (B, H, T, Dh)
-    return linear(merge_heads(out), p["wo"], p["bo"], cd)
+    out, _ = blockwise_attention_core(q, k, v, causal, block, cd, dropout_rate, key)  # (B, H, T, Dh)
+    return linear(merge_heads(out), p["wo"], p.get("bo"), cd)
 
 
 def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None):
@@ -122,7 +127,7 @@ def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=
     cd = compute_dtype
     q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
     out = flash_attention(q, k, v, causal, block_q, block_k, cd)  # (B, H, T, Dh)
-    return linear(merge_heads(out), p["wo"], p["bo"], cd)
+    return linear(merge_heads(out), p["wo"], p.get("bo"), cd)
 
 
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -150,4 +155,4 @@ def cudnn_attention(p, x, n_heads, causal, compute_dtype=None):
     q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
     out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")  # (B, T, H, Dh)
     B, T = x.shape[:2]
-    return linear(out.reshape(B, T, -1), p["wo"], p["bo"], cd)
+    return linear(out.reshape(B, T, -1), p["wo"], p.get("bo"), cd)

@@ -1,7 +1,10 @@
 """The feed-forward layer and the residual block, pre-LN and post-LN.
 
-    pre:  x1 = x + attn(ln1(x));   y = x1 + ffn(ln2(x1))
-    post: x1 = ln1(x + attn(x));   y = ln2(x1 + ffn(x1))
+    pre:  x1 = x + drop(attn(ln1(x)));   y = x1 + drop(ffn(ln2(x1)))
+    post: x1 = ln1(x + drop(attn(x)));   y = ln2(x1 + drop(ffn(x1)))
+
+drop is dropout at config.dropout, only with a key (the layer's, dropout.layer_key);
+attention then drops its probabilities too (dropout.py names every key).
 
 ``compose_block`` is the one place the block's forward is written. A path that needs
 the block with a piece of its own passes the pieces in a ``BlockLayers``: the cached
@@ -19,27 +22,30 @@ import jax
 from jaxformer.model.activations import activation
 from jaxformer.model.attention import attention, attention_options
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, dropout, sub_key
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
 
 
 def feed_forward(p, x, activation_name, compute_dtype=None):
     """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> (..., D)."""
-    h = linear(x, p["w_in"], p["b_in"], compute_dtype)
-    return linear(activation(activation_name, h), p["w_out"], p["b_out"], compute_dtype)
+    h = linear(x, p["w_in"], p.get("b_in"), compute_dtype)
+    return linear(activation(activation_name, h), p["w_out"], p.get("b_out"), compute_dtype)
 
 
 class BlockLayers(NamedTuple):
     """The layers a block is composed of, each called with one layer's slice of params."""
 
-    attention: Callable  # (p["attn"], x (B, T, D), config) -> (y (B, T, D), aux): aux comes back out
+    attention: Callable  # (p["attn"], x (B, T, D), config[, key]) -> (y (B, T, D), aux): aux comes back out
     feed_forward: Callable  # (p["ffn"], x (B, T, D), config) -> y (B, T, D)
     layer_norm: Callable  # (p["ln1"] or p["ln2"], x (B, T, D), eps) -> y (B, T, D)
 
 
-def model_attention(p, x, config: ModelConfig):
-    """The attention config.attention_impl names (full, blockwise, pallas, cudnn), with no aux: (y, None)."""
-    y = attention(p, x, config.n_heads, config.causal, config.compute_dtype, **attention_options(config))
+def model_attention(p, x, config: ModelConfig, key=None):
+    """The attention config.attention_impl names (full, blockwise, pallas, cudnn), with no aux: (y, None).
+    ``key``: the probabilities' dropout key (None: no dropout)."""
+    y = attention(p, x, config.n_heads, config.causal, config.compute_dtype, **attention_options(config),
+                  key=key)
     return y, None
 
 
@@ -51,28 +57,37 @@ def model_feed_forward(p, x, config: ModelConfig):
 BLOCK_LAYERS = BlockLayers(model_attention, model_feed_forward, layer_norm)
 
 
-def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS):
+def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None):
     """One block of ``layers``; p is one layer's slice of params["blocks"]; x (B, T, D).
+    ``key``: this layer's dropout key (None: no dropout; a key needs config.dropout > 0).
     Returns (y (B, T, D), the aux that layers.attention returned beside its output)."""
     attn, ffn, ln = layers
-    eps = config.ln_eps
-    if config.norm == "pre":
-        a, aux = attn(p["attn"], ln(p["ln1"], x, eps), config)
-        x = x + a
-        x = x + ffn(p["ffn"], ln(p["ln2"], x, eps), config)
+    eps, rate = config.ln_eps, config.dropout
+    if key is None or not rate:
+        key = None
+        attn_args = ()
     else:
-        a, aux = attn(p["attn"], x, config)
-        x = ln(p["ln1"], x + a, eps)
-        x = ln(p["ln2"], x + ffn(p["ffn"], x, config), eps)
+        attn_args = (sub_key(key, ATTN_PROBS),)
+    drop_a = lambda y: dropout(y, rate, sub_key(key, ATTN_OUT))  # noqa: E731
+    drop_f = lambda y: dropout(y, rate, sub_key(key, FFN_OUT))  # noqa: E731
+    if config.norm == "pre":
+        a, aux = attn(p["attn"], ln(p["ln1"], x, eps), config, *attn_args)
+        x = x + drop_a(a)
+        x = x + drop_f(ffn(p["ffn"], ln(p["ln2"], x, eps), config))
+    else:
+        a, aux = attn(p["attn"], x, config, *attn_args)
+        x = ln(p["ln1"], x + drop_a(a), eps)
+        x = ln(p["ln2"], x + drop_f(ffn(p["ffn"], x, config)), eps)
     return x, aux
 
 
-def block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS):
-    """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D) -> (B, T, D)."""
-    return compose_block(p, x, config, layers)[0]
+def block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None):
+    """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D) -> (B, T, D).
+    ``key``: the layer's dropout key, or None."""
+    return compose_block(p, x, config, layers, key)[0]
 
 
-def remat_block(p, x, config: ModelConfig):
-    """block under ``jax.checkpoint`` (remat "block"): JAX's grad keeps only (p, x) and
-    recomputes the block's forward in the backward."""
-    return jax.checkpoint(block, static_argnums=(2,))(p, x, config)
+def remat_block(p, x, config: ModelConfig, key=None):
+    """block under ``jax.checkpoint`` (remat "block"): JAX's grad keeps only (p, x, key) and
+    recomputes the block's forward (the same dropout masks) in the backward."""
+    return jax.checkpoint(lambda p, x, key: block(p, x, config, key=key))(p, x, key)

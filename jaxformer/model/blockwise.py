@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxformer.model.dropout import block_pair_key, dropout
 from jaxformer.model.precision import matmul, stats_dtype
 
 
@@ -81,13 +82,14 @@ def block_scores(q_i, k_j, i, j, T: int, causal: bool, compute_dtype=None):
     return jnp.where(allowed, s, -jnp.inf)
 
 
-def online_softmax_step(carry, s, v_j, compute_dtype=None):
+def online_softmax_step(carry, s, v_j, compute_dtype=None, drop=None):
     """Fold one key block into the running (m, l, acc) of a query block.
 
     carry: m (B, H, K) row max so far, l (B, H, K) row sum of exp(s - m),
     acc (B, H, K, Dh) sum of exp(s - m) v; s (B, H, K, K) scores; v_j (B, H, K, Dh).
     A row with every key masked so far keeps m = -inf, l = 0, acc = 0.
-    The product exp(s - m) v_j runs in ``compute_dtype``.
+    The product exp(s - m) v_j runs in ``compute_dtype``. ``drop`` (rate, key) puts the
+    probabilities' dropout on the product only: l sums the undropped exp(s - m).
     """
     m, l, acc = carry
     m_new = jnp.maximum(m, jax.lax.stop_gradient(jnp.max(s, axis=-1)))  # (B, H, K)
@@ -95,11 +97,19 @@ def online_softmax_step(carry, s, v_j, compute_dtype=None):
     p = jnp.exp(s - m_safe[..., None])  # (B, H, K, K): 0 where masked
     alpha = jnp.exp(m - m_safe)  # (B, H, K): rescales the old sums; 0 while m = -inf
     l = alpha * l + jnp.sum(p, axis=-1)
-    acc = alpha[..., None] * acc + matmul(p.astype(v_j.dtype), v_j, compute_dtype).astype(acc.dtype)
+    pv = p if drop is None else dropout(p, *drop)  # (B, H, K, K)
+    acc = alpha[..., None] * acc + matmul(pv.astype(v_j.dtype), v_j, compute_dtype).astype(acc.dtype)
     return m_new, l, acc
 
 
-def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None):
+def pair_dropout(rate, key, i, j):
+    """The (rate, key) of block pair (i, j)'s probabilities mask, or None (no dropout)."""
+    if key is None or (isinstance(rate, (int, float)) and not rate):
+        return None
+    return rate, block_pair_key(key, i, j)
+
+
+def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None, rate=0.0, key=None):
     """One query block i against every visible key block: (out_i (B, H, K, Dh), lse_i (B, H, K))."""
     f = stats_dtype(q_i.dtype)
     shape = q_i.shape[:-1]  # (B, H, K)
@@ -110,7 +120,7 @@ def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None):
 
         def update(c):
             s = block_scores(q_i, k_j, i, j, T, causal, compute_dtype)  # (B, H, K, K)
-            return online_softmax_step(c, s, v_j, compute_dtype)
+            return online_softmax_step(c, s, v_j, compute_dtype, pair_dropout(rate, key, i, j))
 
         return if_visible(i, j, causal, update, carry), None
 
@@ -118,12 +128,15 @@ def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None):
     return (acc / l[..., None]).astype(q_i.dtype), m + jnp.log(l)
 
 
-def blockwise_attention_core(q, k, v, causal: bool, block: int, compute_dtype=None):
+def blockwise_attention_core(q, k, v, causal: bool, block: int, compute_dtype=None,
+                             dropout_rate=0.0, key=None):
     """q, k, v (B, H, T, Dh) -> (out (B, H, T, Dh), lse (B, H, T) in stats_dtype).
 
     out = softmax(q k^T / sqrt(Dh)) v (future masked if causal), computed K query
     rows and K keys at a time; lse is each row's log-sum-exp of the scores. The
-    products run in ``compute_dtype`` (None: the inputs' own dtype).
+    products run in ``compute_dtype`` (None: the inputs' own dtype). With a ``key`` the
+    probabilities go through dropout, block pair (i, j)'s mask drawn from
+    block_pair_key(key, i, j); lse stays that of the undropped scores.
     """
     T = q.shape[2]
     K = block_size(T, block)
@@ -131,7 +144,7 @@ def blockwise_attention_core(q, k, v, causal: bool, block: int, compute_dtype=No
 
     def query_step(_, xs):
         q_i, i = xs
-        return None, _query_block(q_i, i, kb, vb, T, causal, compute_dtype)
+        return None, _query_block(q_i, i, kb, vb, T, causal, compute_dtype, dropout_rate, key)
 
     _, (ob, lseb) = jax.lax.scan(query_step, None, (qb, jnp.arange(qb.shape[0])))
     return from_blocks(ob, T), from_blocks(lseb, T)

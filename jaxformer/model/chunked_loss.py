@@ -64,14 +64,14 @@ def chunked_inputs(x, targets, mask, chunk: int):
 
 
 def chunked_head_loss(head, x, targets, mask, chunk: int, compute_dtype=None):
-    """head = {"w": (D, V), "b": (V,)}, x (B, T, D), targets int (B, T), mask (B, T) or None
+    """head = {"w": (D, V), "b": (V,) (optional)}, x (B, T, D), targets int (B, T), mask (B, T) or None
     -> the mean cross entropy of x @ w + b, as cross_entropy(linear(x, w, b, compute_dtype),
     targets, mask)."""
     xc, tc, wc = chunked_inputs(x, targets, mask, chunk)
 
     @jax.checkpoint
     def chunk_loss(x_c, t_c, w_c):
-        nll, _ = chunk_nll(x_c, head["w"], head["b"], t_c, compute_dtype)  # (C,)
+        nll, _ = chunk_nll(x_c, head["w"], head.get("b"), t_c, compute_dtype)  # (C,)
         return jnp.sum(nll * w_c)
 
     def step(total, xs):

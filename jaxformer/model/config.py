@@ -43,6 +43,11 @@ class ModelConfig:
     remat: str = "none"  # none: each block keeps its residuals; block: keep the input, recompute
     # --- precision: None computes in the params' dtype; else matmul inputs are cast to it
     compute_dtype: str | None = None  # None | float32 | bfloat16 | float16 (params stay the master copy)
+    # --- GPT-2 / nanoGPT options (docs/design.md, "Model options")
+    tie_embeddings: bool = False  # logits = x @ tok_embed^T (+ head.b): no params["head"]["w"]
+    bias: bool = True  # False: no linear biases (bq bk bv bo b_in b_out) and no layer-norm biases
+    head_bias: bool = True  # False: no params["head"]["b"]
+    dropout: float = 0.0  # rate on the embedding, attention probabilities and residual branches
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
@@ -85,6 +90,16 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.loss_chunk must be a non-negative integer (0: no chunking), "
                 f"got {self.loss_chunk!r}")
+        for name in ("tie_embeddings", "bias", "head_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
+                or not 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"ModelConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if self.dropout and self.attention_impl in ("pallas", "cudnn"):
+            raise ValueError(f"ModelConfig.dropout > 0 is not supported with attention_impl "
+                             f"{self.attention_impl!r} (the fused kernel has no dropout on the "
+                             f"attention probabilities); use 'full' or 'blockwise'")
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"ModelConfig.compute_dtype must be None (the params' dtype) or one of "
@@ -137,11 +152,13 @@ PRESETS: dict[str, ModelConfig] = {
         d_model=16, n_heads=2, n_layers=2, d_ff=24, max_seq_len=16,
         activation="gelu", norm="pre", positions="learned",
     ),
-    # gpt2: GPT-2 small's shape (124M params with its 50257-token vocabulary; the
-    # vocabulary here is the tokenizer's).
+    # gpt2: GPT-2 small (124M params with its 50257-token vocabulary; the vocabulary
+    # here is the tokenizer's): the head tied to tok_embed with no head bias, biases
+    # elsewhere, GELU (tanh), layer-norm eps 1e-5.
     "gpt2": ModelConfig(
         d_model=768, n_heads=12, n_layers=12, d_ff=3072, max_seq_len=1024,
         activation="gelu_tanh", norm="pre", positions="learned",
+        tie_embeddings=True, head_bias=False,
     ),
 }
 
@@ -157,9 +174,11 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "cllm": dict(optimizer="adamw", lr=3e-3, schedule="cosine", warmup_steps=20,
                  clip_value=5.0, weight_decay=0.01, batch_size=16, seq_len=64),
     "tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
-    # GPT-2 small's recipe (as nanoGPT trains it), sized for one GPU: 8 x 1024 tokens
-    # per step (raise accum_steps for GPT-2's 0.5M-token batches).
-    "gpt2": dict(optimizer="adamw", lr=6e-4, schedule="cosine", warmup_steps=200, steps=2000,
+    # GPT-2 small's recipe as nanoGPT's train_gpt2.py trains it (AdamW, beta2 0.95,
+    # lr 6e-4 cosine down to 6e-5, weight decay 0.1, clip 1.0), sized for one GPU:
+    # 8 x 1024 tokens per step (raise accum_steps for GPT-2's 0.5M-token batches).
+    "gpt2": dict(optimizer="adamw", lr=6e-4, min_lr=6e-5, beta1=0.9, beta2=0.95,
+                 schedule="cosine", warmup_steps=200, steps=2000,
                  clip_norm=1.0, weight_decay=0.1, batch_size=8, seq_len=1024,
                  eval_every=200, eval_batches=8, log_every=10, ckpt_every=500),
 }

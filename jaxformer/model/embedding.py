@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.dropout import dropout
 
 def sinusoidal_positions(T, D, dtype=jnp.float32):
     """(T, D) table: sin(t / 10000^(2i/D)) at feature 2i, cos(...) at feature 2i+1."""
@@ -38,9 +39,10 @@ def token_embedding(table, ids):
     return jnp.take(table, ids, axis=0)
 
 
-def embed(params, inputs, config: ModelConfig):
-    """inputs int (B, T) -> tok_embed[inputs] * token_scale + positions (B, T, D)."""
+def embed(params, inputs, config: ModelConfig, key=None):
+    """inputs int (B, T) -> tok_embed[inputs] * token_scale + positions (B, T, D); with a
+    ``key`` (that of the embedding, dropout.embed_key) through dropout at config.dropout."""
     x = token_embedding(params["tok_embed"], inputs)
     if config.embed_scale:
         x = x * token_scale(config)
-    return x + positions(params, inputs.shape[-1], config, x.dtype)
+    return dropout(x + positions(params, inputs.shape[-1], config, x.dtype), config.dropout, key)

@@ -25,6 +25,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import sinusoidal_positions, token_embedding
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
+from jaxformer.model.params import head_weights
 from jaxformer.model.precision import matmul, upcast
 
 
@@ -51,7 +52,7 @@ def attention_cached(p, x, cache_k, cache_v, start, n_heads, compute_dtype=None)
     t, S = x.shape[1], cache_k.shape[2]
     mask = jnp.arange(S)[None, :] <= start + jnp.arange(t)[:, None]  # (t, S)
     probs = masked_softmax(scores, mask)  # (B, H, t, S)
-    out = linear(merge_heads(matmul(probs, cache_v, cd)), p["wo"], p["bo"], cd)  # (B, t, D)
+    out = linear(merge_heads(matmul(probs, cache_v, cd)), p["wo"], p.get("bo"), cd)  # (B, t, D)
     return out, cache_k, cache_v
 
 
@@ -92,5 +93,5 @@ def forward_cached(params, inputs, cache, start, config: ModelConfig):
     x, (k, v) = jax.lax.scan(layer, x, (params["blocks"], cache["k"], cache["v"]))
     if config.norm == "pre":
         x = layer_norm(params["ln_f"], x, config.ln_eps)
-    logits = linear(x, params["head"]["w"], params["head"]["b"], config.compute_dtype)  # (B, t, V)
+    logits = linear(x, *head_weights(params, config), config.compute_dtype)  # (B, t, V)
     return logits, {"k": k, "v": v}

@@ -34,6 +34,7 @@ def layer_norm_stats(x, eps):
 
 
 def layer_norm(p, x, eps):
-    """p = {"scale": (D,), "bias": (D,)}; x (..., D) -> (..., D)."""
+    """p = {"scale": (D,), "bias": (D,) (absent with bias=False)}; x (..., D) -> (..., D)."""
     xhat, _ = layer_norm_stats(x, eps)
-    return xhat * p["scale"] + p["bias"]
+    y = xhat * p["scale"]
+    return y + p["bias"] if "bias" in p else y

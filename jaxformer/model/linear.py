@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from jaxformer.model.precision import matmul
 
-def linear(x, w, b, compute_dtype=None):
-    """x @ w + b over any leading dims: x (..., I), w (I, O), b (O,) -> (..., O).
+def linear(x, w, b=None, compute_dtype=None):
+    """x @ w + b over any leading dims: x (..., I), w (I, O), b (O,) or None -> (..., O).
     The product runs in ``compute_dtype`` (see ``matmul``); the bias adds in float32."""
-    return matmul(x, w, compute_dtype) + b
+    y = matmul(x, w, compute_dtype)
+    return y if b is None else y + b

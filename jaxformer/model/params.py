@@ -3,7 +3,10 @@
 Weights are drawn from N(0, 0.02^2) (GPT-2's init), the two projections that
 write into the residual stream (attention ``wo``, feed-forward ``w_out``) are
 scaled down by 1/sqrt(2 * n_layers) so the stream's variance does not grow with
-depth; biases start at zero, layer-norm scales at one.
+depth; biases start at zero, layer-norm scales at one. The options of ModelConfig
+leave leaves out: ``bias=False`` every linear and layer-norm bias, ``head_bias=False``
+head.b, ``tie_embeddings`` head.w (the head reads tok_embed); a head with neither leaf
+is no "head" key at all.
 """
 
 from __future__ import annotations
@@ -43,24 +46,36 @@ def _init_params(key, config: ModelConfig, dtype) -> dict:
     params = {"tok_embed": normal((V, D))}
     if config.positions == "learned":
         params["pos_embed"] = normal((S, D))
-    params["blocks"] = {
-        "ln1": {"scale": ones(L, D), "bias": zeros(L, D)},
-        "attn": {
-            "wq": normal((L, D, D)), "bq": zeros(L, D),
-            "wk": normal((L, D, D)), "bk": zeros(L, D),
-            "wv": normal((L, D, D)), "bv": zeros(L, D),
-            "wo": normal((L, D, D), out_std), "bo": zeros(L, D),
-        },
-        "ln2": {"scale": ones(L, D), "bias": zeros(L, D)},
-        "ffn": {
-            "w_in": normal((L, D, F)), "b_in": zeros(L, F),
-            "w_out": normal((L, F, D), out_std), "b_out": zeros(L, D),
-        },
-    }
+    bias = config.bias
+    attn = {"wq": normal((L, D, D)), "wk": normal((L, D, D)), "wv": normal((L, D, D)),
+            "wo": normal((L, D, D), out_std)}
+    ffn = {"w_in": normal((L, D, F)), "w_out": normal((L, F, D), out_std)}
+    if bias:
+        attn.update(bq=zeros(L, D), bk=zeros(L, D), bv=zeros(L, D), bo=zeros(L, D))
+        ffn.update(b_in=zeros(L, F), b_out=zeros(L, D))
+
+    def norm(*shape):
+        return {"scale": ones(*shape), "bias": zeros(*shape)} if bias else {"scale": ones(*shape)}
+
+    params["blocks"] = {"ln1": norm(L, D), "attn": attn, "ln2": norm(L, D), "ffn": ffn}
     if config.norm == "pre":
-        params["ln_f"] = {"scale": ones(D), "bias": zeros(D)}
-    params["head"] = {"w": normal((D, V)), "b": zeros(V)}
+        params["ln_f"] = norm(D)
+    head_w = normal((D, V))  # drawn in every case, so the other leaves' draws do not move
+    head = {}
+    if not config.tie_embeddings:
+        head["w"] = head_w
+    if config.head_bias:
+        head["b"] = zeros(V)
+    if head:
+        params["head"] = head
     return params
+
+
+def head_weights(params, config: ModelConfig):
+    """The head's (w (D, V), b (V,) or None): w = tok_embed^T when the embeddings are tied."""
+    head = params.get("head", {})
+    w = params["tok_embed"].T if config.tie_embeddings else head["w"]
+    return w, head.get("b")
 
 
 def count_params(params) -> int:

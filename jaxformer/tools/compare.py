@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import manual_grads
+from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
 from jaxformer.data import Batcher, ByteTokenizer, load_corpus
 from jaxformer.model.config import PRESETS, ModelConfig
 from jaxformer.model.params import count_params, init_params
@@ -285,4 +286,18 @@ def compare_preset(name: str, *, dtype: str = "float32", batch_size: int = 4, se
         raise RuntimeError(f"asked for {dtype} params, got {got}: float64 needs jax_enable_x64")
     batch = make_batch(config, batch_size, min(seq_len, config.max_seq_len), seed)
     return run_comparison(config, params, batch, name=name, repeats=repeats, fd=fd,
+                          fd_directions=fd_directions, seed=seed, manual_fn=manual_fn)
+
+
+def compare_imported(spec: str, *, dtype: str = "float32", batch_size: int = 4, seq_len: int = 32,
+                     seed: int = 0, repeats: int = 5, fd: bool = False,
+                     fd_directions: int = FD_DIRECTIONS, manual_fn: GradFn | None = None,
+                     overrides: dict | None = None) -> PresetReport:
+    """``compare_preset`` on the Hugging Face GPT-2 ``spec`` (a folder or a hub id): its
+    real weights, its config (``overrides`` may change what keeps the shapes)."""
+    params, config = read_hf_gpt2(resolve_source(spec), jnp.dtype(dtype))
+    config = config.replace(**(overrides or {}))
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    batch = make_batch(config, batch_size, min(seq_len, config.max_seq_len), seed)
+    return run_comparison(config, params, batch, name=f"hf:{spec}", repeats=repeats, fd=fd,
                           fd_directions=fd_directions, seed=seed, manual_fn=manual_fn)

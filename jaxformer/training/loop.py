@@ -44,7 +44,7 @@ from jaxformer.training.settings import TrainSettings, recipe_notes
 from jaxformer.training.sharding import check_batch_size, local_rows, make_mesh, put_batch
 from jaxformer.training.stopping import Interrupted, StopRequests
 from jaxformer.training.step import (GradFn, TrainState, compiled_eval_step, compiled_step, init_fn,
-                                     mesh_key, optimizer_items)
+                                     mesh_key, optimizer_items, with_params)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -63,7 +63,8 @@ class TrainResult:
 
 def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: bool = True,
           devices=None, grad_fn: GradFn | None = None, log=None,
-          allow_data_change: bool = False, check_memory: bool = True) -> TrainResult:
+          allow_data_change: bool = False, check_memory: bool = True,
+          init_params=None) -> TrainResult:
     """Train for ``settings.steps`` steps in the run folder ``out_dir`` (created).
 
     resume: continue from the latest checkpoint in ``out_dir``; the losses then equal
@@ -82,6 +83,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     (memory_check); False tries anyway.
     log: a function given human-readable lines (settings, data, compile time, the
     summary; report.py); None: silent.
+    init_params: params to start from instead of the seed's (a fine-tune, e.g. of an
+    imported Hugging Face model); their vocabulary must be the tokenizer's.
 
     SIGINT or SIGTERM (stopping.py): the step in flight finishes, the step reached is
     checkpointed (unless it was already), the records are flushed, and Interrupted is
@@ -112,6 +115,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     state = init_fn(config, settings.dtype, opt_items, *on_mesh)(settings.seed)
     if resume:
         state = restore_newest(run_dir, state)
+    elif init_params is not None:
+        state = with_params(state, init_params, config)
     jitted = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
     step_fn = checked or jitted
     eval_fn = compiled_eval_step(config, *on_mesh)

@@ -16,6 +16,7 @@ one update). Steps in schedules count optimizer updates, not micro-batches.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -23,6 +24,10 @@ import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+# which leaves weight decay applies to (decay_mask): "nanogpt" weight matrices and
+# embeddings, not biases or norm scales (nanoGPT's configure_optimizers, the default);
+# "no-embed" weight matrices only; "all" every leaf
+DECAY_RULES = ("nanogpt", "no-embed", "all")
 SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -79,16 +84,21 @@ def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
     return optax.join_schedules([warmup, decay], [warmup_steps])
 
 
-def decay_mask(params):
-    """True for the leaves weight decay applies to: weight matrices and embeddings
-    (dict keys starting with "w" or ending in "embed"), not biases or norm scales.
-    Leaves outside dicts fall back to "has at least 2 dims"."""
+def decay_mask(params, rule: str = "nanogpt"):
+    """True for the leaves weight decay applies to. rule "nanogpt": weight matrices and
+    embeddings (dict keys starting with "w" or ending in "embed"), not biases or norm
+    scales; "no-embed": weight matrices only; "all": every leaf. Leaves outside dicts
+    fall back to "has at least 2 dims"."""
+    if rule not in DECAY_RULES:
+        raise ValueError(f"unknown decay_rule {rule!r}; choose one of {', '.join(DECAY_RULES)}")
 
     def is_decayed(path, leaf):
+        if rule == "all":
+            return True
         last = path[-1] if path else None
         key = getattr(last, "key", None)
         if isinstance(key, str):
-            return key.startswith("w") or key.endswith("embed")
+            return key.startswith("w") or (rule == "nanogpt" and key.endswith("embed"))
         return jnp.ndim(leaf) >= 2
 
     return jax.tree_util.tree_map_with_path(is_decayed, params)
@@ -109,6 +119,8 @@ def make_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
     final_lr_fraction: float = 0.1,
+    min_lr: float | None = None,
+    decay_rule: str = "nanogpt",
 ) -> optax.GradientTransformation:
     """The optimizer ``name`` (sgd | momentum | adam | adamw) with its clipping,
     weight decay, schedule and gradient accumulation. See the module docstring.
@@ -117,6 +129,8 @@ def make_optimizer(
     clip_norm: rescale the gradient when its global norm exceeds clip_norm (None: off).
     weight_decay: decoupled (AdamW) for adamw; added to the gradient (L2) otherwise.
     accum_steps: average the gradients of this many calls into one update.
+    b1, b2, eps: Adam's; min_lr: the floor a decaying schedule ends at (None:
+    final_lr_fraction * lr); decay_rule: which leaves weight decay applies to (decay_mask).
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -126,7 +140,20 @@ def make_optimizer(
     _check_number("weight_decay", weight_decay)
     _check_number("momentum", momentum, maximum=1.0)
     _check_int("accum_steps", accum_steps, 1)
+    _check_number("b1", b1, maximum=1.0)
+    _check_number("b2", b2, maximum=1.0)
+    if b1 >= 1.0 or b2 >= 1.0:
+        raise ValueError(f"Adam's betas must be < 1, got beta1 {b1!r}, beta2 {b2!r}")
+    _check_number("adam eps", eps, strict=True)
+    decay_mask({}, decay_rule)  # the rule's name
+    if min_lr is not None:
+        _check_number("min_lr", min_lr)
+        _check_number("lr", lr, strict=True)
+        if min_lr > lr:
+            raise ValueError(f"min_lr ({min_lr}) must not exceed lr ({lr})")
+        final_lr_fraction = min_lr / lr
     lr_schedule = make_schedule(lr, schedule, warmup_steps, total_steps, final_lr_fraction)
+    mask = functools.partial(decay_mask, rule=decay_rule)
 
     parts = []
     if clip_value is not None:
@@ -134,13 +161,13 @@ def make_optimizer(
     if clip_norm is not None:
         parts.append(optax.clip_by_global_norm(float(clip_norm)))
     if weight_decay and name != "adamw":
-        parts.append(optax.add_decayed_weights(float(weight_decay), mask=decay_mask))
+        parts.append(optax.add_decayed_weights(float(weight_decay), mask=mask))
     if name == "momentum":
         parts.append(optax.trace(decay=float(momentum)))
     elif name in ("adam", "adamw"):
         parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     if weight_decay and name == "adamw":
-        parts.append(optax.add_decayed_weights(float(weight_decay), mask=decay_mask))
+        parts.append(optax.add_decayed_weights(float(weight_decay), mask=mask))
 
     def with_lr(learning_rate):
         return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))

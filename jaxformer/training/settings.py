@@ -17,7 +17,8 @@ from jaxformer.training.sharding import parse_mesh
 
 GRAD_SOURCES = ("auto", "manual")
 # numeric settings that must be finite (the optimizer and the data split check their ranges)
-FLOAT_FIELDS = ("lr", "clip_value", "clip_norm", "weight_decay", "momentum", "val_fraction")
+FLOAT_FIELDS = ("lr", "clip_value", "clip_norm", "weight_decay", "momentum", "val_fraction",
+                "beta1", "beta2", "adam_eps", "min_lr")
 DTYPES = ("float32", "float64")
 
 
@@ -45,6 +46,11 @@ class TrainSettings:
     clip_norm: float | None = None  # clip the gradient's global norm
     weight_decay: float = 0.0
     momentum: float = 0.9  # for the momentum optimizer
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.999  # Adam's second-moment decay (nanoGPT: 0.95, 0.99 for small runs)
+    adam_eps: float = 1e-8  # Adam's epsilon
+    min_lr: float | None = None  # floor of a decaying schedule (None: a tenth of lr)
+    decay_rule: str = "nanogpt"  # which leaves weight decay applies to: nanogpt | no-embed | all
     accum_steps: int = 1  # micro-batches averaged into one update
     batch_size: int = 16  # B, sequences per step (divisible by the device count)
     seq_len: int = 64  # T, tokens per sequence (<= the model's max_seq_len)
@@ -105,7 +111,7 @@ class TrainSettings:
             raise ValueError(f"schedule_steps must be a positive integer, got {self.schedule_steps!r}")
         for name in FLOAT_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("clip_value", "clip_norm"):
+            if value is None and name in ("clip_value", "clip_norm", "min_lr"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
@@ -139,7 +145,8 @@ class TrainSettings:
             name=self.optimizer, lr=self.lr, schedule=self.schedule,
             warmup_steps=self.warmup_steps, total_steps=updates, clip_value=self.clip_value,
             clip_norm=self.clip_norm, weight_decay=self.weight_decay, momentum=self.momentum,
-            accum_steps=self.accum_steps,
+            accum_steps=self.accum_steps, b1=self.beta1, b2=self.beta2, eps=self.adam_eps,
+            min_lr=self.min_lr, decay_rule=self.decay_rule,
         )
 
 

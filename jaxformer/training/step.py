@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 import manual_grads
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.params import init_params
+from jaxformer.model.params import init_params, validate_params
 from jaxformer.model.transformer import loss_fn
 from jaxformer.training.optim import current_lr, make_optimizer
 from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
@@ -32,7 +32,7 @@ class TrainState(NamedTuple):
     params: Any  # the params pytree of DESIGN.md
     opt_state: Any  # the optimizer's state
     data_index: jax.Array  # () int32: index of the next training batch (Batcher.batch)
-    rng: jax.Array  # (2,) uint32 key of the run (a stochastic layer at step s: fold_in(rng, s))
+    rng: jax.Array  # (2,) uint32 key stream of the run: a step with dropout splits off its key
 
 
 def init_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
@@ -45,18 +45,38 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -
     )
 
 
+def with_params(state: TrainState, params, config: ModelConfig) -> TrainState:
+    """``state`` with ``params`` (host arrays, e.g. an imported model) in place of its
+    own, in its dtypes and layout; ValueError naming the first leaf that does not fit
+    ``config`` (a vocabulary other than the tokenizer's names tok_embed). The optimizer
+    state of sgd / momentum / adam(w) does not depend on the params' values."""
+    rows = getattr(params.get("tok_embed") if isinstance(params, dict) else None, "shape", (None,))[0]
+    if rows is not None and rows != config.vocab_size:
+        raise ValueError(f"the initial model's vocabulary has {rows} tokens, the tokenizer's "
+                         f"{config.vocab_size}: train it with the tokenizer it was made for")
+    validate_params(params, config)
+    return state._replace(params=jax.tree_util.tree_map(
+        lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding), params, state.params))
+
+
 GradFn = Callable[[Any, dict], tuple[jax.Array, Any]]
 
 
 def grad_source(kind: str, config: ModelConfig) -> GradFn:
     """The gradient source ``(params, batch) -> (loss, grads)`` named ``kind``:
-    "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``)."""
+    "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``).
+    With config.dropout > 0 it is ``(params, batch, key)``, marked ``takes_key``: the
+    training step hands it a key split off TrainState.rng."""
     if kind == "auto":
         value_and_grad = jax.value_and_grad(loss_fn)
-        return lambda params, batch: value_and_grad(params, batch, config)
-    if kind == "manual":
-        return lambda params, batch: manual_grads.value_and_grad(params, batch, config)
-    raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
+        fn = lambda params, batch, key=None: value_and_grad(params, batch, config, key=key)  # noqa: E731
+    elif kind == "manual":
+        fn = lambda params, batch, key=None: manual_grads.value_and_grad(  # noqa: E731
+            params, batch, config, key=key)
+    else:
+        raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
+    fn.takes_key = bool(config.dropout)
+    return fn
 
 
 def layer_grad_norms(grads) -> dict:
@@ -79,6 +99,8 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
                     mesh: Mesh | None = None, donate: bool = True, state_sharding=None):
     """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
     source. The input state's buffers are donated (do not reuse it after the call).
+A ``grad_fn`` marked ``takes_key`` (grad_source with dropout) is called with a key
+split off ``state.rng`` each step, so the key stream lives in the checkpoint.
 
     With a ``mesh`` (sharding.make_mesh), the batch is split along its first axis over
     data x fsdp, and the state laid out by ``state_sharding`` (a TrainState of
@@ -88,11 +110,18 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
     per-layer norms of ``layer_grad_norms``.
     """
 
+    takes_key = getattr(grad_fn, "takes_key", False)
+
     def step(state: TrainState, batch):
-        loss, grads = grad_fn(state.params, batch)
+        rng = state.rng
+        if takes_key:  # dropout: this step's key comes off the state's key stream
+            rng, key = jax.random.split(rng)
+            loss, grads = grad_fn(state.params, batch, key)
+        else:
+            loss, grads = grad_fn(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, state.rng)
+        new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, rng)
         metrics = {
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),

@@ -1,0 +1,141 @@
+"""The GPT-2 options (tie_embeddings, bias, head_bias, dropout) with every memory and
+shape option, in float64: manual_grads.value_and_grad, jax.grad of the configured model
+and jax.grad of the custom_vjp model agree to 1e-10 per leaf, dropout with the same key;
+over a pairwise covering set (each row of test_lean_model's covering set twice, with a
+bit vector of the new options and its complement). The params tree each option leaves
+out, the bfloat16 rule with each option, and dropout's keys."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_bfloat16_within_autodiff
+from test_lean_model import CASES as LEAN_CASES
+from test_lean_model import FIELDS as LEAN_FIELDS
+from test_manual_model import make_batch, make_params
+
+import jaxformer
+import manual_grads
+from jaxformer.model.config import PRESETS, ModelConfig
+from manual_grads import custom_vjp
+from manual_grads.check import assert_trees_close
+
+NEW = {"tie_embeddings": (False, True), "bias": (True, False), "head_bias": (True, False),
+       "dropout": (0.0, 0.2)}
+# one 4-bit vector per lean row; with its complement, any two new fields take all four
+# value pairs, and each new field takes both values beside every value of an old field
+VECTORS = [(0, 0, 0, 0), (0, 1, 1, 0), (1, 0, 1, 0), (1, 1, 0, 0),
+           (0, 0, 1, 1), (0, 1, 0, 1), (1, 0, 0, 1), (1, 1, 1, 1)]
+KEY = jax.random.PRNGKey(7)
+
+
+def new_row(bits):
+    return {name: NEW[name][b] for name, b in zip(NEW, bits)}
+
+
+CASES = []
+for (config, B, T, mask), v in zip(LEAN_CASES, VECTORS):
+    for bits in (v, tuple(1 - b for b in v)):
+        CASES.append((config.replace(**new_row(bits)), B, T, mask))
+
+
+def test_cases_cover_every_pair():
+    configs = [c for c, *_ in CASES]
+    fields = {**{k: v for k, v in LEAN_FIELDS.items()}, **NEW}
+    for a, b in itertools.combinations(fields, 2):
+        if a in LEAN_FIELDS and b in LEAN_FIELDS:
+            continue  # test_lean_model's own rows
+        seen = {(getattr(c, a), getattr(c, b)) for c in configs}
+        assert seen == set(itertools.product(fields[a], fields[b])), (a, b)
+
+
+def _three(params, batch, config, key):
+    return (jax.value_and_grad(jaxformer.loss_fn)(params, batch, config, key=key),
+            manual_grads.value_and_grad(params, batch, config, key=key),
+            jax.value_and_grad(custom_vjp.loss_fn)(params, batch, config, key=key))
+
+
+THREE = jax.jit(_three, static_argnums=2)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[
+    f"tie{int(c.tie_embeddings)}-bias{int(c.bias)}-hb{int(c.head_bias)}-drop{c.dropout}-"
+    f"{c.attention_impl}-chunk{c.loss_chunk}-{c.remat}-{c.norm}" for c, *_ in CASES])
+def test_options_manual_equals_autodiff_float64(case):
+    config, B, T, mask = CASES[case]
+    params, batch = make_params(config, jnp.float64), make_batch(config, B, T, mask)
+    (loss_ref, ref), *others = THREE(params, batch, config, KEY)
+    for name, (loss, grads) in zip(("manual", "custom_vjp"), others):
+        np.testing.assert_allclose(loss, loss_ref, rtol=1e-12, atol=1e-12, err_msg=name)
+        assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params), name
+        assert_trees_close(ref, grads)  # 1e-10 per leaf in float64
+    if config.dropout:  # the key matters: a different key draws other masks
+        other = jaxformer.loss_fn(params, batch, config, key=jax.random.PRNGKey(8))
+        assert float(other) != float(loss_ref)
+        assert float(jaxformer.loss_fn(params, batch, config)) != float(loss_ref)
+
+
+def test_params_layout_of_each_option():
+    tiny = PRESETS["tiny"]
+    keys = lambda p: {jax.tree_util.keystr(k) for k, _ in  # noqa: E731
+                      jax.tree_util.tree_flatten_with_path(p)[0]}
+    full = keys(jaxformer.init_params(jax.random.PRNGKey(0), tiny))
+    tied = keys(jaxformer.init_params(jax.random.PRNGKey(0), tiny.replace(tie_embeddings=True)))
+    assert full - tied == {"['head']['w']"}
+    nohb = keys(jaxformer.init_params(jax.random.PRNGKey(0), tiny.replace(head_bias=False)))
+    assert full - nohb == {"['head']['b']"}
+    both = jaxformer.init_params(jax.random.PRNGKey(0), tiny.replace(tie_embeddings=True, head_bias=False))
+    assert "head" not in both
+    nob = keys(jaxformer.init_params(jax.random.PRNGKey(0), tiny.replace(bias=False)))
+    assert full - nob == {f"['blocks']['attn']['{b}']" for b in ("bq", "bk", "bv", "bo")} | {
+        "['blocks']['ffn']['b_in']", "['blocks']['ffn']['b_out']", "['blocks']['ln1']['bias']",
+        "['blocks']['ln2']['bias']", "['ln_f']['bias']"}
+    # the other leaves are drawn as before: options do not move the seed's values
+    a = jaxformer.init_params(jax.random.PRNGKey(0), tiny)
+    b = jaxformer.init_params(jax.random.PRNGKey(0), tiny.replace(bias=False, tie_embeddings=True))
+    np.testing.assert_array_equal(a["blocks"]["attn"]["wq"], b["blocks"]["attn"]["wq"])
+
+
+def test_gpt2_preset_is_gpt2():
+    c = PRESETS["gpt2"]
+    assert (c.tie_embeddings, c.head_bias, c.bias, c.activation) == (True, False, True, "gelu_tanh")
+    n = sum(x.size for x in jax.tree_util.tree_leaves(
+        jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), c.replace(vocab_size=50257)))))
+    assert n == 124_439_808  # GPT-2 small with its 50257-token vocabulary
+
+
+def test_bad_option_values_are_named():
+    for field, value in (("dropout", 1.0), ("dropout", -0.1), ("bias", 1), ("tie_embeddings", "yes")):
+        with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+            ModelConfig(**{field: value})
+    with pytest.raises(ValueError, match="dropout.*pallas"):
+        ModelConfig(dropout=0.1, attention_impl="pallas")
+
+
+def test_dropout_key_none_is_no_dropout_and_rate_is_honoured():
+    config = PRESETS["tiny"].replace(dropout=0.5)
+    params = jaxformer.init_params(jax.random.PRNGKey(0), config)
+    inputs = jnp.zeros((4, 16), jnp.int32)
+    plain = jaxformer.forward(params, inputs, config.replace(dropout=0.0))
+    np.testing.assert_array_equal(jaxformer.forward(params, inputs, config), plain)
+    from jaxformer.model.dropout import keep_mask
+    kept = float(jnp.mean(keep_mask(KEY, 0.5, (100_000,))))
+    assert abs(kept - 0.5) < 0.01
+
+
+BASE16 = ModelConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=2, d_ff=24, max_seq_len=12)
+
+
+@pytest.mark.parametrize("option", [dict(tie_embeddings=True, head_bias=False), dict(bias=False),
+                                    dict(head_bias=False), dict(dropout=0.1),
+                                    dict(dropout=0.1, attention_impl="blockwise", attention_block=4,
+                                         loss_chunk=8, remat="block", tie_embeddings=True)])
+def test_bfloat16_rule_holds_with_each_option(option):
+    config = BASE16.replace(**option)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, config.vocab_size, (2, 11))
+    batch = {"inputs": jnp.asarray(ids[:, :-1], jnp.int32), "targets": jnp.asarray(ids[:, 1:], jnp.int32)}
+    params = jaxformer.init_params(jax.random.PRNGKey(0), config, jnp.float32)
+    assert_bfloat16_within_autodiff(params, batch, config, key=KEY if config.dropout else None)
