@@ -10,8 +10,22 @@ import sys
 
 
 def quiet_orbax() -> None:
-    """orbax reports every save and restore at INFO level through absl logging: keep WARNING and up."""
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    """orbax reports every save and restore at INFO level through absl logging: keep WARNING
+    and up, less its warning at a preemption sync point (the run reports its stop itself)."""
+    logger = logging.getLogger("absl")
+    logger.setLevel(logging.WARNING)
+    if _SYNC_POINT not in logger.filters:
+        logger.addFilter(_SYNC_POINT)
+
+
+class _SyncPointNotice(logging.Filter):
+    """Drops orbax's "Reached preemption sync point" warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Reached preemption sync point" not in str(record.msg)
+
+
+_SYNC_POINT = _SyncPointNotice()
 
 
 @contextlib.contextmanager

@@ -10,8 +10,11 @@ checkpoint stays intact.
 Several processes (``jax.distributed``) stop at the same step through JAX's
 preemption sync point (``multihost_utils.reached_preemption_sync_point``, as orbax
 uses): the coordination service catches SIGTERM in any process, tells every
-process, and they agree on the step to checkpoint. A Ctrl-C in one process is sent
-on to itself as SIGTERM, so it too stops the whole job at one step.
+process, and they agree on the step to checkpoint (the largest step any process has
+reached, plus one). A Ctrl-C in one process is sent on to itself as SIGTERM, JAX's
+preemption notice, so it too stops the whole job at one step: the process that got
+the Ctrl-C exits 130, every other one 143 ("a stop notice from another process").
+The preemption service is JAX's default (``jax_enable_preemption_service``).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 class Interrupted(Exception):
     """A run stopped by a signal after checkpointing the step it reached."""
 
-    def __init__(self, signum: int, step: int, checkpoint_dir, saved_now: bool):
+    def __init__(self, signum: int | None, step: int, checkpoint_dir, saved_now: bool):
+        """signum None: another process of the job was signalled (JAX's preemption notice)."""
         self.signum, self.step, self.checkpoint_dir, self.saved_now = signum, step, checkpoint_dir, saved_now
-        self.exit_code = EXIT_CODES.get(signum, 130)
+        self.exit_code = EXIT_CODES.get(signum, EXIT_CODES[signal.SIGTERM])
         how = "saved" if saved_now else "already saved"
-        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}; checkpoint "
-                         f"{checkpoint_dir} ({how})")
+        by = (signal.Signals(signum).name if signum is not None
+              else "a stop notice (SIGTERM or Ctrl-C to a process of this job)")
+        super().__init__(f"interrupted by {by} at step {step}; checkpoint {checkpoint_dir} ({how})")
 
 
 class StopRequests:
@@ -71,10 +76,10 @@ class StopRequests:
 
     def requested(self, step: int) -> bool:
         """Whether to stop after ``step`` (call once per step, with every process).
-        Several processes: True at the same step in all of them, once any got SIGTERM."""
+        Several processes: True at the same step in all of them, once any got SIGTERM or
+        SIGINT (``signum`` stays None in a process that got neither)."""
         if self._multi:
             if multihost_utils.reached_preemption_sync_point(step):
-                self.signum = self.signum or signal.SIGTERM
                 return True
             return False
         return self.signum is not None

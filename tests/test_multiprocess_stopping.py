@@ -1,0 +1,88 @@
+"""Two processes on localhost as one job (jax.distributed over gloo, as in
+test_multiprocess.py), stopped safely: a Ctrl-C to one process makes both checkpoint
+the same step through JAX's preemption sync point; a lost process stops the other in
+bounded time with one line, and a plain --resume of the same command continues."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxformer.checkpoints import checkpoint
+from test_train import write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+def _command(corpus, out, steps, *extra):
+    return [sys.executable, "-m", "jaxformer", "train", "--preset", "tiny", "--corpus", corpus,
+            "--steps", str(steps), "--log-every", "1", "--eval-every", "0", "--no-progress",
+            "--out", str(out), *extra]
+
+
+def _start(command, port):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_DISABLE_MOST_OPTIMIZATIONS="true", PYTHONPATH=str(ROOT),
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
+    return [subprocess.Popen(command, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def _wait_for_steps(procs, out, n, timeout=240):
+    metrics = Path(out) / "metrics.jsonl"
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        for p in procs:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps in {timeout} s")
+
+
+def _finish(procs, timeout=180):
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return [err for _, err in outputs]
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_to_one_process_checkpoints_the_same_step_in_all(corpus, tmp_path):
+    out = tmp_path / "run"
+    procs = _start(_command(corpus, out, 100000, "--ckpt-every", "0"), _free_port())
+    _wait_for_steps(procs, out, 3)
+    procs[1].send_signal(signal.SIGINT)
+    errs = _finish(procs)
+    assert [p.returncode for p in procs] == [143, 130], [e[-2000:] for e in errs]
+    lines = [[x for x in err.splitlines() if x.startswith("interrupted")] for err in errs]
+    assert [len(x) for x in lines] == [1, 1], errs
+    assert all("Traceback" not in err and "preemption sync point" not in err for err in errs), errs
+    assert lines[1][0].startswith("interrupted by SIGINT at step "), lines
+    assert lines[0][0].startswith("interrupted by a stop notice (SIGTERM or Ctrl-C to a process "
+                                  "of this job) at step "), lines
+    steps = [int(x[0].split(" at step ")[1].split(";")[0]) for x in lines]
+    assert steps[0] == steps[1] and checkpoint.all_steps(out) == [steps[0]], (steps, lines)
+    assert lines[0][0].endswith("--resume") and lines[1][0].endswith("--resume"), lines
+    checkpoint.verify_files(steps[0], checkpoint.checkpoint_dir(out) / str(steps[0]))
