@@ -105,3 +105,25 @@ def test_a_second_ctrl_c_aborts_and_harms_no_checkpoint(corpus, tmp_path):
                            *_argv(corpus, out, max(checkpoint.all_steps(out)) + 1, "--resume")],
                           capture_output=True, text=True, env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--preset", "loopos"],
+    ["compare-grads", "--preset", "loopos"],
+    ["prepare", "--corpus", "stdlib", "--tokenizer", "bpe", "--vocab-size", "4096", "--out", "{tmp}/data"],
+], ids=lambda argv: argv[0])
+def test_ctrl_c_stops_any_command_with_one_line_and_130(tmp_path, argv):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    # the `jaxformer` console script, with a line once the imports are done
+    script = ("import sys; from jaxformer.cli.main import main; print('imported', file=sys.stderr, "
+              f"flush=True); sys.argv[1:] = {argv!r}; sys.exit(main())")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), cwd=tmp_path)
+    assert proc.stderr.readline().strip() == "imported"
+    time.sleep(2)  # inside the command's work (each takes far longer than this)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "error: interrupted", err[-3000:]
+    assert err.count("error: interrupted") == 1 and "Traceback" not in err, err[-3000:]

@@ -10,6 +10,7 @@ errors into ``UsageError``; ``run_command`` turns exceptions into exit codes.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -67,10 +68,14 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def run_command(fn: Callable[..., int | None], *args, **kwargs) -> int:
+def run_command(fn: Callable[..., int | None], *args, exit_on_interrupt: bool = False, **kwargs) -> int:
     """Call ``fn(*args, **kwargs)`` and return its exit code (None counts as 0), reporting
     exceptions in the one error style: bad input 2, a non-finite loss 1, Ctrl-C 130;
-    ``--help`` and ``--version`` (argparse's SystemExit) return their own code."""
+    ``--help`` and ``--version`` (argparse's SystemExit) return their own code.
+
+    exit_on_interrupt: after a Ctrl-C's one line, end the process at once (``os._exit``):
+    work still running in native threads (an XLA compile, torch's thread pool) can crash
+    the interpreter's teardown. Only for a real command line, never in-process."""
     try:
         code = fn(*args, **kwargs)
     except SystemExit as e:
@@ -83,5 +88,9 @@ def run_command(fn: Callable[..., int | None], *args, **kwargs) -> int:
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
+        if exit_on_interrupt:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     return 0 if code is None else int(code)

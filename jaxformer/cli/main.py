@@ -3,7 +3,8 @@
 Each command is a module of this package with ``add_parser(subparsers)`` and
 ``run(args) -> int``; this one assembles them and dispatches. Bad input ends with
 one ``error: ...`` line on stderr and exit code 2; a run stopped by a non-finite
-loss exits with 1 (``cli.args.run_command``).
+loss exits with 1; a Ctrl-C ends any command with ``error: interrupted`` and exit
+code 130 (``train`` first checkpoints the step it reached) (``cli.args.run_command``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _dispatch(argv: list[str]) -> int:
 
 def main(argv=None) -> int:
     """Run the ``jaxformer`` command with ``argv`` (default: sys.argv[1:]); returns the exit code."""
-    return run_command(_dispatch, list(sys.argv[1:] if argv is None else argv))
+    return run_command(_dispatch, list(sys.argv[1:] if argv is None else argv), exit_on_interrupt=argv is None)
 
 
 if __name__ == "__main__":
