@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxformer.checkpoints import checkpoint
+from jaxformer.checkpoints import checkpoint, runs
 from jaxformer.checkpoints.checkpoint import CheckpointError
 from jaxformer.observe.metrics import RUN_KEYS, read_metrics
 from jaxformer.training.loop import train
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.resume import restore_newest
-from jaxformer.training.step import init_state
+from jaxformer.training.step import init_state, state_template
 from test_train import tiny_settings, write_corpus
 
 N = 4  # steps before the interruption
@@ -51,6 +51,32 @@ def test_round_trip(tmp_path):
     meta = checkpoint.read_meta(tmp_path)
     assert meta["step"] == 7 and meta["tokenizer"] == META["tokenizer"]
     assert checkpoint.latest_step(tmp_path) == 7
+
+
+def test_restore_params_reads_no_optimizer_state(tmp_path):
+    state = _state(accum_steps=2)._replace(step=jnp.int32(7), data_index=jnp.int32(9))
+    checkpoint.save(tmp_path, state, META)
+    template = _state(seed=1)
+    got = checkpoint.restore_params(tmp_path, {"params": template.params, "data_index": template.data_index})
+    assert sorted(got) == ["data_index", "params"]
+    chex.assert_trees_all_equal(got["params"], state.params)
+    assert int(got["data_index"]) == 9
+
+
+def test_runs_load_params_only(corpus, tmp_path):
+    """generate's and diagnose's loader restores the params alone: a template whose
+    optimizer state could not be restored (a wrong shape) does not matter to it."""
+    result = train(tiny_settings(corpus, steps=2), tmp_path, progress=False)
+
+    def bad_opt_state(config, meta):
+        return state_template(config, meta)._replace(opt_state=jax.ShapeDtypeStruct((3,), jnp.float32))
+
+    with pytest.raises(CheckpointError):  # the whole state: the optimizer state is read too
+        runs.load_state(tmp_path, bad_opt_state)
+    params, _, _, meta = runs.load_run(tmp_path, bad_opt_state)
+    chex.assert_trees_all_equal(params, jax.device_get(result.state.params))
+    fields, _, _, _ = runs.load_params(tmp_path, bad_opt_state)
+    assert sorted(fields) == ["data_index", "params", "step"] and int(fields["step"]) == meta["step"] == 2
 
 
 def test_keeps_the_latest_few(tmp_path):

@@ -159,6 +159,17 @@ def restore(run_dir, template, step: int | None = None):
 
     Verified: DamagedCheckpointError names the file or array that differs from the
     digests recorded at save time."""
+    return _restore_state(run_dir, template, step, partial=False)
+
+
+def restore_params(run_dir, template: dict, step: int | None = None) -> dict:
+    """Only some fields of the saved state, e.g. ``{"params": ..., "data_index": ...}``
+    (shapes as for ``restore``): sampling and diagnosis never read the optimizer state
+    into memory. Verified like ``restore`` (the digests of every file are checked)."""
+    return _restore_state(run_dir, template, step, partial=True)
+
+
+def _restore_state(run_dir, template, step: int | None, partial: bool):
     step = _pick_step(run_dir, step)
     path = checkpoint_dir(run_dir) / str(step)
     meta = read_meta(run_dir, step)
@@ -168,10 +179,12 @@ def restore(run_dir, template, step: int | None = None):
     target = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         template)
+    args = (ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                   restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+            if partial else ocp.args.StandardRestore(target))
     try:
         with silenced():
-            restored = _restore(
-                run_dir, step, ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+            restored = _restore(run_dir, step, ocp.args.Composite(state=args)).state
     except Exception as e:  # noqa: BLE001 - sorted into damage and the rest (read_failure)
         raise read_failure(e, step, path, "restore") from None
     want = jax.tree_util.tree_structure(template)
@@ -183,7 +196,7 @@ def restore(run_dir, template, step: int | None = None):
                 f"checkpoint {path} holds an array {got.dtype}{list(got.shape)} where "
                 f"{exp.dtype}{list(exp.shape)} is expected"
             )
-    if meta.get("digests"):  # a format-1 checkpoint: array digests of the host values
+    if meta.get("digests") and not partial:  # a format-1 checkpoint: array digests of the host values
         verify_arrays(meta["digests"], to_host(restored), step, path)
     return restored
 
@@ -234,5 +247,6 @@ __all__ = [
     "CheckpointError", "CheckpointReadError", "CheckpointWriteError", "DamagedCheckpointError",
     "Saver", "first_non_finite_on_device", "UnhealthyStateError", "checkpoint_dir",
     "all_steps", "latest_step", "save", "read_meta", "newest_meta", "set_aside", "restore",
+    "restore_params",
     "load_newest_good", "array_digests", "first_non_finite", "to_host", "warn",
 ]

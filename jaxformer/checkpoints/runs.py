@@ -7,6 +7,9 @@ abstract state (a pytree of ``jax.ShapeDtypeStruct``) the checkpoint must hold, 
 ``jaxformer.training.step.state_template`` for a TrainState. It lands on the first
 device, whatever mesh wrote it. Without ``step``, the newest checkpoint that
 verifies is loaded and each damaged one skipped is reported in one line.
+
+Sampling and diagnosis read the params only (``load_params``, ``load_run``): the
+optimizer state (twice the params with Adam) is never restored.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.checkpoints.checkpoint import (all_steps, checkpoint_dir, load_newest_good, read_meta,
-                                              restore, warn)
+                                              restore, restore_params, warn)
 from jaxformer.checkpoints.errors import CheckpointError
 from jaxformer.data import Tokenizer, tokenizer_from_dict
 from jaxformer.model.config import ModelConfig
 
 Template = Callable[[ModelConfig, dict], Any]  # (config, meta) -> the abstract state
+
+PARAMS_FIELDS = ("step", "params", "data_index")  # the state fields load_params restores
 
 
 def run_config(meta: dict, where) -> tuple[ModelConfig, Tokenizer, jnp.dtype]:
@@ -41,7 +46,9 @@ def run_config(meta: dict, where) -> tuple[ModelConfig, Tokenizer, jnp.dtype]:
     return config, tokenizer, dtype
 
 
-def _load_step(run_dir: Path, step: int, template: Template):
+def _load_step(run_dir: Path, step: int, template: Template, fields: tuple[str, ...] | None = None):
+    """(state, config, tokenizer, meta) of checkpoint ``step``; with ``fields``, a dict of
+    only those fields of the state."""
     meta = read_meta(run_dir, step)
     where = checkpoint_dir(run_dir) / str(step)
     config, tokenizer, _ = run_config(meta, where)
@@ -52,7 +59,10 @@ def _load_step(run_dir: Path, step: int, template: Template):
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
-    return restore(run_dir, target, step), config, tokenizer, meta
+    if fields is None:
+        return restore(run_dir, target, step), config, tokenizer, meta
+    target = {name: getattr(target, name) for name in fields}
+    return restore_params(run_dir, target, step), config, tokenizer, meta
 
 
 def load_state(run_dir, template: Template, step: int | None = None,
@@ -64,14 +74,25 @@ def load_state(run_dir, template: Template, step: int | None = None,
     return loaded
 
 
+def load_params(run_dir, template: Template, step: int | None = None,
+                report: Callable[[str], None] | None = warn):
+    """As ``load_state``, but the state is a dict of its PARAMS_FIELDS (step, params,
+    data_index) alone: no optimizer state is read into memory."""
+    run_dir = Path(run_dir)
+    _, loaded = load_newest_good(run_dir, lambda s: _load_step(run_dir, s, template, PARAMS_FIELDS),
+                                 step, report)
+    return loaded
+
+
 def load_run(run_dir, template: Template, step: int | None = None, model: dict | None = None,
              report: Callable[[str], None] | None = warn):
     """(params, config, tokenizer, meta) of the latest checkpoint (or ``step``) of a run;
     without ``step``, the newest checkpoint that verifies (damaged ones are skipped
     with a one-line warning on stderr). ``model``: ModelConfig fields to change that
-    keep the params' shapes (e.g. attention_impl, compute_dtype)."""
-    state, config, tokenizer, meta = load_state(run_dir, template, step, report)
-    return state.params, config.replace(**(model or {})), tokenizer, meta
+    keep the params' shapes (e.g. attention_impl, compute_dtype). Params only: the
+    optimizer state is not restored."""
+    state, config, tokenizer, meta = load_params(run_dir, template, step, report)
+    return state["params"], config.replace(**(model or {})), tokenizer, meta
 
 
 def describe(run_dir) -> str:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jaxformer import data
 from jaxformer.checkpoints import checkpoint
-from jaxformer.checkpoints.runs import load_state
+from jaxformer.checkpoints.runs import load_params
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.validate import validate_batch
 from jaxformer.observe.diagnosis import Diagnosis, Range, Recorder, Stage, value_range  # noqa: F401
@@ -99,13 +99,13 @@ def diagnose_failure(run_dir, last_saved, config, settings, step_fn, batcher, st
 def diagnose_run(run_dir, step: int | None = None) -> str:
     """The per-stage table (forward ranges, gradient norms) and the first non-finite
     value for the next training batch of a run's checkpoint (default: the newest
-    that verifies)."""
-    state, config, tokenizer, meta = load_state(run_dir, state_template, step)
+    that verifies). Restores the params alone, not the optimizer state."""
+    state, config, tokenizer, meta = load_params(run_dir, state_template, step)
     settings = TrainSettings.from_dict(meta["settings"])
     _, train_ids, _, _ = load_data(settings, tokenizer)
     batcher = data.Batcher(train_ids, settings.batch_size, settings.seq_len, settings.seed)
-    index = int(jax.device_get(state.data_index))
-    diagnosis = diagnose_batch(jax.device_get(state.params), batcher.batch(index), config)
+    index = int(jax.device_get(state["data_index"]))
+    diagnosis = diagnose_batch(jax.device_get(state["params"]), batcher.batch(index), config)
     header = (f"{Path(run_dir)}: checkpoint step {meta['step']}, training batch {index} "
               f"({settings.batch_size} x {settings.seq_len} tokens), {config.n_layers} blocks")
     return f"{header}\n{diagnosis.table()}"
