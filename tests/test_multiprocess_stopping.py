@@ -3,6 +3,7 @@ test_multiprocess.py), stopped safely: a Ctrl-C to one process makes both checkp
 the same step through JAX's preemption sync point; a lost process stops the other in
 bounded time with one line, and a plain --resume of the same command continues."""
 
+import json
 import os
 import signal
 import socket
@@ -86,3 +87,35 @@ def test_a_ctrl_c_to_one_process_checkpoints_the_same_step_in_all(corpus, tmp_pa
     assert steps[0] == steps[1] and checkpoint.all_steps(out) == [steps[0]], (steps, lines)
     assert lines[0][0].endswith("--resume") and lines[1][0].endswith("--resume"), lines
     checkpoint.verify_files(steps[0], checkpoint.checkpoint_dir(out) / str(steps[0]))
+
+
+@pytest.mark.slow
+def test_a_lost_process_stops_the_other_with_one_line_and_resume_continues(corpus, tmp_path):
+    out = tmp_path / "run"
+    command = _command(corpus, out, 100000, "--ckpt-every", "2", "--heartbeat-timeout", "5")
+    procs = _start(command, _free_port())
+    _wait_for_steps(procs, out, 4)
+    lost = time.time()
+    procs[1].kill()  # SIGKILL: no handler runs, as when a machine goes away
+    errs = _finish(procs, timeout=60)
+    stopped_in = time.time() - lost
+    assert procs[0].returncode == 75, errs[0][-3000:]
+    assert stopped_in < 5 + 20, stopped_in  # the heartbeat timeout and a busy machine's slack
+    lines = [x for x in errs[0].splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, errs[0][-3000:]
+    assert lines[0].startswith("error: lost process 1 of 2 (no heartbeat for 5 s, or it exited); this "
+                               "process stops too; resume every process with: jaxformer train "), lines
+    assert lines[0].endswith("--resume") and "Traceback" not in errs[0], errs[0][-3000:]
+    assert "stack trace" not in errs[0], errs[0][-3000:]
+    saved = max(checkpoint.all_steps(out))
+    # the same command with --resume: both processes continue from the newest checkpoint
+    # (stopped again with a Ctrl-C once they have)
+    metrics = Path(out) / "metrics.jsonl"
+    before = len(metrics.read_text().splitlines())
+    procs = _start(command + ["--resume"], _free_port())
+    _wait_for_steps(procs, out, before + 2)
+    procs[0].send_signal(signal.SIGINT)
+    errs = _finish(procs)
+    assert [p.returncode for p in procs] == [130, 143], [e[-2000:] for e in errs]
+    resumed = [json.loads(x) for x in metrics.read_text().splitlines()[before:]]
+    assert [r["step"] for r in resumed[:2]] == [saved + 1, saved + 2], resumed[:3]

@@ -9,6 +9,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
@@ -18,7 +19,7 @@ from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import count_params
 from jaxformer.observe.report import recipe_text
 from jaxformer.observe.words import plural
-from jaxformer.training import distributed
+from jaxformer.training import distributed, liveness
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
 from jaxformer.training.loop import train
 from jaxformer.training.optim import DECAY_RULES, OPTIMIZERS, SCHEDULES
@@ -143,6 +144,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="multi-process run: number of processes (or JAX_NUM_PROCESSES)")
     m.add_argument("--process-id", type=nonneg_int, metavar="I",
                    help="multi-process run: this process's index (or JAX_PROCESS_ID)")
+    m.add_argument("--heartbeat-timeout", type=positive_int, metavar="S",
+                   help=f"multi-process run: a process silent for S seconds is lost and the others "
+                        f"stop (default {distributed.HEARTBEAT_TIMEOUT_S}, or "
+                        f"{distributed.HEARTBEAT_ENV})")
     add_model_flags(t)
     return t
 
@@ -190,7 +195,9 @@ SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activa
 
 
 def run(args: argparse.Namespace) -> int:
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    heartbeat = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                       args.heartbeat_timeout,
+                                       lambda: f"resume every process with: {resume_command(args)}")
     settings = train_settings(args)
     if settings.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
@@ -210,7 +217,13 @@ def run(args: argparse.Namespace) -> int:
                        check_memory=not args.ignore_memory_check, init_params=init)
     except Interrupted as e:
         print(f"{e}; resume with: {resume_command(args)}", file=sys.stderr)
+        _all_done(heartbeat)
         return e.exit_code
+    except Exception as e:
+        if heartbeat is not None and liveness.may_be_a_lost_peer(e):
+            liveness.settle(heartbeat)  # a lost process: the watch ends this one, with its line
+        raise
+    _all_done(heartbeat)
     wall = time.perf_counter() - t0
     if not main:
         return 0
@@ -220,6 +233,14 @@ def run(args: argparse.Namespace) -> int:
     print(summary(result, wall))
     print(f"run folder: {result.run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
     return 0
+
+
+def _all_done(heartbeat: int | None) -> None:
+    """Several processes: wait for every one to finish (in JAX's recoverable mode the
+    shutdown no longer waits for the others, and process 0 hosts the coordination service)."""
+    if heartbeat is not None:
+        multihost_utils.sync_global_devices("jaxformer train: done")
+        liveness.finish(jax.process_count(), heartbeat)
 
 
 def resume_command(args: argparse.Namespace) -> str:
