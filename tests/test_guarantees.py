@@ -329,3 +329,20 @@ def test_cli_resume_and_diagnose_in_a_subprocess(corpus, tmp_path):
     assert "checkpoint step 6, training batch 6" in out.stdout
     assert "blocks[1].ffn residual" in out.stdout
     assert "every activation and gradient of the manual forward and backward" in out.stdout
+
+
+def test_after_a_nan_the_message_says_what_resuming_does(corpus, tmp_path):
+    """A run driven to NaN (sgd, lr 1e3): the replay of the failing step from the newest
+    checkpoint diverges again, and the message names the settings to change; --resume
+    accepts a lower --lr (with a note) and refuses turning clipping on."""
+    settings = tiny_settings(corpus, steps=8, ckpt_every=1, optimizer="sgd", lr=1e3)
+    with pytest.raises(NonFiniteLossError) as info:
+        train(settings, tmp_path, progress=False)
+    message = " ".join(str(info.value).split())
+    saved = checkpoint.latest_step(tmp_path)
+    assert f"non-finite loss at step {saved + 1}" in message, message
+    assert (f"Resuming from checkpoint step {saved} at these settings diverges again: a replay of step "
+            f"{saved + 1} on the same batch is non-finite; --resume with a lower --lr (now 1000, e.g. "
+            "--lr 100); gradient-norm clipping (--clip-norm) changes the optimizer state") in message
+    with pytest.raises(checkpoint.CheckpointError, match="clipping cannot be turned on on resume"):
+        train(settings.replace(clip_norm=1.0), tmp_path, resume=True, progress=False)

@@ -28,6 +28,7 @@ the failure and diagnoses the failing step's batch; ``diagnose_run`` (the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -72,12 +73,13 @@ def diagnose_batch(params, batch, config: ModelConfig) -> Diagnosis:
 
 def diagnose_failure(run_dir, last_saved, config, settings, step_fn, batcher, step: int,
                      mesh_key, opt_items) -> str:
-    """One sentence naming where step ``step``'s first non-finite value appeared.
+    """Where step ``step``'s first non-finite value appeared, and what resuming will do.
 
     Replays the run from its newest healthy checkpoint (step ``last_saved``, or the
     initial state when None) with the same compiled ``step_fn`` to the state before
-    ``step``, then diagnoses that step's batch (``batcher.batch`` is a pure function
-    of the batch index). Never raises: a failed diagnosis says so."""
+    ``step``, diagnoses that step's batch (``batcher.batch`` is a pure function of the
+    batch index), then replays the failing step itself on the same batch
+    (``resume_advice``). Never raises: a failed diagnosis says so."""
     try:
         state = init_fn(config, settings.dtype, opt_items, *mesh_key)(settings.seed)
         if last_saved is not None:
@@ -86,14 +88,46 @@ def diagnose_failure(run_dir, last_saved, config, settings, step_fn, batcher, st
         for _ in range(int(jax.device_get(state.step)), step - 1):
             state, _ = step_fn(state, batcher.batch(index))
             index += 1
-        diagnosis = diagnose_batch(jax.device_get(state.params), batcher.batch(index), config)
+        batch = batcher.batch(index)
+        diagnosis = diagnose_batch(jax.device_get(state.params), batch, config)
+        _, metrics = step_fn(state, batch)
+        advice = resume_advice(last_saved, step, settings, jax.device_get(metrics))
+        if (diagnosis.first is not None and str(diagnosis.first).startswith("forward")
+                and last_saved == step - 1):
+            older = [s for s in checkpoint.all_steps(run_dir) if s < last_saved]
+            advice += (f" The params of checkpoint step {last_saved} already give a non-finite "
+                       "forward, so no setting rescues it: resume from an older checkpoint ("
+                       + (f"steps {', '.join(map(str, older))}; move the newer ones out of "
+                          f"{checkpoint.checkpoint_dir(run_dir)})" if older else "none is kept)")
+                       + " with a lower --lr.")
     except Exception as e:  # noqa: BLE001 - the diagnosis must not hide the failure itself
         return f"(the layer-by-layer diagnosis failed: {type(e).__name__}: {e})"
     if diagnosis.first is None:
         return (f"The manual forward and backward of step {step}'s batch are finite (loss "
                 f"{diagnosis.loss:.4g}): the non-finite value came from the gradient source or "
-                "the optimizer update.")
-    return f"Step {step}'s batch, layer by layer: {diagnosis.first}."
+                f"the optimizer update. {advice}")
+    return f"Step {step}'s batch, layer by layer: {diagnosis.first}. {advice}"
+
+
+def resume_advice(last_saved, step: int, settings: TrainSettings, metrics: dict) -> str:
+    """What resuming does, from the replay of step ``step`` (its ``metrics``) from the
+    checkpoint of step ``last_saved`` (None: the initial state) at the run's settings:
+    it passes (a plain --resume continues) or it diverges again (the settings to change)."""
+    finite = all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm") if k in metrics)
+    start = f"checkpoint step {last_saved}" if last_saved is not None else "the initial state"
+    if finite:
+        how = "a plain --resume continues from it" if last_saved is not None else "a new run may pass it"
+        return (f"A replay of step {step} from {start} on the same batch is finite (loss "
+                f"{float(metrics['loss']):.4g}): {how}.")
+    fix = f"a lower --lr (now {settings.lr:g}, e.g. --lr {settings.lr / 10:g})"
+    if settings.clip_norm:
+        fix += f" or a tighter --clip-norm (now {settings.clip_norm:g})"
+    else:
+        fix += ("; gradient-norm clipping (--clip-norm) changes the optimizer state, so it needs "
+                "a new run")
+    how = "--resume with" if last_saved is not None else "a new run with"
+    return (f"Resuming from {start} at these settings diverges again: a replay of step {step} on "
+            f"the same batch is non-finite; {how} {fix}.")
 
 
 def diagnose_run(run_dir, step: int | None = None) -> str:

@@ -86,6 +86,13 @@ def check_resume(run_dir: Path, settings: TrainSettings, saved_meta: dict) -> di
     saved = TrainSettings.from_dict(saved_meta["settings"]).to_dict()
     settings_diff = diff_fields(saved, settings.to_dict(), ignore=RESUMABLE_CHANGES | {"model"})
     problems = []
+    if (saved["clip_norm"] is None) != (settings.clip_norm is None):
+        problems.append(f"gradient-norm clipping cannot be turned {'on' if saved['clip_norm'] is None else 'off'} "
+                        "on resume (--clip-norm changes the optimizer state; start a new run)")
+    for name in ("lr", "clip_norm"):
+        if saved[name] != getattr(settings, name) and not problems:
+            _say(f"note: resuming with {name} {getattr(settings, name)} (the checkpoint was trained "
+                 f"with {saved[name]})")
     if model_diff:
         problems.append(f"model config differs in {'; '.join(model_diff)}")
     if settings_diff:

@@ -154,8 +154,9 @@ class TrainSettings:
 # (The model shape is compared through the resolved ModelConfig: config_diff.)
 RESUMABLE_CHANGES = frozenset(
     {"steps", "schedule_steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every",
-     "keep_checkpoints", "mesh", "data"}  # data: the folder may move; its digests are checked
-)
+     "keep_checkpoints", "mesh", "data",  # data: the folder may move; its digests are checked
+     "lr", "clip_norm"}  # after a non-finite loss (resume.py notes the change; clipping turned on
+)                        # or off is refused: it changes the optimizer state)
 
 
 def settings_for(preset: str, **flags) -> TrainSettings:
