@@ -95,6 +95,10 @@ def test_a_lost_process_stops_the_other_with_one_line_and_resume_continues(corpu
     command = _command(corpus, out, 100000, "--ckpt-every", "2", "--heartbeat-timeout", "5")
     procs = _start(command, _free_port())
     _wait_for_steps(procs, out, 4)
+    t0 = time.time()  # a finished checkpoint to resume from (the loss may come mid-save)
+    while not list(checkpoint.checkpoint_dir(out).glob(f"*/{checkpoint.FILE_DIGESTS}")):
+        assert time.time() - t0 < 120 and procs[0].poll() is None, "no finished checkpoint"
+        time.sleep(0.2)
     lost = time.time()
     procs[1].kill()  # SIGKILL: no handler runs, as when a machine goes away
     errs = _finish(procs, timeout=60)
@@ -107,15 +111,15 @@ def test_a_lost_process_stops_the_other_with_one_line_and_resume_continues(corpu
                                "process stops too; resume every process with: jaxformer train "), lines
     assert lines[0].endswith("--resume") and "Traceback" not in errs[0], errs[0][-3000:]
     assert "stack trace" not in errs[0], errs[0][-3000:]
-    saved = max(checkpoint.all_steps(out))
+    saved = max(int(p.parent.name) for p in checkpoint.checkpoint_dir(out).glob(f"*/{checkpoint.FILE_DIGESTS}"))
     # the same command with --resume: both processes continue from the newest checkpoint
     # (stopped again with a Ctrl-C once they have)
     metrics = Path(out) / "metrics.jsonl"
-    before = len(metrics.read_text().splitlines())
     procs = _start(command + ["--resume"], _free_port())
-    _wait_for_steps(procs, out, before + 2)
+    _wait_for_steps(procs, out, saved + 2)  # the records past the checkpoint are dropped first
     procs[0].send_signal(signal.SIGINT)
     errs = _finish(procs)
     assert [p.returncode for p in procs] == [130, 143], [e[-2000:] for e in errs]
-    resumed = [json.loads(x) for x in metrics.read_text().splitlines()[before:]]
-    assert [r["step"] for r in resumed[:2]] == [saved + 1, saved + 2], resumed[:3]
+    assert f"resuming from checkpoint step {saved} " in errs[0], errs[0][-3000:]
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= saved + 2, steps
