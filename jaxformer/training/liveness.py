@@ -20,6 +20,7 @@ other process at once with its own fatal error and stack dump
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -70,8 +71,14 @@ def watch(num_processes: int, heartbeat_timeout: int,
         while True:
             try:
                 ids = missing(client, num_processes)
-            except Exception:  # noqa: BLE001 - the client is shutting down: nothing to watch
-                return
+            except Exception:  # noqa: BLE001 - the coordination service (process 0) is unreachable
+                if _done.wait(0.5):  # or this process is disconnecting at the end
+                    return
+                ids = [0]
+            if ids:
+                # a normal end disconnects the others right after a barrier: give this
+                # process's own finish() a moment to say so
+                _done.wait(0.5)
             if _done.is_set():
                 return
             if ids:
@@ -80,6 +87,7 @@ def watch(num_processes: int, heartbeat_timeout: int,
                 return
             time.sleep(POLL_S)
 
+    atexit.register(_done.set)  # runs before JAX's own shutdown (registered earlier)
     thread = threading.Thread(target=loop, name="jaxformer-liveness", daemon=True)
     thread.start()
     return thread
