@@ -15,7 +15,8 @@ So a lost process stops the others within heartbeat_timeout + about 2 s (a step
 blocked in a collective included). The one case JAX 0.10 leaves native: when process
 0 itself is lost, the coordination service goes with it and JAX's client ends every
 other process at once with its own fatal error and stack dump
-(``jax.distributed.initialize`` exposes no callback for it).
+(``jax.distributed.initialize`` exposes no callback for it); only when that has not
+happened first does the watch report process 0 lost (the service unreachable).
 """
 
 from __future__ import annotations
