@@ -178,7 +178,7 @@ def test_resume_equals_an_uninterrupted_run(corpus, tmp_path):
     chex.assert_trees_all_equal(again.state, full.state)
 
 
-def test_resume_refuses_another_config(corpus, tmp_path):
+def test_resume_refuses_another_config(corpus, tmp_path, capsys):
     train(tiny_settings(corpus, steps=2), tmp_path, progress=False)
     other_model = tiny_settings(corpus, steps=4).replace(preset="sunfish")
     with pytest.raises(CheckpointError, match="model config differs in") as info:
@@ -187,8 +187,13 @@ def test_resume_refuses_another_config(corpus, tmp_path):
     assert str(tmp_path) in message
     for field in ("activation", "d_model", "d_ff", "n_heads", "norm", "positions"):
         assert f"{field}: " in message
-    with pytest.raises(CheckpointError, match=r"train settings differ in lr: 0.01 \(checkpoint\) vs 0.5"):
-        train(tiny_settings(corpus, steps=4, lr=0.5), tmp_path, resume=True, progress=False)
+    with pytest.raises(CheckpointError, match=r"train settings differ in weight_decay: 0.0 \(checkpoint\) vs 0.5"):
+        train(tiny_settings(corpus, steps=4, weight_decay=0.5), tmp_path, resume=True, progress=False)
+    # the learning rate may change on resume (after a NaN), with a note
+    capsys.readouterr()
+    result = train(tiny_settings(corpus, steps=3, lr=0.005), tmp_path, resume=True, progress=False)
+    assert [r["step"] for r in result.records] == [3]
+    assert "note: resuming with lr 0.005 (the checkpoint was trained with 0.01)" in capsys.readouterr().err
 
 
 def test_resume_without_checkpoint(corpus, tmp_path):
