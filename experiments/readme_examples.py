@@ -141,8 +141,8 @@ def rewrite(text: str, excerpts: dict[str, list[str]], where: str) -> str:
         if m["name"] not in excerpts:
             return m[0]
         lines = "\n".join(excerpts[m["name"]])
-        return (f"{m[1]}Printed on {where} (`python experiments/readme_examples.py` "
-                f"re-runs it and rewrites this block):\n\n```text\n{lines}\n```\n{m[4]}")
+        return (f"{m[1]}Printed on {where}\n(`python experiments/readme_examples.py` re-runs it "
+                f"and rewrites this block):\n\n```text\n{lines}\n```\n{m[4]}")
     return BLOCK.sub(body, text)
 
 

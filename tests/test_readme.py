@@ -92,7 +92,7 @@ def test_every_example_is_a_readme_command_with_an_output_block():
         assert shlex.join(shlex.split(example.command)) in commands, f"{name}: not in a bash block"
         assert blocks.get(name), f"README.md has no filled readme-example block for {name}"
         assert all(flag in example.command for flag in example.quick), name
-    marked = re.search(r"Printed on (.+?), (\d{4}-\d\d-\d\d) ", text)
+    marked = re.search(r"Printed on (.+?), (\d{4}-\d\d-\d\d)\s", text)
     assert marked, "the excerpts name no machine and date"
 
 
