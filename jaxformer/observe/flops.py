@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -158,18 +159,19 @@ def machine_is_busy() -> bool:
 
 
 def cpu_matmul_flops(n: int = 1024, reps: int = 10) -> float:
-    """FLOP/s of the fastest of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the CPU, now."""
+    """FLOP/s of the median of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the CPU,
+    now (the median: one odd timing, fast or slow, does not become the peak)."""
     cpu = jax.devices("cpu")[0]
     a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
     b = jax.device_put(jnp.full((n, n), 0.5, jnp.float32), cpu)
     matmul = jax.jit(jnp.matmul)
     matmul(a, b).block_until_ready()  # compile
-    best = float("inf")
+    times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         matmul(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / statistics.median(times)
 
 
 def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) -> tuple[float | None, str]:
@@ -179,7 +181,7 @@ def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) 
     (measure_cpu_peak's cache)."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
-        return measure_cpu_peak(cpu_matmul), (f"measured once on this machine: best float32 "
+        return measure_cpu_peak(cpu_matmul), (f"measured once on this machine: median float32 "
                                               f"{cpu_matmul}x{cpu_matmul} matmul, cached in "
                                               f"{peak_cache_path()}")
     kind = getattr(device, "device_kind", "")
