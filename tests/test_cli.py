@@ -56,7 +56,7 @@ def test_generate_from_the_run(run_dir, capsys):
                  "--temperature", "0"])
     captured = capsys.readouterr()
     assert code == 0 and captured.out == out  # greedy: the same text again
-    assert f"sampling from {run_dir}, checkpoint step 3 (the newest)" in captured.err
+    assert f"sampling from {run_dir}, checkpoint step 3 (the newest that verifies)" in captured.err
 
 
 def test_generate_help_lists_only_the_flags_it_accepts(capsys):

@@ -62,13 +62,16 @@ def run(args: argparse.Namespace) -> int:
         else checkpoint.newest_meta(args.run)
     if meta.get("param_dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
-    print(f"sampling from {args.run}, checkpoint step {meta['step']}"
-          f"{'' if args.step is not None else ' (the newest)'}", file=sys.stderr)
+
+    def say_which(loaded: dict) -> None:  # after the load: the step actually sampled from
+        which = "" if args.step is not None else " (the newest that verifies)"
+        print(f"sampling from {args.run}, checkpoint step {loaded['step']}{which}", file=sys.stderr)
+
     timing = {}
     texts = sample_texts(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step,
                          num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing,
-                         model=overrides)
+                         model=overrides, on_load=say_which)
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1} of {len(texts)}")
