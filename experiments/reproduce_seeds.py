@@ -55,6 +55,7 @@ import optax
 from jaxformer import data
 from jaxformer.model.config import PRESETS, get_preset
 from jaxformer.model.params import init_params
+from jaxformer.observe.words import plural
 from jaxformer.training.optim import decay_mask
 from jaxformer.training.step import grad_source, init_state, make_eval_step, make_train_step
 
@@ -271,7 +272,7 @@ def format_markdown(report: dict) -> str:
         "",
         f"Preset `{o['preset']}` ({report['n_params']:,} parameters), embedded corpus "
         f"({report['train_tokens']:,} training / {report['val_tokens']:,} validation bytes, "
-        f"byte tokens: a uniform guess costs ln 256 = 5.545 nats). {o['steps']} steps of "
+        f"byte tokens: a uniform guess costs ln 256 = 5.545 nats). {plural(o['steps'], 'step')} of "
         f"batch {o['batch_size']} x {o['seq_len']} tokens ({report['epochs']:.2f} epochs), "
         f"learning rate {LR}, gradient entries clipped to [-{CLIP:g}, {CLIP:g}], weight decay "
         f"{WEIGHT_DECAY} on {decayed}, seed {o['seed']}, {o['dtype']}.",
@@ -279,11 +280,11 @@ def format_markdown(report: dict) -> str:
         f"The default length ({DEFAULT_STEPS} steps) is chosen to keep the whole sweep short "
         f"on 2 CPU cores while letting full backprop pull clearly ahead with Adam, which it "
         f"does only after about 150 steps; `--steps` runs longer. This run took "
-        f"{report['wall_s']:.0f} s for {len(report['runs'])} runs, compilation included "
+        f"{report['wall_s']:.0f} s for {plural(len(report['runs']), 'run')}, compilation included "
         f"(machine and load below).",
         "",
         "Losses in nats per token. Train: first step, and the mean of the last "
-        f"{TAIL} steps. Validation: before training and at the end.",
+        f"{plural(TAIL, 'step')}. Validation: before training and at the end.",
         "",
         "| stage | optimizer | grads | train first | train final | val first | val final "
         "| tokens/s | compile s | non-finite |",
@@ -446,6 +447,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def plan_line(args: argparse.Namespace, n_runs: int) -> str:
+    """What the sweep will do: runs = optimizers x stages x gradient sources, and their length."""
+    return (f"{plural(n_runs, 'run')} = {plural(len(args.optimizers), 'optimizer')} "
+            f"({', '.join(args.optimizers)}) x {plural(len(args.stages), 'stage')} "
+            f"({', '.join(map(str, args.stages))}) x {plural(len(args.grads), 'gradient source')} "
+            f"({', '.join(args.grads)}), {plural(args.steps, 'step')} each of batch "
+            f"{args.batch_size} x {args.seq_len} on preset {args.preset}; one line per finished run")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every requested (stage, optimizer, gradient source); 0 on success, 1 when a run
     went non-finite."""
@@ -459,19 +469,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     init = initial_params(config, args.seed, dtype)
     runs = []
     load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    plan = [(opt, stage, g) for opt in args.optimizers for stage in args.stages for g in args.grads]
+    print(plan_line(args, len(plan)), flush=True)
     t_start = time.perf_counter()
-    for opt in args.optimizers:
-        for stage in args.stages:
-            for g in args.grads:
-                r = run_one(config, stage=stage, optimizer=opt, grads=g, steps=args.steps,
-                            batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                            dtype=dtype, eval_every=args.eval_every, decay=args.decay,
-                            train_ids=train_ids, val_ids=val_ids, eval_fn=eval_fn, init=init)
-                print(f"stage {stage} {STAGES[stage]:<18} {opt:<4} {g:<6} train "
-                      f"{r['train_first']:.3f} -> {r['train_final']:.3f}  val {r['val_first']:.3f} "
-                      f"-> {_f(r['val_final'])}  {_f(r['tokens_per_s'], 0)} tok/s"
-                      f"{'  NON-FINITE ' + r['non_finite'] if r['non_finite'] else ''}", flush=True)
-                runs.append(r)
+    for i, (opt, stage, g) in enumerate(plan):
+        r = run_one(config, stage=stage, optimizer=opt, grads=g, steps=args.steps,
+                    batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                    dtype=dtype, eval_every=args.eval_every, decay=args.decay,
+                    train_ids=train_ids, val_ids=val_ids, eval_fn=eval_fn, init=init)
+        print(f"run {i + 1}/{len(plan)}: stage {stage} {STAGES[stage]:<18} {opt:<4} {g:<6} train "
+              f"{r['train_first']:.3f} -> {r['train_final']:.3f}  val {r['val_first']:.3f} "
+              f"-> {_f(r['val_final'])}  {_f(r['tokens_per_s'], 0)} tok/s  "
+              f"{time.perf_counter() - t_start:.0f} s elapsed"
+              f"{'  NON-FINITE ' + r['non_finite'] if r['non_finite'] else ''}", flush=True)
+        runs.append(r)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(init))
     report = dict(
         options=vars(args), config=config.to_dict(), n_params=int(n_params),

@@ -115,10 +115,11 @@ def attention_bwd(res: AttentionRes, dy):
     dv = matmul(jnp.swapaxes(dropped, -1, -2), datt, cd)  # (B, H, T, Dh)
     # Pd = drop(probs)
     dprobs = dropout_bwd(drop_res, dpd)  # (B, H, T, T)
-    # probs = softmax(q k^T / sqrt(Dh))
-    dscores = softmax_bwd(probs, dprobs) / math.sqrt(Dh)  # (B, H, T, T)
-    dq = matmul(dscores, k, cd)  # (B, H, T, Dh)
-    dk = matmul(jnp.swapaxes(dscores, -1, -2), q, cd)  # (B, H, T, Dh)
+    # probs = softmax(S), S = q k^T / sqrt(Dh): dS = softmax_bwd(probs, dprobs) / sqrt(Dh),
+    # the 1 / sqrt(Dh) applied to the (B, H, T, Dh) products, not to the (B, H, T, T) dS
+    dsm = softmax_bwd(probs, dprobs)  # (B, H, T, T): sqrt(Dh) * dS
+    dq = matmul(dsm, k, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
+    dk = matmul(jnp.swapaxes(dsm, -1, -2), q, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
     # q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])
     dp, dx = qkv_bwd(qkv_res, dq, dk, dv)  # dx (B, T, D)
     return with_biases(dp, d_out), dx

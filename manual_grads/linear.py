@@ -48,7 +48,8 @@ def linear_bwd(res: LinearRes, dy):
     I, O = w.shape
     x2, dy2 = x.reshape(-1, I), dy.reshape(-1, O)  # (N, I), (N, O)
     dw = matmul(x2.T, dy2, cd)  # (I, O)
-    dx = matmul(dy, w.T, cd)  # (..., I)
+    dx = matmul(dy2, w.T, cd).reshape(dy.shape[:-1] + (I,))  # (..., I): from the (N, O) dy2 that
+    # dw reads, so an elementwise producer of dy (the loss's dlogits, an activation's) runs once
     if b is None:
         return {"w": dw.astype(w.dtype)}, dx
     db = dy2.sum(axis=0)  # (O,)

@@ -7,9 +7,11 @@ With remat "block" the forward keeps each block's input x_l (L, B, T, D), nothin
               dp_l, dx_l = block_bwd(res_l, dx_{l+1})     then undoes it
 Only one block's residuals are alive at a time, in the forward and in the backward.
 
-With a ``tap`` (tap.py) the layers run as a Python loop (the tap inspects values
-eagerly), the kept values are a list with one entry per layer, and layer l's stages
-are named under "blocks[l]."; a recomputed forward is not shown to the tap again.
+With a ``tap`` (tap.py), or with at most UNROLL_MAX_LAYERS layers, the layers run as
+a Python loop (the tap inspects values eagerly; a shallow model runs faster unrolled),
+the kept values are a list with one entry per layer and the parameter gradients are
+stacked at the end; layer l's stages are named under "blocks[l]." for the tap; a
+recomputed forward is not shown to the tap again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,21 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import layer_key
 from manual_grads.block import block_bwd, block_fwd
 from manual_grads.tap import within
+
+
+# Up to this many layers the blocks run as a Python loop (unrolled) rather than a
+# lax.scan: at small shapes a scan's stacked residual and gradient buffers (zero-filled,
+# then written and read a layer at a time) cost about as much as the blocks' elementwise
+# work; unrolled, each layer's residuals are plain arrays and only the L parameter
+# gradients are stacked at the end. Deeper models keep the scan: compile time grows with
+# unrolled depth and the gain is gone once the products dominate (docs/design.md,
+# "Speed of the manual backward").
+UNROLL_MAX_LAYERS = 4
+
+
+def unrolled(config: ModelConfig) -> bool:
+    """Whether the blocks run as a Python loop (n_layers <= UNROLL_MAX_LAYERS)."""
+    return config.n_layers <= UNROLL_MAX_LAYERS
 
 
 def _layer(blocks, l):
@@ -35,18 +52,19 @@ def _key(key, l):
 
 def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None):
     """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), kept).
-    remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D).
+    remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D)
+    (unrolled or with a tap: a list of L per-layer residuals or inputs (B, T, D)).
     ``key``: the step's dropout key (None: no dropout); layer l draws from layer_key(key, l)."""
 
     def step(x, p, l, tap=None):
         y, res = block_fwd(p, x, config, tap, _key(key, l))  # x_{l+1} = block_l(x_l)
         return y, (x if config.remat == "block" else res)
 
-    if tap is None:
+    if tap is None and not unrolled(config):
         return jax.lax.scan(lambda x, xs: step(x, *xs), x, (blocks, jnp.arange(config.n_layers)))
     kept = []
     for l in range(config.n_layers):
-        x, k = step(x, _layer(blocks, l), l, within(tap, f"blocks[{l}]."))
+        x, k = step(x, _layer(blocks, l), l, within(tap, f"blocks[{l}].") if tap else None)
         kept.append(k)
     return x, kept
 
@@ -62,7 +80,7 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None):
         dp, dx = block_bwd(k, dx, tap)  # x_{l+1} = block_l(x_l)
         return dx, dp
 
-    if tap is None:
+    if tap is None and not unrolled(config):
         p = blocks if config.remat == "block" else None  # only a recompute reads the params
         dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy,
                                    (p, kept, jnp.arange(config.n_layers)), reverse=True)
@@ -70,5 +88,5 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None):
     dps = [None] * config.n_layers
     dx = dy
     for l in reversed(range(config.n_layers)):
-        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], l, within(tap, f"blocks[{l}]."))
+        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], l, within(tap, f"blocks[{l}].") if tap else None)
     return jax.tree_util.tree_map(lambda *g: jnp.stack(g), *dps), dx

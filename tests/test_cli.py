@@ -54,7 +54,18 @@ def test_generate_from_the_run(run_dir, capsys):
     assert out.startswith("the cat") and len(out.rstrip("\n")) >= len("the cat")
     code = main(["generate", "--run", str(run_dir), "--prompt", "the cat", "--max-new-tokens", "8",
                  "--temperature", "0"])
-    assert code == 0 and capsys.readouterr().out == out  # greedy: the same text again
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out == out  # greedy: the same text again
+    assert f"sampling from {run_dir}, checkpoint step 3 (the newest that verifies)" in captured.err
+
+
+def test_generate_help_lists_only_the_flags_it_accepts(capsys):
+    assert main(["generate", "--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--attention-impl", "--remat", "--compute-dtype", "--step", "--top-p"):
+        assert flag in text, flag
+    for flag in ("--d-model", "--n-layers", "--vocab-size", "--dropout", "default: the preset's"):
+        assert flag not in text, flag
 
 
 def test_resume_continues_with_the_saved_settings(run_dir, tmp_path, capsys):
@@ -114,3 +125,19 @@ def test_help_in_a_subprocess():
         assert word in result.stdout
     assert main(["train", "--help"]) == 0
     assert main(["compare-grads", "--help"]) == 0  # jaxformer.cli.compare_grads
+
+
+def test_diagnose_help_examples_run(run_dir, capsys):
+    """Each example of `jaxformer diagnose --help`, on a run folder (its own run and step
+    numbers replaced by this run's)."""
+    from jaxformer.cli import diagnose
+    examples = [line.split()[2:] for line in diagnose.EPILOG.splitlines()
+                if line.strip().startswith("jaxformer diagnose")]
+    assert examples
+    for argv in examples:
+        argv = [str(run_dir) if a == "runs/loopos" else a for a in argv]
+        if "--step" in argv:
+            argv[argv.index("--step") + 1] = "3"
+        capsys.readouterr()
+        assert main(["diagnose", *argv]) == 0, capsys.readouterr().err
+        assert "checkpoint step 3" in capsys.readouterr().out

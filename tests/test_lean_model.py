@@ -111,11 +111,11 @@ def test_custom_vjp_model_honours_the_options(norm):
     check(config, jnp.float64, 2, 13, "mostly_zero", CUSTOM_VJP, ("custom_vjp",))
 
 
-@pytest.mark.parametrize("norm", ["pre", "post"])
-@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("norm,positions", [("pre", "learned"), ("post", "sinusoidal")])
 def test_embed_scale_on_the_whole_model_float64(norm, positions):
-    """embed_scale (token rows times sqrt(D)) with each norm and position kind, the lean
-    options on: manual == jax.grad of the plain model; so does the custom_vjp model."""
+    """embed_scale (token rows times sqrt(D)) with each norm and each position kind (the
+    scale touches only the embedding, whose backward depends on the position kind), the
+    lean options on: manual == jax.grad of the plain model; so does the custom_vjp model."""
     config = TINY.replace(embed_scale=True, norm=norm, positions=positions,
                           attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block")
     check(config, jnp.float64, 2, 13, "mostly_zero")

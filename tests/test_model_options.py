@@ -1,8 +1,10 @@
 """The GPT-2 options (tie_embeddings, bias, head_bias, dropout) with every memory and
 shape option, in float64: manual_grads.value_and_grad, jax.grad of the configured model
 and jax.grad of the custom_vjp model agree to 1e-10 per leaf, dropout with the same key;
-over a pairwise covering set (each row of test_lean_model's covering set twice, with a
-bit vector of the new options and its complement). The params tree each option leaves
+over a pairwise covering set (every other row of test_lean_model's covering set twice,
+with a bit vector of the new options and its complement: 8 models whose every pair of
+an old and a new field, or of two new fields, takes all its value pairs;
+test_cases_cover_every_pair checks it). The params tree each option leaves
 out, the bfloat16 rule with each option, and dropout's keys."""
 
 import itertools
@@ -36,7 +38,7 @@ def new_row(bits):
 
 
 CASES = []
-for (config, B, T, mask), v in zip(LEAN_CASES, VECTORS):
+for (config, B, T, mask), v in list(zip(LEAN_CASES, VECTORS))[::2]:
     for bits in (v, tuple(1 - b for b in v)):
         CASES.append((config.replace(**new_row(bits)), B, T, mask))
 

@@ -45,7 +45,7 @@ def test_two_processes_match_one(corpus, tmp_path):
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (stdout, stderr) in zip(procs, outputs):
         assert p.returncode == 0, stderr[-3000:]
-    assert "2 cpu device(s) in 2 process(es)" in outputs[0][1]
+    assert "2 cpu devices in 2 processes" in outputs[0][1]
     assert "run folder" in outputs[0][0] and "run folder" not in outputs[1][0]  # only process 0 reports
     two = read_metrics(out)
     one = train(tiny_settings(corpus, steps=STEPS, eval_every=STEPS), tmp_path / "one", progress=False)

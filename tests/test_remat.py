@@ -4,23 +4,36 @@ block's input, and the reverse scan's recomputed residuals give the same gradien
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxformer.model.config import PRESETS
 from manual_grads.check import assert_trees_close
+from manual_grads import remat
 from manual_grads.remat import blocks_bwd, blocks_fwd
 from test_manual_model import make_params
 
 CONFIG = PRESETS["tiny"].replace(attention_impl="blockwise", attention_block=4)
 
 
-def test_remat_keeps_only_block_inputs():
+@pytest.fixture(params=["scan", "unrolled"])
+def layer_loop(request, monkeypatch):
+    """Both ways the blocks run: a lax.scan, and the Python loop of shallow models."""
+    monkeypatch.setattr(remat, "UNROLL_MAX_LAYERS", 0 if request.param == "scan" else 99)
+    return request.param
+
+
+def test_remat_keeps_only_block_inputs(layer_loop):
     params = make_params(CONFIG, jnp.float64)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 9, 16)))
     res = jax.eval_shape(lambda b, x: blocks_fwd(b, x, CONFIG.replace(remat="block"))[1],
                          params["blocks"], x)
-    assert res.shape == (2, 2, 9, 16)  # (L, B, T, D): one input per block, nothing else
+    if layer_loop == "scan":
+        assert res.shape == (2, 2, 9, 16)  # (L, B, T, D): one input per block, nothing else
+    else:
+        assert [r.shape for r in res] == [(2, 9, 16)] * 2  # L inputs (B, T, D), nothing else
+    kept = sum(leaf.size for leaf in jax.tree_util.tree_leaves(res))
     full = jax.eval_shape(lambda b, x: blocks_fwd(b, x, CONFIG)[1], params["blocks"], x)
-    assert sum(leaf.size for leaf in jax.tree_util.tree_leaves(full)) > 5 * res.size
+    assert sum(leaf.size for leaf in jax.tree_util.tree_leaves(full)) > 5 * kept
 
 
 def _both(blocks, x, dy):
@@ -31,10 +44,25 @@ def _both(blocks, x, dy):
     return out
 
 
-def test_remat_gives_the_same_gradients():
+def test_remat_gives_the_same_gradients(layer_loop):
     params = make_params(CONFIG, jnp.float64)
     rng = np.random.default_rng(1)
     x, dy = (jnp.asarray(rng.standard_normal((2, 9, 16))) for _ in range(2))
     (y, grads), (y_remat, grads_remat) = jax.jit(_both)(params["blocks"], x, dy)
     np.testing.assert_array_equal(y, y_remat)
     assert_trees_close(grads, grads_remat, rtol=1e-12)
+
+
+def test_unrolled_layers_give_the_scans_gradients(monkeypatch):
+    """The Python loop of shallow models (UNROLL_MAX_LAYERS) and the scan compute the
+    same values: equal forward, gradients to float64 rounding, stacked alike."""
+    params = make_params(CONFIG, jnp.float64)
+    rng = np.random.default_rng(2)
+    x, dy = (jnp.asarray(rng.standard_normal((2, 9, 16))) for _ in range(2))
+    out = []
+    for limit in (0, 99):
+        monkeypatch.setattr(remat, "UNROLL_MAX_LAYERS", limit)
+        y, res = blocks_fwd(params["blocks"], x, CONFIG)
+        out.append((y, blocks_bwd(params["blocks"], res, dy, CONFIG)))
+    assert remat.unrolled(CONFIG) and jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(out[1])
+    assert_trees_close(out[0], out[1], rtol=1e-12)

@@ -101,7 +101,11 @@ def test_main_manual_equals_auto_in_float64_and_writes_its_files(tmp_path, capsy
     assert report["agreement"]["2/adam"] < 1e-12
     md = (out / "results.md").read_text()
     assert "4.952 to 4.051" in md and "3.915 to 1.690" in md and "differed" in md
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("2 runs = 1 optimizer (adam) x 1 stage (2) x 2 gradient sources "
+                                 "(manual, auto), 4 steps each"), printed[0]
+    assert [line.split(":")[0] for line in printed if line.startswith("run ")] == ["run 1/2", "run 2/2"]
+    assert "wrote" in printed[-1]
 
 
 def test_bad_options_are_refused():

@@ -31,8 +31,9 @@ def test_gpt2_preset_has_gpt2_small_shape():
         (12, 768, 12, 3072, 1024)
     assert (config.norm, config.activation, config.positions) == ("pre", "gelu_tanh", "learned")
     shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config, dtype=jnp.float32))
-    # GPT-2 small's published 124,439,808, plus the head that GPT-2 ties to tok_embed
-    assert count_params(shapes) == 124_439_808 + 768 * 50257 + 50257
+    # GPT-2 small's published 124,439,808: the head is tied to tok_embed, with no bias
+    assert config.tie_embeddings and not config.head_bias
+    assert count_params(shapes) == 124_439_808
     assert "gpt2" in PRESETS and "gpt2" not in SMALL_PRESETS
     settings = settings_for("gpt2")
     assert (settings.optimizer, settings.lr, settings.schedule, settings.weight_decay, settings.clip_norm) \

@@ -14,7 +14,8 @@ from jaxformer.training.loop import train
 def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=3: calls.append(n) or 123e9)
+    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=10: calls.append(n) or 123e9)
+    monkeypatch.setattr(flops, "machine_is_busy", lambda: False)
     flops.measure_cpu_peak.cache_clear()
     try:
         assert flops.measure_cpu_peak(64) == 123e9
@@ -25,6 +26,23 @@ def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
         assert list(saved.values()) == [123e9] and "cores" in next(iter(saved))
         peak, source = flops.device_peak(cpu_matmul=64)
         assert peak == 123e9 and "cached in" in source and str(tmp_path) in source
+    finally:
+        flops.measure_cpu_peak.cache_clear()
+
+
+def test_a_peak_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=10: calls.append(n) or 8e9)
+    monkeypatch.setattr(flops, "machine_is_busy", lambda: True)
+    flops.measure_cpu_peak.cache_clear()
+    try:
+        assert flops.measure_cpu_peak(64) == 8e9
+        assert not (tmp_path / "jaxformer" / "peak.json").exists()
+        flops.measure_cpu_peak.cache_clear()  # a new process on a quiet machine measures again
+        monkeypatch.setattr(flops, "machine_is_busy", lambda: False)
+        assert flops.measure_cpu_peak(64) == 8e9 and calls == [64, 64]
+        assert (tmp_path / "jaxformer" / "peak.json").exists()
     finally:
         flops.measure_cpu_peak.cache_clear()
 

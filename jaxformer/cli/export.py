@@ -7,6 +7,7 @@ import argparse
 from jaxformer.checkpoints.hf_gpt2 import write_hf_gpt2
 from jaxformer.checkpoints.runs import load_run
 from jaxformer.cli.args import nonneg_int
+from jaxformer.observe.words import plural
 from jaxformer.training.step import state_template
 
 EPILOG = """examples:
@@ -30,6 +31,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     params, config, tokenizer, _ = load_run(args.run, state_template, args.step)
     out = write_hf_gpt2(args.hf, params, config)
-    print(f"wrote {out} (config.json, model.safetensors): {config.n_layers} layers, d_model "
+    print(f"wrote {out} (config.json, model.safetensors): {plural(config.n_layers, 'layer')}, d_model "
           f"{config.d_model}, vocab {config.vocab_size} ({type(tokenizer).__name__})")
     return 0

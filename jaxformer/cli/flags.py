@@ -46,13 +46,20 @@ def _field_type(field: dataclasses.Field):
 
 
 def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
-                    "(overrides the preset; checked by ModelConfig)") -> argparse._ArgumentGroup:
-    """Add one flag per ModelConfig field (``dest`` = the field name, default None)."""
+                    "(overrides the preset; checked by ModelConfig)",
+                    shown: tuple[str, ...] | None = None,
+                    default_from: str = "the preset's") -> argparse._ArgumentGroup:
+    """Add one flag per ModelConfig field (``dest`` = the field name, default None).
+    With ``shown``, only those fields appear in --help; the others are still parsed
+    (so a command can refuse them by name) but hidden. ``default_from`` names where an
+    unset flag's value comes from, for --help."""
     group = parser.add_argument_group(title)
     for f in model_fields():
         kind = _field_type(f)
         default = f.default
-        helptext = f"default: the preset's ({default!r} in ModelConfig)"
+        helptext = f"default: {default_from} ({default!r} in ModelConfig)"
+        if shown is not None and f.name not in shown:
+            helptext = argparse.SUPPRESS
         if kind is bool:
             group.add_argument(flag_name(f.name), dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction, help=helptext)

@@ -46,8 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="run the whole window per token instead of the key/value cache (the reference)")
     g.add_argument("--seed", type=nonneg_int, default=0)
     g.add_argument("--step", type=nonneg_int, metavar="N", help="use the checkpoint of step N (default: latest)")
-    add_model_flags(g, title="model computation (the shape comes from the checkpoint; only "
-                             f"{', '.join(flag_name(n) for n in MODEL_FLAGS)} apply)")
+    add_model_flags(g, title="model computation (the shape comes from the checkpoint)",
+                    shown=MODEL_FLAGS, default_from="the checkpoint's")
     return g
 
 
@@ -62,11 +62,16 @@ def run(args: argparse.Namespace) -> int:
         else checkpoint.newest_meta(args.run)
     if meta.get("param_dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
+
+    def say_which(loaded: dict) -> None:  # after the load: the step actually sampled from
+        which = "" if args.step is not None else " (the newest that verifies)"
+        print(f"sampling from {args.run}, checkpoint step {loaded['step']}{which}", file=sys.stderr)
+
     timing = {}
     texts = sample_texts(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step,
                          num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing,
-                         model=overrides)
+                         model=overrides, on_load=say_which)
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1} of {len(texts)}")

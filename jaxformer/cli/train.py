@@ -209,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     main = jax.process_index() == 0
     log = (lambda line: print(line, file=sys.stderr)) if main else None
-    print(f"training -> {args.out} ({jax.device_count()} {jax.devices()[0].platform} device(s) "
-          f"in {jax.process_count()} process(es))", file=sys.stderr)
+    print(f"training -> {args.out} ({plural(jax.device_count(), jax.devices()[0].platform + ' device')} "
+          f"in {plural(jax.process_count(), 'process')})", file=sys.stderr)
     try:
         result = train(settings, args.out, resume=args.resume, progress=not args.no_progress and main,
                        log=log, allow_data_change=args.allow_data_change,

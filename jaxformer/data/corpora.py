@@ -142,7 +142,7 @@ def describe_corpus(spec: str, max_bytes: int | None, n_read: int) -> str:
     else:
         path = os.path.expanduser(spec)
         files = _files_below(path) if os.path.isdir(path) else [path]
-        where = f"{spec} ({len(files)} files)" if os.path.isdir(path) else spec
+        where = f"{spec} ({len(files)} file{'' if len(files) == 1 else 's'})" if os.path.isdir(path) else spec
         total = sum(os.path.getsize(f) for f in files)
     if max_bytes is None or total <= max_bytes:
         return f"{where}: {_size(n_read)}"

@@ -153,7 +153,7 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
             raise ValueError(f"{out} already holds data prepared from {meta['source']}; choose another "
                              "folder (or delete it) to prepare different data")
         n = shards.verify(out, meta)
-        log(f"{out} is already prepared ({n} shards verified against {shards.META_FILE}); nothing to do")
+        log(f"{out} is already prepared ({n} shard{'' if n == 1 else 's'} verified against {shards.META_FILE}); nothing to do")
         result = PrepareResult(meta)
         result.done_before = True
         return result
@@ -162,7 +162,7 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
     if stale:
         for path in stale:
             path.unlink()
-        log(f"removed {len(stale)} files of an interrupted prepare in {out}; starting over")
+        log(f"removed {len(stale)} file{'' if len(stale) == 1 else 's'} of an interrupted prepare in {out}; starting over")
 
     texts = (_text(p) for p in pieces(corpus, text_field))
     tok = make_tokenizer(tokenizer, vocab_size=vocab_size, texts=texts)
@@ -191,7 +191,8 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
             "vocab_size": tok.vocab_size, "tokenizer": tok_dict, "tokenizer_file": shards.TOKENIZER_FILE,
             "source": source, "documents": n_docs, "bytes": n_bytes, "splits": splits}
     shards.write_atomic(out / shards.META_FILE, json.dumps(meta, indent=1).encode("utf-8"))
+    n_shards = len(writer.written['train']) + len(writer.written['val'])
     log(f"{out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} validation "
-        f"{dtype.name} tokens in {len(writer.written['train']) + len(writer.written['val'])} shards, "
+        f"{dtype.name} tokens in {n_shards} shard{'' if n_shards == 1 else 's'}, "
         f"from {n_docs:,} documents ({n_bytes / 2**20:.1f} MiB); {tok.kind} tokenizer, vocab {tok.vocab_size}")
     return PrepareResult(meta)

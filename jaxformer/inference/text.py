@@ -4,6 +4,8 @@ through the checkpoints room, encode the prompt with the run's tokenizer, sample
 
 from __future__ import annotations
 
+from typing import Callable
+
 from jaxformer.checkpoints.runs import load_run
 from jaxformer.inference.generate import check_options, generate_many
 from jaxformer.training.step import state_template
@@ -22,10 +24,14 @@ def sample_text(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature:
 def sample_texts(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  step: int | None = None, num_samples: int = 1, use_cache: bool = True,
-                 timing: dict | None = None, model: dict | None = None) -> list[str]:
-    """``num_samples`` texts: ``prompt`` followed by what the run's model samples."""
+                 timing: dict | None = None, model: dict | None = None,
+                 on_load: Callable[[dict], None] | None = None) -> list[str]:
+    """``num_samples`` texts: ``prompt`` followed by what the run's model samples.
+    ``on_load``: called with the loaded checkpoint's meta (its ``step`` among them)."""
     check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
-    params, config, tokenizer, _ = load_run(run_dir, state_template, step, model)
+    params, config, tokenizer, meta = load_run(run_dir, state_template, step, model)
+    if on_load:
+        on_load(meta)
     if not prompt:
         raise ValueError("the prompt is empty; give at least one character")
     try:

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -121,40 +122,56 @@ def peak_cache_path() -> Path:
 
 
 @functools.lru_cache(maxsize=4)
-def measure_cpu_peak(n: int = 1024, reps: int = 3) -> float:
+def measure_cpu_peak(n: int = 1024, reps: int = 10) -> float:
     """This machine's CPU peak FLOP/s (cpu_matmul_flops), measured once per machine:
     cached in peak_cache_path() under cpu_key(n), so every run's MFU divides by the
-    same figure. An unreadable or unwritable cache only costs a measurement."""
+    same figure. A busy machine measures too low a peak (MFU over 100% follows), so a
+    figure measured while the load average exceeds half the cores is used for this
+    process only and not cached. An unreadable or unwritable cache only costs a measurement."""
     path, key = peak_cache_path(), cpu_key(n)
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+    if not isinstance(cached, dict):
+        cached = {}
+    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
         return float(cached[key])
     peak = cpu_matmul_flops(n, reps)
+    if machine_is_busy():
+        return peak
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**(cached if isinstance(cached, dict) else {}), key: peak},
-                                   indent=1))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**cached, key: peak}, indent=1))
+        tmp.replace(path)  # atomic: another process never reads half a file
     except OSError:
         pass
     return peak
 
 
-def cpu_matmul_flops(n: int = 1024, reps: int = 3) -> float:
-    """FLOP/s of the fastest of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the CPU, now."""
+def machine_is_busy() -> bool:
+    """The 1-minute load average exceeds half the cores: timings now are others' too."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1) / 2
+    except OSError:  # no load average on this platform
+        return False
+
+
+def cpu_matmul_flops(n: int = 1024, reps: int = 10) -> float:
+    """FLOP/s of the median of ``reps`` jitted float32 (n, n) @ (n, n) matmuls on the CPU,
+    now (the median: one odd timing, fast or slow, does not become the peak)."""
     cpu = jax.devices("cpu")[0]
     a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
     b = jax.device_put(jnp.full((n, n), 0.5, jnp.float32), cpu)
     matmul = jax.jit(jnp.matmul)
     matmul(a, b).block_until_ready()  # compile
-    best = float("inf")
+    times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         matmul(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / statistics.median(times)
 
 
 def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) -> tuple[float | None, str]:
@@ -164,7 +181,7 @@ def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) 
     (measure_cpu_peak's cache)."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
-        return measure_cpu_peak(cpu_matmul), (f"measured once on this machine: best float32 "
+        return measure_cpu_peak(cpu_matmul), (f"measured once on this machine: median float32 "
                                               f"{cpu_matmul}x{cpu_matmul} matmul, cached in "
                                               f"{peak_cache_path()}")
     kind = getattr(device, "device_kind", "")

@@ -15,8 +15,8 @@ warm-up steps (compilation included, timed apart), rounds run the contestants in
 median ms/step and tokens/s with min-max over rounds, model FLOP/s and MFU
 (``observe.flops``) against the device's peak in the matmul dtype, compile time, and
 for JAX XLA's memory analysis of the compiled step; for the full-attention gradient
-functions, compile time at two depths (the blocks run under lax.scan, so it should
-not grow with depth). ``run(settings)`` returns the report dict that
+functions, compile time at two depths (beyond manual_grads.remat.UNROLL_MAX_LAYERS
+layers the blocks run under lax.scan, so it should not grow with depth). ``run(settings)`` returns the report dict that
 ``bench_report`` writes as report.json, report.md and bench.png; the command line is
 ``jaxformer.cli.bench``.
 """

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from jaxformer.observe.words import plural
 from jaxformer.tools.bench_report import LABELS, json_safe
 
 
@@ -28,7 +29,7 @@ def format_sweep_markdown(sweep: dict) -> str:
              f"Command: `{sweep['command']}`", "",
              f"Base model L{c['n_layers']} D{c['d_model']} H{c['n_heads']} F{c['d_ff']} V{c['vocab_size']}, "
              f"compute {c.get('compute_dtype') or 'float32'}; each shape: {s['rounds']} interleaved rounds "
-             f"of {s['steps_per_round']} steps after {s['warmup_steps']} warm-up steps. Tokens/s, median "
+             f"of {plural(s['steps_per_round'], 'step')} after {plural(s['warmup_steps'], 'warm-up step')}. Tokens/s, median "
              f"over rounds; the fastest per shape in bold.", "",
              "| shape | B | T | " + " | ".join(LABELS.get(n, n) for n in names) + " | fastest |",
              "|---|---:|---:|" + "---:|" * len(names) + "---|"]

@@ -40,6 +40,7 @@ from jaxformer.checkpoints.runs import load_params
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.validate import validate_batch
 from jaxformer.observe.diagnosis import Diagnosis, Range, Recorder, Stage, value_range  # noqa: F401
+from jaxformer.observe.words import plural
 from jaxformer.training.run_data import load_data
 from jaxformer.training.settings import TrainSettings
 from jaxformer.training.step import init_fn, state_template
@@ -141,5 +142,5 @@ def diagnose_run(run_dir, step: int | None = None) -> str:
     index = int(jax.device_get(state["data_index"]))
     diagnosis = diagnose_batch(jax.device_get(state["params"]), batcher.batch(index), config)
     header = (f"{Path(run_dir)}: checkpoint step {meta['step']}, training batch {index} "
-              f"({settings.batch_size} x {settings.seq_len} tokens), {config.n_layers} blocks")
+              f"({settings.batch_size} x {settings.seq_len} tokens), {plural(config.n_layers, 'block')}")
     return f"{header}\n{diagnosis.table()}"
