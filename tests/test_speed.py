@@ -47,6 +47,31 @@ def test_a_peak_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
         flops.measure_cpu_peak.cache_clear()
 
 
+def test_an_impossible_cpu_peak_is_neither_cached_nor_used(tmp_path, monkeypatch):
+    """A matmul "measured" faster than any CPU runs one (or such a figure left in the
+    cache) is dropped: measured again, and with no plausible figure MFU is n/a."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(flops, "machine_is_busy", lambda: False)
+    impossible = flops.CPU_CORE_CEILING * (flops.os.cpu_count() or 1) * 2
+    figures = [impossible, impossible, impossible, 90e9]
+    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=10: figures.pop(0))
+    flops.measure_cpu_peak.cache_clear()
+    try:
+        peak, source = flops.device_peak(cpu_matmul=64)
+        assert peak is None and "faster than any CPU" in source
+        assert not (tmp_path / "jaxformer" / "peak.json").exists()
+        flops.measure_cpu_peak.cache_clear()  # a new process: one more bad figure, then a good one
+        assert flops.measure_cpu_peak(64) == 90e9 and figures == []
+        path = tmp_path / "jaxformer" / "peak.json"
+        path.write_text(json.dumps({flops.cpu_key(64): impossible}))  # left by an older version
+        flops.measure_cpu_peak.cache_clear()
+        figures.append(80e9)
+        assert flops.measure_cpu_peak(64) == 80e9
+        assert json.loads(path.read_text()) == {flops.cpu_key(64): 80e9}
+    finally:
+        flops.measure_cpu_peak.cache_clear()
+
+
 def test_steady_state_counts_step_times_only(corpus, tmp_path, monkeypatch):  # noqa: F811
     """Writing a record (slowed here to 50 ms) is not step time: the steady figure
     stays near the logged per-interval speeds, and the peak is named in the log."""

@@ -39,6 +39,10 @@ CONVENTION = (
 
 TFLOP = 1e12
 PEAK_FILE = "peak.json"
+# No CPU core today does 1 TFLOP/s of float32 (a Zen 4 or Sapphire Rapids core with two
+# 512-bit FMA units at 4 GHz does ~0.26): a faster "measurement" timed something other
+# than the matmul, and is neither cached nor used.
+CPU_CORE_CEILING = 1e12
 
 # Dense (no structured sparsity) peak FLOP/s per accelerator and matmul dtype, from
 # NVIDIA's datasheets, which quote bf16/tf32 "with sparsity": the dense figure is half.
@@ -121,13 +125,21 @@ def peak_cache_path() -> Path:
     return Path(root) / "jaxformer" / PEAK_FILE
 
 
+def plausible_cpu_peak(flop_s) -> bool:
+    """A CPU peak figure that could be true: positive and under CPU_CORE_CEILING per core."""
+    return (isinstance(flop_s, (int, float)) and
+            0 < flop_s < CPU_CORE_CEILING * (os.cpu_count() or 1))
+
+
 @functools.lru_cache(maxsize=4)
-def measure_cpu_peak(n: int = 1024, reps: int = 10) -> float:
+def measure_cpu_peak(n: int = 1024, reps: int = 10) -> float | None:
     """This machine's CPU peak FLOP/s (cpu_matmul_flops), measured once per machine:
     cached in peak_cache_path() under cpu_key(n), so every run's MFU divides by the
     same figure. A busy machine measures too low a peak (MFU over 100% follows), so a
     figure measured while the load average exceeds half the cores is used for this
-    process only and not cached. An unreadable or unwritable cache only costs a measurement."""
+    process only and not cached. An unreadable or unwritable cache only costs a measurement.
+    A figure no CPU could reach (plausible_cpu_peak), cached or measured, is dropped: the
+    matmul is measured again, and if it is still implausible the peak is None (MFU n/a)."""
     path, key = peak_cache_path(), cpu_key(n)
     try:
         cached = json.loads(path.read_text())
@@ -135,9 +147,13 @@ def measure_cpu_peak(n: int = 1024, reps: int = 10) -> float:
         cached = {}
     if not isinstance(cached, dict):
         cached = {}
-    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+    if plausible_cpu_peak(cached.get(key)):
         return float(cached[key])
     peak = cpu_matmul_flops(n, reps)
+    if not plausible_cpu_peak(peak):
+        peak = cpu_matmul_flops(n, reps)
+        if not plausible_cpu_peak(peak):
+            return None
     if machine_is_busy():
         return peak
     try:
@@ -181,9 +197,12 @@ def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) 
     (measure_cpu_peak's cache)."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
-        return measure_cpu_peak(cpu_matmul), (f"measured once on this machine: median float32 "
-                                              f"{cpu_matmul}x{cpu_matmul} matmul, cached in "
-                                              f"{peak_cache_path()}")
+        peak = measure_cpu_peak(cpu_matmul)
+        if peak is None:
+            return None, (f"a {cpu_matmul}x{cpu_matmul} float32 matmul timed faster than any "
+                          f"CPU can run it, twice; no peak to divide by")
+        return peak, (f"measured once on this machine: median float32 "
+                      f"{cpu_matmul}x{cpu_matmul} matmul, cached in {peak_cache_path()}")
     kind = getattr(device, "device_kind", "")
     for key, peaks in KNOWN_PEAKS:
         if key in kind:

@@ -203,8 +203,9 @@ def run(s: Settings, say=lambda line: print(line, file=sys.stderr, flush=True)) 
     if jax.devices()[0].platform == "cpu":  # the CPU's peak is measured in every round too
         probe = lambda: flops.cpu_matmul_flops(s.cpu_matmul)  # noqa: E731
     samples, probes, failed = time_rounds(contestants, s.rounds, s.steps, s.warmup, probe, say)
+    probes = [p for p in probes if flops.plausible_cpu_peak(p)]
     if probes:
-        peak = max([peak, *probes])
+        peak = max([p for p in (peak, *probes) if p])
         peak_source = (f"measured: best float32 {s.cpu_matmul}x{s.cpu_matmul} matmul of "
                        f"{len(probes) + 1} measurements, one after each round")
     results = {}
