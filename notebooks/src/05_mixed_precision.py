@@ -56,8 +56,10 @@ for name, product in (("float32", matmul(a, b)), ("bfloat16 inputs", matmul(a, b
 # Every product of the model is a `dot_general` in its jaxpr, JAX's program before
 # compilation. Listing them with their input and output types shows where bfloat16
 # enters: in the forward (`loss_fn`), and in the hand-derived forward + backward
-# (`manual_grads.value_and_grad`). The per-layer products appear once each, inside the
-# `scan` over the layers.
+# (`manual_grads.value_and_grad`). The forward's per-layer products appear once each,
+# inside the `scan` over the layers; the hand-derived pass writes its two layers out one
+# after the other (a model of at most four layers is unrolled, not scanned), so each
+# layer's products appear there twice.
 
 # %%
 tokenizer = data.ByteTokenizer()
