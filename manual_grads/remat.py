@@ -7,8 +7,9 @@ With remat "block" the forward keeps each block's input x_l (L, B, T, D), nothin
               dp_l, dx_l = block_bwd(res_l, dx_{l+1})     then undoes it
 Only one block's residuals are alive at a time, in the forward and in the backward.
 
-With a ``tap`` (tap.py), or with at most UNROLL_MAX_LAYERS layers, the layers run as
-a Python loop (the tap inspects values eagerly; a shallow model runs faster unrolled),
+With a ``tap`` (tap.py), or with at most UNROLL_MAX_LAYERS layers and no recompute, the
+layers run as a Python loop (the tap inspects values eagerly; a shallow model runs faster
+unrolled),
 the kept values are a list with one entry per layer and the parameter gradients are
 stacked at the end; layer l's stages are named under "blocks[l]." for the tap; a
 recomputed forward is not shown to the tap again.
@@ -31,13 +32,16 @@ from manual_grads.tap import within
 # work; unrolled, each layer's residuals are plain arrays and only the L parameter
 # gradients are stacked at the end. Deeper models keep the scan: compile time grows with
 # unrolled depth and the gain is gone once the products dominate (docs/design.md,
-# "Speed of the manual backward").
+# "Speed of the manual backward"). Recompute always scans: unrolled, the recomputed
+# forward is the same expression as the original one, XLA merges the two, and the
+# residuals are kept after all (the memory saving measured 1.0x, tests/test_memory.py);
+# inside the backward scan's body the recompute cannot be merged away.
 UNROLL_MAX_LAYERS = 4
 
 
 def unrolled(config: ModelConfig) -> bool:
-    """Whether the blocks run as a Python loop (n_layers <= UNROLL_MAX_LAYERS)."""
-    return config.n_layers <= UNROLL_MAX_LAYERS
+    """Whether the blocks run as a Python loop: n_layers <= UNROLL_MAX_LAYERS, remat "none"."""
+    return config.n_layers <= UNROLL_MAX_LAYERS and config.remat == "none"
 
 
 def _layer(blocks, l):

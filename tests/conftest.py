@@ -19,3 +19,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_disable_most_optimizations", True)
+
+
+import pytest  # noqa: E402
+from helpers import write_corpus  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small word corpus on disk (helpers.write_corpus), written once per test module."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")

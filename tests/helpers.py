@@ -3,6 +3,7 @@ bfloat16-vs-autodiff judgement, the equations of a jaxpr, and test inputs."""
 
 from __future__ import annotations
 
+import random
 from typing import Callable, NamedTuple
 
 import jax
@@ -10,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxformer
 from jaxformer import loss_fn
+from jaxformer.model.config import PRESETS
 from jaxformer.tools import compare
+from jaxformer.training.settings import settings_for
 from manual_grads import check, value_and_grad
 
 # ---------------------------------------------------------------- a manual layer against jax.vjp
@@ -139,3 +143,95 @@ def masks(seed, B, T):
     mostly_zero.flat[0] = 1.0
     return {"none": None, "mostly_zero": mostly_zero, "bool": rng.random((B, T)) < 0.5,
             "int": (rng.random((B, T)) < 0.5).astype(np.int32), "zeros": np.zeros((B, T))}
+
+
+def make_params(config, dtype, seed=0):
+    """Random params with init_params' tree, shapes and dtype: N(0, 0.05^2) everywhere,
+    plus 1 for layer-norm scales, so biases are nonzero and scales not 1 (init_params
+    starts them at 0 and 1, where a wrong bias or scale gradient could hide)."""
+    shapes = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), config, dtype=dtype))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        base = 1.0 if jax.tree_util.keystr(path).endswith("['scale']") else 0.0
+        return jnp.asarray(base + 0.05 * rng.standard_normal(leaf.shape), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def make_batch(config, B, T, mask, seed=0):
+    """mask: None, "mostly_zero" (float, about 1 in 4 ones), "bool", "int" or "zeros"."""
+    rng = np.random.default_rng(seed + 100)
+    batch = {"inputs": jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32),
+             "targets": jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32)}
+    ones = rng.random((B, T)) < 0.25
+    ones.flat[0] = True
+    if mask == "mostly_zero":
+        batch["mask"] = ones.astype(np.float64)
+    elif mask == "bool":
+        batch["mask"] = ones
+    elif mask == "int":
+        batch["mask"] = ones.astype(np.int32)
+    elif mask == "zeros":
+        batch["mask"] = np.zeros((B, T))
+    return batch
+
+
+WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat "
+         "and birds sang in tall green trees").split()
+
+
+def write_corpus(path, lines=300, seed=0):
+    """A small text with a simple word distribution: a few dozen steps learn it."""
+    rng = random.Random(seed)
+    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(lines)))
+    return str(path)
+
+
+def tiny_settings(corpus, **overrides):
+    """TrainSettings of the tiny preset on ``corpus``: every step logged, no checkpoints."""
+    values = dict(corpus=corpus, log_every=1, eval_every=10, eval_batches=2, ckpt_every=0)
+    values.update(overrides)
+    return settings_for("tiny", **values)
+
+
+# ---------------------------------------------------------------- the memory options' covering table
+
+LEAN_TINY = PRESETS["tiny"]  # D 16, 2 heads, 2 layers, F 24, max_seq_len 16
+LEAN_FIELDS = {
+    "attention_impl": ("full", "blockwise"),
+    "attention_block": (4, 5),
+    "loss_chunk": (0, 5),
+    "remat": ("none", "block"),
+    "norm": ("pre", "post"),
+    "causal": (True, False),
+    "positions": ("learned", "sinusoidal"),
+    "activation": ("gelu", "gelu_tanh", "relu", "tanh"),
+}
+LEAN_BINARY = list(LEAN_FIELDS)[:-1]
+
+
+def _lean_row(activation, bits):
+    values = (LEAN_FIELDS[name][b] for name, b in zip(LEAN_BINARY, bits))
+    return dict(zip(LEAN_BINARY, values), activation=activation)
+
+
+def lean_covering_rows():
+    """8 configs covering every pair of values of any two fields: for each activation a
+    bit vector and its complement; the first vector is all zeros, the other three give
+    the seven binary fields distinct 3-bit codes, so any two fields agree in one row
+    and differ in another (and the complements supply the other two value pairs)."""
+    codes = [(0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    vectors = [(0,) * 7] + [tuple(c[k] for c in codes) for k in range(3)]
+    rows = []
+    for activation, v in zip(LEAN_FIELDS["activation"], vectors):
+        rows += [_lean_row(activation, v), _lean_row(activation, tuple(1 - b for b in v))]
+    return rows
+
+
+# (B, T, mask) per row: T = 1, T < block, T not a multiple of the block, T a multiple;
+# B * T not a multiple of loss_chunk; every kind of mask
+LEAN_SHAPES = [(2, 13, "mostly_zero"), (2, 13, None), (3, 3, "bool"), (2, 3, "int"),
+               (2, 7, None), (3, 1, "mostly_zero"), (2, 12, "int"), (1, 9, "bool")]
+LEAN_CASES = [(LEAN_TINY.replace(**row), *shape)
+              for row, shape in zip(lean_covering_rows(), LEAN_SHAPES)]

@@ -16,14 +16,9 @@ from jaxformer.training.loop import train
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.resume import restore_newest
 from jaxformer.training.step import init_state, state_template
-from test_train import tiny_settings, write_corpus
+from helpers import tiny_settings
 
 N = 4  # steps before the interruption
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 def _state(seed=0, accum_steps=1):

@@ -9,12 +9,6 @@ import numpy as np
 import pytest
 
 from jaxformer.cli.main import main
-from test_train import write_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 def _train_args(corpus, out, *extra):

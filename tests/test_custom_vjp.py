@@ -14,7 +14,7 @@ from jaxformer.model import layers
 from jaxformer.model.config import PRESETS
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
-from test_manual_model import make_params
+from helpers import make_params
 
 
 RNG = np.random.default_rng(0)

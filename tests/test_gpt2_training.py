@@ -12,20 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_train import tiny_settings, write_corpus
+from helpers import tiny_settings
 
-from jaxformer.checkpoints import checkpoint
 from jaxformer.observe.metrics import read_metrics
 from jaxformer.training.configfile import settings_from_file
 from jaxformer.training.loop import train
 from jaxformer.training.optim import decay_mask, make_optimizer, make_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 def test_min_lr_is_the_floor_of_the_decay():

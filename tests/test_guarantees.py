@@ -2,7 +2,6 @@
 recorded corpus, a repaired metrics file, healthy checkpoints only, checked params
 and masks, and the layer that made a NaN."""
 
-import json
 import os
 import subprocess
 import sys
@@ -26,12 +25,7 @@ from jaxformer.training.loop import NonFiniteLossError, train
 from jaxformer.training.resume import DataChangedError
 from jaxformer.training.settings import TrainSettings
 from jaxformer.training.step import state_template
-from test_train import tiny_settings, write_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+from helpers import tiny_settings, write_corpus
 
 
 def _losses(run_dir, steps):

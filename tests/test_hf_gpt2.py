@@ -157,9 +157,7 @@ def byte_gpt2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("grads", ["auto", "manual"])
-def test_fine_tune_export_generate(byte_gpt2, tmp_path, grads, capsys):
-    from test_train import write_corpus
-    corpus = write_corpus(tmp_path / "text.txt")
+def test_fine_tune_export_generate(byte_gpt2, corpus, tmp_path, grads, capsys):
     out = tmp_path / "ft"
     assert run_cli("train", "--init-from", byte_gpt2, "--grads", grads, "--steps", 4, "--seq-len", 32,
                    "--batch-size", 4, "--corpus", corpus, "--out", out, "--no-progress",
@@ -179,9 +177,7 @@ def test_fine_tune_export_generate(byte_gpt2, tmp_path, grads, capsys):
     assert run_cli("generate", "--run", out, "--prompt", "the", "--max-new-tokens", 5) == 0
 
 
-def test_init_from_refuses_shape_flags_and_other_vocabularies(byte_gpt2, saved, tmp_path, capsys):
-    from test_train import write_corpus
-    corpus = write_corpus(tmp_path / "text.txt")
+def test_init_from_refuses_shape_flags_and_other_vocabularies(byte_gpt2, saved, corpus, tmp_path, capsys):
     assert run_cli("train", "--init-from", byte_gpt2, "--d-model", 64, "--steps", 1, "--seq-len", 16,
                    "--corpus", corpus, "--out", tmp_path / "a") == 2
     assert "--d-model" in capsys.readouterr().err

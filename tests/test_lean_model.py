@@ -9,50 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import LEAN_CASES, LEAN_FIELDS, LEAN_TINY, lean_covering_rows, make_batch, make_params
 
 import jaxformer
 import manual_grads
-from jaxformer.model.config import PRESETS
 from manual_grads import custom_vjp
 from manual_grads.check import assert_trees_close
-from test_manual_model import make_batch, make_params
-
-TINY = PRESETS["tiny"]  # D 16, 2 heads, 2 layers, F 24, max_seq_len 16
-FIELDS = {
-    "attention_impl": ("full", "blockwise"),
-    "attention_block": (4, 5),
-    "loss_chunk": (0, 5),
-    "remat": ("none", "block"),
-    "norm": ("pre", "post"),
-    "causal": (True, False),
-    "positions": ("learned", "sinusoidal"),
-    "activation": ("gelu", "gelu_tanh", "relu", "tanh"),
-}
-BINARY = list(FIELDS)[:-1]
-
-
-def _row(activation, bits):
-    return dict(zip(BINARY, (FIELDS[name][b] for name, b in zip(BINARY, bits))), activation=activation)
-
-
-def covering_rows():
-    """8 configs covering every pair of values of any two fields: for each activation a
-    bit vector and its complement; the first vector is all zeros, the other three give
-    the seven binary fields distinct 3-bit codes, so any two fields agree in one row
-    and differ in another (and the complements supply the other two value pairs)."""
-    codes = [(0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
-    vectors = [(0,) * 7] + [tuple(c[k] for c in codes) for k in range(3)]
-    rows = []
-    for activation, v in zip(FIELDS["activation"], vectors):
-        rows += [_row(activation, v), _row(activation, tuple(1 - b for b in v))]
-    return rows
-
-
-# (B, T, mask) per row: T = 1, T < block, T not a multiple of the block, T a multiple;
-# B * T not a multiple of loss_chunk; every kind of mask
-SHAPES = [(2, 13, "mostly_zero"), (2, 13, None), (3, 3, "bool"), (2, 3, "int"),
-          (2, 7, None), (3, 1, "mostly_zero"), (2, 12, "int"), (1, 9, "bool")]
-CASES = [(TINY.replace(**row), *shape) for row, shape in zip(covering_rows(), SHAPES)]
 
 
 def plain(config):
@@ -76,10 +38,10 @@ NAMES = ("manual", "autodiff of the configured model")
 
 
 def test_rows_cover_every_pair():
-    rows = covering_rows()
-    for a, b in itertools.combinations(FIELDS, 2):
+    rows = lean_covering_rows()
+    for a, b in itertools.combinations(LEAN_FIELDS, 2):
         seen = {(r[a], r[b]) for r in rows}
-        assert seen == set(itertools.product(FIELDS[a], FIELDS[b])), (a, b)
+        assert seen == set(itertools.product(LEAN_FIELDS[a], LEAN_FIELDS[b])), (a, b)
 
 
 def check(config, dtype, B, T, mask, fn=ALL, names=NAMES):
@@ -95,18 +57,18 @@ def check(config, dtype, B, T, mask, fn=ALL, names=NAMES):
     return rows
 
 
-@pytest.mark.parametrize("case", range(len(CASES)),
+@pytest.mark.parametrize("case", range(len(LEAN_CASES)),
                          ids=[f"{c.attention_impl}{c.attention_block}-chunk{c.loss_chunk}-{c.remat}"
                               f"-{c.norm}-{'causal' if c.causal else 'bidir'}-{c.positions}"
-                              f"-{c.activation}-T{T}" for c, _, T, _ in CASES])
+                              f"-{c.activation}-T{T}" for c, _, T, _ in LEAN_CASES])
 def test_options_match_plain_autodiff_float64(case):
-    check(*CASES[case][:1], jnp.float64, *CASES[case][1:])
+    check(*LEAN_CASES[case][:1], jnp.float64, *LEAN_CASES[case][1:])
 
 
 @pytest.mark.parametrize("norm", ["post"])
 def test_custom_vjp_model_honours_the_options(norm):
     """jax.grad of custom_vjp.loss_fn runs the blockwise, chunked and recomputing rules."""
-    config = TINY.replace(attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block",
+    config = LEAN_TINY.replace(attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block",
                           norm=norm)
     check(config, jnp.float64, 2, 13, "mostly_zero", CUSTOM_VJP, ("custom_vjp",))
 
@@ -116,7 +78,7 @@ def test_embed_scale_on_the_whole_model_float64(norm, positions):
     """embed_scale (token rows times sqrt(D)) with each norm and each position kind (the
     scale touches only the embedding, whose backward depends on the position kind), the
     lean options on: manual == jax.grad of the plain model; so does the custom_vjp model."""
-    config = TINY.replace(embed_scale=True, norm=norm, positions=positions,
+    config = LEAN_TINY.replace(embed_scale=True, norm=norm, positions=positions,
                           attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block")
     check(config, jnp.float64, 2, 13, "mostly_zero")
     check(config, jnp.float64, 2, 7, None, CUSTOM_VJP, ("custom_vjp",))
@@ -124,6 +86,6 @@ def test_embed_scale_on_the_whole_model_float64(norm, positions):
 
 def test_every_option_on_float32():
     """Everything on, float32: within the float32 tolerance of the plain model's jax.grad."""
-    config = TINY.replace(attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block")
+    config = LEAN_TINY.replace(attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block")
     rows = check(config, jnp.float32, 2, 13, "mostly_zero")
     assert max(r.rel for r in rows) < 1e-4

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_batch, make_params
 
 import jaxformer
 import manual_grads
@@ -19,38 +20,6 @@ def _both(params, batch, config):
 
 
 BOTH = jax.jit(_both, static_argnums=2)  # one compile per case for manual and reference
-
-
-def make_params(config, dtype, seed=0):
-    """Random params with init_params' tree, shapes and dtype: N(0, 0.05^2) everywhere,
-    plus 1 for layer-norm scales, so biases are nonzero and scales not 1 (init_params
-    starts them at 0 and 1, where a wrong bias or scale gradient could hide)."""
-    shapes = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), config, dtype=dtype))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        base = 1.0 if jax.tree_util.keystr(path).endswith("['scale']") else 0.0
-        return jnp.asarray(base + 0.05 * rng.standard_normal(leaf.shape), leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
-
-
-def make_batch(config, B, T, mask, seed=0):
-    """mask: None, "mostly_zero" (float, about 1 in 4 ones), "bool", "int" or "zeros"."""
-    rng = np.random.default_rng(seed + 100)
-    batch = {"inputs": jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32),
-             "targets": jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32)}
-    ones = rng.random((B, T)) < 0.25
-    ones.flat[0] = True
-    if mask == "mostly_zero":
-        batch["mask"] = ones.astype(np.float64)
-    elif mask == "bool":
-        batch["mask"] = ones
-    elif mask == "int":
-        batch["mask"] = ones.astype(np.int32)
-    elif mask == "zeros":
-        batch["mask"] = np.zeros((B, T))
-    return batch
 
 
 def check(config, dtype, B, T, mask):

@@ -2,7 +2,7 @@
 against the device's free memory, and the one error that names the options."""
 
 import pytest
-from test_train import corpus, tiny_settings  # noqa: F401  (corpus is a fixture)
+from helpers import tiny_settings
 
 from jaxformer.observe.words import format_bytes, plural, verb
 from jaxformer.training import memory_check

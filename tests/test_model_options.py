@@ -13,10 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bfloat16_within_autodiff
-from test_lean_model import CASES as LEAN_CASES
-from test_lean_model import FIELDS as LEAN_FIELDS
-from test_manual_model import make_batch, make_params
+from helpers import LEAN_CASES, LEAN_FIELDS, assert_bfloat16_within_autodiff, make_batch, make_params
 
 import jaxformer
 import manual_grads

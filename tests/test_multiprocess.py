@@ -15,7 +15,7 @@ from jaxformer.checkpoints import checkpoint
 from jaxformer.model.transformer import loss_fn
 from jaxformer.observe.metrics import read_metrics
 from jaxformer.training.loop import train
-from test_train import tiny_settings, write_corpus
+from helpers import tiny_settings
 
 STEPS = 3
 
@@ -24,11 +24,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 @pytest.mark.slow

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from jaxformer.checkpoints import checkpoint
-from test_train import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,11 +23,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 def _command(corpus, out, steps, *extra):

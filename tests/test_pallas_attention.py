@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import attention_params as make
-from helpers import dot_generals, leaf_rels
-from test_manual_model import make_batch, make_params
+from helpers import dot_generals, leaf_rels, make_batch, make_params
 
 import jaxformer
 import manual_grads

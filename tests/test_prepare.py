@@ -10,7 +10,6 @@ import pytest
 
 from jaxformer import data
 from jaxformer.checkpoints import runs
-from jaxformer.data import shards
 from jaxformer.data.prepare import prepare
 from jaxformer.data.sources import parse_hf_spec, pieces, text_file_pieces
 from jaxformer.observe.metrics import RUN_KEYS, read_metrics

@@ -10,15 +10,16 @@ from jaxformer.model.config import PRESETS
 from manual_grads.check import assert_trees_close
 from manual_grads import remat
 from manual_grads.remat import blocks_bwd, blocks_fwd
-from test_manual_model import make_params
+from helpers import make_params
 
 CONFIG = PRESETS["tiny"].replace(attention_impl="blockwise", attention_block=4)
 
 
 @pytest.fixture(params=["scan", "unrolled"])
 def layer_loop(request, monkeypatch):
-    """Both ways the blocks run: a lax.scan, and the Python loop of shallow models."""
-    monkeypatch.setattr(remat, "UNROLL_MAX_LAYERS", 0 if request.param == "scan" else 99)
+    """Both ways the blocks run: a lax.scan, and the Python loop (shallow models without
+    recompute, and any model under a tap, recompute included)."""
+    monkeypatch.setattr(remat, "unrolled", lambda config: request.param == "unrolled")
     return request.param
 
 
@@ -66,3 +67,9 @@ def test_unrolled_layers_give_the_scans_gradients(monkeypatch):
         out.append((y, blocks_bwd(params["blocks"], res, dy, CONFIG)))
     assert remat.unrolled(CONFIG) and jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(out[1])
     assert_trees_close(out[0], out[1], rtol=1e-12)
+
+
+def test_recompute_scans_at_any_depth():
+    """Unrolled, XLA would merge the recomputed forward with the original and keep the
+    residuals; the scan keeps recompute's saving (tests/test_memory.py measures it)."""
+    assert remat.unrolled(CONFIG) and not remat.unrolled(CONFIG.replace(remat="block"))

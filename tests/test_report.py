@@ -19,7 +19,7 @@ from jaxformer.model.params import count_params
 from jaxformer.training.settings import recipe_notes, settings_for
 from jaxformer.observe.tb import read_scalars
 from jaxformer.observe.metrics import read_metrics
-from test_train import write_corpus
+from helpers import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,12 +14,7 @@ from jaxformer.training.settings import config_diff, settings_for
 from jaxformer.observe.metrics import read_metrics
 from jaxformer.training.loop import NonFiniteLossError, train
 from jaxformer.training.step import grad_source
-from test_train import tiny_settings, write_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+from helpers import tiny_settings
 
 
 # ---------------------------------------------------------------- the gpt2 preset

@@ -13,7 +13,7 @@ import pytest
 
 from jaxformer.training.sharding import leaf_spec, make_mesh, mesh_shape, parse_mesh
 from jaxformer.training.loop import train
-from test_train import tiny_settings, write_corpus
+from helpers import tiny_settings
 
 STEPS = 3
 CASES = [("data=8", "auto"), ("data=2,fsdp=4", "auto"), ("data=8", "manual"), ("data=2,fsdp=4", "manual")]
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_enable_x64", True)  # as in the test process
     from jaxformer.training.loop import train
     from jaxformer.training.sharding import make_mesh, put_batch
-    from test_train import tiny_settings
+    from helpers import tiny_settings
 
     corpus, out, steps, cases = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     assert jax.device_count() == 8, jax.devices()
@@ -65,11 +65,6 @@ SCRIPT = textwrap.dedent("""
     out_records["resumed"] = first + rest
     print(json.dumps({"errors": errors, "records": out_records}))
 """)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 @pytest.mark.slow

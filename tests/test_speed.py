@@ -5,7 +5,7 @@ import json
 import statistics
 import time
 
-from test_train import corpus, tiny_settings  # noqa: F401  (corpus is a fixture)
+from helpers import tiny_settings
 
 from jaxformer.observe import flops, run_log
 from jaxformer.training.loop import train

@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 
 from jaxformer.checkpoints import checkpoint
-from test_train import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 def _argv(corpus, out, steps, *extra):

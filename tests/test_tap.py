@@ -11,7 +11,7 @@ from jaxformer.model.block import BLOCK_LAYERS, block, compose_block
 from jaxformer.model.config import PRESETS
 from manual_grads.check import assert_trees_close
 from manual_grads.model import value_and_grad
-from test_manual_model import make_params
+from helpers import make_params
 
 CONFIG = PRESETS["tiny"]  # 2 layers
 BLOCK_STAGES = {"pre": ["ln1", "attn", "attn residual", "ln2", "ffn", "ffn residual"],

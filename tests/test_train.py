@@ -2,12 +2,12 @@
 
 import json
 import math
-import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_settings
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.observe.metrics import read_metrics
@@ -15,27 +15,6 @@ from jaxformer.training.loop import NonFiniteLossError, train
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.settings import settings_for
 from jaxformer.training.step import TrainState, grad_source, init_state, make_train_step
-
-WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat "
-         "and birds sang in tall green trees").split()
-
-
-def write_corpus(path, lines=300, seed=0):
-    """A small text with a simple word distribution: a few dozen steps learn it."""
-    rng = random.Random(seed)
-    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(lines)))
-    return str(path)
-
-
-def tiny_settings(corpus, **overrides):
-    values = dict(corpus=corpus, log_every=1, eval_every=10, eval_batches=2, ckpt_every=0)
-    values.update(overrides)
-    return settings_for("tiny", **values)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 @pytest.fixture(scope="module")

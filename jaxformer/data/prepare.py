@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the text bar everywhere: tqdm.auto warns in Jupyter without ipywidgets
 
 from jaxformer.data import shards
 from jaxformer.data.sources import Piece, pieces, total_bytes

@@ -17,7 +17,7 @@ import textwrap
 import time
 
 import jax
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the text bar everywhere: tqdm.auto warns in Jupyter without ipywidgets
 
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import init_params
