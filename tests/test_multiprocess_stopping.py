@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from jaxformer.checkpoints import checkpoint
+from jaxformer.checkpoints.errors import CheckpointWriteError
+from jaxformer.training import liveness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +120,14 @@ def test_a_lost_process_stops_the_other_with_one_line_and_resume_continues(corpu
     assert f"resuming from checkpoint step {saved} " in errs[0], errs[0][-3000:]
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= saved + 2, steps
+
+
+def test_a_save_that_lost_its_peer_counts_as_a_lost_peer():
+    """A checkpoint save fails when its all-gather loses the peer mid-save: the train
+    command must wait for the liveness verdict then, not report the save."""
+    gloo = ValueError("UNKNOWN: Gloo AllGather failed: Connection reset by peer")
+    save = CheckpointWriteError("cannot write checkpoint step 4 to run/checkpoints: ValueError: UNKNOWN: ...")
+    save.__cause__ = gloo
+    assert liveness.may_be_a_lost_peer(gloo) and liveness.may_be_a_lost_peer(save)
+    assert not liveness.may_be_a_lost_peer(CheckpointWriteError("cannot write checkpoint: disk full"))
+    assert not liveness.may_be_a_lost_peer(ValueError("bad shape"))

@@ -154,9 +154,11 @@ class Saver:
             if done.is_dir() and not (done / "files.sha256.json").exists():
                 shutil.rmtree(done, ignore_errors=True)
         self.last_step = None
-        return CheckpointWriteError(
+        error = CheckpointWriteError(
             f"cannot write checkpoint step {step} to {folder}: {_cause(e)}; the partial checkpoint "
             "was removed, earlier checkpoints are intact")
+        error.__cause__ = e  # a collective's error inside the save: liveness.may_be_a_lost_peer reads it
+        return error
 
     def close(self) -> None:
         """Finish the save in flight (raising its error) and release orbax."""

@@ -120,9 +120,15 @@ STATUS_CODES = ("UNKNOWN", "UNAVAILABLE", "INTERNAL", "ABORTED", "DEADLINE_EXCEE
 
 def may_be_a_lost_peer(e: BaseException) -> bool:
     """Whether ``e`` can come from a collective or barrier whose peer vanished: a JAX
-    runtime error, or an error whose message starts with a runtime status code."""
-    text = str(e)
-    return isinstance(e, jax.errors.JaxRuntimeError) or text.split(":", 1)[0] in STATUS_CODES
+    runtime error, or an error whose message starts with a runtime status code; or an
+    error caused by one (a checkpoint save whose all-gather lost its peer)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, jax.errors.JaxRuntimeError) or str(e).split(":", 1)[0] in STATUS_CODES:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def settle(heartbeat_timeout: int) -> None:
