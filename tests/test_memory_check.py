@@ -4,6 +4,7 @@ against the device's free memory, and the one error that names the options."""
 import pytest
 from helpers import tiny_settings
 
+from jaxformer.model.config import PRESETS
 from jaxformer.observe.words import format_bytes, plural, verb
 from jaxformer.training import memory_check
 from jaxformer.training.loop import train
@@ -14,6 +15,27 @@ def test_plan_total_counts_donated_buffers_once():
     plan = MemoryPlan(arguments=100, outputs=90, aliased=80, temp=40)
     assert plan.total == 150
     assert plan.half_batch() == 130
+
+
+def test_a_host_needs_room_beyond_the_plan(monkeypatch):
+    """On a CPU host the step must fit with HOST_MARGIN and HOST_SLACK to spare (a plan
+    that just fitted the free RAM was killed for memory); an accelerator's plan is exact."""
+    class Device:
+        def __init__(self, platform):
+            self.platform = platform
+
+    plan = MemoryPlan(arguments=2**30, outputs=0, aliased=0, temp=9 * 2**30)
+    cpu = memory_check.needed(plan.total, Device("cpu"))
+    assert cpu == int(plan.total * (1 + memory_check.HOST_MARGIN)) + memory_check.HOST_SLACK
+    assert memory_check.needed(plan.total, Device("gpu")) == plan.total
+    config = PRESETS["tiny"]
+    monkeypatch.setattr(memory_check, "available", lambda device: (cpu, "test memory"))
+    assert memory_check.check_memory(lambda c: plan, config, 8, 1, Device("cpu")) == plan
+    monkeypatch.setattr(memory_check, "available", lambda device: (plan.total + 2**20, "test memory"))
+    assert memory_check.check_memory(lambda c: plan, config, 8, 1, Device("gpu")) == plan
+    with pytest.raises(MemoryCheckError, match=r"needs 10.0 GiB .*to spare for the rest of the process: "
+                                               r"12.0 GiB\) and 10.0 GiB is test memory"):
+        memory_check.check_memory(lambda c: plan, config, 8, 1, Device("cpu"))
 
 
 def test_refused_before_any_state_or_folder(corpus, tmp_path, monkeypatch):  # noqa: F811
