@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -66,6 +67,18 @@ def number(kind: type) -> Callable[[str], int | float]:
 def one_line(e: BaseException) -> str:
     """The exception's message on one line (its type's name when it has none)."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def exit_at_ctrl_c(signum, frame) -> None:
+    """A SIGINT handler that ends the process at once with ``error: interrupted`` and 130.
+    Raising KeyboardInterrupt is not enough for a long native computation: when the signal
+    lands inside a callback (JAX's garbage-collection hook) Python prints "Exception
+    ignored" and carries on. Commands with nothing to save use this (train checkpoints)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print("error: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def run_command(fn: Callable[..., int | None], *args, exit_on_interrupt: bool = False, **kwargs) -> int:

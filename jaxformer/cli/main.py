@@ -10,12 +10,13 @@ code 130 (``train`` first checkpoints the step it reached) (``cli.args.run_comma
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from importlib import metadata
 
 import jaxformer
 from jaxformer.cli import bench, compare_grads, diagnose, export, generate, prepare, presets, train
-from jaxformer.cli.args import Parser, UsageError, run_command
+from jaxformer.cli.args import Parser, UsageError, exit_at_ctrl_c, run_command
 
 DESCRIPTION = """\
 Train a small transformer language model written as pure JAX functions, whose
@@ -85,7 +86,10 @@ def _dispatch(argv: list[str]) -> int:
 
 def main(argv=None) -> int:
     """Run the ``jaxformer`` command with ``argv`` (default: sys.argv[1:]); returns the exit code."""
-    return run_command(_dispatch, list(sys.argv[1:] if argv is None else argv), exit_on_interrupt=argv is None)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if argv is None and (not args or args[0] != "train"):  # a real command line with nothing to save
+        signal.signal(signal.SIGINT, exit_at_ctrl_c)
+    return run_command(_dispatch, args, exit_on_interrupt=argv is None)
 
 
 if __name__ == "__main__":
