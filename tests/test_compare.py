@@ -20,6 +20,7 @@ import pytest
 from jaxformer import init_params
 from jaxformer.cli import compare_grads
 from jaxformer.cli.args import UsageError
+from jaxformer.data import CharTokenizer, load_corpus
 from jaxformer.model.config import PRESETS
 from jaxformer.tools import compare, compare_fd, compare_report, leaves
 
@@ -187,6 +188,47 @@ def test_main_exits_nonzero_and_names_the_leaf(broken_fn, tmp_path):
     assert p["dtype"] == "float64" and p["tolerance"] == 1e-10
     assert [x["path"] for x in p["leaves"] if not x["passed"]] == [PERTURBED_PATH]
     assert "**FAIL**" in (tmp_path / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------- dropout, tokenizers
+
+
+def test_dropout_is_compared_with_one_key_for_both_sources():
+    """With dropout both sources get the same key: they agree (and finite differences of
+    the dropped-out loss agree with the manual gradient); the loss is not the plain one;
+    a manual source that ignores the key fails."""
+    config = PRESETS["tiny"].replace(dropout=0.2)
+    params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
+    batch = compare.make_batch(config, 4, 16, seed=0)
+    r = compare.run_comparison(config, params, batch, name="tiny", repeats=1, fd=True)
+    assert r.passed, r.failures
+    plain = compare.run_comparison(config.replace(dropout=0.0), params, batch, repeats=1)
+    assert plain.passed and abs(r.loss["manual"] - plain.loss["manual"]) > 1e-4
+
+    manual = real_manual_fn()
+
+    def keyless(params, batch, config, key=None):
+        return manual(params, batch, config)
+    r = compare.run_comparison(config, params, batch, repeats=1, manual_fn=keyless)
+    assert not r.passed and r.failures[0].startswith("loss: manual"), r.failures
+
+
+def test_the_batch_tokenizer_fits_the_vocabulary(tmp_path):
+    tiny = PRESETS["tiny"]
+    assert compare.batch_tokenizer(tiny).kind == "byte"
+    assert compare.batch_tokenizer(tiny.replace(vocab_size=300)).kind == "byte"  # ids < 256
+    with pytest.raises(ValueError, match="the byte tokenizer has 256 tokens, more than the "
+                                         "config's vocab_size 97"):
+        compare.batch_tokenizer(tiny.replace(vocab_size=97))
+    chars = CharTokenizer.from_text(load_corpus("default"))  # a model folder's own tokenizer
+    (tmp_path / "tokenizer.json").write_text(json.dumps(chars.to_dict()))
+    config = tiny.replace(vocab_size=chars.vocab_size)
+    assert compare.batch_tokenizer(config, tmp_path) == chars
+    batch = compare.make_batch(config, 2, 8, 0, compare.batch_tokenizer(config, tmp_path))
+    assert int(batch["inputs"].max()) < chars.vocab_size
+    with pytest.raises(ValueError, match=f"tokenizer.json has {chars.vocab_size} tokens, more "
+                                         "than the config's vocab_size 50"):
+        compare.batch_tokenizer(tiny.replace(vocab_size=50), tmp_path)
 
 
 # ---------------------------------------------------------------------------- command line

@@ -84,7 +84,7 @@ def config_to_hf(config: ModelConfig) -> dict:
 
 def resolve_source(spec: str) -> Path:
     """A local folder ``spec``, or a Hugging Face hub id ("gpt2", "owner/name") downloaded
-    with huggingface_hub (config.json and the weights only). One clear error offline."""
+    with huggingface_hub (config.json, the weights and tokenizer.json). One clear error offline."""
     path = Path(spec)
     if path.exists():
         if not path.is_dir():
@@ -96,7 +96,7 @@ def resolve_source(spec: str) -> Path:
         raise HFFormatError(f"{spec} is not a folder; to download it from the Hugging Face hub "
                             f"install huggingface_hub (pip install 'jaxformer[hf]')") from None
     try:
-        return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, SAFETENSORS]))
+        return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, SAFETENSORS, "tokenizer.json"]))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...: one line, the cause named
         raise HFFormatError(f"{spec} is not a folder and could not be downloaded from the Hugging "
                             f"Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -32,6 +32,8 @@ config static under jit; ``run_comparison`` and ``compare_preset`` take one as
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -43,6 +45,8 @@ import numpy as np
 import manual_grads
 from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
 from jaxformer.data import Batcher, ByteTokenizer, load_corpus
+from jaxformer.data.hf_tokenizers import GPT2_VOCAB_SIZE, gpt2_candidates, gpt2_tokenizer
+from jaxformer.data.tokenizers import load_tokenizer_file
 from jaxformer.model.config import PRESETS, ModelConfig
 from jaxformer.model.params import count_params, init_params
 from jaxformer.model.transformer import loss_fn
@@ -73,17 +77,39 @@ def manual_value_and_grad() -> GradFn:
     return manual_grads.value_and_grad
 
 
-def autodiff_value_and_grad(params, batch, config: ModelConfig):
-    """The reference: ``jax.value_and_grad(loss_fn)``."""
-    return check.autodiff_value_and_grad(loss_fn, params, batch, config)
+def autodiff_value_and_grad(params, batch, config: ModelConfig, key=None):
+    """The reference: ``jax.value_and_grad(loss_fn)`` (``key``: dropout's, as loss_fn's)."""
+    return check.autodiff_value_and_grad(functools.partial(loss_fn, key=key), params, batch, config)
 
 
-def make_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int) -> dict:
-    """Batch 0 of the embedded corpus, byte-tokenized: {"inputs", "targets"} int32 (B, T)."""
-    tokenizer = ByteTokenizer()
-    if tokenizer.vocab_size != config.vocab_size:
-        raise ValueError(f"the byte tokenizer has {tokenizer.vocab_size} tokens, "
-                         f"the config {config.vocab_size}")
+def dropout_key(config: ModelConfig, seed: int):
+    """The dropout key both sources get when ``config.dropout`` > 0 (None otherwise): the
+    same masks for both, drawn from the seed; the manual backward redraws them from it."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), 1) if config.dropout else None
+
+
+def batch_tokenizer(config: ModelConfig, folder: str | os.PathLike | None = None):
+    """The tokenizer the comparison's batch is read with: a model folder's own
+    tokenizer.json, else GPT-2's for a 50257-token vocabulary when it is on the machine,
+    else bytes (ids below 256, valid in any vocabulary of at least 256 tokens)."""
+    own = os.path.join(folder, "tokenizer.json") if folder is not None else None
+    if own is not None and os.path.isfile(own):
+        tokenizer, source = load_tokenizer_file(own), own
+    elif config.vocab_size == GPT2_VOCAB_SIZE and any(map(os.path.isfile, gpt2_candidates())):
+        tokenizer, source = gpt2_tokenizer(), "GPT-2's tokenizer"
+    else:
+        tokenizer, source = ByteTokenizer(), "the byte tokenizer"
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"{source} has {tokenizer.vocab_size} tokens, more than the config's "
+                         f"vocab_size {config.vocab_size}: its ids would index past tok_embed")
+    return tokenizer
+
+
+def make_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int,
+               tokenizer=None) -> dict:
+    """Batch 0 of the embedded corpus read with ``tokenizer`` (default
+    ``batch_tokenizer(config)``): {"inputs", "targets"} int32 (B, T)."""
+    tokenizer = tokenizer or batch_tokenizer(config)
     ids = tokenizer.encode(load_corpus("default"))
     batch = Batcher(ids, batch_size, seq_len, seed).batch(0)
     return {k: jnp.asarray(v) for k, v in batch.items()}
@@ -228,6 +254,9 @@ def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeat
     without the compute dtype, the reference of ``mixed_precision_passed``."""
     manual_fn = manual_fn or manual_value_and_grad()
     auto_fn = auto_fn or autodiff_value_and_grad
+    key = dropout_key(config, seed)
+    if key is not None:  # both sources drop the same units (a source then takes key=)
+        manual_fn, auto_fn = (functools.partial(f, key=key) for f in (manual_fn, auto_fn))
     dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
     tol = check.tolerance_for(dtype)
     mixed = is_mixed(config, dtype)
@@ -257,7 +286,7 @@ def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeat
     if fd:
         exact = dtype == "float64" and not mixed  # grads_m is then the float64 gradient
         fd_result, fd_failures = fd_check(manual_fn, params, grads_m if exact else None, batch,
-                                          config, seed=seed, n_directions=fd_directions)
+                                          config, seed=seed, n_directions=fd_directions, key=key)
         failures += fd_failures
     timings = dict(manual=t_manual.to_dict(), auto=t_auto.to_dict(),
                    ratio_step=t_manual.step_s / t_auto.step_s,
@@ -295,9 +324,11 @@ def compare_imported(spec: str, *, dtype: str = "float32", batch_size: int = 4, 
                      overrides: dict | None = None) -> PresetReport:
     """``compare_preset`` on the Hugging Face GPT-2 ``spec`` (a folder or a hub id): its
     real weights, its config (``overrides`` may change what keeps the shapes)."""
-    params, config = read_hf_gpt2(resolve_source(spec), jnp.dtype(dtype))
+    folder = resolve_source(spec)
+    params, config = read_hf_gpt2(folder, jnp.dtype(dtype))
     config = config.replace(**(overrides or {}))
     params = jax.tree_util.tree_map(jnp.asarray, params)
-    batch = make_batch(config, batch_size, min(seq_len, config.max_seq_len), seed)
+    batch = make_batch(config, batch_size, min(seq_len, config.max_seq_len), seed,
+                       batch_tokenizer(config, folder))
     return run_comparison(config, params, batch, name=f"hf:{spec}", repeats=repeats, fd=fd,
                           fd_directions=fd_directions, seed=seed, manual_fn=manual_fn)

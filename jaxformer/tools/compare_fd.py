@@ -9,6 +9,7 @@ true gradient is zero, or a difference below float64 round-off, is not judged ag
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -64,7 +65,8 @@ def fd_along(loss: Callable, params, grads, key, eps: float, grad_floor: float,
 
 
 def finite_difference_leaves(params64, grads64, batch, config: ModelConfig, key,
-                             n_directions: int = FD_DIRECTIONS, eps: float = FD_EPS) -> dict:
+                             n_directions: int = FD_DIRECTIONS, eps: float = FD_EPS,
+                             dropout_key=None) -> dict:
     """Float64 finite differences of the loss (``fd_along``) along ``n_directions`` random
     unit directions inside each leaf, and along directions over the whole tree, against
     the manual gradient; JSON-ready, worst direction per leaf.
@@ -74,7 +76,7 @@ def finite_difference_leaves(params64, grads64, batch, config: ModelConfig, key,
     (the attention key bias) is not judged against zero; at least what round-off lets
     central differences resolve.
     """
-    loss64 = jax.jit(loss_fn, static_argnums=2)
+    loss64 = jax.jit(functools.partial(loss_fn, key=dropout_key), static_argnums=2)
     leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params64)
     leaves_g = jax.tree_util.tree_leaves(grads64)
     global_norm = math.sqrt(sum(float(jnp.sum(g * g)) for g in leaves_g))
@@ -102,11 +104,12 @@ def finite_difference_leaves(params64, grads64, batch, config: ModelConfig, key,
 
 
 def fd_check(manual_fn: Callable, params, grads, batch, config: ModelConfig, *, seed: int,
-             n_directions: int = FD_DIRECTIONS) -> tuple[dict, list[str]]:
+             n_directions: int = FD_DIRECTIONS, key=None) -> tuple[dict, list[str]]:
     """``finite_difference_leaves`` of the float64 loss (without compute_dtype) against
     ``manual_fn``'s gradient in float64, and one line per failing leaf or direction.
     ``grads`` is that gradient when it was already taken in float64 without compute_dtype,
-    else None (then it is computed here)."""
+    else None (then it is computed here). ``key``: the dropout key ``manual_fn`` was
+    given (the loss is differenced with the same masks)."""
     if not jax.config.jax_enable_x64:
         raise RuntimeError("finite differences run in float64: enable jax_enable_x64 first")
     config = config.replace(compute_dtype=None)
@@ -114,7 +117,8 @@ def fd_check(manual_fn: Callable, params, grads, batch, config: ModelConfig, *, 
     if grads is None:
         _, grads = jax.jit(manual_fn, static_argnums=2)(params64, batch, config)
     result = finite_difference_leaves(params64, grads, batch, config,
-                                      jax.random.PRNGKey(seed + 1), n_directions)
+                                      jax.random.PRNGKey(seed + 1), n_directions,
+                                      dropout_key=key)
     failures = [f"{r['path']}: finite differences {r['numeric']:.9e} vs manual "
                 f"{r['analytic']:.9e}, rel {r['rel']:.2e} > {FD_TOLERANCE:.0e}"
                 for r in result["leaves"] if not r["passed"]]
