@@ -137,6 +137,11 @@ OPTIONS = {  # together: every value of every option the manual path branches on
     "bfloat16-lean": dict(compute_dtype="bfloat16", attention_impl="blockwise", attention_block=4,
                           loss_chunk=3, remat="block", positions="sinusoidal", mask=True),
     "bfloat16-plain": dict(compute_dtype="bfloat16", norm="post"),
+    "gpt2-options-dropout": dict(tie_embeddings=True, bias=False, head_bias=False, dropout=0.1,
+                                 embed_scale=True, mask=True),
+    "deep-scanned-head-bias-free": dict(n_layers=5, head_bias=False, dropout=0.1,
+                                        positions="sinusoidal"),
+    "pallas": dict(attention_impl="pallas", pallas_block_q=4, pallas_block_k=4, mask=True),
 }
 
 
@@ -152,7 +157,9 @@ def traced_manual_gradient(options):
     batch = {"inputs": tokens, "targets": tokens}
     if masked:
         batch["mask"] = jax.ShapeDtypeStruct((2, 7), jnp.bool_)
-    return jax.make_jaxpr(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0)) if config.dropout else None
+    return jax.make_jaxpr(lambda p, b, k: manual_grads.value_and_grad(p, b, config, key=k))(
+        params, batch, key)
 
 
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS)
