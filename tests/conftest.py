@@ -6,14 +6,25 @@
   compiling many tiny programs, and without those passes it compiles about 5x
   faster on CPU. Every comparison in the suite compiles both of its sides the
   same way; the benchmark scripts (experiments/) keep the optimizations on.
+- Compiled programs are kept in JAX's persistent compilation cache, in a folder
+  of this run shared by the xdist workers and by the `jaxformer` subprocesses the
+  tests start (the environment carries it), and removed at the end: a
+  subprocess that trains a config another one already compiled (a stopped run,
+  its resume, the straight run it is compared with) loads the executable
+  instead of compiling it again. A cached executable is the one XLA compiled.
 """
 
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite's runs cache what they measure (the CPU peak) apart from the user's cache
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxformer-test-cache-")
+RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # one per pytest run
+JIT_CACHE = os.path.join(tempfile.gettempdir(), f"jaxformer-test-jit-{RUN_ID}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JIT_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 
@@ -29,3 +40,8 @@ from helpers import write_corpus  # noqa: E402
 def corpus(tmp_path_factory):
     """A small word corpus on disk (helpers.write_corpus), written once per test module."""
     return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller, after every worker
+        shutil.rmtree(JIT_CACHE, ignore_errors=True)

@@ -3,6 +3,7 @@ FLOP counting and errors (never its timings). Nothing here needs a GPU: the GPU'
 choices are checked with jax.default_backend() mocked."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import sys
@@ -21,6 +22,8 @@ from jaxformer.tools.bench_contestants import make_batch, make_contestants
 from jaxformer.tools.bench_report import format_markdown
 from jaxformer.tools.bench_select import Spec, select
 
+HAS_TORCH = importlib.util.find_spec("torch") is not None  # the bench extra; CI installs it
+NO_TORCH = "PyTorch is not installed (pip install torch"
 JAX_NAMES = ["manual_full", "manual_blockwise", "manual_pallas", "auto_full", "auto_cudnn"]
 
 
@@ -91,13 +94,18 @@ def test_report_records_every_contestant_and_why_some_are_skipped(quick_report):
     assert set(c["manual_pallas"]) == {"status", "reason", "error"}
     assert c["manual_pallas"]["status"] == "skipped" and "interpret mode" in c["manual_pallas"]["reason"]
     assert "only on a GPU" in c["auto_cudnn"]["reason"]
-    assert c["torch_compile"]["reason"] == "left out (--quick)"
+    if HAS_TORCH:
+        assert c["torch_compile"]["reason"] == "left out (--quick)"
+    else:
+        assert c["torch_eager"]["reason"].startswith(NO_TORCH), c["torch_eager"]
+        assert c["torch_compile"]["reason"].startswith(NO_TORCH), c["torch_compile"]
     for name in ("manual_full", "manual_blockwise", "auto_full"):
         assert c[name]["memory"]["argument_bytes"] > 0 and c[name]["memory"]["temp_bytes"] >= 0
         assert c[name]["grads"] == name.split("_")[0] and c[name]["attention"] == name.split("_")[1]
-    assert report["settings"]["attention"] is None and report["settings"]["torch_device"] == "cpu"
+    assert report["settings"]["attention"] is None
+    assert report["settings"]["torch_device"] == ("cpu" if HAS_TORCH else None)
     assert report["settings"]["torch_autocast"] is None
-    assert len(report["notes"]) == 3  # pallas, cudnn, torch.compile
+    assert len(report["notes"]) == (3 if HAS_TORCH else 4)  # pallas, cudnn, torch (eager, compile)
     md = format_markdown(report)
     assert "| JAX manual, pallas | skipped: left out on cpu by default" in md
 
@@ -109,7 +117,11 @@ def test_skip_lines_on_the_terminal(quick_run):
     assert sum(line.startswith("manual_pallas: skipped: left out on cpu by default") for line in lines) == 1
     assert sum(line.startswith("auto_cudnn: skipped: cuDNN's fused attention runs only on a GPU")
                for line in lines) == 1
-    assert "torch_compile: skipped: left out (--quick)" in lines
+    if HAS_TORCH:
+        assert "torch_compile: skipped: left out (--quick)" in lines
+    else:
+        assert sum(line.startswith(f"torch_eager, torch_compile: skipped: {NO_TORCH}")
+                   for line in lines) == 1, lines
 
 
 def test_a_failed_contestant_shows_its_error(quick_report):
@@ -220,7 +232,11 @@ def test_the_benchmark_chooses_for_the_backend_jax_reports(backend, monkeypatch)
     s = settings_from_args(build_parser().parse_args(["--quick", "--compute-dtype", "bfloat16"]))
     specs, skipped, device = bench.choose(s)
     reasons = {k.name: k.reason for k in skipped}
-    if backend == "cpu":
+    if not HAS_TORCH:  # every JAX contestant the backend runs; PyTorch skipped, saying how to get it
+        assert reasons["torch_eager"].startswith(NO_TORCH) and device is None
+        assert names(specs) == (JAX_NAMES if backend == "gpu" else ["manual_full", "manual_blockwise",
+                                                                    "auto_full"])
+    elif backend == "cpu":
         assert "manual_pallas" in reasons and "auto_cudnn" in reasons and device == "cpu"
         assert "torch_eager" in names(specs)
     else:  # a CPU build of torch sees no CUDA: PyTorch is skipped, every JAX contestant runs

@@ -126,12 +126,17 @@ OPTIONS = list(itertools.product(ACTIVATIONS, NORMS, POSITIONS, (True, False)))
 @pytest.mark.parametrize("activation, norm, positions, causal", OPTIONS)
 def test_every_option_builds_and_runs(activation, norm, positions, causal):
     config = ModelConfig(**TINY, activation=activation, norm=norm, positions=positions, causal=causal)
-    params = jf.init_params(jax.random.PRNGKey(1), config, dtype=jnp.float64)
     batch = batch_for(config)
-    logits = jax.jit(jf.forward, static_argnums=2)(params, batch["inputs"], config)
+
+    @jax.jit  # one program: init, forward and loss (compiling op by op takes seconds)
+    def run(key, batch):
+        params = jf.init_params(key, config, dtype=jnp.float64)
+        return jf.forward(params, batch["inputs"], config), jf.loss_fn(params, batch, config)
+
+    logits, loss = run(jax.random.PRNGKey(1), batch)
     chex.assert_shape(logits, (3, 7, 11))
     chex.assert_tree_all_finite(logits)
-    loss = jf.loss_fn(params, batch, config)
+    assert loss.dtype == jnp.float64
     # Small init: the model's prediction is close to uniform.
     assert abs(float(loss) - math.log(config.vocab_size)) < 0.1
 
