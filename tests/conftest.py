@@ -6,6 +6,10 @@
   compiling many tiny programs, and without those passes it compiles about 5x
   faster on CPU. Every comparison in the suite compiles both of its sides the
   same way; the benchmark scripts (experiments/) keep the optimizations on.
+- XLA's CPU fusion emitters are off (``--xla_cpu_use_fusion_emitters=false``: the
+  elemental emitter XLA used before them), which halves the compile time of a
+  model's gradient at the suite's sizes; again both sides of every comparison,
+  and the subprocesses the tests start, compile the same way.
 - Compiled programs are kept in JAX's persistent compilation cache, in a folder
   of this run shared by the xdist workers and by the `jaxformer` subprocesses the
   tests start (the environment carries it), and removed at the end: a
@@ -25,6 +29,8 @@ RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # one pe
 JIT_CACHE = os.path.join(tempfile.gettempdir(), f"jaxformer-test-jit-{RUN_ID}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JIT_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
 import jax  # noqa: E402
 
