@@ -31,7 +31,7 @@ MANUAL_IMPORTERS = {"jaxformer.training", "jaxformer.tools", CLI}  # rooms that 
 # Optional heavy dependencies: imported inside the function that needs them, so that
 # importing jaxformer neither needs them installed nor pays their start-up time.
 HEAVY_OPTIONAL = frozenset({"torch", "matplotlib", "tensorboardX", "transformers", "tokenizers", "datasets",
-                            "pyarrow", "safetensors", "huggingface_hub", "tiktoken",
+                            "pyarrow", "safetensors", "huggingface_hub",
                             "jaxformer.tools.torch_ref"})  # imports torch at its top
 
 
