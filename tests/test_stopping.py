@@ -101,12 +101,25 @@ def test_a_second_ctrl_c_aborts_and_harms_no_checkpoint(corpus, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def tiny_run(corpus, tmp_path_factory):
+    """A one-step run folder with a checkpoint, for generate."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    done = subprocess.run([sys.executable, "-m", "jaxformer", *_argv(corpus, out, 1)],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("argv", [
     ["bench", "--preset", "loopos"],
     ["compare-grads", "--preset", "loopos"],
     ["prepare", "--corpus", "stdlib", "--tokenizer", "bpe", "--vocab-size", "4096", "--out", "{tmp}/data"],
+    ["generate", "--run", "{run}", "--prompt", "the ", "--num-samples", "64"],
 ], ids=lambda argv: argv[0])
-def test_ctrl_c_stops_any_command_with_one_line_and_130(tmp_path, argv):
+def test_ctrl_c_stops_any_command_with_one_line_and_130(tmp_path, argv, request):
+    if "{run}" in argv:
+        argv = [a.replace("{run}", str(request.getfixturevalue("tiny_run"))) for a in argv]
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     # the `jaxformer` console script, with a line once the imports are done
     script = ("import sys; from jaxformer.cli.main import main; print('imported', file=sys.stderr, "
@@ -114,7 +127,8 @@ def test_ctrl_c_stops_any_command_with_one_line_and_130(tmp_path, argv):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=_env(), cwd=tmp_path)
     assert proc.stderr.readline().strip() == "imported"
-    time.sleep(2)  # inside the command's work (each takes far longer than this)
+    # inside the command's work (each takes far longer; generate restores and compiles first)
+    time.sleep(0.5 if argv[0] == "generate" else 2)
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
