@@ -2,10 +2,12 @@
 
 - x64 is on: exactness is checked in float64; float32 tests ask for float32
   params explicitly (``init_params(key, config, dtype=jnp.float32)``).
-- XLA's optimization passes are off. Almost all of the suite's time is XLA
+- XLA's optimization passes are off, here and in the subprocesses the tests
+  start (the environment carries it). Almost all of the suite's time is XLA
   compiling many tiny programs, and without those passes it compiles about 5x
   faster on CPU. Every comparison in the suite compiles both of its sides the
-  same way; the benchmark scripts (experiments/) keep the optimizations on.
+  same way; the benchmark scripts (experiments/) keep the optimizations on, and
+  so do the notebooks, whose kernels start without the JAX_ and XLA_ settings.
 - XLA's CPU fusion emitters are off (``--xla_cpu_use_fusion_emitters=false``: the
   elemental emitter XLA used before them), which halves the compile time of a
   model's gradient at the suite's sizes; again both sides of every comparison,
@@ -29,6 +31,7 @@ RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # one pe
 JIT_CACHE = os.path.join(tempfile.gettempdir(), f"jaxformer-test-jit-{RUN_ID}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JIT_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")  # the subprocesses' too
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 

@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_meshes_match_one_device(corpus, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     # compiled like the rest of the suite (conftest.py): faster, and the same on both sides
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
