@@ -200,6 +200,37 @@ def test_hf_dataset_specs(monkeypatch):
         next(pieces("hf:owt"))
 
 
+def test_hf_datasets_are_streamed_and_offline_is_one_error(monkeypatch, tmp_path):
+    """A stand-in for the `datasets` package (nothing downloaded): the records are
+    streamed in order with the spec's name, config and split; prepare tokenizes them
+    as documents; a missing field names its row; offline is one error naming the spec."""
+    calls = []
+    rows = [{"text": f"document {i} about cats and dogs. "} for i in range(30)]
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        if name == "offline":
+            raise ConnectionError("Couldn't reach 'offline' on the Hub (LocalEntryNotFoundError)\nmore")
+        return iter(rows if name == "good" else [{"text": "a"}, {"body": "b"}])
+
+    monkeypatch.setitem(__import__("sys").modules, "datasets",
+                        __import__("types").SimpleNamespace(load_dataset=load_dataset))
+    got = list(pieces("hf:good:cfg:validation"))
+    assert calls == [("good", "cfg", "validation", True)]
+    assert [x.data for x in got] == [r["text"] for r in rows] and all(x.new_doc for x in got)
+    assert [x.offset for x in got] == list(range(1, 31)) and got[0].where == "hf:good:cfg:validation"
+    meta = run_prepare("hf:good", "char", tmp_path / "d", val_fraction=0.1)
+    assert meta["documents"] == 30 and meta["source"]["corpus"] == "hf:good"
+    with pytest.raises(ValueError, match=r"hf:missing row 2: the record has no field 'text' "
+                                         r"\(its fields: body\); choose one with --text-field"):
+        list(pieces("hf:missing"))
+    with pytest.raises(ValueError) as e:
+        next(pieces("hf:offline"))
+    assert str(e.value).startswith("cannot open the Hugging Face dataset hf:offline (ConnectionError: "
+                                   "Couldn't reach 'offline' on the Hub (LocalEntryNotFoundError))")
+    assert "\n" not in str(e.value) and "must be online" in str(e.value)
+
+
 # ------------------------------------------------------------------ tokenizers
 
 

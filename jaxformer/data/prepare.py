@@ -22,6 +22,7 @@ meta.json (an interrupted prepare) has its partial shards removed and starts ove
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Callable, Iterator
@@ -165,6 +166,8 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
         log(f"removed {len(stale)} file{'' if len(stale) == 1 else 's'} of an interrupted prepare in {out}; starting over")
 
     texts = (_text(p) for p in pieces(corpus, text_field))
+    if tokenizer == "char":  # documents are joined with a newline: the vocabulary must hold it
+        texts = itertools.chain(texts, ["\n"])
     tok = make_tokenizer(tokenizer, vocab_size=vocab_size, texts=texts)
     dtype = shards.token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, shard_tokens, val_fraction)
