@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as e:
         print(f"{e}; resume with: {resume_command(args)}", file=sys.stderr)
         _all_done(heartbeat)
-        return e.exit_code
+        return _leave(heartbeat, e.exit_code)
     except Exception as e:
         if heartbeat is not None and liveness.may_be_a_lost_peer(e):
             liveness.settle(heartbeat)  # a lost process: the watch ends this one, with its line
@@ -226,13 +227,13 @@ def run(args: argparse.Namespace) -> int:
     _all_done(heartbeat)
     wall = time.perf_counter() - t0
     if not main:
-        return 0
+        return _leave(heartbeat, 0)
     if not result.records:
         print(f"{args.out} already trained for {plural(settings.steps, 'step')}; nothing to do")
-        return 0
+        return _leave(heartbeat, 0)
     print(summary(result, wall))
     print(f"run folder: {result.run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
-    return 0
+    return _leave(heartbeat, 0)
 
 
 def _all_done(heartbeat: int | None) -> None:
@@ -241,6 +242,18 @@ def _all_done(heartbeat: int | None) -> None:
     if heartbeat is not None:
         multihost_utils.sync_global_devices("jaxformer train: done")
         liveness.finish(jax.process_count(), heartbeat)
+
+
+def _leave(heartbeat: int | None, code: int) -> int:
+    """Several processes, after their orderly end: leave at once with ``code`` (output
+    flushed; every file is already written and closed). The interpreter's teardown of
+    JAX's distributed runtime can abort a finished process (SIGABRT, "exception not
+    rethrown", seen after a Ctrl-C's checkpoint) while a native thread is unwound."""
+    if heartbeat is None:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def resume_command(args: argparse.Namespace) -> str:
