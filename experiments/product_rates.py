@@ -16,17 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def timed(fn, rounds: list, i: int) -> None:
-    t0 = time.perf_counter()
-    fn()
-    rounds[i].append(time.perf_counter() - t0)
+from jaxformer.tools.compare import time_calls
 
 
 def main(argv=None) -> None:
@@ -64,11 +59,7 @@ def main(argv=None) -> None:
     print(f"{'product':24s} {'XLA GFLOP/s':>12s} {'PyTorch':>9s} {'PyTorch / XLA':>14s}")
     for name, flops, fn, args, tfn in cases:
         fn(*args).block_until_ready(), tfn()  # warm-up (compile)
-        rounds = [[], []]
-        for _ in range(a.rounds):
-            timed(lambda: fn(*args).block_until_ready(), rounds, 0)
-            timed(tfn, rounds, 1)
-        tj, tt = (statistics.median(r) for r in rounds)
+        tj, tt = map(statistics.median, time_calls([lambda: fn(*args), tfn], (), a.rounds))
         print(f"{name:24s} {flops / tj / 1e9:12.0f} {flops / tt / 1e9:9.0f} {tj / tt:14.2f}")
     print(f"load {os.getloadavg()[0]:.2f}")
 

@@ -69,6 +69,15 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def exit_now(code: int) -> None:
+    """End the process at once with ``code``, its output flushed: no interpreter teardown,
+    which native threads still running (an XLA compile, torch's pool, JAX's distributed
+    runtime) can crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def exit_at_ctrl_c(signum, frame) -> None:
     """A SIGINT handler that ends the process at once with ``error: interrupted`` and 130.
     Raising KeyboardInterrupt is not enough for a long native computation: when the signal
@@ -76,9 +85,7 @@ def exit_at_ctrl_c(signum, frame) -> None:
     ignored" and carries on. Commands with nothing to save use this (train checkpoints)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("error: interrupted", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
+    exit_now(130)
 
 
 def run_command(fn: Callable[..., int | None], *args, exit_on_interrupt: bool = False, **kwargs) -> int:
@@ -102,8 +109,6 @@ def run_command(fn: Callable[..., int | None], *args, exit_on_interrupt: bool = 
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         if exit_on_interrupt:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(130)
+            exit_now(130)
         return 130
     return 0 if code is None else int(code)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -14,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
-from jaxformer.cli.args import UsageError, nonneg_int, positive_int
+from jaxformer.cli.args import UsageError, exit_now, nonneg_int, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import count_params
@@ -251,9 +250,7 @@ def _leave(heartbeat: int | None, code: int) -> int:
     rethrown", seen after a Ctrl-C's checkpoint) while a native thread is unwound."""
     if heartbeat is None:
         return code
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 def resume_command(args: argparse.Namespace) -> str:
