@@ -3,6 +3,7 @@ bfloat16-vs-autodiff judgement, the equations of a jaxpr, and test inputs."""
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Callable, NamedTuple
 
@@ -179,6 +180,12 @@ def make_batch(config, B, T, mask, seed=0):
 
 WORDS = ("the quick brown fox jumps over a lazy dog while one small cat sat on the warm mat "
          "and birds sang in tall green trees").split()
+
+
+def host_devices_flags(n: int) -> str:
+    """XLA_FLAGS for a subprocess with ``n`` CPU devices, keeping the suite's own flags
+    (conftest.py), so that it compiles as the test process does."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
 
 
 def write_corpus(path, lines=300, seed=0):

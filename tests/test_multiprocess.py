@@ -15,7 +15,7 @@ from jaxformer.checkpoints import checkpoint
 from jaxformer.model.transformer import loss_fn
 from jaxformer.observe.metrics import read_metrics
 from jaxformer.training.loop import train
-from helpers import tiny_settings
+from helpers import host_devices_flags, tiny_settings
 
 STEPS = 3
 
@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_match_one(corpus, tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(1),
                JAX_DISABLE_MOST_OPTIMIZATIONS="true", JAX_ENABLE_X64="true",  # as in the test process
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2")
     out = tmp_path / "two"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import host_devices_flags
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.errors import CheckpointWriteError
@@ -34,7 +35,7 @@ def _command(corpus, out, steps, *extra):
 
 
 def _start(command, port):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(1),
                JAX_DISABLE_MOST_OPTIMIZATIONS="true", PYTHONPATH=str(ROOT),
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
     return [subprocess.Popen(command, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,

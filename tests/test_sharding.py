@@ -13,7 +13,7 @@ import pytest
 
 from jaxformer.training.sharding import leaf_spec, make_mesh, mesh_shape, parse_mesh
 from jaxformer.training.loop import train
-from helpers import tiny_settings
+from helpers import host_devices_flags, tiny_settings
 
 STEPS = 3
 CASES = [("data=8", "auto"), ("data=2,fsdp=4", "auto"), ("data=8", "manual"), ("data=2,fsdp=4", "manual")]
@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_meshes_match_one_device(corpus, tmp_path):
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=host_devices_flags(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     # compiled like the rest of the suite (conftest.py): faster, and the same on both sides
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
