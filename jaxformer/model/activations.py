@@ -1,4 +1,6 @@
-"""The feed-forward activations: GELU (exact and tanh), ReLU, tanh."""
+"""The feed-forward activations: GELU (exact and tanh), ReLU, tanh, SiLU and ReLU^2.
+
+With ModelConfig.mlp "gated" the activation is the gate's: silu gives SwiGLU, gelu GeGLU."""
 
 from __future__ import annotations
 
@@ -29,7 +31,18 @@ def tanh(x):
     return jnp.tanh(x)
 
 
-ACTIVATION_FNS = {"gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu, "tanh": tanh}
+def silu(x):
+    """SiLU (swish): x * sigmoid(x), the gate of Llama's SwiGLU."""
+    return x * jax.nn.sigmoid(x)
+
+
+def relu2(x):
+    """ReLU squared: max(x, 0)^2 (nanochat's and the nanoGPT speedrun's MLP)."""
+    return jnp.square(jnp.maximum(x, 0))
+
+
+ACTIVATION_FNS = {"gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu, "tanh": tanh,
+                  "silu": silu, "relu2": relu2}
 
 
 def activation(name: str, x):

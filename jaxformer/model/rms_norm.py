@@ -1,0 +1,33 @@
+"""RMS norm over the last axis (Llama's RMSNorm), with statistics in float32 or wider:
+
+    y = x * rsqrt(mean(x^2) + eps) * scale        (no mean subtracted, no bias)
+
+``p = {"scale": (D,)}``, or ``{}`` for an RMS norm with no learnable scale
+(ModelConfig.norm_scale False). The same layer normalizes the residual stream
+(norm_type "rms") and each head's q and k (qk_norm), over the last axis of any shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.layer_norm import row_scale
+from jaxformer.model.precision import upcast
+
+
+def rms_norm_stats(x, eps):
+    """x (..., D) -> xhat = x * rstd (..., D) and rstd = 1 / sqrt(mean(x^2) + eps) (..., 1),
+    in float32 or wider. As layer_norm_stats, computed on xs = x * s (s = row_scale(x), an
+    exact power of two): mean(x^2) + eps = (mean(xs^2) + eps s^2) / s^2."""
+    x = upcast(x)
+    s = row_scale(x)  # (..., 1)
+    xs = x * s
+    r = jax.lax.rsqrt(jnp.mean(xs * xs, axis=-1, keepdims=True) + eps * s * s)  # (..., 1)
+    return xs * r, s * r
+
+
+def rms_norm(p, x, eps):
+    """p = {"scale": (D,)} or {} (no scale); x (..., D) -> (..., D), float32 or wider."""
+    xhat, _ = rms_norm_stats(x, eps)
+    return xhat * p["scale"] if "scale" in p else xhat
