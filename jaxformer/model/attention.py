@@ -2,7 +2,14 @@
 over blocks), pallas (the same online softmax as one Pallas kernel) or cudnn (cuDNN's).
 
 Head h of attention uses columns h*Dh:(h+1)*Dh of wq/wk/wv (Dh = D // H); q, k and v
-come out of one product x @ [wq | wk | wv]; scores are scaled by 1/sqrt(Dh)."""
+come out of one product x @ [wq | wk | wv]; scores are scaled by 1/sqrt(Dh).
+
+The modern block's options act on q and k between the projections and the core
+(``rotate_qk``): QK-norm (an RMS norm over each head's q and k, params q_norm and k_norm),
+then rotary positions (rotary.py). Grouped-query attention (n_kv_heads < n_heads) gives k
+and v Hkv = n_kv_heads heads, wk and wv (D, Hkv * Dh); query head h reads key/value head
+h // G, G = H // Hkv (Hugging Face's ``repeat_kv``). The full and blockwise cores see k and
+v repeated G times (``repeat_kv``); the Pallas kernel and cuDNN read the Hkv heads as they are."""
 
 from __future__ import annotations
 
@@ -16,6 +23,9 @@ from jaxformer.model.dropout import dropout
 from jaxformer.model.linear import linear
 from jaxformer.model.pallas_backward import flash_attention
 from jaxformer.model.precision import matmul, upcast
+from jaxformer.model.rms_norm import rms_norm
+from jaxformer.model.rotary import apply_rope, rope_tables
+
 
 def split_heads(x, n_heads):
     """(B, T, D) -> (B, H, T, Dh): head h takes features h*Dh:(h+1)*Dh."""
@@ -36,24 +46,49 @@ def qkv_weights(p):
     return jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1), b
 
 
-def split_qkv(qkv, n_heads):
-    """(B, T, 3D) -> q, k, v (B, H, T, Dh) each, in one transpose: columns j*D:(j+1)*D
-    are q, k, v (j = 0, 1, 2), and head h of each takes its features h*Dh:(h+1)*Dh."""
-    B, T, D3 = qkv.shape
-    qkv = qkv.reshape(B, T, 3, n_heads, D3 // (3 * n_heads)).transpose(2, 0, 3, 1, 4)
-    return qkv[0], qkv[1], qkv[2]  # (B, H, T, Dh) each
+def split_qkv(qkv, n_heads, n_kv_heads=0):
+    """(B, T, (H + 2 Hkv) Dh) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh) (n_kv_heads 0: Hkv = H,
+    in one transpose): columns [0, H Dh) are q, then k's and v's Hkv Dh each, and head h of
+    each takes its features h*Dh:(h+1)*Dh."""
+    B, T, W = qkv.shape
+    Hkv = n_kv_heads or n_heads
+    Dh = W // (n_heads + 2 * Hkv)
+    if Hkv == n_heads:
+        qkv = qkv.reshape(B, T, 3, n_heads, Dh).transpose(2, 0, 3, 1, 4)
+        return qkv[0], qkv[1], qkv[2]  # (B, H, T, Dh) each
+    q, k, v = jnp.split(qkv, [n_heads * Dh, (n_heads + Hkv) * Dh], axis=-1)
+    return split_heads(q, n_heads), split_heads(k, Hkv), split_heads(v, Hkv)
 
 
 def merge_qkv(q, k, v):
-    """q, k, v (B, H, T, Dh) -> (B, T, 3D), the inverse of split_qkv."""
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, T, (H + 2 Hkv) Dh), the inverse of split_qkv."""
     B, H, T, Dh = q.shape
+    if k.shape[1] != H:
+        return jnp.concatenate([merge_heads(q), merge_heads(k), merge_heads(v)], axis=-1)
     return jnp.stack([q, k, v]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * H * Dh)
 
 
-def qkv_heads(p, x, n_heads, compute_dtype=None):
-    """x (B, T, D) -> q, k, v (B, H, T, Dh): one product x @ [wq | wk | wv] + [bq | bk | bv]."""
+def qkv_heads(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
+    """x (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh): one product x @ [wq | wk | wv] + [bq | bk | bv]."""
     w, b = qkv_weights(p)
-    return split_qkv(linear(x, w, b, compute_dtype), n_heads)  # (B, H, T, Dh) each
+    return split_qkv(linear(x, w, b, compute_dtype), n_heads, n_kv_heads)
+
+
+def repeat_kv(x, groups):
+    """(B, Hkv, T, Dh) -> (B, Hkv * G, T, Dh): head h of the result is head h // G of x."""
+    return x if groups == 1 else jnp.repeat(x, groups, axis=1)
+
+
+def rotate_qk(p, q, k, norm_eps, rope_theta, start=0):
+    """QK-norm then rotary positions on q (B, H, T, Dh) and k (B, Hkv, T, Dh): an RMS norm
+    over each head's width where p has q_norm (and k_norm); rope_theta > 0 rotates position
+    start + t. Neither option: q and k as they are."""
+    if "q_norm" in p:
+        q, k = rms_norm(p["q_norm"], q, norm_eps), rms_norm(p["k_norm"], k, norm_eps)
+    if rope_theta:
+        cos, sin = rope_tables(start + jnp.arange(q.shape[-2]), q.shape[-1], rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (T, Dh) tables
+    return q, k
 
 
 def causal_mask(T):
@@ -85,47 +120,65 @@ def attention_probs(q, k, causal, compute_dtype=None):
 
 
 def attention_options(config) -> dict:
-    """The keyword arguments of ``attention`` a ModelConfig sets: impl, block sizes, dropout."""
+    """The keyword arguments of ``attention`` a ModelConfig sets: impl, block sizes, dropout,
+    key/value heads, QK-norm's eps and the rotary base (0: no rotary positions)."""
     return dict(impl=config.attention_impl, block=config.attention_block,
                 block_q=config.pallas_block_q, block_k=config.pallas_block_k,
-                dropout_rate=config.dropout)
+                dropout_rate=config.dropout, n_kv_heads=config.kv_heads, norm_eps=config.ln_eps,
+                rope_theta=config.rope_theta if config.positions == "rope" else 0.0)
+
+
+def attention_qkv(p, x, n_heads, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
+    """x (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh) as the core reads them: the
+    projections, then QK-norm and rotary positions (``rotate_qk``) where they are on."""
+    q, k, v = qkv_heads(p, x, n_heads, compute_dtype, n_kv_heads)
+    q, k = rotate_qk(p, q, k, norm_eps, rope_theta)
+    return q, k, v
 
 
 def attention(p, x, n_heads, causal, compute_dtype=None, impl="full", block=128, block_q=0, block_k=0,
-              dropout_rate=0.0, key=None):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo} (no b* with bias=False); x (B, T, D) -> (B, T, D).
-    impl "blockwise" runs blockwise_attention with query and key blocks of ``block``;
-    "pallas" pallas_attention with blocks of block_q, block_k (0: the device's);
-    "cudnn" cudnn_attention. With a ``key`` (full, blockwise) the probabilities go
-    through dropout at ``dropout_rate`` (dropout.py)."""
+              dropout_rate=0.0, key=None, n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?} (no b* with bias=False);
+    x (B, T, D) -> (B, T, D). impl "blockwise" runs blockwise_attention with query and key
+    blocks of ``block``; "pallas" pallas_attention with blocks of block_q, block_k (0: the
+    device's); "cudnn" cudnn_attention. With a ``key`` (full, blockwise) the probabilities go
+    through dropout at ``dropout_rate`` (dropout.py). n_kv_heads, norm_eps, rope_theta: the
+    modern block's (``attention_qkv``)."""
+    qkv = dict(n_kv_heads=n_kv_heads, norm_eps=norm_eps, rope_theta=rope_theta)
     if impl == "blockwise":
-        return blockwise_attention(p, x, n_heads, causal, block, compute_dtype, dropout_rate, key)
+        return blockwise_attention(p, x, n_heads, causal, block, compute_dtype, dropout_rate, key, **qkv)
     if impl == "pallas":
-        return pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype)
+        return pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype, **qkv)
     if impl == "cudnn":
-        return cudnn_attention(p, x, n_heads, causal, compute_dtype)
+        return cudnn_attention(p, x, n_heads, causal, compute_dtype, **qkv)
     cd = compute_dtype
-    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
-    probs = dropout(attention_probs(q, k, causal, cd), dropout_rate, key)  # (B, H, T, T)
-    return linear(merge_heads(matmul(probs, v, cd)), p["wo"], p.get("bo"), cd)
+    q, k, v = attention_qkv(p, x, n_heads, cd, **qkv)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
+    G = n_heads // k.shape[1]
+    probs = dropout(attention_probs(q, repeat_kv(k, G), causal, cd), dropout_rate, key)  # (B, H, T, T)
+    return linear(merge_heads(matmul(probs, repeat_kv(v, G), cd)), p["wo"], p.get("bo"), cd)
 
 
-def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None, dropout_rate=0.0, key=None):
+def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None, dropout_rate=0.0, key=None,
+                        n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
     """attention(p, x, n_heads, causal) without the (B, H, T, T) probabilities: an online
     softmax over key blocks of ``block`` positions (jaxformer/blockwise.py). Every product,
     the projections' and the blocks', runs in ``compute_dtype``."""
     cd = compute_dtype
-    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
-    out, _ = blockwise_attention_core(q, k, v, causal, block, cd, dropout_rate, key)  # (B, H, T, Dh)
+    q, k, v = attention_qkv(p, x, n_heads, cd, n_kv_heads, norm_eps, rope_theta)
+    G = n_heads // k.shape[1]
+    out, _ = blockwise_attention_core(q, repeat_kv(k, G), repeat_kv(v, G), causal, block, cd,
+                                      dropout_rate, key)  # (B, H, T, Dh)
     return linear(merge_heads(out), p["wo"], p.get("bo"), cd)
 
 
-def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None):
+def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None,
+                     n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
     """attention(p, x, n_heads, causal) with the core softmax(q k^T / sqrt(Dh)) v as one
     Pallas kernel (pallas_attention.py) whose derivative is the hand-written backward
-    kernels (pallas_backward.py); the projections are the linear layers above."""
+    kernels (pallas_backward.py); the projections are the linear layers above. The kernel
+    reads k and v with their Hkv heads (grouped-query attention without repeats)."""
     cd = compute_dtype
-    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
+    q, k, v = attention_qkv(p, x, n_heads, cd, n_kv_heads, norm_eps, rope_theta)
     out = flash_attention(q, k, v, causal, block_q, block_k, cd)  # (B, H, T, Dh)
     return linear(merge_heads(out), p["wo"], p.get("bo"), cd)
 
@@ -145,11 +198,13 @@ def check_cudnn(products_dtype) -> None:
                          f"{jnp.dtype(products_dtype).name}: set compute_dtype='bfloat16'")
 
 
-def cudnn_attention(p, x, n_heads, causal, compute_dtype=None):
+def cudnn_attention(p, x, n_heads, causal, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5,
+                    rope_theta=0.0):
     """attention(p, x, n_heads, causal) with the core from jax.nn.dot_product_attention's
-    cuDNN implementation (GPU only, bfloat16 or float16 products; JAX's grad only)."""
+    cuDNN implementation (GPU only, bfloat16 or float16 products; JAX's grad only); it
+    reads k and v with their Hkv heads."""
     cd = compute_dtype
-    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, T, Dh) each
+    q, k, v = attention_qkv(p, x, n_heads, cd, n_kv_heads, norm_eps, rope_theta)
     dtype = jnp.dtype(cd or q.dtype)
     check_cudnn(dtype)
     q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout

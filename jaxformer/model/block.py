@@ -1,9 +1,11 @@
-"""The feed-forward layer and the residual block, pre-LN and post-LN.
+"""The feed-forward layer (plain or gated) and the residual block, pre-LN and post-LN.
 
     pre:  x1 = x + drop(attn(ln1(x)));   y = x1 + drop(ffn(ln2(x1)))
     post: x1 = ln1(x + drop(attn(x)));   y = ln2(x1 + drop(ffn(x1)))
 
-drop is dropout at config.dropout, only with a key (the layer's, dropout.layer_key);
+ln is layer norm, or RMS norm with config.norm_type "rms" (``pick_norm``). The
+feed-forward is act(x w_in) w_out, or with config.mlp "gated" (act(x w_gate) * x w_up) w_down
+(SwiGLU with activation silu). drop is dropout at config.dropout, only with a key (the layer's, dropout.layer_key);
 attention then drops its probabilities too (dropout.py names every key).
 
 ``compose_block`` is the one place the block's forward is written. A path that needs
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxformer.model.activations import activation
 from jaxformer.model.attention import attention, attention_options
@@ -25,12 +28,31 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, dropout, sub_key
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
+from jaxformer.model.rms_norm import rms_norm
 
 
 def feed_forward(p, x, activation_name, compute_dtype=None):
-    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> (..., D)."""
+    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> (..., D).
+    A gated p = {w_gate, w_up (D, F), b_gate, b_up (F,), w_down (F, D), b_down (D,)} runs
+    gated_feed_forward."""
+    if "w_gate" in p:
+        return gated_feed_forward(p, x, activation_name, compute_dtype)
     h = linear(x, p["w_in"], p.get("b_in"), compute_dtype)
     return linear(activation(activation_name, h), p["w_out"], p.get("b_out"), compute_dtype)
+
+
+def gate_up_weights(p):
+    """The gated layer's two input projections side by side: w = [w_gate | w_up] (D, 2F),
+    b (2F,) (None without biases)."""
+    b = jnp.concatenate([p["b_gate"], p["b_up"]]) if "b_gate" in p else None
+    return jnp.concatenate([p["w_gate"], p["w_up"]], axis=1), b
+
+
+def gated_feed_forward(p, x, activation_name, compute_dtype=None):
+    """(act(x @ w_gate + b_gate) * (x @ w_up + b_up)) @ w_down + b_down; x (..., D) -> (..., D).
+    The gate and up projections are one product x @ [w_gate | w_up]."""
+    gate, up = jnp.split(linear(x, *gate_up_weights(p), compute_dtype), 2, axis=-1)  # (..., F) each
+    return linear(activation(activation_name, gate) * up, p["w_down"], p.get("b_down"), compute_dtype)
 
 
 class BlockLayers(NamedTuple):
@@ -39,6 +61,12 @@ class BlockLayers(NamedTuple):
     attention: Callable  # (p["attn"], x (B, T, D), config[, key]) -> (y (B, T, D), aux): aux comes back out
     feed_forward: Callable  # (p["ffn"], x (B, T, D), config) -> y (B, T, D)
     layer_norm: Callable  # (p["ln1"] or p["ln2"], x (B, T, D), eps) -> y (B, T, D)
+    rms_norm: Callable = rms_norm  # the same, for norm_type "rms"
+
+
+def pick_norm(layers, config: ModelConfig) -> Callable:
+    """The norm config.norm_type names, from ``layers`` (a BlockLayers or ModelLayers)."""
+    return layers.rms_norm if config.norm_type == "rms" else layers.layer_norm
 
 
 def model_attention(p, x, config: ModelConfig, key=None):
@@ -54,14 +82,15 @@ def model_feed_forward(p, x, config: ModelConfig):
     return feed_forward(p, x, config.activation, config.compute_dtype)
 
 
-BLOCK_LAYERS = BlockLayers(model_attention, model_feed_forward, layer_norm)
+BLOCK_LAYERS = BlockLayers(model_attention, model_feed_forward, layer_norm, rms_norm)
 
 
 def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None):
     """One block of ``layers``; p is one layer's slice of params["blocks"]; x (B, T, D).
     ``key``: this layer's dropout key (None: no dropout; a key needs config.dropout > 0).
     Returns (y (B, T, D), the aux that layers.attention returned beside its output)."""
-    attn, ffn, ln = layers
+    attn, ffn = layers.attention, layers.feed_forward
+    ln = pick_norm(layers, config)
     eps, rate = config.ln_eps, config.dropout
     if key is None or not rate:
         key = None

@@ -11,9 +11,11 @@ import dataclasses
 import math
 from typing import Any
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
 NORMS = ("pre", "post")
-POSITIONS = ("learned", "sinusoidal")
+NORM_TYPES = ("layer", "rms")
+POSITIONS = ("learned", "sinusoidal", "rope")
+MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -48,6 +50,13 @@ class ModelConfig:
     bias: bool = True  # False: no linear biases (bq bk bv bo b_in b_out) and no layer-norm biases
     head_bias: bool = True  # False: no params["head"]["b"]
     dropout: float = 0.0  # rate on the embedding, attention probabilities and residual branches
+    # --- the modern block (Llama family; docs/design.md, "The modern block")
+    norm_type: str = "layer"  # layer: LayerNorm (scale, bias); rms: RMSNorm (scale only, no mean)
+    norm_scale: bool = True  # False: RMS norms without a learnable scale (norm_type "rms" only)
+    rope_theta: float = 10000.0  # positions "rope": the rotation's base (Llama 3: 500000)
+    mlp: str = "plain"  # plain: act(x w_in) w_out; gated: (act(x w_gate) * (x w_up)) w_down (SwiGLU with silu)
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention; 1: multi-query); 0: n_heads
+    qk_norm: bool = False  # an RMS norm over each head's q and k (own scales), before rotary positions
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
@@ -59,9 +68,18 @@ class ModelConfig:
                 f"ModelConfig.d_model ({self.d_model}) must be divisible by "
                 f"n_heads ({self.n_heads})"
             )
+        if isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 0:
+            raise ValueError(f"ModelConfig.n_kv_heads must be a non-negative integer (0: n_heads), "
+                             f"got {self.n_kv_heads!r}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide "
+                             f"n_heads ({self.n_heads}): each key/value head serves a whole group "
+                             f"of query heads")
         for name, allowed in (
             ("activation", ACTIVATIONS),
             ("norm", NORMS),
+            ("norm_type", NORM_TYPES),
+            ("mlp", MLPS),
             ("positions", POSITIONS),
             ("attention_impl", ATTENTION_IMPLS),
             ("remat", REMATS),
@@ -71,12 +89,21 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}"
                 )
-        for name in ("causal", "embed_scale"):
+        for name in ("causal", "embed_scale", "norm_scale", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if (isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float))
                 or not math.isfinite(self.ln_eps) or not self.ln_eps > 0):
             raise ValueError(f"ModelConfig.ln_eps must be a positive finite number, got {self.ln_eps!r}")
+        if not self.norm_scale and self.norm_type != "rms":
+            raise ValueError("ModelConfig.norm_scale False (no learnable scale) needs norm_type 'rms', "
+                             f"got norm_type {self.norm_type!r}")
+        if (isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float))
+                or not math.isfinite(self.rope_theta) or not self.rope_theta > 1):
+            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+        if self.positions == "rope" and self.d_head % 2:
+            raise ValueError(f"ModelConfig.positions 'rope' needs an even head width: d_model "
+                             f"({self.d_model}) / n_heads ({self.n_heads}) is {self.d_head}")
         if isinstance(self.attention_block, bool) or not isinstance(self.attention_block, int) \
                 or self.attention_block <= 0:
             raise ValueError(
@@ -112,6 +139,11 @@ class ModelConfig:
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads: n_kv_heads, or n_heads when it is 0."""
+        return self.n_kv_heads or self.n_heads
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -160,10 +192,26 @@ PRESETS: dict[str, ModelConfig] = {
         activation="gelu_tanh", norm="pre", positions="learned",
         tie_embeddings=True, head_bias=False,
     ),
+    # smollm: the modern (Llama-family) block at SmolLM-135M's published shape
+    # (HuggingFaceTB/SmolLM-135M's config.json: 30 layers, width 576, 9 query heads over
+    # 3 key/value heads, SwiGLU of width 1536, RMS norm eps 1e-5, rotary base 10000, the
+    # head tied, no biases; 134.5M params with its 49152-token vocabulary).
+    "smollm": ModelConfig(
+        d_model=576, n_heads=9, n_kv_heads=3, n_layers=30, d_ff=1536, max_seq_len=2048,
+        activation="silu", norm="pre", norm_type="rms", positions="rope", rope_theta=10000.0,
+        mlp="gated", tie_embeddings=True, bias=False, head_bias=False,
+    ),
+    # llama-tiny: the modern block for tests: rotary positions, RMS norm, SwiGLU, two
+    # query heads per key/value head, QK-norm, no biases, an untied head.
+    "llama-tiny": ModelConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=24, max_seq_len=16,
+        activation="silu", norm="pre", norm_type="rms", positions="rope", mlp="gated",
+        qk_norm=True, bias=False, head_bias=False,
+    ),
 }
 
 # The presets small enough for tests that build or train every preset in seconds.
-SMALL_PRESETS: tuple[str, ...] = ("loopos", "sunfish", "cllm", "tiny")
+SMALL_PRESETS: tuple[str, ...] = ("loopos", "sunfish", "cllm", "tiny", "llama-tiny")
 
 # The training recipe each preset comes with (flags of `jaxformer train` override them).
 PRESET_TRAINING: dict[str, dict[str, Any]] = {
@@ -174,6 +222,13 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
     "cllm": dict(optimizer="adamw", lr=3e-3, schedule="cosine", warmup_steps=20,
                  clip_value=5.0, weight_decay=0.01, batch_size=16, seq_len=64),
     "tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
+    "llama-tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
+    # SmolLM-135M's shape trained as the modern small-LM recipes do: AdamW (beta2 0.95,
+    # weight decay 0.1, clip 1.0), lr 3e-3 cosine to 3e-4, 8 x 2048 tokens a step.
+    "smollm": dict(optimizer="adamw", lr=3e-3, min_lr=3e-4, beta1=0.9, beta2=0.95,
+                   schedule="cosine", warmup_steps=200, steps=2000,
+                   clip_norm=1.0, weight_decay=0.1, batch_size=8, seq_len=2048,
+                   eval_every=200, eval_batches=8, log_every=10, ckpt_every=500),
     # GPT-2 small's recipe as nanoGPT's train_gpt2.py trains it (AdamW, beta2 0.95,
     # lr 6e-4 cosine down to 6e-5, weight decay 0.1, clip 1.0), sized for one GPU:
     # 8 x 1024 tokens per step (raise accum_steps for GPT-2's 0.5M-token batches).

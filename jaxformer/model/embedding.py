@@ -22,9 +22,12 @@ def sinusoidal_positions(T, D, dtype=jnp.float32):
 
 
 def positions(params, T, config: ModelConfig, dtype):
-    """The (T, D) position term added to the token embeddings."""
+    """The (T, D) position term added to the token embeddings (0 with rotary positions,
+    which turn q and k inside attention instead)."""
     if config.positions == "learned":
         return params["pos_embed"][:T]
+    if config.positions == "rope":
+        return jnp.zeros((), dtype)
     return sinusoidal_positions(T, config.d_model, dtype)
 
 

@@ -1,7 +1,9 @@
 """The model's forward over a key/value cache, for decoding.
 
 The cache holds, per layer, the keys and values of the tokens seen so far in S =
-max_seq_len slots: ``{"k": (L, B, H, S, Dh), "v": (L, B, H, S, Dh)}``. The token in
+max_seq_len slots: ``{"k": (L, B, Hkv, S, Dh), "v": (L, B, Hkv, S, Dh)}``, Hkv =
+config.kv_heads (grouped-query attention keeps H / Hkv times fewer; the keys are kept
+after QK-norm and rotary positions, as attention reads them). The token in
 slot j has position j (so learned positions stay within the table the model was
 trained on). ``forward_cached`` runs t new tokens at slots [start, start + t) and
 writes their keys and values; a prefill is t = S at start 0 (padding past the
@@ -19,51 +21,54 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.attention import attention_scores, masked_softmax, merge_heads, qkv_heads
-from jaxformer.model.block import BLOCK_LAYERS, compose_block
+from jaxformer.model.attention import (attention_scores, masked_softmax, merge_heads, qkv_heads,
+                                       repeat_kv, rotate_qk)
+from jaxformer.model.block import BLOCK_LAYERS, compose_block, pick_norm
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.embedding import sinusoidal_positions, token_embedding
-from jaxformer.model.layer_norm import layer_norm
+from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
 from jaxformer.model.linear import linear
 from jaxformer.model.params import head_weights
 from jaxformer.model.precision import matmul, upcast
 
 
 def init_cache(config: ModelConfig, batch: int, dtype) -> dict:
-    """An empty cache: {"k", "v"} each (L, B, H, S, Dh) zeros."""
-    shape = (config.n_layers, batch, config.n_heads, config.max_seq_len, config.d_head)
+    """An empty cache: {"k", "v"} each (L, B, Hkv, S, Dh) zeros."""
+    shape = (config.n_layers, batch, config.kv_heads, config.max_seq_len, config.d_head)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def attention_cached(p, x, cache_k, cache_v, start, n_heads, compute_dtype=None):
+def attention_cached(p, x, cache_k, cache_v, start, config: ModelConfig):
     """Causal attention of t new tokens at cache slots [start, start + t) over the cache.
 
-    x (B, t, D); cache_k, cache_v (B, H, S, Dh); start int32 scalar. The new keys and
-    values are written into their slots, then query i attends to slots <= start + i.
-    Returns out (B, t, D) and the updated cache_k, cache_v. Products in ``compute_dtype``.
+    x (B, t, D); cache_k, cache_v (B, Hkv, S, Dh); start int32 scalar. The new keys and
+    values (after QK-norm and rotary positions at start + i) are written into their slots,
+    then query i attends to slots <= start + i. Returns out (B, t, D) and the updated
+    cache_k, cache_v. Products in config.compute_dtype.
     """
-    cd = compute_dtype
-    q, k, v = qkv_heads(p, x, n_heads, cd)  # (B, H, t, Dh) each: one product x @ [wq | wk | wv]
+    cd, H = config.compute_dtype, config.n_heads
+    q, k, v = qkv_heads(p, x, H, cd, config.kv_heads)  # q (B, H, t, Dh), k, v (B, Hkv, t, Dh): one product
     zero, start = jnp.int32(0), jnp.asarray(start, jnp.int32)
+    rope_theta = config.rope_theta if config.positions == "rope" else 0.0
+    q, k = rotate_qk(p, q, k, config.ln_eps, rope_theta, start)
     at = (zero, zero, start, zero)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
     cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), at)
-    scores = attention_scores(q, cache_k, cd)  # (B, H, t, S)
+    G = H // config.kv_heads
+    scores = attention_scores(q, repeat_kv(cache_k, G), cd)  # (B, H, t, S)
     t, S = x.shape[1], cache_k.shape[2]
     mask = jnp.arange(S)[None, :] <= start + jnp.arange(t)[:, None]  # (t, S)
     probs = masked_softmax(scores, mask)  # (B, H, t, S)
-    out = linear(merge_heads(matmul(probs, cache_v, cd)), p["wo"], p.get("bo"), cd)  # (B, t, D)
+    out = linear(merge_heads(matmul(probs, repeat_kv(cache_v, G), cd)), p["wo"], p.get("bo"), cd)  # (B, t, D)
     return out, cache_k, cache_v
 
 
 def block_cached(p, x, cache_k, cache_v, start, config: ModelConfig):
     """block.block for t new tokens at cache slots [start, start + t): x (B, t, D);
-    cache_k, cache_v (B, H, S, Dh) of this layer. Returns (x, cache_k, cache_v).
+    cache_k, cache_v (B, Hkv, S, Dh) of this layer. Returns (x, cache_k, cache_v).
     The block's own composition, with attention_cached as its attention."""
 
     def attend(pa, h, config):  # (y, the updated cache): compose_block hands it back
-        y, k, v = attention_cached(pa, h, cache_k, cache_v, start, config.n_heads,
-                                   config.compute_dtype)
+        y, k, v = attention_cached(pa, h, cache_k, cache_v, start, config)
         return y, (k, v)
 
     x, (cache_k, cache_v) = compose_block(p, x, config, BLOCK_LAYERS._replace(attention=attend))
@@ -73,7 +78,11 @@ def block_cached(p, x, cache_k, cache_v, start, config: ModelConfig):
 def embed_at(params, inputs, start, config: ModelConfig):
     """embedding.embed of inputs int (B, t) at positions [start, start + t) (start may be traced)."""
     x = token_embedding(params["tok_embed"], inputs)  # (B, t, D)
+    if config.embed_scale:
+        x = x * token_scale(config)
     t, D = inputs.shape[-1], config.d_model
+    if config.positions == "rope":  # rotary positions turn q and k in attention_cached
+        return x
     if config.positions == "learned":
         table = params["pos_embed"]  # (max_seq_len, D)
     else:
@@ -92,6 +101,6 @@ def forward_cached(params, inputs, cache, start, config: ModelConfig):
 
     x, (k, v) = jax.lax.scan(layer, x, (params["blocks"], cache["k"], cache["v"]))
     if config.norm == "pre":
-        x = layer_norm(params["ln_f"], x, config.ln_eps)
+        x = pick_norm(BLOCK_LAYERS, config)(params["ln_f"], x, config.ln_eps)
     logits = linear(x, *head_weights(params, config), config.compute_dtype)  # (B, t, V)
     return logits, {"k": k, "v": v}

@@ -7,17 +7,20 @@ hand-derived one.
 """
 
 from jaxformer.model.activations import (ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C,  # noqa: F401
-                                         activation, gelu, gelu_tanh, relu, tanh)
+                                         activation, gelu, gelu_tanh, relu, relu2, silu, tanh)
 from jaxformer.model.attention import (attention, attention_options, attention_probs,  # noqa: F401
                                        attention_scores, blockwise_attention, causal_mask,
-                                       cudnn_attention, masked_softmax, merge_heads, merge_qkv,
-                                       pallas_attention, qkv_heads, qkv_weights, split_heads,
-                                       split_qkv)
+                                       attention_qkv, cudnn_attention, masked_softmax, merge_heads,
+                                       merge_qkv, pallas_attention, qkv_heads, qkv_weights,
+                                       repeat_kv, rotate_qk, split_heads, split_qkv)
 from jaxformer.model.block import (BLOCK_LAYERS, BlockLayers, block, compose_block,  # noqa: F401
-                                   feed_forward, remat_block)
+                                   feed_forward, gate_up_weights, gated_feed_forward, pick_norm,
+                                   remat_block)
 from jaxformer.model.embedding import (embed, positions, sinusoidal_positions,  # noqa: F401
                                        token_embedding)
 from jaxformer.model.layer_norm import layer_norm, layer_norm_stats, row_scale  # noqa: F401
 from jaxformer.model.linear import linear  # noqa: F401
 from jaxformer.model.losses import cross_entropy  # noqa: F401
 from jaxformer.model.precision import cast, matmul, stats_dtype, upcast  # noqa: F401
+from jaxformer.model.rms_norm import rms_norm, rms_norm_stats  # noqa: F401
+from jaxformer.model.rotary import apply_rope, rope_tables, rotate_half  # noqa: F401

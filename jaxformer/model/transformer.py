@@ -2,7 +2,7 @@
 
     x = drop(embed(inputs))            (B, T, D)
     x = block_l(x), l = 0 .. L-1       lax.scan over params["blocks"] and the layer index l
-    x = ln_f(x)                        pre-LN only
+    x = ln_f(x)                        pre-LN only (an RMS norm with norm_type "rms")
     logits = x @ head.w + head.b       (B, T, V); tie_embeddings: head.w = tok_embed^T;
                                        no head.b with head_bias False
     loss = cross_entropy(logits)       ()   (loss_chunk > 0: both, chunk by chunk)
@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.block import block, remat_block
+from jaxformer.model.block import block, pick_norm, remat_block
 from jaxformer.model.chunked_loss import chunked_head_loss
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import embed
@@ -32,6 +32,7 @@ from jaxformer.model.losses import cross_entropy
 from jaxformer.model.dropout import embed_key, layer_key
 from jaxformer.model.params import head_weights, validate_params
 from jaxformer.model.precision import upcast
+from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.validate import check_precision, validate_batch, validate_tokens
 
 
@@ -45,10 +46,11 @@ class ModelLayers(NamedTuple):
     linear: Callable  # (x, w, b or None, compute_dtype) -> x @ w + b: the head
     cross_entropy: Callable  # (logits (B, T, V), targets, mask) -> ()
     chunked_head_loss: Callable  # (head {"w", "b"?}, x (B, T, D), targets, mask, chunk, compute_dtype) -> ()
+    rms_norm: Callable = rms_norm  # (p, x, eps) -> (B, T, D): the final norm with norm_type "rms"
 
 
 MODEL_LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entropy,
-                           chunked_head_loss)
+                           chunked_head_loss, rms_norm)
 
 
 def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
@@ -71,7 +73,7 @@ def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LA
 
     x, _ = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
     if config.norm == "pre":
-        x = layers.layer_norm(params["ln_f"], x, config.ln_eps)
+        x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
     return x
 
 
