@@ -1,4 +1,4 @@
-"""Elementwise activations: gelu (exact, erf), gelu_tanh, relu, tanh.
+"""Elementwise activations: gelu (exact, erf), gelu_tanh, relu, tanh, silu, relu2.
 
 Each residual type names its activation, so ``activation_bwd(res, dy)`` needs
 no name: the backward of a residual is ``ACTIVATION_BWD[type(res)]``.
@@ -30,6 +30,14 @@ class ReluRes(NamedTuple):
 
 class TanhRes(NamedTuple):
     y: jax.Array  # (...) the output tanh(x)
+
+
+class SiluRes(NamedTuple):
+    x: jax.Array  # (...) the input
+
+
+class Relu2Res(NamedTuple):
+    x: jax.Array  # (...) the input
 
 
 def gelu_fwd(x):
@@ -80,8 +88,32 @@ def tanh_bwd(res: TanhRes, dy):
     return dy * (1.0 - res.y * res.y)
 
 
-ACTIVATION_FWD = {"gelu": gelu_fwd, "gelu_tanh": gelu_tanh_fwd, "relu": relu_fwd, "tanh": tanh_fwd}
-ACTIVATION_BWD = {GeluRes: gelu_bwd, GeluTanhRes: gelu_tanh_bwd, ReluRes: relu_bwd, TanhRes: tanh_bwd}
+def silu_fwd(x):
+    return ACTIVATION_FNS["silu"](x), SiluRes(x)
+
+
+def silu_bwd(res: SiluRes, dy):
+    """Undoes ``y = x * sigmoid(x)``: with s = sigmoid(x), s' = s (1 - s), so
+    dy/dx = s + x s (1 - s) = s (1 + x (1 - s))."""
+    x = res.x
+    s = jax.nn.sigmoid(x)
+    return dy * (s * (1.0 + x * (1.0 - s)))
+
+
+def relu2_fwd(x):
+    return ACTIVATION_FNS["relu2"](x), Relu2Res(x)
+
+
+def relu2_bwd(res: Relu2Res, dy):
+    """Undoes ``y = max(x, 0)^2``: dy/dx = 2 max(x, 0), 0 at x == 0 (no tie to break:
+    relu's 1/2 there is multiplied by max(0, 0) = 0)."""
+    return dy * (2.0 * jnp.maximum(res.x, 0))
+
+
+ACTIVATION_FWD = {"gelu": gelu_fwd, "gelu_tanh": gelu_tanh_fwd, "relu": relu_fwd, "tanh": tanh_fwd,
+                  "silu": silu_fwd, "relu2": relu2_fwd}
+ACTIVATION_BWD = {GeluRes: gelu_bwd, GeluTanhRes: gelu_tanh_bwd, ReluRes: relu_bwd, TanhRes: tanh_bwd,
+                  SiluRes: silu_bwd, Relu2Res: relu2_bwd}
 
 
 def activation_fwd(name: str, x):

@@ -209,3 +209,22 @@ def loss_fn(params, batch, config: ModelConfig, key=None):
     x @ tok_embed^T is the linear rule on the transposed table; JAX adds its
     gradient into tok_embed's."""
     return transformer.loss_fn(params, batch, config, LAYERS, key)
+
+
+# ----------------------------------------------------------------------------
+# RMS norm, rotary positions, SiLU and ReLU^2: drop-ins for jaxformer.model.rms_norm.rms_norm,
+# jaxformer.model.rotary.apply_rope and jaxformer.model.activations' silu and relu2
+
+from manual_grads import rms_norm as _rms  # noqa: E402
+from manual_grads import rotary as _rope  # noqa: E402
+
+silu = _register(_act.silu_fwd, lambda res, dy: (_act.silu_bwd(res, dy),))
+relu2 = _register(_act.relu2_fwd, lambda res, dy: (_act.relu2_bwd(res, dy),))
+ACTIVATION_FNS.update(silu=silu, relu2=relu2)  # activation(name, x) knows them too
+
+# rms_norm(p, x, eps): p = {"scale": (D,)} or {}; dp has p's keys
+rms_norm = _register(_rms.rms_norm_fwd, _rms.rms_norm_bwd, nondiff_argnums=(2,))
+
+# apply_rope(x, cos, sin): the tables get None (zero) cotangents; they are functions of
+# integer positions, so nothing upstream of them has a gradient
+apply_rope = _register(_rope.rope_fwd, lambda res, dy: (_rope.rope_bwd(res, dy), None, None))
