@@ -109,13 +109,16 @@ assert check(linear_fwd, linear_bwd, lambda p, x: layers.linear(x, p["w"], p["b"
 #
 # ReLU's derivative is 1 for $x>0$, 0 for $x<0$ (and 1/2 at a tie, as `jax.grad` of
 # `jnp.maximum` picks); tanh's is $1 - \tanh^2 x$, computed from the kept output.
+# SiLU, $f(x) = x\,\sigma(x)$ with $\sigma' = \sigma(1 - \sigma)$, and ReLU², $f(x) = \max(x, 0)^2$:
+#
+# $$\operatorname{silu}'(x) = \sigma(x)\,\bigl(1 + x\,(1 - \sigma(x))\bigr), \qquad (\operatorname{relu}^2)'(x) = 2\max(x, 0).$$
 
 # %%
 from manual_grads.activations import activation_bwd, activation_fwd, gelu_bwd
 
 show(gelu_bwd)
 x, dy = rand(3, 7), rand(3, 7)
-for name in ("gelu", "gelu_tanh", "relu", "tanh"):
+for name in ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2"):
     print(f"--- {name}")
     assert check(lambda x: activation_fwd(name, x), lambda res, dy: (activation_bwd(res, dy),),
                  lambda x: layers.activation(name, x), (x,), dy, names=("x",))
@@ -256,6 +259,100 @@ logits = jnp.asarray(4.0 * rng.standard_normal((2, 5, 11)))  # (B, T, V)
 targets = jnp.asarray(rng.integers(0, 11, (2, 5)))  # (B, T)
 assert check(lambda z: cross_entropy_fwd(z, targets), lambda res, d: cross_entropy_bwd(res, d)[:1],
              lambda z: layers.cross_entropy(z, targets), (logits,), jnp.float64(1.0), names=("z",))
+
+# %% [markdown]
+# ## RMS norm
+#
+# Llama's norm drops layer norm's mean and bias: $\hat x = x\, r$ with
+# $r = 1/\sqrt{\operatorname{mean}(x^2) + \epsilon}$ over the last axis of width $D$, then
+# $y = \hat x \odot \gamma$. So $\bar\gamma = \sum \bar y \odot \hat x$, and with
+# $\bar{\hat x} = \bar y \odot \gamma$ and $\partial r / \partial x_j = -r^3 x_j / D$:
+#
+# $$\bar x = r\left(\bar{\hat x} - \hat x\,\operatorname{mean}(\bar{\hat x} \odot \hat x)\right),$$
+#
+# layer norm's $\bar x$ without its $\operatorname{mean}(\bar{\hat x})$ term. The same pair
+# normalizes the residual stream $(B, T, D)$ and, with QK-norm, each head's $q$ and $k$
+# $(B, H, T, d_h)$ with a scale $(d_h,)$ summed over $B$, $H$ and $T$.
+
+# %%
+from manual_grads.rms_norm import rms_norm_bwd, rms_norm_fwd
+
+show(rms_norm_bwd)
+print("--- scale (4,), over each head's q (B, H, T, Dh)")
+q, dq = jnp.asarray(2.0 * rng.standard_normal((2, 3, 5, 4)) + 1.0), rand(2, 3, 5, 4)
+assert check(lambda p, x: rms_norm_fwd(p, x, 1e-6), rms_norm_bwd,
+             lambda p, x: layers.rms_norm(p, x, 1e-6), ({"scale": rand(4)}, q), dq)
+print("--- no scale (p = {}), over the residual stream (B, T, D)")
+x, dy = jnp.asarray(3.0 * rng.standard_normal((2, 5, 6)) + 1.0), rand(2, 5, 6)
+assert check(lambda p, x: rms_norm_fwd(p, x, 1e-6), rms_norm_bwd,
+             lambda p, x: layers.rms_norm(p, x, 1e-6), ({}, x), dy)
+
+# %% [markdown]
+# ## Rotary position embeddings
+#
+# Each head's features form pairs $(x_i, x_{i + d_h/2})$, and at position $t$ the pair
+# turns by the angle $a_{t,i} = t\,\theta^{-2i/d_h}$ (Hugging Face Llama's layout). With
+# $x = [x_1, x_2]$ split into halves and the tables $c = [\cos a, \cos a]$, $s = [\sin a, \sin a]$:
+#
+# $$y = x \odot c + R x \odot s, \qquad R = \begin{pmatrix} 0 & -I \\ I & 0 \end{pmatrix},\quad R\,[x_1, x_2] = [-x_2, x_1].$$
+#
+# $y$ is linear in $x$, so $\bar x$ is the transpose applied to $\bar y$, and $R^\top = -R$
+# sends $[g_1, g_2]$ to $[g_2, -g_1]$:
+#
+# $$\bar x = \bar y \odot c + R^\top (\bar y \odot s).$$
+#
+# That is the rotation by $-a$: the backward of a rotation is its inverse. The tables are
+# functions of the integer positions, so nothing gets a gradient through them.
+
+# %%
+from manual_grads.rotary import rope_bwd, rope_fwd
+
+show(rope_bwd)
+cos, sin = layers.rope_tables(jnp.arange(5, 12), 8, 10000.0, jnp.float64)  # positions 5..11, Dh 8
+x, dy = rand(2, 3, 7, 8), rand(2, 3, 7, 8)  # (B, H, T, Dh)
+assert check(lambda x: rope_fwd(x, cos, sin), lambda res, dy: (rope_bwd(res, dy),),
+             lambda x: layers.apply_rope(x, cos, sin), (x,), dy, names=("x",))
+y, res = rope_fwd(x, cos, sin)
+print(f"the backward undoes the rotation: max |rope_bwd(res, y) - x| = "
+      f"{float(jnp.max(jnp.abs(rope_bwd(res, y) - x))):.1e}")
+
+# %% [markdown]
+# ## The gated MLP: SwiGLU
+#
+# Llama's feed-forward gates one projection of $x$ with another:
+# $g = x W_g$, $u = x W_u$, $h = \operatorname{silu}(g) \odot u$, $y = h W_d$.
+# Read backwards, one line per forward line, with the linear and activation pairs above:
+#
+# $$\bar W_d = h^\top \bar y,\quad \bar h = \bar y W_d^\top,\quad
+# \bar u = \bar h \odot \operatorname{silu}(g),\quad \bar g = \operatorname{silu}'(g) \odot \bar h \odot u,$$
+#
+# $$\bar W_u = x^\top \bar u,\quad \bar W_g = x^\top \bar g,\quad \bar x = \bar g W_g^\top + \bar u W_u^\top$$
+#
+# ($x$ feeds both projections, so its two gradients add).
+
+# %%
+def swiglu_fwd(p, x):
+    g, res_g = linear_fwd({"w": p["w_gate"]}, x)  # (B, T, F)
+    u, res_u = linear_fwd({"w": p["w_up"]}, x)  # (B, T, F)
+    a, res_a = activation_fwd("silu", g)  # (B, T, F)
+    y, res_d = linear_fwd({"w": p["w_down"]}, a * u)  # (B, T, D)
+    return y, (res_g, res_u, res_a, res_d, a, u)
+
+
+def swiglu_bwd(res, dy):
+    res_g, res_u, res_a, res_d, a, u = res
+    dp_d, dh = linear_bwd(res_d, dy)  # y = h W_d
+    da, du = dh * u, dh * a  # h = silu(g) * u
+    dg = activation_bwd(res_a, da)  # a = silu(g)
+    dp_u, dx_u = linear_bwd(res_u, du)  # u = x W_u
+    dp_g, dx_g = linear_bwd(res_g, dg)  # g = x W_g
+    return {"w_gate": dp_g["w"], "w_up": dp_u["w"], "w_down": dp_d["w"]}, dx_g + dx_u
+
+
+D, F = 6, 10
+p = {"w_gate": rand(D, F), "w_up": rand(D, F), "w_down": rand(F, D)}
+x, dy = rand(2, 4, D), rand(2, 4, D)
+assert check(swiglu_fwd, swiglu_bwd, lambda p, x: layers.feed_forward(p, x, "silu"), (p, x), dy)
 
 # %% [markdown]
 # ## The whole model
