@@ -1,7 +1,8 @@
 """Blockwise (flash-style) attention, with the FlashAttention-2 backward.
 
 Forward (jaxformer/blockwise.py), per head, in blocks of K positions:
-    q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   (B, H, T, Dh) each
+    q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
+    q, k = rope(qk_norm(q), qk_norm(k)); k, v repeated to H heads   as in manual_grads/attention.py
     O, lse = online softmax of S = q k^T / sqrt(Dh) over key blocks, times v
     y = merge_heads(O) @ wo + bo                          (B, T, D)
 It keeps q, k, v, O and the row log-sum-exp lse (B, H, T): never P (B, H, T, T).
@@ -36,9 +37,9 @@ from jaxformer.model.blockwise import (block_scores, block_size, blockwise_atten
 from jaxformer.model.dropout import dropout
 from jaxformer.model.precision import stats_dtype
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.attention import merge_heads, split_heads
-from manual_grads.attention import (QKVRes, _proj, attention_bwd, attention_fwd, qkv_bwd, qkv_fwd,
-                                    with_biases)
+from jaxformer.model.attention import merge_heads, repeat_kv, split_heads
+from manual_grads.attention import (HeadsRes, _proj, attention_bwd, attention_fwd, head_options,
+                                    heads_bwd, heads_fwd, sum_groups, with_biases)
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.pallas_attention import PallasAttentionRes, pallas_attention_bwd, pallas_attention_fwd
 
@@ -144,33 +145,36 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
 
 
 class BlockwiseAttentionRes(NamedTuple):
-    qkv: QKVRes  # x (B, T, D) the input of the q, k, v projections, wq, wk, wv (D, D)
+    heads: HeadsRes  # x (B, T, D) the input of the q, k, v projections, wq, wk, wv; QK-norm, rope
     core: BlockwiseCoreRes  # blocks of q, k, v, O and lse; never the (B, H, T, T) probabilities
     out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, D), w = wo (D, D)
 
 
 def blockwise_attention_fwd(p, x, n_heads, causal, block, compute_dtype=None, dropout_rate=0.0,
-                            key=None):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> y (B, T, D). Every product,
-    the projections' and the blocks', runs in ``compute_dtype``; ``key``: the
-    probabilities' dropout."""
+                            key=None, n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D).
+    Every product, the projections' and the blocks', runs in ``compute_dtype``; ``key``:
+    the probabilities' dropout; n_kv_heads, norm_eps, rope_theta as attention_fwd's."""
     cd = compute_dtype
-    (q, k, v), qkv_res = qkv_fwd(p, x, n_heads, cd)  # (B, H, T, Dh) each
-    o, core_res = blockwise_core_fwd(q, k, v, causal, block, cd, dropout_rate, key)  # (B, H, T, Dh)
+    (q, k, v), heads_res = heads_fwd(p, x, n_heads, cd, n_kv_heads, norm_eps, rope_theta)
+    G = n_heads // k.shape[1]
+    o, core_res = blockwise_core_fwd(q, repeat_kv(k, G), repeat_kv(v, G), causal, block, cd,
+                                     dropout_rate, key)  # (B, H, T, Dh)
     y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o), cd)  # (B, T, D)
-    return y, BlockwiseAttentionRes(qkv_res, core_res, out_res)
+    return y, BlockwiseAttentionRes(heads_res, core_res, out_res)
 
 
 def blockwise_attention_bwd(res: BlockwiseAttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
-    qkv_res, core_res, out_res = res
-    H = core_res.q.shape[2]
+    heads_res, core_res, out_res = res
+    H, Hkv = core_res.q.shape[2], heads_res.qkv.wk.shape[1] // core_res.q.shape[-1]
     # y = merge_heads(O) @ wo + bo
     d_out, do = linear_bwd(out_res, dy)  # do (B, T, D)
-    # O = blockwise_attention_core(q, k, v)
+    # O = blockwise_attention_core(q, repeat_kv(k), repeat_kv(v))
     dq, dk, dv = blockwise_core_bwd(core_res, split_heads(do, H))  # (B, H, T, Dh) each
-    # q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])
-    dp, dx = qkv_bwd(qkv_res, dq, dk, dv)  # dx (B, T, D)
+    dk, dv = sum_groups(dk, Hkv), sum_groups(dv, Hkv)  # (B, Hkv, T, Dh)
+    # q, k, v = rotate_qk(split_qkv(x @ [wq | wk | wv] + [bq | bk | bv]))
+    dp, dx = heads_bwd(heads_res, dq, dk, dv)  # dx (B, T, D)
     return with_biases(dp, d_out), dx
 
 
@@ -187,13 +191,15 @@ def any_attention_fwd(p, x, config: ModelConfig, key=None):
                          "differentiated by JAX's grad only): the manual gradient source cannot run "
                          "it; use --grads auto, or attention_impl 'pallas' for a hand-written "
                          "flash-attention backward")
+    heads = head_options(config)
     if config.attention_impl == "pallas":
         return pallas_attention_fwd(p, x, config.n_heads, config.causal, config.pallas_block_q,
-                                    config.pallas_block_k, config.compute_dtype)
+                                    config.pallas_block_k, config.compute_dtype, **heads)
     if config.attention_impl == "blockwise":
         return blockwise_attention_fwd(p, x, config.n_heads, config.causal, config.attention_block,
-                                       config.compute_dtype, config.dropout, key)
-    return attention_fwd(p, x, config.n_heads, config.causal, config.compute_dtype, config.dropout, key)
+                                       config.compute_dtype, config.dropout, key, **heads)
+    return attention_fwd(p, x, config.n_heads, config.causal, config.compute_dtype, config.dropout, key,
+                         **heads)
 
 
 def any_attention_bwd(res, dy):

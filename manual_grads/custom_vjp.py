@@ -95,38 +95,49 @@ _block_rule = _register(lambda p, x, key, config: _block.block_fwd(p, x, config,
 def block(p, x, config: ModelConfig, key=None):
     """One block, the hand-derived block_bwd its rule; ``key``: the layer's dropout key."""
     return _block_rule(p, x, key, config)
-_attention = _register(_attn.attention_fwd, _attn.attention_bwd, nondiff_argnums=(2, 3, 4))
+_attention = _register(
+    lambda p, x, n_heads, causal, cd, n_kv, eps, theta: _attn.attention_fwd(
+        p, x, n_heads, causal, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),
+    _attn.attention_bwd, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 _feed_forward = _register(_block.feed_forward_fwd, _block.feed_forward_bwd, nondiff_argnums=(2, 3))
-_blockwise_attention = _register(_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd,
-                                 nondiff_argnums=(2, 3, 4, 5))
+_blockwise_attention = _register(
+    lambda p, x, n_heads, causal, block, cd, n_kv, eps, theta: _bw.blockwise_attention_fwd(
+        p, x, n_heads, causal, block, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),
+    _bw.blockwise_attention_bwd, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
 
 
-# compute_dtype is static too: these wrappers pass it, None by default, to the rules above
+# compute_dtype and the modern block's options are static too: these wrappers pass them,
+# with the model's defaults, to the rules above
 
 
-def attention(p, x, n_heads, causal, compute_dtype=None):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo}; x (B, T, D) -> (B, T, D)."""
-    return _attention(p, x, n_heads, causal, compute_dtype)
+def attention(p, x, n_heads, causal, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> (B, T, D)."""
+    return _attention(p, x, n_heads, causal, compute_dtype, n_kv_heads, norm_eps, rope_theta)
 
 
 def feed_forward(p, x, activation_name, compute_dtype=None):
-    """p = {w_in, b_in, w_out, b_out}; x (..., D) -> (..., D)."""
+    """p = {w_in, b_in, w_out, b_out} or gated {w_gate, w_up, w_down, b_*}; x (..., D) -> (..., D)."""
     return _feed_forward(p, x, activation_name, compute_dtype)
 
 
-def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None):
+def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5,
+                        rope_theta=0.0):
     """attention(p, x, n_heads, causal, compute_dtype) in blocks of ``block`` positions."""
-    return _blockwise_attention(p, x, n_heads, causal, block, compute_dtype)
+    return _blockwise_attention(p, x, n_heads, causal, block, compute_dtype, n_kv_heads, norm_eps,
+                                rope_theta)
 
 
-_pallas_attention = _register(_pallas.pallas_attention_fwd, _pallas.pallas_attention_bwd,
-                              nondiff_argnums=(2, 3, 4, 5, 6))
+_pallas_attention = _register(
+    lambda p, x, n_heads, causal, bq, bk, cd, n_kv, eps, theta: _pallas.pallas_attention_fwd(
+        p, x, n_heads, causal, bq, bk, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),
+    _pallas.pallas_attention_bwd, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
 
 
-def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None):
+def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None, n_kv_heads=0,
+                     norm_eps=1e-5, rope_theta=0.0):
     """attention(p, x, n_heads, causal, compute_dtype) with the Pallas flash-attention core."""
-    return _pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype)
-
+    return _pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype, n_kv_heads,
+                             norm_eps, rope_theta)
 
 
 # remat "block": the rule keeps (p, x, key) and recomputes the block's forward in its backward
@@ -187,9 +198,29 @@ def chunked_head_loss(head, x, targets, mask, chunk, compute_dtype=None):
 
 
 # ----------------------------------------------------------------------------
+# RMS norm, rotary positions, SiLU and ReLU^2: drop-ins for jaxformer.model.rms_norm.rms_norm,
+# jaxformer.model.rotary.apply_rope and jaxformer.model.activations' silu and relu2
+
+from manual_grads import rms_norm as _rms  # noqa: E402
+from manual_grads import rotary as _rope  # noqa: E402
+
+silu = _register(_act.silu_fwd, lambda res, dy: (_act.silu_bwd(res, dy),))
+relu2 = _register(_act.relu2_fwd, lambda res, dy: (_act.relu2_bwd(res, dy),))
+ACTIVATION_FNS.update(silu=silu, relu2=relu2)  # activation(name, x) knows them too
+
+# rms_norm(p, x, eps): p = {"scale": (D,)} or {}; dp has p's keys
+rms_norm = _register(_rms.rms_norm_fwd, _rms.rms_norm_bwd, nondiff_argnums=(2,))
+
+# apply_rope(x, cos, sin): the tables get None (zero) cotangents; they are functions of
+# integer positions, so nothing upstream of them has a gradient
+apply_rope = _register(_rope.rope_fwd, lambda res, dy: (_rope.rope_bwd(res, dy), None, None))
+
+
+# ----------------------------------------------------------------------------
 # the model: jaxformer.model.transformer's one sequence, composed of the layers above
 
-LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entropy, chunked_head_loss)
+LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entropy, chunked_head_loss,
+                     rms_norm)
 
 
 def features(params, inputs, config: ModelConfig, key=None):
@@ -209,22 +240,3 @@ def loss_fn(params, batch, config: ModelConfig, key=None):
     x @ tok_embed^T is the linear rule on the transposed table; JAX adds its
     gradient into tok_embed's."""
     return transformer.loss_fn(params, batch, config, LAYERS, key)
-
-
-# ----------------------------------------------------------------------------
-# RMS norm, rotary positions, SiLU and ReLU^2: drop-ins for jaxformer.model.rms_norm.rms_norm,
-# jaxformer.model.rotary.apply_rope and jaxformer.model.activations' silu and relu2
-
-from manual_grads import rms_norm as _rms  # noqa: E402
-from manual_grads import rotary as _rope  # noqa: E402
-
-silu = _register(_act.silu_fwd, lambda res, dy: (_act.silu_bwd(res, dy),))
-relu2 = _register(_act.relu2_fwd, lambda res, dy: (_act.relu2_bwd(res, dy),))
-ACTIVATION_FNS.update(silu=silu, relu2=relu2)  # activation(name, x) knows them too
-
-# rms_norm(p, x, eps): p = {"scale": (D,)} or {}; dp has p's keys
-rms_norm = _register(_rms.rms_norm_fwd, _rms.rms_norm_bwd, nondiff_argnums=(2,))
-
-# apply_rope(x, cos, sin): the tables get None (zero) cotangents; they are functions of
-# integer positions, so nothing upstream of them has a gradient
-apply_rope = _register(_rope.rope_fwd, lambda res, dy: (_rope.rope_bwd(res, dy), None, None))

@@ -65,7 +65,7 @@ def sinusoidal_positions_fwd(T, D, dtype):
 
 class EmbedRes(NamedTuple):
     tok: TokenEmbedRes
-    pos: LearnedPosRes | None  # None for sinusoidal positions
+    pos: LearnedPosRes | None  # None for sinusoidal and rotary positions
     scale: jax.Array | None = None  # () the factor s on the token rows; None without embed_scale
     drop: DropoutRes | None = None  # the output's dropout key and rate; None: no dropout
 
@@ -79,11 +79,15 @@ def embed_fwd(p, inputs, config: ModelConfig, key=None):
     if config.embed_scale:
         scale = jnp.asarray(token_scale(config), tok.dtype)  # ()
         tok = tok * scale  # x = token_embedding(...) * token_scale(config)
-    if config.positions == "learned":
+    if config.positions == "rope":  # no position term: rotary positions act in attention
+        x, pos_res = tok, None
+    elif config.positions == "learned":
         pos, pos_res = learned_positions_fwd(p["pos_embed"], T)  # (T, D)
+        x = tok + pos
     else:
         pos, pos_res = sinusoidal_positions_fwd(T, config.d_model, tok.dtype)  # (T, D)
-    x, drop_res = dropout_fwd(tok + pos, config.dropout, key)  # (B, T, D)
+        x = tok + pos
+    x, drop_res = dropout_fwd(x, config.dropout, key)  # (B, T, D)
     return x, EmbedRes(tok_res, pos_res, scale, drop_res)
 
 

@@ -4,7 +4,7 @@ Forward, keeping each layer's residuals:
     x = drop(embed(inputs))           (B, T, D)
     x = block_l(x), l = 0 .. L-1      lax.scan; the residuals come out stacked on a leading L axis
                                       (remat "block": only each block's input, manual_grads/remat.py)
-    x = ln_f(x)                       pre-LN only
+    x = ln_f(x)                       pre-LN only (layer norm, or RMS norm with norm_type "rms")
     logits = x @ head.w + head.b      (B, T, V); tie_embeddings: head.w = tok_embed^T, and the
                                       head's dw^T adds into tok_embed's gradient; no b without head_bias
     loss = cross_entropy(logits)      ()   (loss_chunk > 0: both, chunk by chunk, chunked_loss.py)
@@ -36,7 +36,7 @@ from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
 from manual_grads.chunked_loss import ChunkedLossRes, chunked_head_loss_bwd, chunked_head_loss_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd
-from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
+from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.remat import blocks_bwd, blocks_fwd
@@ -107,7 +107,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
     tap_forward(tap, "embed", None, x, emb)
     x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key)  # (B, T, D); residuals (L, ...)
     if config.norm == "pre":
-        h, ln_f_res = layer_norm_fwd(params["ln_f"], x, config.ln_eps)  # (B, T, D)
+        h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
         tap_forward(tap, "ln_f", x, h, params["ln_f"])
         x = h
     loss, loss_res = head_loss_fwd(head, x, targets, mask, config, tap)  # ()
@@ -120,7 +120,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
     if d_head:
         grads["head"] = d_head
     if config.norm == "pre":
-        grads["ln_f"], dh = layer_norm_bwd(ln_f_res, dx)  # x = ln_f(x)
+        grads["ln_f"], dh = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
         tap_backward(tap, "ln_f", dx, grads["ln_f"], dh)
         dx = dh
     grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key)  # (B, T, D)

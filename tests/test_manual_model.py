@@ -43,6 +43,7 @@ CASES = {
     "sunfish": (PRESETS["sunfish"], 3, 5, None),
     "cllm": (PRESETS["cllm"], 1, 1, "bool"),  # T = 1
     "tiny": (TINY, 3, 16, None),
+    "llama-tiny": (PRESETS["llama-tiny"], 2, 9, "mostly_zero"),
     "gelu_tanh-post-learned-bidirectional": (
         TINY.replace(activation="gelu_tanh", norm="post", causal=False), 3, 5, "mostly_zero"),
     "relu-pre-sinusoidal-bidirectional-1head": (

@@ -1,5 +1,5 @@
 """Token and position embeddings: tok_embed[ids] (times sqrt(D) with embed_scale) +
-positions (learned or sinusoidal)."""
+positions (learned or sinusoidal; none here with rotary positions, which act in attention)."""
 
 from __future__ import annotations
 
@@ -48,4 +48,6 @@ def embed(params, inputs, config: ModelConfig, key=None):
     x = token_embedding(params["tok_embed"], inputs)
     if config.embed_scale:
         x = x * token_scale(config)
-    return dropout(x + positions(params, inputs.shape[-1], config, x.dtype), config.dropout, key)
+    if config.positions != "rope":  # rotary positions turn q and k inside attention instead
+        x = x + positions(params, inputs.shape[-1], config, x.dtype)
+    return dropout(x, config.dropout, key)
