@@ -37,9 +37,9 @@ LEAN_SOURCES = ("blockwise", "lean", "pallas")  # attention without the (B, H, T
 
 
 def default_sources(backend: str | None = None) -> tuple[str, ...]:
-    """The sources measured when none are named: pallas too on a GPU (``backend``,
+    """The sources measured when none are named: pallas too on a GPU or a TPU (``backend``,
     default jax.default_backend()), not on CPU, where its interpret mode is slow."""
-    return ALL_SOURCES if (backend or jax.default_backend()) == "gpu" else SOURCES
+    return ALL_SOURCES if (backend or jax.default_backend()) in ("gpu", "tpu") else SOURCES
 
 
 def parse_sources(text: str) -> tuple[str, ...]:
