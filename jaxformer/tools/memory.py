@@ -11,7 +11,7 @@ program needs at once, argument = its inputs). Gradient sources compared, all
     manual         manual_grads.value_and_grad of the plain model
     blockwise      manual, blockwise attention only
     lean           manual, blockwise attention + chunked loss + remat "block"
-    pallas         manual, the Pallas flash-attention kernel (default_sources: on a GPU;
+    pallas         manual, the Pallas flash-attention kernel (default_sources: on a GPU or TPU;
                    opt-in on CPU, where the kernel runs in slow interpret mode)
 """
 
