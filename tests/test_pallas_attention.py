@@ -1,9 +1,12 @@
 """attention_impl "pallas": the flash-attention kernels (jaxformer/model/pallas_attention.py,
 pallas_backward.py) run in interpret mode on CPU and equal the full layer in float64,
-forward and gradients, to 1e-10; the whole model's manual and autodiff gradients with
-them equal the full model's; bfloat16 stays within autodiff's error; the impls that
-cannot run here (pallas on a TPU, cudnn off a GPU or in the manual source) are refused
-by name. Shapes are tiny (interpret mode compiles slowly): T <= 37, D = 16, Dh = 8."""
+forward and gradients, to 1e-10, grouped-query k, v (G = 1, 2, H) against repeated ones,
+and with the GPU's and TPU's own tiles; the whole model's manual and autodiff gradients
+with them equal the full model's; bfloat16 stays within autodiff's error; the kernel
+follows the platform exported for (Triton on cuda, Mosaic on tpu, interpret on cpu) and
+compiles for a TPU v5e topology when jax[tpu] is installed; cudnn off a GPU or in the
+manual source is refused by name. Shapes are tiny (interpret mode compiles slowly):
+T <= 40, D = 16, Dh = 8."""
 
 import functools
 
