@@ -221,9 +221,11 @@ def test_cudnn_asked_for_on_cpu_is_skipped_not_run():
     assert reasons["torch_eager"] == "PyTorch contestants skipped (--no-torch)"
 
 
-def test_pallas_is_refused_on_a_tpu():
-    run, skipped = select(("pallas",), "tpu", None, torch_device=None, with_torch=False)
-    assert names(run) == [] and "not on tpu" in {s.name: s.reason for s in skipped}["manual_pallas"]
+def test_pallas_runs_on_a_tpu_and_is_refused_elsewhere():
+    run, _ = select(("pallas",), "tpu", None, torch_device=None, with_torch=False)
+    assert names(run) == ["manual_pallas"]
+    run, skipped = select(("pallas",), "metal", None, torch_device=None, with_torch=False)
+    assert names(run) == [] and "not on metal" in {s.name: s.reason for s in skipped}["manual_pallas"]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])

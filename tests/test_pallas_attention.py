@@ -1,9 +1,12 @@
 """attention_impl "pallas": the flash-attention kernels (jaxformer/model/pallas_attention.py,
 pallas_backward.py) run in interpret mode on CPU and equal the full layer in float64,
-forward and gradients, to 1e-10; the whole model's manual and autodiff gradients with
-them equal the full model's; bfloat16 stays within autodiff's error; the impls that
-cannot run here (pallas on a TPU, cudnn off a GPU or in the manual source) are refused
-by name. Shapes are tiny (interpret mode compiles slowly): T <= 37, D = 16, Dh = 8."""
+forward and gradients, to 1e-10, grouped-query k, v (G = 1, 2, H) against repeated ones,
+and with the GPU's and TPU's own tiles; the whole model's manual and autodiff gradients
+with them equal the full model's; bfloat16 stays within autodiff's error; the kernel
+follows the platform exported for (Triton on cuda, Mosaic on tpu, interpret on cpu) and
+compiles for a TPU v5e topology when jax[tpu] is installed; cudnn off a GPU or in the
+manual source is refused by name. Shapes are tiny (interpret mode compiles slowly):
+T <= 40, D = 16, Dh = 8."""
 
 import functools
 
@@ -39,6 +42,11 @@ def qkv_do(seed, T, B=2, Dh=8):
     return tuple(jnp.asarray(rng.standard_normal((B, H, T, Dh))) for _ in range(4))
 
 
+def repeat_kv(k, G):
+    """(B, Hkv, T, Dh) -> (B, Hkv * G, T, Dh): query head h reads key/value head h // G."""
+    return jnp.repeat(k, G, axis=1)
+
+
 @functools.partial(jax.jit, static_argnums=(4, 5))
 def manual_core(q, k, v, do, causal, blocks):
     out, res = pb.flash_core_fwd(q, k, v, causal, *blocks)
@@ -47,8 +55,19 @@ def manual_core(q, k, v, do, causal, blocks):
 
 @functools.partial(jax.jit, static_argnums=4)
 def full_core_vjp(q, k, v, do, causal):
-    out, vjp = jax.vjp(lambda q, k, v: full_core(q, k, v, causal), q, k, v)
+    """The reference: k, v repeated to q's heads, full softmax attention, jax.vjp of it
+    (the gradients of k, v sum over the G heads that read them)."""
+    G = q.shape[1] // k.shape[1]
+    out, vjp = jax.vjp(lambda q, k, v: full_core(q, repeat_kv(k, G), repeat_kv(v, G), causal), q, k, v)
     return out, vjp(do)
+
+
+def gqa_inputs(seed, T, H=4, Hkv=2, B=1, Dh=8):
+    """q, dO (B, H, T, Dh) and k, v (B, Hkv, T, Dh), float64."""
+    rng = np.random.default_rng(seed)
+    q, do = (jnp.asarray(rng.standard_normal((B, H, T, Dh))) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((B, Hkv, T, Dh))) for _ in range(2))
+    return q, k, v, do
 
 
 # ---------------------------------------------------------------------------- the core
@@ -64,48 +83,177 @@ def test_core_equals_full_attention(T, causal):
     s = q @ jnp.swapaxes(k, -1, -2) / np.sqrt(8)
     if causal:
         s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
-    lse = res.lse.reshape(res.lse.shape[:2] + (-1,))[..., :T]
-    np.testing.assert_allclose(lse, jax.nn.logsumexp(s, axis=-1), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(res.lse, jax.nn.logsumexp(s, axis=-1), rtol=1e-13, atol=1e-13)
     assert_trees_close(grads_ref, grads, rtol=1e-10)
     assert isinstance(res, pb.CausalFlashRes) == causal
-    assert out.dtype == lse.dtype == jnp.float64
+    assert out.dtype == res.lse.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["G1", "G2", "MQA"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_grouped_query_core_equals_repeated_full_attention(Hkv, causal):
+    """k, v with Hkv of the 4 query heads (G = 1, 2, 4): the kernels read key/value head
+    h // G without repeating it; output and dq equal full attention on repeated k, v,
+    and dk, dv (B, Hkv, T, Dh) its gradients, summed over each group (float64, T = 37)."""
+    q, k, v, do = gqa_inputs(2, T, Hkv=Hkv)
+    out, res, grads = manual_core(q, k, v, do, causal, BLOCKS)
+    out_ref, grads_ref = full_core_vjp(q, k, v, do, causal)
+    np.testing.assert_allclose(out, out_ref, rtol=1e-13, atol=1e-13)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert_trees_close(grads_ref, grads, rtol=1e-10)
+
+
+def test_grouped_query_custom_vjp_returns_key_value_head_gradients():
+    """jax.grad through flash_attention (the model's path): dk, dv have Hkv heads."""
+    q, k, v, do = gqa_inputs(3, 21, Hkv=1)
+    f = jax.jit(lambda q, k, v: jnp.vdot(pb.flash_attention(q, k, v, True, 8, 8), do))
+    grads = jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+    _, grads_ref = full_core_vjp(q, k, v, do, True)
+    assert grads[1].shape == (1, 1, 21, 8)
+    assert_trees_close(grads_ref, grads, rtol=1e-10)
+
+
+@pytest.mark.parametrize("shapes", [((1, 4, 8, 8), (1, 3, 8, 8)), ((1, 4, 8, 8), (1, 2, 9, 8))])
+def test_heads_that_do_not_group_are_refused(shapes):
+    q, k = (jnp.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match="H a multiple of Hkv; got q"):
+        pb.flash_attention(q, k, k, True)
 
 
 def test_residuals_never_hold_the_probabilities():
-    """What the backward keeps: padded q, k, v, O and lse, nothing (T, T); the block sizes
-    and T are read back from the shapes."""
-    q, k, v, _ = qkv_do(0, T)
+    """What the backward keeps: q, k, v (unpadded: each platform pads to its own tiles), O
+    and lse, nothing (T, T); the requested block sizes are read back from the shapes."""
+    q, k, v, _ = gqa_inputs(0, T)
     _, res = jax.eval_shape(lambda q, k, v: pb.flash_core_fwd(q, k, v, True, *BLOCKS), q, k, v)
-    assert res.q.shape == (2, H, 3, 16, 8) and res.k.shape == res.v.shape == (2, H, 5, 8, 8)
-    assert res.out.shape == (2, H, 3, 16, 8) and res.lse.shape == (2, H, 3, 16)
-    assert pb.res_tiling(res) == pa.Tiling(T, 16, 8, 3, 5, 8, 8)
+    assert res.q.shape == res.out.shape == (1, 4, T, 8) and res.k.shape == res.v.shape == (1, 2, T, 8)
+    assert res.lse.shape == (1, 4, T) and pb.res_blocks(res) == BLOCKS
 
 
-def test_gpu_tiling_in_interpret_mode(monkeypatch):
-    """The GPU's tiles (powers of two, at least 16; the head width padded from 8 to 16)
-    give the same numbers, run in interpret mode."""
-    t = pa.tiling(T, 8, 16, 32, device="gpu")
-    assert t == pa.Tiling(T, 16, 32, 3, 2, 8, 16)
-    assert pa.tiling(5, 8, 0, 0, device="gpu")[1:3] == (16, 16)  # short T: one 16-tile
-    monkeypatch.setattr(pb, "tiling", functools.partial(pa.tiling, device="gpu"))
-    q, k, v, do = qkv_do(1, T)
-    out, res, grads = manual_core(q, k, v, do, True, (16, 32))
-    assert res.q.shape[-1] == 16
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def core_on(q, k, v, do, device, blocks, interpret):
+    """One platform's forward and backward, launched in interpret mode here."""
+    options = dict(causal=True, block_q=blocks[0], block_k=blocks[1], interpret=interpret)
+    out, lse = pa.forward_on(device, q, k, v, **options)
+    return out, pb.backward_on(device, q, k, v, out, lse, do, **options)
+
+
+@pytest.mark.parametrize("device,blocks,interpret", [
+    ("gpu", (16, 32), True),  # Triton's tiles: powers of two >= 16, Dh 8 padded to 16
+    ("tpu", (16, 8), True),  # Mosaic's: multiples of 8, Dh whole
+    ("tpu", (16, 8), "tpu-interpreter"),  # pltpu's TPU interpreter, with the Mosaic compiler params
+], ids=["gpu", "tpu", "tpu-interpreter"])
+def test_other_platforms_tiles_in_interpret_mode(device, blocks, interpret):
+    """The GPU and TPU branches' own tiles and launches, run in interpret mode on CPU in
+    float64 with grouped heads (G = 2): the same numbers as the full core."""
+    from jax.experimental.pallas import tpu as pltpu
+    interpret = pltpu.InterpretParams() if interpret == "tpu-interpreter" else interpret
+    q, k, v, do = gqa_inputs(1, T)
+    out, grads = core_on(q, k, v, do, device, blocks, interpret)
     out_ref, grads_ref = full_core_vjp(q, k, v, do, True)
     np.testing.assert_allclose(out, out_ref, rtol=1e-13, atol=1e-13)
     assert_trees_close(grads_ref, grads, rtol=1e-10)
 
 
+def test_tiling_per_device():
+    assert pa.tiling(T, 8, 16, 32, "gpu") == pa.Tiling(T, 16, 32, 3, 2, 8, 16)
+    assert pa.tiling(5, 8, 0, 0, "gpu")[1:3] == (16, 16)  # short T: one 16-tile
+    assert pa.tiling(T, 8, 16, 8, "tpu") == pa.Tiling(T, 16, 8, 3, 5, 8, 8)
+    assert pa.tiling(5, 64, 0, 0, "tpu")[1:3] == (8, 8)  # short T: rounded up to 8 rows
+
+
 def test_block_sizes_default_per_device():
-    assert pa.tiling(200, 64, 0, 0, device="gpu")[1:3] == pa.DEFAULT_BLOCKS["gpu"] == (64, 64)
-    assert pa.tiling(200, 64, 0, 0, device="cpu")[1:3] == pa.DEFAULT_BLOCKS["cpu"] == (128, 128)
-    assert pa.tiling(200, 64, 32, 0, device="cpu")[1:3] == (32, 128)
+    assert pa.tiling(200, 64, 0, 0, "gpu")[1:3] == pa.DEFAULT_BLOCKS["gpu"] == (64, 64)
+    assert pa.tiling(200, 64, 0, 0, "tpu")[1:3] == pa.DEFAULT_BLOCKS["tpu"] == (128, 128)
+    assert pa.tiling(200, 64, 0, 0, "cpu")[1:3] == pa.DEFAULT_BLOCKS["cpu"] == (128, 128)
+    assert pa.tiling(200, 64, 32, 0, "cpu")[1:3] == (32, 128)
 
 
 @pytest.mark.parametrize("block", [12, 24, 8])
 def test_gpu_tiles_must_be_powers_of_two(block):
     with pytest.raises(ValueError, match="ModelConfig.pallas_block_q must be a power of two >= 16"):
-        pa.tiling(T, 8, block, 64, device="gpu")
+        pa.tiling(T, 8, block, 64, "gpu")
+
+
+@pytest.mark.parametrize("block", [4, 12, 100])
+def test_tpu_tiles_must_be_multiples_of_eight(block):
+    with pytest.raises(ValueError, match=f"ModelConfig.pallas_block_k must be a multiple of 8 on a TPU.*got {block}"):
+        pa.tiling(T, 8, 8, block, "tpu")
+
+
+# ---------------------------------------------------------------------------- the platform lowered for
+
+EXPORT_CHECKS = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
+                 jax.export.DisabledSafetyCheck.custom_call("tpu_custom_call")]
+KERNEL_CALLS = {"triton": "@__gpu$xla.gpu.triton", "mosaic": "@tpu_custom_call"}
+
+
+def exported(platform, blocks=(0, 0)):
+    """The StableHLO of jax.value_and_grad through flash_attention (GQA, G = 2), exported
+    from this CPU process for ``platform``."""
+    def loss(q, k, v):
+        return pb.flash_attention(q, k, v, True, *blocks).sum()
+    q, k = jax.ShapeDtypeStruct((1, 4, 40, 8), jnp.float32), jax.ShapeDtypeStruct((1, 2, 40, 8), jnp.float32)
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    return jax.export.export(f, platforms=[platform], disabled_checks=EXPORT_CHECKS)(q, k, k).mlir_module()
+
+
+@pytest.mark.parametrize("platform,triton,mosaic", [("cuda", 4, 0), ("tpu", 0, 4), ("cpu", 0, 0)])
+def test_the_kernel_follows_the_platform_exported_for(platform, triton, mosaic):
+    """The same traced program, exported from CPU: for cuda the four kernels (forward,
+    delta, dK/dV, dQ) are Triton custom calls, for tpu Mosaic ones, for cpu the
+    interpreted loops (no custom call)."""
+    text = exported(platform)
+    assert text.count(KERNEL_CALLS["triton"]) == triton and text.count(KERNEL_CALLS["mosaic"]) == mosaic
+    assert ("stablehlo.while" in text) == (platform == "cpu")
+
+
+def test_blocks_a_platform_cannot_take_fail_only_its_lowering():
+    """pallas_block_q 24: fine on CPU and TPU (a multiple of 8), not a power of two for
+    Triton: the cuda export fails naming the field and value; the others lower."""
+    assert exported("cpu", (24, 8)) and exported("tpu", (24, 8)).count(KERNEL_CALLS["mosaic"]) == 4
+    with pytest.raises(ValueError, match="ModelConfig.pallas_block_q must be a power of two >= 16 "
+                                         "on a GPU \\(Triton's tiles\\), got 24"):
+        exported("cuda", (24, 8))
+
+
+TPU_COMPILE = """
+import json, sys, time
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+from jaxformer.model.pallas_backward import flash_attention
+device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+def loss(q, k, v):
+    return flash_attention(q, k, v, True).astype(jnp.float32).sum()
+times = {}
+for dtype, Hkv in (("float32", 2), ("bfloat16", 1)):
+    q, k = (jax.ShapeDtypeStruct((2, 4, 200, 64), dtype, sharding=SingleDeviceSharding(device)),
+            jax.ShapeDtypeStruct((2, Hkv, 200, 64), dtype, sharding=SingleDeviceSharding(device)))
+    start = time.perf_counter()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile().as_text()
+    times[dtype] = [round(time.perf_counter() - start, 2), text.count("tpu_custom_call")]
+print(json.dumps(times))
+"""
+
+
+def test_forward_and_backward_compile_for_a_tpu():
+    """Mosaic compiles the four kernels for a TPU v5e topology from this CPU machine
+    (libtpu's real compiler; float32 with G = 2, bfloat16 MQA, T = 200 not a multiple
+    of the 128 block). Needs jax[tpu]; run in a subprocess, so the TPU plugin stays out
+    of this one."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install 'jax[tpu]'): the TPU compile check needs it")
+    env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", TPU_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(calls >= 4 for _, calls in times.values()), times
 
 
 # ---------------------------------------------------------------------------- the layer
@@ -204,30 +352,22 @@ def test_bfloat16_manual_error_is_within_autodiff_error():
 @pytest.mark.parametrize("source", ["manual", "auto"])
 def test_kernels_follow_the_configured_compute_dtype(source):
     """Both gradient sources hand config.compute_dtype to the kernels: every product in
-    the forward and backward kernels reads bfloat16 and accumulates in float32."""
+    the forward and backward kernels, in every platform's branch, reads bfloat16 and
+    accumulates in float32."""
     config = MODEL.replace(n_layers=1, compute_dtype="bfloat16")
     params = make_params(config, jnp.float32)
     batch = make_batch(config, 2, 21, None)
     vg = manual_grads.value_and_grad if source == "manual" else jax.value_and_grad(jaxformer.loss_fn)
     dots = list(kernel_dots(jax.make_jaxpr(vg, static_argnums=2)(params, batch, config).jaxpr))
-    assert len(dots) == 9  # forward: q k^T, P v; dK/dV: q k^T, dO v^T, P^T dO, dS^T q; dQ: q k^T, dO v^T, dS k
+    # per platform branch: forward: q k^T, P v; dK/dV: q k^T, dO v^T, P^T dO, dS^T q; dQ: q k^T,
+    # dO v^T, dS k; two branches take blocks (16, 8), cpu and tpu (Triton's refuses 8)
+    assert len(dots) == 2 * 9
     for eqn in dots:
         assert [a.aval.dtype for a in eqn.invars] == [jnp.bfloat16] * 2, eqn
         assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
 
 
 # ---------------------------------------------------------------------------- refusals
-
-
-@pytest.mark.parametrize("backend,message", [
-    ("tpu", "attention_impl 'pallas' is a Triton \\(GPU\\) kernel and cannot run on a TPU"),
-    ("metal", "not on backend 'metal'"),
-])
-def test_pallas_is_refused_where_it_cannot_run(monkeypatch, backend, message):
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    p, x, _ = make(0, 1, 4, D)
-    with pytest.raises(ValueError, match=message):
-        pallas_attention(p, x, H, True)
 
 
 def test_cudnn_is_refused_by_name(monkeypatch):

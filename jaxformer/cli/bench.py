@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", type=attention_list, metavar="LIST",
                    help=f"attention implementations to race, comma-separated from "
                         f"{','.join(ATTENTION_CHOICES)} (manual grads: full, blockwise, pallas; "
-                        f"jax.grad: full, cudnn). Default: all on a GPU; on CPU full,blockwise "
+                        f"jax.grad: full, cudnn). Default: all on a GPU; all but cudnn on a TPU; on CPU full,blockwise "
                         f"(pallas runs in slow interpret mode there, cudnn not at all)")
     p.add_argument("--shapes", type=shapes, metavar="GRID",
                    help='sweep a grid of shapes, e.g. "d_model=64,128,256 seq_len=64,256" (fields: '

@@ -35,7 +35,7 @@ def build_parser(prog: str = "memory.py") -> argparse.ArgumentParser:
     parser.add_argument("--no-timing", dest="timing", action="store_false", help="memory only")
     parser.add_argument("--sources", type=sources, metavar="LIST",
                         help=f"gradient sources, comma-separated from {','.join(memory.ALL_SOURCES)} "
-                             f"(default: {','.join(memory.SOURCES)}, and pallas on a GPU; on CPU the "
+                             f"(default: {','.join(memory.SOURCES)}, and pallas on a GPU or TPU; on CPU the "
                              f"Pallas kernel runs in slow interpret mode: opt in with "
                              f"--sources {','.join(memory.ALL_SOURCES)})")
     return parser

@@ -37,10 +37,11 @@ class ModelConfig:
     ln_eps: float = 1e-5  # added to the variance inside layer norm
     # --- memory: how the forward and the manual backward trade memory for compute
     attention_impl: str = "full"  # full: (B, H, T, T) probabilities; blockwise: online softmax over key blocks
-    # (pallas: the same as one Pallas kernel, GPU or CPU interpret mode; cudnn: cuDNN's, GPU, autodiff only)
+    # (pallas: the same as one Pallas kernel, for the platform lowered for: Triton on a GPU, Mosaic on a TPU,
+    # CPU interpret mode; cudnn: cuDNN's, GPU, autodiff only)
     attention_block: int = 128  # query and key block size of blockwise attention (any T works)
-    pallas_block_q: int = 0  # pallas: query block size; 0 takes the device's (GPU 64, CPU interpret 128)
-    pallas_block_k: int = 0  # pallas: key block size; 0 takes the device's (GPU 64, CPU interpret 128)
+    pallas_block_q: int = 0  # pallas: query block size; 0 takes the device's (GPU autotuned, else 64; TPU 128; CPU 128)
+    pallas_block_k: int = 0  # pallas: key block size; 0 takes the device's (GPU autotuned, else 64; TPU 128; CPU 128)
     loss_chunk: int = 0  # 0: head + cross entropy on all positions; N: N positions at a time
     remat: str = "none"  # none: each block keeps its residuals; block: keep the input, recompute
     # --- precision: None computes in the params' dtype; else matmul inputs are cast to it

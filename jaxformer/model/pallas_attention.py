@@ -1,62 +1,65 @@
 """FlashAttention-2's forward as a Pallas kernel: softmax(q k^T / sqrt(Dh)) v without the
 (T, T) matrix, the row log-sum-exp kept for the backward (pallas_backward.py).
 
-Shape letters: B batch, H heads, T time, Dh head width; Kq, Kk the query and key block
-sizes, Nq = ceil(T / Kq) and Nk = ceil(T / Kk) the numbers of blocks, Tq = Nq * Kq and
-Tk = Nk * Kk the padded lengths, Dp the head width the kernels see (Dh; on a GPU the
-next power of two, at least 16, as Triton's tiles need).
+Shape letters: B batch, H query heads, Hkv key/value heads (H % Hkv == 0; G = H // Hkv
+query heads share one, query head h reading key/value head h // G: grouped-query
+attention, Llama's ``repeat_kv`` order; G = H is multi-query); T time, Dh head width;
+Kq, Kk the query and key block sizes, Nq = ceil(T / Kq) and Nk = ceil(T / Kk) the
+numbers of blocks, Tq = Nq * Kq and Tk = Nk * Kk the padded lengths, Dp the head width
+the kernels see (Dh; on a GPU the next power of two, at least 16, as Triton's tiles need).
 
 The kernel runs on a grid (B, H, Nq), one program per query block i. It keeps q_i
-(Kq, Dp) and walks the key blocks j < upper(i) with an online softmax: the running row
-max m, the row sum l of exp(s - m) and the unnormalised output acc, rescaled by
-exp(m_old - m_new) as each block raises the max. With ``causal`` the loop stops at the
-diagonal, so blocks above it are never loaded; padded keys (position >= T) and, if
-causal, future keys are masked. It writes O_i = acc / l and lse_i = m + log(l).
+(Kq, Dp) and walks the key blocks j < upper(i) of its key/value head with an online
+softmax: the running row max m, the row sum l of exp(s - m) and the unnormalised output
+acc, rescaled by exp(m_old - m_new) as each block raises the max. With ``causal`` the
+loop stops at the diagonal, so blocks above it are never loaded; padded keys (position
+>= T) and, if causal, future keys are masked. It writes O_i = acc / l and lse_i = m + log(l).
+Row statistics are (Kq, 1) columns and row arrays (B, H, Tq, 1), the layout both Triton
+and Mosaic (TPU) take.
 
-Where it runs (``jax.default_backend()``): "gpu" compiled through Triton; "cpu" in
-interpret mode (the same kernel, run as a jitted loop over the grid: slow, for proof);
-anything else, a TPU among them, is refused with a ValueError naming the impl.
+Where it runs: the platform the program is lowered for, chosen by
+``jax.lax.platform_dependent`` (``on_platform``), not by the process's default backend:
+"cuda"/"rocm" launch it through Triton, "tpu" through Mosaic, any other platform (CPU) in
+interpret mode (the same kernel as a jitted loop over the grid: slow, for proof). So a
+CPU process exporting for "cuda" (``jax.export(..., platforms=["cuda"])``) or compiling
+for a TPU topology emits the compiled kernel. Every branch takes and returns unpadded
+arrays, so each pads to its own tiles (``plan``): block sizes, the head-width padding and
+the GPU autotune (pallas_tune.py) are per branch.
 
 Precision (ModelConfig.compute_dtype, as precision.py's ``matmul``): q, k and v enter
 the kernel in the compute dtype (None: their own), each product accumulates in
 stats_dtype, and m, l, acc, O and lse stay in stats_dtype. Those dtypes, the scale and
 every integer divisor are parameters of the kernel (Python floats, int32), so with
-float64 inputs the whole kernel runs in float64.
+float64 inputs the whole kernel runs in float64 (interpret mode only: GPUs run it in
+float32 at most, TPUs have no float64).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+from jax.interpreters import mlir
 
+from jaxformer.model import pallas_tune
 from jaxformer.model.precision import stats_dtype
 
-# (block_q, block_k) when ModelConfig.pallas_block_q / pallas_block_k are 0. GPU: tiles
-# small enough for the backward's float32 accumulators to stay in registers at Dh <= 128
-# (untuned). CPU interpret mode pays per grid step and loop turn, so it takes big blocks.
-DEFAULT_BLOCKS = {"gpu": (64, 64), "cpu": (128, 128)}
+# (block_q, block_k) when ModelConfig.pallas_block_q / pallas_block_k are 0 (on a GPU: when
+# no autotuned choice exists, pallas_tune.py). GPU: tiles small enough for the backward's
+# float32 accumulators to stay in registers at Dh <= 128. TPU: 128 rows fill the MXU.
+# CPU interpret mode pays per grid step and loop turn, so it takes big blocks.
+DEFAULT_BLOCKS = {"gpu": (64, 64), "tpu": (128, 128), "cpu": (128, 128)}
+DEFAULT_WARPS, DEFAULT_STAGES = 4, 2  # Triton's launch when untuned
 MIN_GPU_TILE = 16  # Triton's smallest matmul tile side
+TPU_SUBLANES = 8  # a TPU block's second-to-last side: a multiple of 8 (or the whole axis)
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp(MASK - m) is 0, never inf - inf
-
-
-def backend() -> str:
-    """The backend the kernels run on: "gpu" (compiled) or "cpu" (interpret mode).
-    Anything else is refused by name."""
-    name = jax.default_backend()
-    if name == "tpu":
-        raise ValueError(
-            "attention_impl 'pallas' is a Triton (GPU) kernel and cannot run on a TPU: "
-            "use attention_impl 'blockwise' (or 'full') there")
-    if name not in DEFAULT_BLOCKS:
-        raise ValueError(f"attention_impl 'pallas' runs on a GPU (or in interpret mode on CPU), "
-                         f"not on backend {name!r}")
-    return name
 
 
 class Tiling(NamedTuple):
@@ -70,46 +73,119 @@ class Tiling(NamedTuple):
     Dp: int  # the head width the kernels see: Dh, or padded to Triton's tile
 
 
-def _tile_side(name: str, block: int, T: int, gpu: bool) -> int:
-    """The block size used for length T: ``block``, cut down to T (to the power of two
-    covering T, at least 16, on a GPU) when T is shorter."""
-    if not gpu:
-        return min(block, T)
-    if block < MIN_GPU_TILE or block & (block - 1):
-        raise ValueError(f"ModelConfig.{name} must be a power of two >= {MIN_GPU_TILE} on a GPU "
-                         f"(Triton's tiles), got {block}")
-    return min(block, max(MIN_GPU_TILE, pl.next_power_of_2(T)))
+class Launch(NamedTuple):
+    """How a branch launches its pallas_calls (static)."""
+    device: str  # "gpu" (Triton), "tpu" (Mosaic) or "cpu" (interpret mode)
+    interpret: Any = False  # pallas_call's interpret: True on "cpu"; tests run gpu/tpu plans with True
+    num_warps: int = DEFAULT_WARPS  # Triton only
+    num_stages: int = DEFAULT_STAGES  # Triton only
 
 
-def tiling(T: int, Dh: int, block_q: int = 0, block_k: int = 0, device: str | None = None) -> Tiling:
-    """The tiles of a length-T attention; block_q / block_k of 0 take the device default.
-    ``device`` ("gpu" or "cpu") defaults to the running backend."""
-    device = device or backend()
+class TilingError(ValueError):
+    """Block sizes a device cannot take (raised while its branch is traced; on_platform
+    defers it to the lowering for that device)."""
+
+
+def _tile_side(name: str, block: int, T: int, device: str) -> int:
+    """The block size used for length T: ``block``, cut down when T is shorter (to T on
+    CPU, to the power of two covering T, at least 16, on a GPU, to T rounded up to 8 on
+    a TPU). ValueError naming the field where the device cannot take ``block``."""
+    if device == "gpu":
+        if block < MIN_GPU_TILE or block & (block - 1):
+            raise TilingError(f"ModelConfig.{name} must be a power of two >= {MIN_GPU_TILE} on a GPU "
+                             f"(Triton's tiles), got {block}")
+        return min(block, max(MIN_GPU_TILE, pl.next_power_of_2(T)))
+    if device == "tpu":
+        if block % TPU_SUBLANES:
+            raise TilingError(f"ModelConfig.{name} must be a multiple of {TPU_SUBLANES} on a TPU "
+                             f"(Mosaic's (8, 128) tiles), got {block}")
+        return min(block, -(-T // TPU_SUBLANES) * TPU_SUBLANES)
+    return min(block, T)
+
+
+def tiling(T: int, Dh: int, block_q: int, block_k: int, device: str) -> Tiling:
+    """The tiles of a length-T attention on ``device`` ("gpu", "tpu" or "cpu");
+    block_q / block_k of 0 take the device's default."""
+    if device not in DEFAULT_BLOCKS:
+        raise ValueError(f"the Pallas kernel's device must be one of {sorted(DEFAULT_BLOCKS)}, got {device!r}")
     default_q, default_k = DEFAULT_BLOCKS[device]
-    gpu = device == "gpu"
-    Kq = _tile_side("pallas_block_q", block_q or default_q, T, gpu)
-    Kk = _tile_side("pallas_block_k", block_k or default_k, T, gpu)
-    Dp = max(MIN_GPU_TILE, pl.next_power_of_2(Dh)) if gpu else Dh
+    Kq = _tile_side("pallas_block_q", block_q or default_q, T, device)
+    Kk = _tile_side("pallas_block_k", block_k or default_k, T, device)
+    Dp = max(MIN_GPU_TILE, pl.next_power_of_2(Dh)) if device == "gpu" else Dh
     return Tiling(T, Kq, Kk, -(-T // Kq), -(-T // Kk), Dh, Dp)
 
 
-def pad(x, length: int, width: int):
-    """(B, H, T, Dh, ...) -> (B, H, length, width, ...) zero-padded (the time axis at 2,
-    the head width at 3, when x has one)."""
+def plan(device: str, shape: pallas_tune.Shape, block_q: int, block_k: int, interpret=None,
+         tuned: pallas_tune.Choice | None = None) -> tuple[Tiling, Launch]:
+    """The tiles and launch of one branch. ``tuned`` given: it (the autotuner's own
+    timing runs). On a GPU with both blocks 0: the autotuned choice for ``shape`` when
+    there is one (pallas_tune.choice; None off a GPU). Otherwise the blocks given, 0
+    taking the device default. ``interpret`` None: True on "cpu" only."""
+    launch_ = Launch(device, device == "cpu" if interpret is None else interpret)
+    if tuned is None and device == "gpu" and not (block_q or block_k) and not launch_.interpret:
+        tuned = pallas_tune.choice(shape)  # None off a GPU
+    if tuned is not None:
+        block_q, block_k = tuned.block_q, tuned.block_k
+        launch_ = launch_._replace(num_warps=tuned.num_warps, num_stages=tuned.num_stages)
+    return tiling(shape.T, shape.Dh, block_q, block_k, device), launch_
+
+
+def on_platform(branch, *args):
+    """branch(device, *args) for the platform the program is lowered for: "gpu" on cuda
+    and rocm (Triton), "tpu" (Mosaic), "cpu" on any other (interpret mode). Each branch
+    returns the same shapes (unpadded arrays). Lowering for one platform keeps only its
+    branch; a multi-platform export with the kernel fails (JAX lowers every kept branch
+    for every platform, and a compiled pallas_call has no CPU lowering)."""
+    gpu, tpu, cpu = (functools.partial(_guarded, branch, d) for d in ("gpu", "tpu", "cpu"))
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=cpu)
+
+
+def _guarded(branch, device: str, *args):
+    """branch(device, *args); where the device cannot take the block sizes (TilingError),
+    a stand-in of the CPU branch's shapes whose lowering raises the error: every branch is
+    traced, but only the platform lowered for may refuse (pallas_block_q 8 runs on CPU and
+    TPU, and fails a lowering for cuda)."""
+    try:
+        return branch(device, *args)
+    except TilingError as error:
+        shapes = jax.eval_shape(functools.partial(branch, "cpu"), *args)
+        flat, tree = jax.tree_util.tree_flatten(shapes)
+        outs = _refused_p.bind(message=str(error), avals=tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in flat))
+        return jax.tree_util.tree_unflatten(tree, outs)
+
+
+def _refuse(*args, message: str, avals):
+    raise TilingError(message)
+
+
+_refused_p = jax.extend.core.Primitive("pallas_attention_refused")  # a branch that cannot be built
+_refused_p.multiple_results = True
+_refused_p.def_abstract_eval(lambda *args, message, avals: avals)
+_refused_p.def_impl(_refuse)
+mlir.register_lowering(_refused_p, lambda ctx, *args, message, avals: _refuse(message=message, avals=avals))
+
+
+def pad(x, length: int, width: int | None = None):
+    """(B, H, T, ...) -> (B, H, length, ...) zero-padded on the time axis, and the head
+    width (axis 3) to ``width`` when given."""
     widths = [(0, 0)] * x.ndim
     widths[2] = (0, length - x.shape[2])
-    if x.ndim > 3:
+    if width is not None:
         widths[3] = (0, width - x.shape[3])
     return jnp.pad(x, widths)
 
 
-def launch(kernel, grid, in_specs, out_specs, out_shape, name: str):
-    """pl.pallas_call on the running backend: Triton on a GPU, interpret mode on CPU."""
-    gpu = backend() == "gpu"
-    params = plgpu.CompilerParams(num_warps=4, num_stages=2) if gpu else None
+def launch(kernel, grid, in_specs, out_specs, out_shape, name: str, how: Launch):
+    """pl.pallas_call for ``how``: Triton on a GPU, Mosaic on a TPU (every grid axis
+    parallel: each program writes its own output block), else interpret mode."""
+    params = None
+    if how.device == "gpu":
+        params = plgpu.CompilerParams(num_warps=how.num_warps, num_stages=how.num_stages)
+    elif how.device == "tpu":
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                          out_shape=out_shape, interpret=not gpu, compiler_params=params,
-                          name=name)
+                          out_shape=out_shape, interpret=how.interpret,
+                          compiler_params=None if how.interpret is True else params, name=name)
 
 
 # ----------------------------------------------------------------------------
@@ -127,11 +203,11 @@ def tile_scores(q, k, i, j, t: Tiling, causal: bool, acc_dtype):
     """q_i (Kq, Dp), k_j (Kk, Dp) -> s_ij (Kq, Kk) = q_i k_j^T / sqrt(Dh) in acc_dtype;
     MASK where the key is padding (position >= T) or, if causal, in the future."""
     s = dot(q, k, acc_dtype, (1, 1)) * (1.0 / math.sqrt(t.Dh))  # (Kq, Kk)
-    q_pos = i * t.Kq + jnp.arange(t.Kq, dtype=jnp.int32)[:, None]  # (Kq, 1)
-    k_pos = j * t.Kk + jnp.arange(t.Kk, dtype=jnp.int32)[None, :]  # (1, Kk)
+    q_pos = i * t.Kq + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 0)  # (Kq, Kk)
+    k_pos = j * t.Kk + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 1)
     visible = k_pos < t.T
     if causal:
-        visible = visible & (k_pos <= q_pos)  # (Kq, Kk)
+        visible = visible & (k_pos <= q_pos)
     return jnp.where(visible, s, MASK)
 
 
@@ -157,76 +233,101 @@ def first_query_block(j, t: Tiling, causal: bool):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: Tiling, causal: bool, acc_dtype):
-    """Program (b, h, i): q_ref (Kq, Dp) = q_i; k_ref, v_ref (Tk, Dp) of this head;
-    o_ref (Kq, Dp) <- O_i; lse_ref (Kq,) <- lse_i."""
+    """Program (b, h, i): q_ref (Kq, Dp) = q_i; k_ref, v_ref (Tk, Dp) of key/value head
+    h // G; o_ref (Kq, Dp) <- O_i; lse_ref (Kq, 1) <- lse_i."""
     i = pl.program_id(2)
     q = q_ref[...]  # (Kq, Dp)
 
     def key_block(j, carry):
-        m, l, acc = carry  # (Kq,), (Kq,), (Kq, Dp)
+        m, l, acc = carry  # (Kq, 1), (Kq, 1), (Kq, Dp)
         k = k_ref[pl.ds(j * t.Kk, t.Kk), :]  # (Kk, Dp)
         v = v_ref[pl.ds(j * t.Kk, t.Kk), :]
         s = tile_scores(q, k, i, j, t, causal, acc_dtype)  # (Kq, Kk)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: key 0 is visible in block 0
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))  # finite: key 0 is visible in block 0
         alpha = jnp.exp(m - m_new)  # rescales the old sums; 0 on the first block
-        p = jnp.exp(s - m_new[:, None])  # (Kq, Kk): 0 where masked
-        l = alpha * l + jnp.sum(p, axis=1)
-        acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v, acc_dtype)
+        p = jnp.exp(s - m_new)  # (Kq, Kk): 0 where masked
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        acc = alpha * acc + dot(p.astype(v.dtype), v, acc_dtype)
         return m_new, l, acc
 
-    init = (jnp.full((t.Kq,), -jnp.inf, acc_dtype), jnp.zeros((t.Kq,), acc_dtype),
+    init = (jnp.full((t.Kq, 1), -jnp.inf, acc_dtype), jnp.zeros((t.Kq, 1), acc_dtype),
             jnp.zeros((t.Kq, t.Dp), acc_dtype))
     m, l, acc = jax.lax.fori_loop(0, key_blocks_seen(i, t, causal), key_block, init)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)  # O_i = softmax(S_i) v
+    o_ref[...] = (acc / l).astype(o_ref.dtype)  # O_i = softmax(S_i) v
     lse_ref[...] = m + jnp.log(l)  # lse_i = log rowsum(exp(S_i))
 
 
-def query_spec(t: Tiling):
-    """Query block i of head (b, h): (Kq, Dp) of a (B, H, Tq, Dp) array."""
-    return pl.BlockSpec((None, None, t.Kq, t.Dp), lambda b, h, i: (b, h, i, 0))
+def query_spec(t: Tiling, width: int | None = None):
+    """Query block i of head (b, h): (Kq, width) of a (B, H, Tq, width) array (width:
+    Dp; 1 for the row arrays lse and D)."""
+    width = t.Dp if width is None else width
+    return pl.BlockSpec((None, None, t.Kq, width), lambda b, h, i: (b, h, i, 0))
 
 
-def row_spec(t: Tiling):
-    """Query block i of head (b, h): (Kq,) of a (B, H, Tq) array."""
-    return pl.BlockSpec((None, None, t.Kq), lambda b, h, i: (b, h, i))
+def kv_head(h, group: int):
+    """The key/value head query head h reads: h // G (h itself when G is 1)."""
+    return h if group == 1 else jax.lax.div(h, jnp.int32(group))
 
 
-def head_spec(length: int, t: Tiling):
-    """All of head (b, h): (length, Dp) of a (B, H, length, Dp) array, for any program."""
-    return pl.BlockSpec((None, None, length, t.Dp), lambda b, h, n: (b, h, 0, 0))
+def head_spec(length: int, width: int, group: int = 1):
+    """All of head (b, h // group): (length, width) of a (B, H // group, length, width)
+    array, for any program n; group G maps a query head to its key/value head."""
+    return pl.BlockSpec((None, None, length, width), lambda b, h, n: (b, kv_head(h, group), 0, 0))
 
 
 def padded_inputs(q, k, v, t: Tiling, compute_dtype=None):
-    """q, k, v (B, H, T, Dh) -> (B, H, Tq, Dp), (B, H, Tk, Dp) twice: zero-padded and in
-    the products' dtype (compute_dtype, or q's own), as the kernels read them."""
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, Tq, Dp), (B, Hkv, Tk, Dp) twice:
+    zero-padded and in the products' dtype (compute_dtype, or q's own)."""
     cd = jnp.dtype(compute_dtype or q.dtype)
     Tq, Tk = t.Nq * t.Kq, t.Nk * t.Kk
     return pad(q.astype(cd), Tq, t.Dp), pad(k.astype(cd), Tk, t.Dp), pad(v.astype(cd), Tk, t.Dp)
 
 
-def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype):
-    """The forward kernel on padded inputs: q (B, H, Tq, Dp), k, v (B, H, Tk, Dp) ->
-    O (B, H, Tq, Dp) in ``out_dtype`` and lse (B, H, Tq) in stats_dtype(out_dtype)."""
+def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype, how: Launch):
+    """The forward kernel on padded inputs: q (B, H, Tq, Dp), k, v (B, Hkv, Tk, Dp) ->
+    O (B, H, Tq, Dp) in ``out_dtype`` and lse (B, H, Tq, 1) in stats_dtype(out_dtype)."""
     B, H = q.shape[:2]
     acc_dtype = stats_dtype(out_dtype)
+    whole_kv = head_spec(k.shape[2], t.Dp, H // k.shape[1])
     kernel = functools.partial(_forward_kernel, t=t, causal=causal, acc_dtype=acc_dtype)
     return launch(
-        kernel, (B, H, t.Nq),
-        in_specs=[query_spec(t), head_spec(k.shape[2], t), head_spec(v.shape[2], t)],
-        out_specs=[query_spec(t), row_spec(t)],
+        kernel, (B, H, t.Nq), in_specs=[query_spec(t), whole_kv, whole_kv],
+        out_specs=[query_spec(t), query_spec(t, 1)],
         out_shape=[jax.ShapeDtypeStruct(q.shape, out_dtype),
-                   jax.ShapeDtypeStruct(q.shape[:3], acc_dtype)],
-        name="flash_attention_forward",
+                   jax.ShapeDtypeStruct(q.shape[:3] + (1,), acc_dtype)],
+        name="flash_attention_forward", how=how,
     )(q, k, v)
+
+
+def check_heads(q, k, v) -> int:
+    """G = H // Hkv for q (B, H, T, Dh), k, v (B, Hkv, T, Dh); ValueError naming the
+    shapes when they do not fit."""
+    if k.shape != v.shape or q.shape[:1] + q.shape[2:] != k.shape[:1] + k.shape[2:] \
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"flash_attention needs q (B, H, T, Dh) and k, v (B, Hkv, T, Dh) with H a "
+                         f"multiple of Hkv; got q {q.shape}, k {k.shape}, v {v.shape}")
+    return q.shape[1] // k.shape[1]
+
+
+def forward_on(device: str, q, k, v, *, causal: bool, block_q: int = 0, block_k: int = 0,
+               compute_dtype=None, interpret=None, tuned=None):
+    """One platform's forward: q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh)
+    in q's dtype, lse (B, H, T) in stats_dtype), padded to ``device``'s tiles inside
+    (``plan``; interpret and tuned as there)."""
+    T, Dh = q.shape[2:]
+    G = check_heads(q, k, v)
+    cd = jnp.dtype(compute_dtype or q.dtype)
+    t, how = plan(device, pallas_tune.Shape(T, Dh, cd.name, causal, G), block_q, block_k, interpret, tuned)
+    out, lse = flash_forward(*padded_inputs(q, k, v, t, cd), causal, t, q.dtype, how)
+    return out[:, :, :T, :Dh], lse[:, :, :T, 0]
 
 
 def pallas_attention_core(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0,
                           compute_dtype=None):
-    """q, k, v (B, H, T, Dh) -> (out (B, H, T, Dh) in q's dtype, lse (B, H, T) in stats_dtype):
-    out = softmax(q k^T / sqrt(Dh)) v, future masked if causal, by the forward kernel,
-    its products in ``compute_dtype``. The raw kernel: it has no derivative
-    (pallas_backward.flash_attention has)."""
-    T, Dh = q.shape[2:]
-    t = tiling(T, Dh, block_q, block_k)
-    out, lse = flash_forward(*padded_inputs(q, k, v, t, compute_dtype), causal, t, q.dtype)
-    return out[:, :, :T, :Dh], lse[:, :, :T]
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, lse
+    (B, H, T) in stats_dtype): out = softmax(q k^T / sqrt(Dh)) v, query head h reading
+    key/value head h // (H // Hkv), future masked if causal, by the forward kernel of the
+    platform lowered for. The raw kernel: no derivative (pallas_backward.flash_attention has)."""
+    branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k,
+                               compute_dtype=compute_dtype)
+    return on_platform(branch, q, k, v)

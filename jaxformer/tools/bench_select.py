@@ -61,13 +61,16 @@ def parse_attention(text: str) -> tuple[str, ...]:
 
 def default_attention(backend: str) -> tuple[tuple[str, ...], list[Skip]]:
     """(the impls run when --attention is not given, the ones left out and why): all
-    on a GPU; on any other backend pallas (interpret mode: far too slow) and cudnn
-    (GPU only) are left out."""
+    on a GPU; on a TPU all but cudnn (GPU only); on any other backend pallas (interpret
+    mode: far too slow) and cudnn are left out."""
     if backend == "gpu":
         return ATTENTION_CHOICES, []
+    cudnn = Skip("cudnn", f"left out on {backend}: cuDNN's fused attention runs only on a GPU")
+    if backend == "tpu":
+        return tuple(i for i in ATTENTION_CHOICES if i != "cudnn"), [cudnn]
     left_out = [Skip("pallas", f"left out on {backend} by default: Pallas runs in interpret mode "
                                f"there, far too slow (ask with --attention full,blockwise,pallas)"),
-                Skip("cudnn", f"left out on {backend}: cuDNN's fused attention runs only on a GPU")]
+                cudnn]
     return tuple(i for i in ATTENTION_CHOICES if i not in ("pallas", "cudnn")), left_out
 
 
@@ -79,8 +82,8 @@ def impl_problem(impl: str, backend: str, compute_dtype: str | None) -> str | No
         if compute_dtype not in LOW_PRECISION:
             return (f"cuDNN's fused attention reads bfloat16 or float16; compute dtype is "
                     f"{compute_dtype or 'the params float32'} (pass --compute-dtype bfloat16)")
-    if impl == "pallas" and backend not in ("gpu", "cpu"):
-        return f"the Pallas kernels run on a GPU (or interpret mode on CPU), not on {backend}"
+    if impl == "pallas" and backend not in ("gpu", "tpu", "cpu"):
+        return f"the Pallas kernels run on a GPU, a TPU (or interpret mode on CPU), not on {backend}"
     return None
 
 

@@ -11,7 +11,7 @@ program needs at once, argument = its inputs). Gradient sources compared, all
     manual         manual_grads.value_and_grad of the plain model
     blockwise      manual, blockwise attention only
     lean           manual, blockwise attention + chunked loss + remat "block"
-    pallas         manual, the Pallas flash-attention kernel (default_sources: on a GPU;
+    pallas         manual, the Pallas flash-attention kernel (default_sources: on a GPU or TPU;
                    opt-in on CPU, where the kernel runs in slow interpret mode)
 """
 
@@ -37,9 +37,9 @@ LEAN_SOURCES = ("blockwise", "lean", "pallas")  # attention without the (B, H, T
 
 
 def default_sources(backend: str | None = None) -> tuple[str, ...]:
-    """The sources measured when none are named: pallas too on a GPU (``backend``,
+    """The sources measured when none are named: pallas too on a GPU or a TPU (``backend``,
     default jax.default_backend()), not on CPU, where its interpret mode is slow."""
-    return ALL_SOURCES if (backend or jax.default_backend()) == "gpu" else SOURCES
+    return ALL_SOURCES if (backend or jax.default_backend()) in ("gpu", "tpu") else SOURCES
 
 
 def parse_sources(text: str) -> tuple[str, ...]:

@@ -1,0 +1,136 @@
+"""The Pallas kernels' launch on a GPU, chosen by measurement: on first use for a
+(device kind, T, Dh, dtype, causal, G) shape, time a few (block_q, block_k, num_warps,
+num_stages) candidates on the kernels' forward and backward, keep the fastest, and cache
+it per device kind and shape: in memory, and on disk in ``cache_path()``
+(``$XDG_CACHE_HOME/jaxformer/pallas_tune.json``, else ``~/.cache/...``), written atomically.
+
+It never runs off a GPU: ``choice`` returns None unless the process's default backend is
+a GPU (then pallas_attention.DEFAULT_BLOCKS and Triton's 4 warps / 2 stages are the
+fallback, as they are on TPU and CPU). ModelConfig.pallas_block_q / pallas_block_k set
+(non-zero) win: pallas_attention.plan asks only when both are 0. ``choose`` takes the
+timer as an argument, so its selection and caching are tested on CPU with a fake one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Shape(NamedTuple):
+    """What the choice depends on, besides the device kind (static)."""
+    T: int  # sequence length
+    Dh: int  # head width
+    dtype: str  # the products' dtype name ("bfloat16", "float32", ...)
+    causal: bool
+    G: int  # query heads per key/value head
+
+
+class Choice(NamedTuple):
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# A small grid: tiles from 32 to 128, 4 or 8 warps, 2 or 3 stages (8 compiles per shape).
+CANDIDATES = (Choice(64, 64, 4, 2), Choice(64, 64, 4, 3), Choice(128, 64, 4, 2), Choice(128, 64, 8, 2),
+              Choice(64, 128, 4, 2), Choice(128, 128, 8, 2), Choice(128, 128, 8, 3), Choice(32, 64, 4, 2))
+_memory: dict[str, Choice] = {}  # key -> choice, this process
+
+
+def cache_path() -> Path:
+    """Where choices persist: $XDG_CACHE_HOME (else ~/.cache) / jaxformer / pallas_tune.json."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "jaxformer" / "pallas_tune.json"
+
+
+def key(device_kind: str, shape: Shape) -> str:
+    """One cache entry's name, e.g. 'NVIDIA H100 80GB HBM3|T=1024|Dh=64|bfloat16|causal|G=1'."""
+    return (f"{device_kind}|T={shape.T}|Dh={shape.Dh}|{shape.dtype}|"
+            f"{'causal' if shape.causal else 'bidirectional'}|G={shape.G}")
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no file yet, or a torn one from an older writer: tune again
+
+
+def _write(path: Path, name: str, choice: Choice) -> None:
+    """Add one entry to the JSON file atomically: a temp file in the same folder, then
+    os.replace, so a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = _read(path)
+    entries[name] = choice._asdict()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(entries, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def choose(name: str, measure: Callable[[Choice], float], candidates=CANDIDATES,
+           path: Path | None = None) -> Choice:
+    """The cached choice for ``name`` (memory, then disk); else the candidate with the
+    least ``measure(choice)`` seconds (one that raises, e.g. out of shared memory, is
+    skipped), then cached in both. ValueError when every candidate fails."""
+    path = path or cache_path()
+    if name in _memory:
+        return _memory[name]
+    stored = _read(path).get(name)
+    if stored is not None:
+        _memory[name] = Choice(**stored)
+        return _memory[name]
+    times = {}
+    for c in candidates:
+        try:
+            times[c] = measure(c)
+        except Exception:  # a launch the GPU cannot take: not a candidate
+            times[c] = math.inf
+    best = min(candidates, key=times.__getitem__)
+    if times[best] == math.inf:
+        raise ValueError(f"pallas autotune: no candidate launch ran for {name}")
+    _memory[name] = best
+    _write(path, name, best)
+    return best
+
+
+def choice(shape: Shape) -> Choice | None:
+    """The tuned launch for ``shape`` on this process's GPU; None off a GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    kind = jax.devices()[0].device_kind
+    return choose(key(kind, shape), lambda c: time_on_gpu(shape, c))
+
+
+def time_on_gpu(shape: Shape, c: Choice, repeats: int = 5) -> float:
+    """Seconds of the Triton forward and backward kernels at ``c`` on one (1, 4 G, T, Dh)
+    attention (4 key/value heads), the best of ``repeats`` after a warm-up. Runs eagerly
+    even while a caller traces (ensure_compile_time_eval)."""
+    from jaxformer.model import pallas_backward as pb  # the kernels import this module
+
+    def step(q, k, v, do):
+        return pb.time_step("gpu", q, k, v, do, shape.causal, c)
+
+    rng, dtype = np.random.default_rng(0), jnp.dtype(shape.dtype)
+    q, do = (rng.standard_normal((1, 4 * shape.G, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((1, 4, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
+    with jax.ensure_compile_time_eval():
+        run = jax.jit(step).lower(q, k, v, do).compile()
+        jax.block_until_ready(run(q, k, v, do))
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run(q, k, v, do))
+            best = min(best, time.perf_counter() - start)
+    return best
