@@ -92,6 +92,8 @@ def test_resume_continues_with_the_saved_settings(run_dir, tmp_path, capsys):
      "temperature must be a finite number >= 0"),
     (["generate", "--run", "{run}", "--prompt", ""], "the prompt is empty"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["train", "--preset", "tiny", "--optimizer", "muon", "--muon-lr", "-1", "--out", "{tmp}/a",
+      "--corpus", "{corpus}"], "muon_lr (--muon-lr) must be >= 0.0, got -1.0"),
 ])
 def test_bad_input_is_one_error_line_and_exit_code_2(args, message, tmp_path, corpus, run_dir, capsys):
     args = [a.format(tmp=tmp_path, corpus=corpus, run=run_dir) for a in args]
@@ -135,3 +137,21 @@ def test_diagnose_help_examples_run(run_dir, capsys):
         capsys.readouterr()
         assert main(["diagnose", *argv]) == 0, capsys.readouterr().err
         assert "checkpoint step 3" in capsys.readouterr().out
+
+
+def test_muon_flags_reach_the_settings_and_the_config_file(tmp_path):
+    """--optimizer muon --muon-lr --muon-momentum parse into TrainSettings, and a run
+    folder's config.toml (here written by hand the same way) carries them back."""
+    from jaxformer.cli import train as cli_train
+    from jaxformer.cli.main import build_parser
+    from jaxformer.training.configfile import write_config
+
+    args = build_parser().parse_args(["train", "--out", "unused", "--preset", "tiny", "--optimizer",
+                                      "muon", "--muon-lr", "0.03", "--muon-momentum", "0.9"])
+    settings = cli_train.train_settings(args)
+    assert (settings.optimizer, settings.muon_lr, settings.muon_momentum) == ("muon", 0.03, 0.9)
+    settings.validate()
+    write_config(tmp_path / "config.toml", settings, settings.model_config(256))
+    again = cli_train.train_settings(build_parser().parse_args(
+        ["train", "--out", "unused", "--config", str(tmp_path / "config.toml"), "--muon-lr", "0.01"]))
+    assert (again.optimizer, again.muon_lr, again.muon_momentum) == ("muon", 0.01, 0.9)

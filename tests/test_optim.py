@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxformer.training.optim import current_lr, decay_mask, make_optimizer, make_schedule
+from jaxformer.training.optim import (current_lr, current_muon_lr, decay_mask, make_optimizer,
+                                      make_schedule, muon_labels)
 
 ATOL, RTOL = 1e-12, 1e-12  # float64 throughout (x64 is on in tests)
 
@@ -44,6 +45,10 @@ def _close(a, b, atol=ATOL, rtol=RTOL):
     (dict(warmup_steps=-1), "warmup_steps"),
     (dict(schedule="cosine"), "needs total_steps"),
     (dict(schedule="cosine", warmup_steps=10, total_steps=10), "total_steps (10) > warmup_steps (10)"),
+    (dict(name="muon", muon_lr=-0.02), "muon_lr (--muon-lr) must be >= 0.0, got -0.02"),
+    (dict(name="muon", muon_lr=float("nan")), "muon_lr (--muon-lr) must be a finite number"),
+    (dict(name="muon", muon_momentum=1.0), "muon_momentum (--muon-momentum) must be < 1"),
+    (dict(name="muon", muon_momentum=-0.5), "muon_momentum (--muon-momentum) must be >= 0"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -153,3 +158,102 @@ def test_lr_metric_follows_the_schedule_through_accumulation():
     assert lrs == pytest.approx([1.0, 1.0, 1.0, 0.75, 0.75, 0.5])
     with pytest.raises(ValueError, match="no learning_rate hyperparameter"):
         current_lr(optax.adam(0.1).init(p))
+
+
+# ---------------------------------------------------------------- muon: Muon for matrices, AdamW for the rest
+
+
+def test_muon_labels_choose_the_stacked_matrices_by_rule():
+    """The blocks' 3-dim leaves (L, in, out) are Muon's, whatever their name (a gated MLP's
+    w_gate / w_up / w_down included); embeddings, the head, every norm and bias AdamW's."""
+    from jaxformer import get_preset, init_params
+
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), get_preset("tiny")))
+    L, D, F, Dh = 2, 16, 24, 8
+    leaf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    params["blocks"]["mlp"] = {"w_gate": leaf(L, D, F), "w_up": leaf(L, D, F), "w_down": leaf(L, F, D)}
+    params["blocks"]["attn"]["q_norm"] = {"scale": leaf(L, Dh)}
+    params["blocks"]["ln3"] = {"scale": leaf(L, D, 1)}  # 3 dims, yet a norm's
+    labels = muon_labels(params)
+    flat = {jax.tree_util.keystr(path): label
+            for path, label in jax.tree_util.tree_leaves_with_path(labels)}
+    muon = sorted(k for k, v in flat.items() if v == "muon")
+    assert muon == sorted(f"['blocks']{k}" for k in (
+        "['attn']['wq']", "['attn']['wk']", "['attn']['wv']", "['attn']['wo']",
+        "['ffn']['w_in']", "['ffn']['w_out']",
+        "['mlp']['w_gate']", "['mlp']['w_up']", "['mlp']['w_down']"))
+    assert set(flat.values()) == {"muon", "adamw"}
+    for name in ("['tok_embed']", "['pos_embed']", "['head']['w']", "['head']['b']",
+                 "['ln_f']['scale']", "['blocks']['attn']['bq']", "['blocks']['ln1']['scale']",
+                 "['blocks']['attn']['q_norm']['scale']", "['blocks']['ln3']['scale']"):
+        assert flat[name] == "adamw", name
+
+
+def _stacked_tree(key, scales=(1.0, 100.0, 0.01)):
+    """{"blocks": {"w": (3, 4, 6), "b": (3, 6)}, "head": {"w": (6, 5)}} with layers of very
+    different sizes (orthogonalising the stack as one matrix would mix them)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    w = jax.random.normal(k1, (3, 4, 6), jnp.float64) * jnp.asarray(scales)[:, None, None]
+    return {"blocks": {"w": w, "b": jax.random.normal(k2, (3, 6), jnp.float64)},
+            "head": {"w": jax.random.normal(k3, (6, 5), jnp.float64)}}
+
+
+def test_muon_orthogonalises_each_layer_of_a_stack_on_its_own():
+    """Three steps on a stacked (L, in, out) leaf equal optax's own Muon (2-D, its default)
+    on each layer's (in, out) slice; orthogonalising the (L * in, out) stack as one
+    matrix would not."""
+    params = _stacked_tree(jax.random.PRNGKey(0))
+    grads = [_stacked_tree(jax.random.PRNGKey(i)) for i in (1, 2, 3)]
+    ours = make_optimizer("muon", lr=0.01, muon_lr=0.05, weight_decay=0.1)
+    state, p = ours.init(params), params
+    for g in grads:
+        updates, state = ours.update(g, state, p)
+        p = optax.apply_updates(p, updates)
+    for layer in range(3):
+        ref = optax.contrib.muon(0.05, beta=0.95, nesterov=True, weight_decay=0.1)
+        w = params["blocks"]["w"][layer]
+        ref_state = ref.init({"w": w})
+        for g in grads:
+            u, ref_state = ref.update({"w": g["blocks"]["w"][layer]}, ref_state, {"w": w})
+            w = w + u["w"]
+        np.testing.assert_allclose(p["blocks"]["w"][layer], w, rtol=1e-10, atol=1e-12)
+    # the alternative, one Newton-Schulz over the flattened stack, moves the layers otherwise
+    flat = optax.contrib.muon(0.05, beta=0.95, nesterov=True, weight_decay=0.1)
+    w = params["blocks"]["w"].reshape(12, 6)
+    u, _ = flat.update({"w": grads[0]["blocks"]["w"].reshape(12, 6)}, flat.init({"w": w}), {"w": w})
+    first, _ = make_optimizer("muon", lr=0.01, muon_lr=0.05, weight_decay=0.1).update(
+        grads[0], ours.init(params), params)
+    assert not np.allclose(u["w"].reshape(3, 4, 6), first["blocks"]["w"], rtol=1e-3)
+
+
+def test_muon_updates_the_other_leaves_as_adamw():
+    """The leaves outside Muon's group get exactly make_optimizer("adamw")'s updates
+    (same decay rule: the head's w decays, the bias does not)."""
+    params = _stacked_tree(jax.random.PRNGKey(0))
+    muon = make_optimizer("muon", lr=0.01, weight_decay=0.1, b2=0.95)
+    adamw = make_optimizer("adamw", lr=0.01, weight_decay=0.1, b2=0.95)
+    s1, s2, p = muon.init(params), adamw.init(params), params
+    for i in (1, 2, 3):
+        g = _stacked_tree(jax.random.PRNGKey(i))
+        u1, s1 = muon.update(g, s1, p)
+        u2, s2 = adamw.update(g, s2, p)
+        _close({"b": u1["blocks"]["b"], "head": u1["head"]},
+               {"b": u2["blocks"]["b"], "head": u2["head"]}, atol=1e-15, rtol=1e-12)
+        p = optax.apply_updates(p, u1)
+
+
+def test_muon_rates_follow_one_schedule():
+    """lr (AdamW's) and muon_lr warm up and decay together; min_lr sets both floors as
+    the same fraction of their peaks; the step reports both."""
+    opt = make_optimizer("muon", lr=0.01, muon_lr=0.04, schedule="linear", warmup_steps=2,
+                         total_steps=6, min_lr=0.001)
+    params = _stacked_tree(jax.random.PRNGKey(0))
+    state, update = opt.init(params), jax.jit(opt.update)
+    rates = []
+    for _ in range(7):
+        _, state = update(params, state, params)
+        rates.append((float(current_lr(state)), float(current_muon_lr(state))))
+    lr, muon_lr = zip(*rates)
+    np.testing.assert_allclose(lr, [0.005, 0.01, 0.01, 0.00775, 0.0055, 0.00325, 0.001], rtol=1e-6)
+    np.testing.assert_allclose(muon_lr, 4 * np.array(lr), rtol=1e-6)
+    assert current_muon_lr(make_optimizer("adamw").init(params)) is None

@@ -36,6 +36,7 @@ examples:
   jaxformer prepare --corpus stdlib --tokenizer bpe --vocab-size 4096 --out data/stdlib
   jaxformer train --preset sunfish --data data/stdlib --steps 500 --out runs/sun-bpe
   jaxformer train --preset tiny --optimizer sgd --lr 0.1 --clip-value 5 --steps 100 --out runs/t
+  jaxformer train --preset loopos --optimizer muon --muon-lr 0.02 --lr 3e-3 --steps 300 --out runs/m
   jaxformer train --out runs/loopos --resume --steps 600
   jaxformer train --preset tiny --d-model 64 --n-layers 4 --d-ff 256 --steps 200 --out runs/t4
   jaxformer train --config runs/t4/config.toml --lr 3e-3 --out runs/t4b
@@ -54,7 +55,7 @@ device; with --attention-impl blockwise --loss-chunk 256 --remat block, 3.8 GiB.
 TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "vocab_size", "data", "max_corpus_bytes", "val_fraction",
                "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps", "schedule_steps",
                "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
-               "beta1", "beta2", "adam_eps", "min_lr", "decay_rule",
+               "beta1", "beta2", "adam_eps", "min_lr", "decay_rule", "muon_lr", "muon_momentum",
                "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
 
 
@@ -106,8 +107,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--seq-len", type=positive_int, metavar="T", help="tokens per sequence (<= the model's max_seq_len)")
     d.add_argument("--seed", type=nonneg_int, help="seed of the params init and the batch order")
     o = t.add_argument_group("optimizer")
-    o.add_argument("--optimizer", choices=list(OPTIMIZERS))
+    o.add_argument("--optimizer", choices=list(OPTIMIZERS),
+                   help="muon: Muon for the blocks' weight matrices, AdamW (--lr) for embeddings, "
+                        "head, norms and biases")
     o.add_argument("--lr", type=float, help="(peak) learning rate")
+    o.add_argument("--muon-lr", type=float, metavar="LR",
+                   help="--optimizer muon: peak learning rate of the weight matrices (default 0.02)")
+    o.add_argument("--muon-momentum", type=float, metavar="M",
+                   help="--optimizer muon: Muon's Nesterov momentum (default 0.95)")
     o.add_argument("--schedule", choices=list(SCHEDULES), help="learning-rate schedule after the warmup")
     o.add_argument("--warmup-steps", type=nonneg_int, metavar="N")
     o.add_argument("--schedule-steps", type=positive_int, metavar="N",

@@ -3,7 +3,7 @@
 Written with tensorboardX (no TensorFlow needed); ``tensorboard --logdir RUN``
 shows them. Each metrics record becomes scalars at its step:
 
-  train/loss, train/grad_norm, train/lr, train/tokens_per_s (steady-state
+  train/loss, train/grad_norm, train/lr (train/muon_lr), train/tokens_per_s (steady-state
   intervals only: the record that carries compile_s is left out),
   val/loss, val/bits_per_byte or val/bits_per_char, run/resumed (1 where a run
   was resumed).
@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
+        "muon_lr": "train/muon_lr",
         "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
         "val_bits_per_byte": "val/bits_per_byte", "val_bits_per_char": "val/bits_per_char",
         "resumed": "run/resumed"}

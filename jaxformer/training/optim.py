@@ -12,6 +12,16 @@ wrapped in ``optax.inject_hyperparams`` (so the learning rate of the last update
 sits in the optimizer state, see ``current_lr``) and, with ``accum_steps > 1``,
 in ``optax.MultiSteps`` (gradients of ``accum_steps`` calls are averaged into
 one update). Steps in schedules count optimizer updates, not micro-batches.
+
+``make_optimizer("muon", lr=3e-3, muon_lr=0.02, ...)`` is Muon for the hidden weight
+matrices and AdamW for every other leaf (``muon_labels``): after the clipping,
+
+    partition(muon:  scale_by_muon (Nesterov momentum, Newton-Schulz per layer)
+                     -> scale_by_width -> [add_decayed_weights] -> scale_by_learning_rate(muon schedule),
+              adamw: scale_by_adam -> [add_decayed_weights] -> scale_by_learning_rate(schedule))
+
+Both rates follow the same schedule (warmup, decay, floor as a fraction of the peak)
+and sit in the optimizer state as ``learning_rate`` and ``muon_learning_rate``.
 """
 
 from __future__ import annotations
@@ -22,8 +32,9 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from optax import contrib
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "muon")
 # which leaves weight decay applies to (decay_mask): "nanogpt" weight matrices and
 # embeddings, not biases or norm scales (nanoGPT's configure_optimizers, the default);
 # "no-embed" weight matrices only; "all" every leaf
@@ -104,6 +115,47 @@ def decay_mask(params, rule: str = "nanogpt"):
     return jax.tree_util.tree_map_with_path(is_decayed, params)
 
 
+# A stacked matrix (L, in, out): axis 0 is a batch axis, so Newton-Schulz orthogonalises
+# each layer's (in, out) matrix on its own (optax vmaps over the batch axes).
+LAYER_MATRIX = contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+
+
+def _is_norm(key) -> bool:
+    return isinstance(key, str) and (key.startswith("ln") or key.endswith("norm"))
+
+
+def muon_labels(params):
+    """"muon" for the leaves Muon updates, "adamw" for the others. By rule, not by
+    name: a leaf under "blocks" with 3 dims (the layer axis L, then a matrix: wq, w_in,
+    w_gate, ...) that sits under no norm (keys "ln*", "*norm"). Embeddings, the head,
+    norm scales and biases (under blocks: 2 dims, (L, D)) are AdamW's."""
+
+    def label(path, leaf):
+        keys = [getattr(entry, "key", None) for entry in path]
+        matrix = keys[:1] == ["blocks"] and len(jnp.shape(leaf)) == 3
+        return "muon" if matrix and not any(_is_norm(k) for k in keys) else "adamw"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _layer_matrices(updates):
+    """The dimension numbers of the Muon group's leaves (all stacked matrices); the
+    leaves of the other group are optax's MaskedNode, which have no leaves to map."""
+    return jax.tree_util.tree_map(lambda _: LAYER_MATRIX, updates)
+
+
+def scale_by_width() -> optax.GradientTransformation:
+    """Muon's width scaling (Keller Jordan's, optax's default): each stacked (L, in, out)
+    update times sqrt(max(1, out / in)), so a wide output keeps its per-entry size."""
+
+    def update(updates, state, params=None):
+        del params
+        scale = lambda u: u * math.sqrt(max(1.0, u.shape[-1] / u.shape[-2]))  # noqa: E731
+        return jax.tree_util.tree_map(scale, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(
     name: str = "adam",
     lr: float = 1e-3,
@@ -121,8 +173,10 @@ def make_optimizer(
     final_lr_fraction: float = 0.1,
     min_lr: float | None = None,
     decay_rule: str = "nanogpt",
+    muon_lr: float = 0.02,
+    muon_momentum: float = 0.95,
 ) -> optax.GradientTransformation:
-    """The optimizer ``name`` (sgd | momentum | adam | adamw) with its clipping,
+    """The optimizer ``name`` (sgd | momentum | adam | adamw | muon) with its clipping,
     weight decay, schedule and gradient accumulation. See the module docstring.
 
     clip_value: clip every gradient entry to [-clip_value, clip_value] (None: off).
@@ -131,6 +185,10 @@ def make_optimizer(
     accum_steps: average the gradients of this many calls into one update.
     b1, b2, eps: Adam's; min_lr: the floor a decaying schedule ends at (None:
     final_lr_fraction * lr); decay_rule: which leaves weight decay applies to (decay_mask).
+    muon_lr, muon_momentum: for "muon", the peak rate of the matrices (``lr`` is AdamW's,
+    for the rest; both follow ``schedule``, the floor is the same fraction of each peak)
+    and Muon's Nesterov momentum. Weight decay is decoupled in both groups; every
+    decay_rule decays the weight matrices, so it applies to all of Muon's leaves.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -145,6 +203,10 @@ def make_optimizer(
     if b1 >= 1.0 or b2 >= 1.0:
         raise ValueError(f"Adam's betas must be < 1, got beta1 {b1!r}, beta2 {b2!r}")
     _check_number("adam eps", eps, strict=True)
+    _check_number("muon_lr (--muon-lr)", muon_lr)
+    _check_number("muon_momentum (--muon-momentum)", muon_momentum)
+    if muon_momentum >= 1.0:
+        raise ValueError(f"muon_momentum (--muon-momentum) must be < 1, got {muon_momentum!r}")
     decay_mask({}, decay_rule)  # the rule's name
     if min_lr is not None:
         _check_number("min_lr", min_lr)
@@ -154,40 +216,56 @@ def make_optimizer(
         final_lr_fraction = min_lr / lr
     lr_schedule = make_schedule(lr, schedule, warmup_steps, total_steps, final_lr_fraction)
     mask = functools.partial(decay_mask, rule=decay_rule)
+    decay = [optax.add_decayed_weights(float(weight_decay), mask=mask)] if weight_decay else []
 
     parts = []
     if clip_value is not None:
         parts.append(optax.clip(float(clip_value)))
     if clip_norm is not None:
         parts.append(optax.clip_by_global_norm(float(clip_norm)))
-    if weight_decay and name != "adamw":
-        parts.append(optax.add_decayed_weights(float(weight_decay), mask=mask))
+    if name in ("sgd", "momentum", "adam"):
+        parts += decay  # L2: added to the gradient
     if name == "momentum":
         parts.append(optax.trace(decay=float(momentum)))
     elif name in ("adam", "adamw"):
         parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
-    if weight_decay and name == "adamw":
-        parts.append(optax.add_decayed_weights(float(weight_decay), mask=mask))
+    if name == "adamw":
+        parts += decay  # decoupled
 
-    def with_lr(learning_rate):
-        return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+    if name == "muon":
+        # every decay rule decays weight matrices: all of Muon's leaves
+        muon_decay = [optax.add_decayed_weights(float(weight_decay))] if weight_decay else []
 
-    optimizer = optax.inject_hyperparams(with_lr)(learning_rate=lr_schedule)
+        def with_lr(learning_rate, muon_learning_rate):
+            muon = optax.chain(
+                contrib.scale_by_muon(beta=float(muon_momentum), nesterov=True,
+                                      weight_dimension_numbers=_layer_matrices),
+                scale_by_width(), *muon_decay, optax.scale_by_learning_rate(muon_learning_rate))
+            adamw = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), *decay,
+                                optax.scale_by_learning_rate(learning_rate))
+            return optax.chain(*parts, optax.partition({"muon": muon, "adamw": adamw}, muon_labels))
+
+        muon_schedule = make_schedule(muon_lr, schedule, warmup_steps, total_steps, final_lr_fraction)
+        optimizer = optax.inject_hyperparams(with_lr)(
+            learning_rate=lr_schedule, muon_learning_rate=muon_schedule)
+    else:
+        def with_lr(learning_rate):
+            return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+
+        optimizer = optax.inject_hyperparams(with_lr)(learning_rate=lr_schedule)
     if accum_steps > 1:
         optimizer = optax.MultiSteps(optimizer, every_k_schedule=accum_steps).gradient_transformation()
     return optimizer
 
 
-def current_lr(opt_state):
-    """The learning rate of the last update (the first one's before any), read from
-    the state of an optimizer built by ``make_optimizer``. ValueError for a state
-    without a ``learning_rate`` hyperparameter (an optimizer not built by
-    ``make_optimizer`` or ``optax.inject_hyperparams``)."""
+def _hyperparam(opt_state, name: str):
+    """The hyperparameter ``name`` of the first ``inject_hyperparams`` state inside
+    ``opt_state`` that holds it; None when none does."""
 
     def find(node):
         hyper = getattr(node, "hyperparams", None)
-        if isinstance(hyper, dict) and "learning_rate" in hyper:
-            return hyper["learning_rate"]
+        if isinstance(hyper, dict) and name in hyper:
+            return hyper[name]
         if isinstance(node, (tuple, list)):  # chains and NamedTuple states (MultiSteps, ...)
             for child in node:
                 found = find(child)
@@ -195,8 +273,23 @@ def current_lr(opt_state):
                     return found
         return None
 
-    found = find(opt_state)
+    return find(opt_state)
+
+
+def current_lr(opt_state):
+    """The learning rate of the last update (the first one's before any), read from
+    the state of an optimizer built by ``make_optimizer`` (for "muon": AdamW's). ValueError
+    for a state without a ``learning_rate`` hyperparameter (an optimizer not built by
+    ``make_optimizer`` or ``optax.inject_hyperparams``)."""
+    found = _hyperparam(opt_state, "learning_rate")
     if found is None:
         raise ValueError("the optimizer state holds no learning_rate hyperparameter; build the "
                          "optimizer with make_optimizer (optax.inject_hyperparams) to read its rate")
     return jnp.asarray(found, jnp.float32)
+
+
+def current_muon_lr(opt_state):
+    """Muon's learning rate of the last update (as ``current_lr``), or None for an
+    optimizer state without one (every optimizer but "muon")."""
+    found = _hyperparam(opt_state, "muon_learning_rate")
+    return None if found is None else jnp.asarray(found, jnp.float32)

@@ -89,7 +89,7 @@ def check_resume(run_dir: Path, settings: TrainSettings, saved_meta: dict) -> di
     if (saved["clip_norm"] is None) != (settings.clip_norm is None):
         problems.append(f"gradient-norm clipping cannot be turned {'on' if saved['clip_norm'] is None else 'off'} "
                         "on resume (--clip-norm changes the optimizer state; start a new run)")
-    for name in ("lr", "clip_norm"):
+    for name in ("lr", "muon_lr", "clip_norm"):
         if saved[name] != getattr(settings, name) and not problems:
             _say(f"note: resuming with {name} {getattr(settings, name)} (the checkpoint was trained "
                  f"with {saved[name]})")

@@ -18,7 +18,7 @@ from jaxformer.training.sharding import parse_mesh
 GRAD_SOURCES = ("auto", "manual")
 # numeric settings that must be finite (the optimizer and the data split check their ranges)
 FLOAT_FIELDS = ("lr", "clip_value", "clip_norm", "weight_decay", "momentum", "val_fraction",
-                "beta1", "beta2", "adam_eps", "min_lr")
+                "beta1", "beta2", "adam_eps", "min_lr", "muon_lr", "muon_momentum")
 DTYPES = ("float32", "float64")
 
 
@@ -38,7 +38,7 @@ class TrainSettings:
     data: str | None = None  # a prepared data folder (jaxformer prepare); replaces corpus/tokenizer
     max_corpus_bytes: int | None = None  # read at most this much of the corpus
     val_fraction: float = 0.1  # the last part of the corpus, held out for validation
-    optimizer: str = "adam"  # sgd | momentum | adam | adamw
+    optimizer: str = "adam"  # sgd | momentum | adam | adamw | muon (Muon for matrices, AdamW for the rest)
     lr: float = 1e-3  # peak learning rate
     schedule: str = "constant"  # constant | cosine | linear (after warmup_steps)
     warmup_steps: int = 0
@@ -51,6 +51,8 @@ class TrainSettings:
     adam_eps: float = 1e-8  # Adam's epsilon
     min_lr: float | None = None  # floor of a decaying schedule (None: a tenth of lr)
     decay_rule: str = "nanogpt"  # which leaves weight decay applies to: nanogpt | no-embed | all
+    muon_lr: float = 0.02  # optimizer muon: peak rate of the hidden weight matrices (lr: the rest's)
+    muon_momentum: float = 0.95  # optimizer muon: Muon's Nesterov momentum (modded-nanogpt's)
     accum_steps: int = 1  # micro-batches averaged into one update
     batch_size: int = 16  # B, sequences per step (divisible by the device count)
     seq_len: int = 64  # T, tokens per sequence (<= the model's max_seq_len)
@@ -146,7 +148,8 @@ class TrainSettings:
             warmup_steps=self.warmup_steps, total_steps=updates, clip_value=self.clip_value,
             clip_norm=self.clip_norm, weight_decay=self.weight_decay, momentum=self.momentum,
             accum_steps=self.accum_steps, b1=self.beta1, b2=self.beta2, eps=self.adam_eps,
-            min_lr=self.min_lr, decay_rule=self.decay_rule,
+            min_lr=self.min_lr, decay_rule=self.decay_rule, muon_lr=self.muon_lr,
+            muon_momentum=self.muon_momentum,
         )
 
 
@@ -155,7 +158,7 @@ class TrainSettings:
 RESUMABLE_CHANGES = frozenset(
     {"steps", "schedule_steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every",
      "keep_checkpoints", "mesh", "data",  # data: the folder may move; its digests are checked
-     "lr", "clip_norm"}  # after a non-finite loss (resume.py notes the change; clipping turned on
+     "lr", "muon_lr", "clip_norm"}  # after a non-finite loss (resume.py notes the change; clipping turned on
 )                        # or off is refused: it changes the optimizer state)
 
 

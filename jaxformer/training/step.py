@@ -22,7 +22,7 @@ import manual_grads
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params, validate_params
 from jaxformer.model.transformer import loss_fn
-from jaxformer.training.optim import current_lr, make_optimizer
+from jaxformer.training.optim import current_lr, current_muon_lr, make_optimizer
 from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
 from jaxformer.training.sharding import make_mesh, mesh_shardings, state_shardings
 
@@ -49,7 +49,7 @@ def with_params(state: TrainState, params, config: ModelConfig) -> TrainState:
     """``state`` with ``params`` (host arrays, e.g. an imported model) in place of its
     own, in its dtypes and layout; ValueError naming the first leaf that does not fit
     ``config`` (a vocabulary other than the tokenizer's names tok_embed). The optimizer
-    state of sgd / momentum / adam(w) does not depend on the params' values."""
+    state of sgd / momentum / adam(w) / muon does not depend on the params' values."""
     rows = getattr(params.get("tok_embed") if isinstance(params, dict) else None, "shape", (None,))[0]
     if rows is not None and rows != config.vocab_size:
         raise ValueError(f"the initial model's vocabulary has {rows} tokens, the tokenizer's "
@@ -106,8 +106,8 @@ split off ``state.rng`` each step, so the key stream lives in the checkpoint.
     data x fsdp, and the state laid out by ``state_sharding`` (a TrainState of
     NamedShardings, sharding.state_shardings; default: replicated): jit inserts the
     collectives. The metrics come back replicated and stay on the device.
-    metrics: loss, grad_norm (global norm of the gradient), update_norm, lr, and the
-    per-layer norms of ``layer_grad_norms``.
+    metrics: loss, grad_norm (global norm of the gradient), update_norm, lr (muon_lr too
+    for the muon optimizer), and the per-layer norms of ``layer_grad_norms``.
     """
 
     takes_key = getattr(grad_fn, "takes_key", False)
@@ -129,6 +129,9 @@ split off ``state.rng`` each step, so the key stream lives in the checkpoint.
             "lr": current_lr(opt_state),
             **layer_grad_norms(grads),
         }
+        muon_lr = current_muon_lr(opt_state)
+        if muon_lr is not None:  # optimizer muon: the matrices' rate beside AdamW's lr
+            metrics["muon_lr"] = muon_lr
         return new_state, metrics
 
     kwargs = {"donate_argnums": (0,)} if donate else {}
