@@ -1,0 +1,245 @@
+"""The modern block's options (RMS norm with and without a scale, rotary positions, the gated
+MLP, SiLU and ReLU^2, grouped- and multi-query attention, QK-norm) against every older option,
+in float64: manual_grads.value_and_grad, jax.grad of the configured model and jax.grad of the
+custom_vjp model agree to 1e-10 per leaf (dropout with one key), over a pairwise covering set
+that ``covering_rows`` builds greedily: every pair of values of any two fields below appears
+in some model, except the pairs the config refuses (dropout with the Pallas kernel, no norm
+scale with layer norm); test_rows_cover_every_pair checks it. Then the params each option
+makes, the bfloat16 rule, the errors, what grouped-query attention means and what it saves in
+the key/value cache."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_bfloat16_within_autodiff, make_batch, make_params
+
+import jaxformer
+import manual_grads
+from jaxformer.model.config import PRESETS, ModelConfig
+from jaxformer.model.kv_cache import init_cache
+from manual_grads import custom_vjp
+from manual_grads.check import assert_trees_close
+
+FIELDS = {
+    # the modern block's
+    "norm_type": ("layer", "rms"),
+    "norm_scale": (True, False),
+    "positions": ("learned", "sinusoidal", "rope"),
+    "mlp": ("plain", "gated"),
+    "activation": ("gelu", "silu", "relu2"),
+    "n_kv_heads": (0, 2, 1),  # of 4 query heads: as many, groups of two, one (multi-query)
+    "qk_norm": (False, True),
+    # the older ones
+    "attention_impl": ("full", "blockwise", "pallas"),
+    "loss_chunk": (0, 5),
+    "remat": ("none", "block"),
+    "norm": ("pre", "post"),
+    "causal": (True, False),
+    "tie_embeddings": (False, True),
+    "bias": (True, False),
+    "dropout": (0.0, 0.2),
+}
+REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("norm_scale", False), ("norm_type", "layer"))}
+BASE = ModelConfig(vocab_size=29, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=16,
+                   attention_block=4, pallas_block_q=8, pallas_block_k=8)
+SHAPES = [(2, 13, "mostly_zero"), (2, 7, None), (3, 5, "bool")]
+KEY = jax.random.PRNGKey(7)
+
+
+def _pair(a, b):
+    return tuple(sorted((a, b)))
+
+
+def allowed(a, b) -> bool:
+    return _pair(a, b) not in REFUSED
+
+
+def covering_rows():
+    """Rows (field -> value) in which every allowed pair of two fields' values appears:
+    each row starts from the first pair not yet covered and gives every other field the
+    allowed value that covers the most pairs still missing."""
+    missing = {_pair((a, va), (b, vb)) for a, b in itertools.combinations(FIELDS, 2)
+               for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
+    rows = []
+    while missing:
+        row = dict(min(missing))
+        for name in FIELDS:
+            if name in row:
+                continue
+            options = [v for v in FIELDS[name] if all(allowed((name, v), item) for item in row.items())]
+            row[name] = max(options, key=lambda v: sum(_pair((name, v), item) in missing
+                                                       for item in row.items()))
+        missing -= {_pair(x, y) for x, y in itertools.combinations(row.items(), 2)}
+        rows.append(row)
+    return rows
+
+
+ROWS = covering_rows()
+CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate(ROWS)]
+
+
+def test_rows_cover_every_pair():
+    assert len(ROWS) <= 16  # a covering set, not the product (2^10 * 3^4 models)
+    for a, b in itertools.combinations(FIELDS, 2):
+        seen = {(row[a], row[b]) for row in ROWS}
+        wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
+        assert seen == wanted, (a, b)
+
+
+def _three(params, batch, config, key):
+    return (jax.value_and_grad(jaxformer.loss_fn)(params, batch, config, key=key),
+            manual_grads.value_and_grad(params, batch, config, key=key),
+            jax.value_and_grad(custom_vjp.loss_fn)(params, batch, config, key=key))
+
+
+THREE = jax.jit(_three, static_argnums=2)
+
+
+def _case_id(config):
+    return (f"{config.norm_type}{'' if config.norm_scale else '-noscale'}-{config.positions}-{config.mlp}-"
+            f"{config.activation}-kv{config.kv_heads}{'-qkn' if config.qk_norm else ''}-"
+            f"{config.attention_impl}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
+            f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
+            f"{'' if config.bias else '-nobias'}-drop{config.dropout}")
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c, *_ in CASES])
+def test_modern_options_manual_equals_autodiff_float64(case):
+    config, B, T, mask = CASES[case]
+    params, batch = make_params(config, jnp.float64), make_batch(config, B, T, mask)
+    (loss_ref, ref), *others = THREE(params, batch, config, KEY)
+    for name, (loss, grads) in zip(("manual", "custom_vjp"), others):
+        np.testing.assert_allclose(loss, loss_ref, rtol=1e-12, atol=1e-12, err_msg=name)
+        assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params), name
+        assert_trees_close(ref, grads)  # 1e-10 per leaf in float64
+
+
+# ---------------------------------------------------------------------------- the params
+
+
+def _leaves(config):
+    shapes = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), config))
+    return {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+
+
+def test_params_of_each_modern_option():
+    plain = _leaves(BASE)
+    L, D, F, Dh = 2, 16, 24, 4
+    rms = _leaves(BASE.replace(norm_type="rms"))
+    assert set(plain) - set(rms) == {"['blocks']['ln1']['bias']", "['blocks']['ln2']['bias']", "['ln_f']['bias']"}
+    noscale = _leaves(BASE.replace(norm_type="rms", norm_scale=False))
+    assert not any("ln" in k for k in noscale)
+    assert "['pos_embed']" in plain and "['pos_embed']" not in _leaves(BASE.replace(positions="rope"))
+    gated = _leaves(BASE.replace(mlp="gated"))
+    assert {k: v for k, v in gated.items() if "ffn" in k} == {
+        "['blocks']['ffn']['w_gate']": (L, D, F), "['blocks']['ffn']['w_up']": (L, D, F),
+        "['blocks']['ffn']['w_down']": (L, F, D), "['blocks']['ffn']['b_gate']": (L, F),
+        "['blocks']['ffn']['b_up']": (L, F), "['blocks']['ffn']['b_down']": (L, D)}
+    gqa = _leaves(BASE.replace(n_kv_heads=2))
+    assert gqa["['blocks']['attn']['wk']"] == gqa["['blocks']['attn']['wv']"] == (L, D, 2 * Dh)
+    assert gqa["['blocks']['attn']['bk']"] == (L, 2 * Dh) and gqa["['blocks']['attn']['wq']"] == (L, D, D)
+    qkn = _leaves(BASE.replace(qk_norm=True))
+    assert set(qkn) - set(plain) == {"['blocks']['attn']['q_norm']['scale']", "['blocks']['attn']['k_norm']['scale']"}
+    assert qkn["['blocks']['attn']['q_norm']['scale']"] == (L, Dh)
+
+
+def test_old_draws_do_not_move():
+    """A modern option leaves the leaves it shares with the plain model drawn as before."""
+    a = jaxformer.init_params(jax.random.PRNGKey(0), BASE)
+    b = jaxformer.init_params(jax.random.PRNGKey(0), BASE.replace(mlp="gated", norm_type="rms", qk_norm=True))
+    for path in (("blocks", "attn", "wq"), ("blocks", "attn", "wo"), ("tok_embed",), ("head", "w")):
+        np.testing.assert_array_equal(_get(a, path), _get(b, path))
+    np.testing.assert_array_equal(a["blocks"]["ffn"]["w_out"], b["blocks"]["ffn"]["w_down"])
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def test_smollm_preset_has_smollm_135m_shape():
+    c = PRESETS["smollm"]
+    assert (c.d_model, c.n_heads, c.kv_heads, c.n_layers, c.d_ff, c.d_head) == (576, 9, 3, 30, 1536, 64)
+    assert (c.norm_type, c.positions, c.mlp, c.activation, c.tie_embeddings, c.bias) == (
+        "rms", "rope", "gated", "silu", True, False)
+    shapes = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), c.replace(vocab_size=49152)))
+    assert sum(x.size for x in jax.tree_util.tree_leaves(shapes)) == 134_515_008  # SmolLM-135M
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(n_heads=4, n_kv_heads=3), r"n_kv_heads \(3\) must divide n_heads \(4\)"),
+    (dict(n_heads=4, n_kv_heads=8), r"n_kv_heads \(8\) must divide n_heads \(4\)"),
+    (dict(n_kv_heads=-1), "ModelConfig.n_kv_heads must be a non-negative integer"),
+    (dict(norm_scale=False), "norm_scale False .* needs norm_type 'rms'"),
+    (dict(norm_type="batch"), "ModelConfig.norm_type must be one of layer, rms"),
+    (dict(mlp="moe"), "ModelConfig.mlp must be one of plain, gated"),
+    (dict(rope_theta=0.5), "ModelConfig.rope_theta must be a finite number > 1"),
+    (dict(d_model=12, n_heads=4, positions="rope"), "positions 'rope' needs an even head width"),
+    (dict(qk_norm="yes"), "ModelConfig.qk_norm must be True or False"),
+])
+def test_bad_modern_values_are_named(changes, match):
+    with pytest.raises(ValueError, match=match):
+        BASE.replace(**changes)
+
+
+# ---------------------------------------------------------------------------- meaning
+
+
+def test_grouped_query_attention_is_attention_with_repeated_key_value_heads():
+    """A GQA model equals the multi-head model whose wk, wv repeat each key/value head's
+    columns for the query heads that share it (Hugging Face's repeat_kv)."""
+    gqa = BASE.replace(n_kv_heads=2, positions="rope", qk_norm=True)
+    params = make_params(gqa, jnp.float64)
+    mha_params = jax.tree_util.tree_map(lambda x: x, params)
+    for name in ("wk", "wv", "bk", "bv"):
+        w = params["blocks"]["attn"][name]  # (L, D, Hkv Dh) or (L, Hkv Dh)
+        heads = w.reshape(*w.shape[:-1], 2, 4)  # (..., Hkv, Dh)
+        mha_params["blocks"]["attn"][name] = jnp.repeat(heads, 2, axis=-2).reshape(*w.shape[:-1], 16)
+    inputs = make_batch(gqa, 2, 9, None)["inputs"]
+    np.testing.assert_allclose(jaxformer.forward(params, inputs, gqa),
+                               jaxformer.forward(mha_params, inputs, gqa.replace(n_kv_heads=0)),
+                               rtol=1e-13, atol=1e-13)
+
+
+def test_rope_model_depends_on_relative_positions_only():
+    """With rotary positions and no other position term, a bidirectional model's output at a
+    token does not change when the whole sequence is moved along by the key/value cache's
+    offset: the attention scores see only t - s."""
+    from jaxformer.model.kv_cache import forward_cached
+    config = BASE.replace(positions="rope", causal=False, n_layers=1, max_seq_len=16)
+    params = make_params(config, jnp.float64)
+    inputs = make_batch(config, 1, 5, None)["inputs"]
+    direct = jaxformer.forward(params, inputs, config.replace(causal=True))
+    shifted, _ = forward_cached(params, inputs, init_cache(config, 1, jnp.float64), 0, config)
+    np.testing.assert_allclose(shifted, direct, rtol=1e-12, atol=1e-12)
+
+
+def test_cache_holds_key_value_heads_only():
+    """The key/value cache keeps Hkv heads: multi-query attention keeps 1 / H of the keys."""
+    smollm = PRESETS["smollm"]
+    full = init_cache(smollm.replace(n_kv_heads=0, n_layers=1, max_seq_len=64), 1, jnp.float32)
+    gqa = init_cache(smollm.replace(n_layers=1, max_seq_len=64), 1, jnp.float32)
+    assert full["k"].shape == (1, 1, 9, 64, 64) and gqa["k"].shape == (1, 1, 3, 64, 64)
+    assert full["k"].nbytes == 3 * gqa["k"].nbytes
+
+
+@pytest.mark.parametrize("option", [
+    dict(norm_type="rms", positions="rope", mlp="gated", activation="silu", n_kv_heads=1, qk_norm=True,
+         bias=False, head_bias=False),
+    dict(norm_type="rms", norm_scale=False, positions="rope", mlp="gated", activation="relu2", n_kv_heads=2,
+         attention_impl="blockwise", attention_block=4, loss_chunk=8, remat="block", dropout=0.1),
+])
+def test_bfloat16_rule_holds_with_the_modern_block(option):
+    config = BASE.replace(vocab_size=32, n_heads=4, max_seq_len=12, **option)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, config.vocab_size, (2, 11))
+    batch = {"inputs": jnp.asarray(ids[:, :-1], jnp.int32), "targets": jnp.asarray(ids[:, 1:], jnp.int32)}
+    params = jaxformer.init_params(jax.random.PRNGKey(0), config, jnp.float32)
+    assert_bfloat16_within_autodiff(params, batch, config, key=KEY if config.dropout else None)
