@@ -39,7 +39,7 @@ def resolve_source(spec: str) -> Path:
         raise HFFormatError(f"{spec} is not a folder; to download it from the Hugging Face hub "
                             f"install huggingface_hub (pip install 'jaxformer[hf]')") from None
     try:
-        return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, "*.safetensors",
+        return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, SAFETENSORS, "model-*.safetensors",
                                                             SAFETENSORS_INDEX, "tokenizer.json"]))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...: one line, the cause named
         raise HFFormatError(f"{spec} is not a folder and could not be downloaded from the Hugging "
