@@ -31,17 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError,  # noqa: F401
+                                            read_config_json, read_tensors, resolve_source)
 from jaxformer.model.config import ModelConfig
 
 ACTIVATIONS_IN = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                   "relu": "relu", "tanh": "tanh"}
 ACTIVATIONS_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "tanh": "tanh"}
 BUFFERS = (".attn.bias", ".attn.masked_bias")
-SAFETENSORS, TORCH_BIN, CONFIG_JSON = "model.safetensors", "pytorch_model.bin", "config.json"
-
-
-class HFFormatError(ValueError):
-    """A folder that is not a GPT-2 this project can read (the message names what)."""
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -68,10 +65,17 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_to_hf(config: ModelConfig) -> dict:
     """config.json for ``config``; ValueError naming the field a GPT-2 cannot have."""
     for name, want in (("norm", "pre"), ("positions", "learned"), ("causal", True), ("bias", True),
-                       ("head_bias", False)):
+                       ("head_bias", False), ("embed_scale", False), ("norm_type", "layer"),
+                       ("mlp", "plain"), ("qk_norm", False)):
         if getattr(config, name) != want:
             raise ValueError(f"a Hugging Face GPT-2 needs ModelConfig.{name} = {want!r}, "
                              f"this model has {getattr(config, name)!r}")
+    if config.kv_heads != config.n_heads:
+        raise ValueError(f"a Hugging Face GPT-2 has as many key/value heads as query heads; this "
+                         f"model has n_kv_heads {config.n_kv_heads} of n_heads {config.n_heads}")
+    if config.activation not in ACTIVATIONS_OUT:
+        raise ValueError(f"a Hugging Face GPT-2 needs ModelConfig.activation one of "
+                         f"{', '.join(ACTIVATIONS_OUT)}, this model has {config.activation!r}")
     return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
             "vocab_size": config.vocab_size, "n_embd": config.d_model, "n_head": config.n_heads,
             "n_layer": config.n_layers, "n_inner": config.d_ff, "n_positions": config.max_seq_len,
@@ -82,48 +86,10 @@ def config_to_hf(config: ModelConfig) -> dict:
             "bos_token_id": config.vocab_size - 1, "eos_token_id": config.vocab_size - 1}
 
 
-def resolve_source(spec: str) -> Path:
-    """A local folder ``spec``, or a Hugging Face hub id ("gpt2", "owner/name") downloaded
-    with huggingface_hub (config.json, the weights and tokenizer.json). One clear error offline."""
-    path = Path(spec)
-    if path.exists():
-        if not path.is_dir():
-            raise HFFormatError(f"{spec} is a file; --init-from takes a model folder or a hub id")
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise HFFormatError(f"{spec} is not a folder; to download it from the Hugging Face hub "
-                            f"install huggingface_hub (pip install 'jaxformer[hf]')") from None
-    try:
-        return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, SAFETENSORS, "tokenizer.json"]))
-    except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...: one line, the cause named
-        raise HFFormatError(f"{spec} is not a folder and could not be downloaded from the Hugging "
-                            f"Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
-    if (folder / SAFETENSORS).exists():
-        from safetensors.numpy import load_file
-        return dict(load_file(str(folder / SAFETENSORS)))
-    if (folder / TORCH_BIN).exists():
-        try:
-            import torch
-        except ImportError:
-            raise HFFormatError(f"{folder / TORCH_BIN} needs torch to read (pip install torch), "
-                                f"or convert it to {SAFETENSORS}") from None
-        state = torch.load(folder / TORCH_BIN, map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
-    raise HFFormatError(f"{folder} has neither {SAFETENSORS} nor {TORCH_BIN}")
-
-
 def read_hf_gpt2(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
     """(params in ``dtype``, ModelConfig) of the Hugging Face GPT-2 in ``folder``."""
-    folder = Path(folder)
-    if not (folder / CONFIG_JSON).exists():
-        raise HFFormatError(f"{folder} has no {CONFIG_JSON} (not a Hugging Face model folder)")
-    config = config_from_hf(json.loads((folder / CONFIG_JSON).read_text()))
-    return params_from_hf(_read_tensors(folder), config, dtype, str(folder)), config
+    config = config_from_hf(read_config_json(folder))
+    return params_from_hf(read_tensors(folder), config, dtype, str(folder)), config
 
 
 def params_from_hf(tensors: dict, config: ModelConfig, dtype=np.float32, where: str = "tensors") -> dict:

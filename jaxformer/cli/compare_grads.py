@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="NAME", help=f"one or more of {', '.join(PRESETS)} "
                         f"(default: {' '.join(DEFAULT_PRESETS)})")
     parser.add_argument("--init-from", metavar="DIR_OR_HUB_ID",
-                        help="compare on a Hugging Face GPT-2's real weights and config instead of "
-                             "the presets")
+                        help="compare on a Hugging Face GPT-2's or Llama's real weights and config "
+                             "instead of the presets")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="dtype of params and gradients (float64 turns on jax_enable_x64); "
                              "default float32")

@@ -1,10 +1,11 @@
-"""`jaxformer export`: a trained run's params as a Hugging Face GPT-2 folder."""
+"""`jaxformer export`: a trained run's params as a Hugging Face folder: GPT-2 for the GPT-2
+options, Llama for the modern block's (checkpoints/hf.py chooses)."""
 
 from __future__ import annotations
 
 import argparse
 
-from jaxformer.checkpoints.hf_gpt2 import write_hf_gpt2
+from jaxformer.checkpoints.hf import write_hf
 from jaxformer.checkpoints.runs import load_run
 from jaxformer.cli.args import nonneg_int
 from jaxformer.observe.words import plural
@@ -13,14 +14,19 @@ from jaxformer.training.step import state_template
 EPILOG = """examples:
   jaxformer export --run runs/ft --hf out/gpt2-ft
         config.json + model.safetensors: transformers.GPT2LMHeadModel.from_pretrained("out/gpt2-ft")
+  jaxformer export --run runs/llama-ft --hf out/llama-ft
+        a run of the modern block (RMS norm, rotary, gated MLP): LlamaForCausalLM
 """
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    e = subparsers.add_parser("export", help="write a run's model as a Hugging Face GPT-2 folder",
-                              description="Write a run's params as a Hugging Face GPT-2 folder "
-                                          "(the model must be GPT-2-shaped: pre-LN, learned "
-                                          "positions, biases, no head bias).",
+    e = subparsers.add_parser("export", help="write a run's model as a Hugging Face GPT-2 or Llama folder",
+                              description="Write a run's params as a Hugging Face folder: GPT-2 "
+                                          "(pre-LN, layer norm, learned positions, biases, no head "
+                                          "bias) or, for a model with the modern block's options, "
+                                          "Llama (pre-norm RMS norm, rotary positions, gated MLP, "
+                                          "grouped-query attention, no QK-norm, no head bias). "
+                                          "An option the format cannot hold is refused by name.",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("--run", required=True, metavar="DIR", help="run folder")
     e.add_argument("--hf", required=True, metavar="OUT", help="folder to write (created)")
@@ -30,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     params, config, tokenizer, _ = load_run(args.run, state_template, args.step)
-    out = write_hf_gpt2(args.hf, params, config)
-    print(f"wrote {out} (config.json, model.safetensors): {plural(config.n_layers, 'layer')}, d_model "
+    out, kind = write_hf(args.hf, params, config)
+    print(f"wrote {out} ({kind}: config.json, model.safetensors): {plural(config.n_layers, 'layer')}, d_model "
           f"{config.d_model}, vocab {config.vocab_size} ({type(tokenizer).__name__})")
     return 0

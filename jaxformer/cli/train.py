@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxformer.checkpoints import checkpoint
-from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
+from jaxformer.checkpoints.hf import read_hf, resolve_source
 from jaxformer.cli.args import UsageError, exit_now, nonneg_int, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
@@ -84,7 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="start even when the compiled step's memory plan exceeds the free memory "
                         "(the check runs before the first step; see 'memory' below)")
     t.add_argument("--init-from", metavar="DIR_OR_HUB_ID",
-                   help="fine-tune a Hugging Face GPT-2 (a folder with config.json and "
+                   help="fine-tune a Hugging Face GPT-2 or Llama (a folder with config.json and "
                         "model.safetensors, or a hub id, downloaded): the model comes from it; "
                         "flags that change its shapes are refused")
     t.add_argument("--config", metavar="FILE",
@@ -182,10 +182,10 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
 
 
 def imported_start(spec: str, settings: TrainSettings, flags: dict):
-    """(params, settings whose model is the imported GPT-2's) of ``--init-from spec``;
+    """(params, settings whose model is the imported one's: GPT-2 or Llama) of ``--init-from spec``;
     a flag that would change the imported shapes is refused by name."""
     folder = resolve_source(spec)
-    params, config = read_hf_gpt2(folder, np.float64 if settings.dtype == "float64" else np.float32)
+    params, config = read_hf(folder, np.float64 if settings.dtype == "float64" else np.float32)
     fields = config.to_dict()
     fields.pop("vocab_size")
     refused = sorted(name for name in SHAPE_FIELDS if name in flags and flags[name] != fields[name])
@@ -198,7 +198,8 @@ def imported_start(spec: str, settings: TrainSettings, flags: dict):
 
 # ModelConfig fields an imported model fixes (its params' tree and shapes, its function)
 SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activation", "norm",
-                "positions", "causal", "ln_eps", "tie_embeddings", "bias", "head_bias")
+                "positions", "causal", "ln_eps", "tie_embeddings", "bias", "head_bias", "embed_scale",
+                "norm_type", "norm_scale", "rope_theta", "mlp", "n_kv_heads", "qk_norm")
 
 
 def run(args: argparse.Namespace) -> int:

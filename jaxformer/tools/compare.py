@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import manual_grads
-from jaxformer.checkpoints.hf_gpt2 import read_hf_gpt2, resolve_source
+from jaxformer.checkpoints.hf import read_hf, resolve_source
 from jaxformer.data import Batcher, ByteTokenizer, load_corpus
 from jaxformer.data.hf_tokenizers import GPT2_VOCAB_SIZE, gpt2_candidates, gpt2_tokenizer
 from jaxformer.data.tokenizers import load_tokenizer_file
@@ -322,10 +322,10 @@ def compare_imported(spec: str, *, dtype: str = "float32", batch_size: int = 4, 
                      seed: int = 0, repeats: int = 5, fd: bool = False,
                      fd_directions: int = FD_DIRECTIONS, manual_fn: GradFn | None = None,
                      overrides: dict | None = None) -> PresetReport:
-    """``compare_preset`` on the Hugging Face GPT-2 ``spec`` (a folder or a hub id): its
+    """``compare_preset`` on the Hugging Face GPT-2 or Llama ``spec`` (a folder or a hub id): its
     real weights, its config (``overrides`` may change what keeps the shapes)."""
     folder = resolve_source(spec)
-    params, config = read_hf_gpt2(folder, jnp.dtype(dtype))
+    params, config = read_hf(folder, jnp.dtype(dtype))
     config = config.replace(**(overrides or {}))
     params = jax.tree_util.tree_map(jnp.asarray, params)
     batch = make_batch(config, batch_size, min(seq_len, config.max_seq_len), seed,

@@ -1,0 +1,107 @@
+"""What every Hugging Face model folder shares, whatever its architecture: config.json,
+the weights (``model.safetensors``, a sharded ``model.safetensors.index.json`` or
+``pytorch_model.bin``), a hub id to download, and the one error type.
+
+    resolve_source(spec) -> Path               a local folder, or a hub id downloaded
+    read_config_json(folder) -> dict
+    read_tensors(folder) -> {name: np.ndarray}
+
+The architectures (hf_gpt2.py, hf_llama.py) map these to the params pytree; hf.py picks one
+by config.json's ``model_type``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+SAFETENSORS, TORCH_BIN, CONFIG_JSON = "model.safetensors", "pytorch_model.bin", "config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"  # {"weight_map": {tensor name: shard file}}
+
+
+class HFFormatError(ValueError):
+    """A folder that is not a model this project can read (the message names what)."""
+
+
+def resolve_source(spec: str) -> Path:
+    """A local folder ``spec``, or a Hugging Face hub id ("gpt2", "owner/name") downloaded
+    with huggingface_hub (config.json, the weights and tokenizer.json). One clear error offline."""
+    path = Path(spec)
+    if path.exists():
+        if not path.is_dir():
+            raise HFFormatError(f"{spec} is a file; --init-from takes a model folder or a hub id")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise HFFormatError(f"{spec} is not a folder; to download it from the Hugging Face hub "
+                            f"install huggingface_hub (pip install 'jaxformer[hf]')") from None
+    try:
+        return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, SAFETENSORS, "model-*.safetensors",
+                                                            SAFETENSORS_INDEX, "tokenizer.json"]))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...: one line, the cause named
+        raise HFFormatError(f"{spec} is not a folder and could not be downloaded from the Hugging "
+                            f"Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def read_config_json(folder) -> dict:
+    """config.json of ``folder`` as a dict; one line when there is none."""
+    path = Path(folder) / CONFIG_JSON
+    if not path.exists():
+        raise HFFormatError(f"{folder} has no {CONFIG_JSON} (not a Hugging Face model folder)")
+    return json.loads(path.read_text())
+
+
+def load_safetensors(path) -> dict[str, np.ndarray]:
+    """{name: array} of one .safetensors file; bfloat16 tensors (numpy has no such dtype, and
+    many Llama checkpoints are stored so) come back as float32, exactly."""
+    from safetensors.numpy import load_file
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        if not any(isinstance(v, dict) and v.get("dtype") == "BF16" for v in header.values()):
+            return dict(load_file(str(path)))
+        start = f.tell()
+        out = {}
+        for name, v in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = v["data_offsets"]
+            f.seek(start + begin)
+            raw = f.read(end - begin)
+            if v["dtype"] == "BF16":  # the upper half of a float32
+                a = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+            else:
+                a = np.frombuffer(raw, DTYPES[v["dtype"]]).copy()
+            out[name] = a.reshape(v["shape"])
+        return out
+
+
+DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+          "I8": "i1", "U8": "u1", "BOOL": "?"}
+
+
+def read_tensors(folder) -> dict[str, np.ndarray]:
+    """{name: array} of the folder's weights: model.safetensors, else the shards a
+    model.safetensors.index.json names, else pytorch_model.bin (read with torch)."""
+    folder = Path(folder)
+    if (folder / SAFETENSORS).exists():
+        return load_safetensors(folder / SAFETENSORS)
+    if (folder / SAFETENSORS_INDEX).exists():
+        shards = sorted(set(json.loads((folder / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+        tensors = {}
+        for shard in shards:
+            if not (folder / shard).exists():
+                raise HFFormatError(f"{folder}: shard {shard!r} named in {SAFETENSORS_INDEX} is missing")
+            tensors.update(load_safetensors(folder / shard))
+        return tensors
+    if (folder / TORCH_BIN).exists():
+        try:
+            import torch
+        except ImportError:
+            raise HFFormatError(f"{folder / TORCH_BIN} needs torch to read (pip install torch), "
+                                f"or convert it to {SAFETENSORS}") from None
+        state = torch.load(folder / TORCH_BIN, map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
+    raise HFFormatError(f"{folder} has neither {SAFETENSORS}, {SAFETENSORS_INDEX} nor {TORCH_BIN}")

@@ -1,0 +1,279 @@
+"""Hugging Face Llama in and out, against transformers itself (float64, nothing downloaded):
+small random LlamaForCausalLMs (grouped-query and multi-head, tied and untied, with and
+without biases, rope_theta not 10000) saved, imported, and shown equal in logits (1e-10
+relative) and in gradients (jax.grad and manual vs torch autograd, 1e-10 per leaf); the
+exported folder reloads with the same logits. Bad folders and unexportable models get
+one named error; the commands run end to end.
+
+transformers computes the RMS norm and the rotary tables in float32 whatever the model's
+dtype (and eager attention its softmax): the reference here runs those two modules in
+float64, the same formulas with the module's own weight, eps and theta (``float64_llama``),
+and attention through SDPA, which keeps float64. Unpatched, the two agree to ~1e-7, float32's
+round-off."""
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import jaxformer  # noqa: E402
+import manual_grads  # noqa: E402
+from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
+from jaxformer.checkpoints.hf_llama import params_from_hf  # noqa: E402
+from jaxformer.model.config import PRESETS  # noqa: E402
+from manual_grads.check import assert_trees_close  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+V, D, H, L, F, S = 64, 16, 4, 2, 24, 32
+B, T = 2, 11
+# name: LlamaConfig overrides. GQA (2 kv heads of 4) untied; MHA tied with both biases and GeGLU
+VARIANTS = {
+    "gqa-untied": dict(num_key_value_heads=2, tie_word_embeddings=False),
+    "mha-tied-bias": dict(num_key_value_heads=H, tie_word_embeddings=True, attention_bias=True,
+                          mlp_bias=True, hidden_act="gelu_pytorch_tanh"),
+}
+
+
+def llama_config(**overrides):
+    kw = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_attention_heads=H,
+              num_hidden_layers=L, max_position_embeddings=S, rms_norm_eps=1e-5, rope_theta=5000.0,
+              bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaConfig(**{**kw, **overrides})
+
+
+def random_llama(cfg, seed=0):
+    """A LlamaForCausalLM with every leaf random: unit norm scales or zero biases would hide errors."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def float64_llama(folder):
+    """transformers' Llama from ``folder`` in float64 end to end: SDPA attention, and the
+    RMS norms and rotary tables (float32 inside transformers) computed in float64."""
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        dim, theta = 2 * self.inv_freq.shape[0], self.config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angle = position_ids[..., None].double() * inv_freq
+        angle = torch.cat((angle, angle), dim=-1)
+        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").double().eval()
+    for module in model.modules():
+        if isinstance(module, transformers.models.llama.modeling_llama.LlamaRMSNorm):
+            module.forward = types.MethodType(rms_norm, module)
+        elif isinstance(module, transformers.models.llama.modeling_llama.LlamaRotaryEmbedding):
+            module.forward = types.MethodType(rotary, module)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def saved(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    random_llama(llama_config(**VARIANTS[request.param])).save_pretrained(folder)
+    return float64_llama(folder), folder
+
+
+def batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"inputs": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
+            "targets": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)}
+
+
+def torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids, np.int64))).logits.numpy()
+
+
+def assert_logits_equal(ours, ref, rtol=1e-10):
+    np.testing.assert_allclose(ours, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+def test_import_matches_transformers_logits(saved):
+    model, folder = saved
+    params, config = read_hf(folder, np.float64)
+    hf = model.config
+    assert (config.norm_type, config.positions, config.mlp, config.rope_theta) == ("rms", "rope", "gated", 5000.0)
+    assert (config.kv_heads, config.tie_embeddings, config.bias) == (
+        hf.num_key_value_heads, hf.tie_word_embeddings, hf.attention_bias)
+    assert ("head" in params) == (not config.tie_embeddings)
+    assert params["blocks"]["attn"]["wk"].shape == (L, D, hf.num_key_value_heads * D // H)
+    b = batch()
+    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
+    print(f"\n{folder.name}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
+    assert_logits_equal(ours, ref)
+
+
+def torch_reference(model, config, b):
+    """(loss, grads mapped to our tree) of torch autograd through the Hugging Face model."""
+    model.zero_grad()
+    logits = model(torch.tensor(np.asarray(b["inputs"], np.int64))).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V),
+                                             torch.tensor(np.asarray(b["targets"], np.int64)).reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), params_from_hf(grads, config, np.float64, "torch grads")
+
+
+@pytest.mark.parametrize("source", ["jax.grad", "manual"])
+def test_gradients_match_torch_autograd(saved, source):
+    model, folder = saved
+    params, config = read_hf(folder, np.float64)
+    b = batch(1)
+    ref_loss, ref = torch_reference(model, config, b)
+    grad_fn = (jax.value_and_grad(jaxformer.loss_fn) if source == "jax.grad"
+               else manual_grads.value_and_grad)
+    loss, grads = grad_fn(params, b, config)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-12)
+    rows = assert_trees_close(ref, grads)  # 1e-10 per leaf; a tied tok_embed holds embedding + head
+    worst = max(rows, key=lambda r: r.rel)
+    print(f"\n{folder.name} {source}: worst leaf {worst.path} relative {worst.rel:.1e}")
+
+
+def test_export_reloads_in_transformers(saved, tmp_path):
+    model, folder = saved
+    params, config = read_hf(folder, np.float64)
+    params = jax.tree_util.tree_map(lambda a: a * 1.01, params)  # a "trained" model
+    assert hf_format(config) == "llama"
+    out, kind = write_hf(tmp_path / "out", params, config)
+    assert kind == "llama"
+    back = float64_llama(out)
+    b = batch(2)
+    ref = torch_logits(back, b["inputs"])
+    # the file holds float32: equal to float32 round-off to the params written ...
+    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), ref, rtol=1e-4)
+    # ... and to float64 round-off to the params read back
+    again, config2 = read_hf(out, np.float64)
+    assert config2 == config
+    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), ref)
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_theta"] == 5000.0
+
+
+def test_sharded_bf16_and_torch_bin(tmp_path):
+    model = random_llama(llama_config(num_key_value_heads=1, tie_word_embeddings=False), seed=1)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="10KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    params, config = read_hf(tmp_path / "sharded", np.float64)
+    assert config.kv_heads == 1
+    ref = torch_logits(float64_llama(tmp_path / "sharded"), batch()["inputs"])
+    assert_logits_equal(np.asarray(jaxformer.forward(params, batch()["inputs"], config)), ref)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    half, _ = read_hf(tmp_path / "bf16", np.float32)
+    np.testing.assert_array_equal(half["tok_embed"],
+                                  model.model.embed_tokens.weight.float().detach().numpy())
+    torch.save(model.float().state_dict(), tmp_path / "bf16" / "pytorch_model.bin")
+    (tmp_path / "bf16" / "model.safetensors").unlink()
+    from_bin, _ = read_hf(tmp_path / "bf16", np.float32)
+    np.testing.assert_array_equal(from_bin["blocks"]["ffn"]["w_down"], half["blocks"]["ffn"]["w_down"])
+
+
+def edited(tmp_path, folder, name, config=None, tensors=None):
+    """A copy of the saved ``folder`` as tmp_path/name, config.json and tensors edited."""
+    from safetensors.numpy import load_file, save_file
+    out = tmp_path / name
+    out.mkdir()
+    hf = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**hf, **(config or {})}))
+    t = load_file(str(folder / "model.safetensors"))
+    save_file(tensors(t) if tensors else t, str(out / "model.safetensors"))
+    return out
+
+
+def test_bad_folders_are_one_named_line(saved, tmp_path):
+    _, folder = saved
+    cases = [
+        (dict(config={"model_type": "mistral"}), "model_type 'mistral' is not supported.*gpt2, llama"),
+        (dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}),
+         "rope_type 'llama3' is not supported"),
+        (dict(config={"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+         "rope_scaling rope_type 'linear'"),
+        (dict(config={"head_dim": 8}), "head_dim 8 is not hidden_size / num_attention_heads"),
+        (dict(config={"attention_bias": True, "mlp_bias": False}), "attention_bias True with mlp_bias False"),
+        (dict(tensors=lambda t: {k: v for k, v in t.items() if "layers.1.mlp.up_proj.weight" not in k}),
+         "'model.layers.1.mlp.up_proj.weight' is missing"),
+        (dict(tensors=lambda t: {**t, "model.norm.weight": t["model.norm.weight"][:5]}),
+         r"'model.norm.weight' has shape \(5,\)"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        with pytest.raises(HFFormatError, match=message) as e:
+            read_hf(edited(tmp_path, folder, f"case{i}", **edit), np.float64)
+        assert "\n" not in str(e.value)
+
+
+def test_export_refuses_what_llama_cannot_hold(tmp_path):
+    """The format is chosen by the config and refuses, by name, before reading any param."""
+    for config, option in [
+        (PRESETS["llama-tiny"], "qk_norm"),  # QK-norm: Llama has none
+        (PRESETS["llama-tiny"].replace(qk_norm=False, positions="learned"), "positions"),
+        (PRESETS["tiny"].replace(mlp="gated"), "norm_type"),  # layer norm with the gated MLP
+        (PRESETS["llama-tiny"].replace(qk_norm=False, head_bias=True), "head_bias"),
+    ]:
+        assert hf_format(config) == "llama"
+        with pytest.raises(ValueError, match=f"Llama needs ModelConfig.{option} ") as e:
+            write_hf(tmp_path / option, {}, config)
+        assert "\n" not in str(e.value) and not (tmp_path / option).exists()
+    config = PRESETS["gpt2"].replace(activation="silu")  # GPT-2's options but an activation it lacks
+    assert hf_format(config) == "gpt2"
+    with pytest.raises(ValueError, match="GPT-2 needs ModelConfig.activation"):
+        write_hf(tmp_path / "silu", {}, config)
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def run_cli(*argv):
+    from jaxformer.cli.main import main
+    return main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def byte_llama(tmp_path_factory):
+    """A random Llama (grouped-query, untied) with the byte tokenizer's 256-token vocabulary, saved."""
+    folder = tmp_path_factory.mktemp("llama256")
+    random_llama(llama_config(vocab_size=256, num_key_value_heads=2, tie_word_embeddings=False),
+                 seed=3).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("grads", ["auto", "manual"])
+def test_fine_tune_export_generate(byte_llama, corpus, tmp_path, grads, capsys):
+    out = tmp_path / "ft"
+    assert run_cli("train", "--init-from", byte_llama, "--grads", grads, "--steps", 3, "--seq-len", 16,
+                   "--batch-size", 4, "--corpus", corpus, "--out", out, "--no-progress",
+                   "--eval-every", 0) == 0
+    assert run_cli("export", "--run", out, "--hf", tmp_path / "hf") == 0
+    assert "llama" in capsys.readouterr().out
+    params, config = read_hf(tmp_path / "hf", np.float64)
+    start, config0 = read_hf(byte_llama, np.float64)
+    assert config == config0  # the imported model's options, rope_theta and GQA included
+    assert not np.allclose(start["tok_embed"], params["tok_embed"])  # fine-tuning moved it
+    ids = np.arange(20)[None] % 256
+    ref = torch_logits(float64_llama(tmp_path / "hf"), ids)
+    assert_logits_equal(np.asarray(jaxformer.forward(params, jnp.asarray(ids, jnp.int32), config)), ref)
+    assert run_cli("generate", "--run", out, "--prompt", "the", "--max-new-tokens", 5) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_init_from_refuses_shape_flags(byte_llama, corpus, tmp_path, capsys):
+    assert run_cli("train", "--init-from", byte_llama, "--n-kv-heads", 4, "--steps", 1, "--seq-len", 16,
+                   "--corpus", corpus, "--out", tmp_path / "a") == 2
+    assert "--n-kv-heads" in capsys.readouterr().err
+
+
+def test_compare_grads_on_imported_llama(byte_llama, tmp_path, capsys):
+    assert run_cli("compare-grads", "--init-from", byte_llama, "--batch-size", 2, "--seq-len", 16,
+                   "--repeats", 1, "--out", tmp_path / "cmp") == 0
+    assert "hf:" in capsys.readouterr().out
