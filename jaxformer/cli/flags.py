@@ -21,6 +21,8 @@ from jaxformer.model import config as _config
 CHOICES = {
     "activation": _config.ACTIVATIONS,
     "norm": _config.NORMS,
+    "norm_type": _config.NORM_TYPES,
+    "mlp": _config.MLPS,
     "positions": _config.POSITIONS,
     "attention_impl": _config.ATTENTION_IMPLS,
     "remat": _config.REMATS,
