@@ -266,3 +266,20 @@ def test_script_help():
                  "--repeats", "--out", "--compute-dtype", "--attention-impl", "--loss-chunk",
                  "--d-model"):
         assert flag in res.stdout
+
+
+def test_the_modern_block_passes_compare_grads_with_finite_differences(tmp_path):
+    """`jaxformer compare-grads --preset llama-tiny --dtype float64 --fd`: every leaf of the
+    modern block (rotary, RMS norm, SwiGLU, grouped-query attention, QK-norm) passes, against
+    jax.grad and against finite differences; and the smollm preset shrunk by flags too."""
+    rc, stdout, _ = run_main(["--preset", "llama-tiny", "--dtype", "float64", "--fd", "--repeats", "1",
+                              "--out", str(tmp_path / "tiny")])
+    assert rc == 0, stdout
+    for leaf in ("blocks.attn.q_norm.scale", "blocks.attn.wk", "blocks.ffn.w_gate", "blocks.ffn.w_up"):
+        assert leaf in stdout
+    assert "finite differences" in stdout and "llama-tiny: PASS" in stdout
+    rc, stdout, _ = run_main(["--preset", "smollm", "--dtype", "float64", "--n-layers", "1",
+                              "--d-model", "48", "--n-heads", "6", "--n-kv-heads", "2", "--d-ff", "64",
+                              "--batch-size", "2", "--seq-len", "9", "--repeats", "1",
+                              "--out", str(tmp_path / "smollm")])
+    assert rc == 0 and "smollm: PASS" in stdout, stdout

@@ -142,6 +142,14 @@ OPTIONS = {  # together: every value of every option the manual path branches on
     "deep-scanned-head-bias-free": dict(n_layers=5, head_bias=False, dropout=0.1,
                                         positions="sinusoidal"),
     "pallas": dict(attention_impl="pallas", pallas_block_q=4, pallas_block_k=4, mask=True),
+    "modern-full": dict(norm_type="rms", positions="rope", mlp="gated", activation="silu",
+                        n_kv_heads=1, qk_norm=True, bias=False, mask=True),
+    "modern-blockwise-remat-post": dict(norm_type="rms", norm_scale=False, positions="rope", mlp="gated",
+                                        activation="relu2", n_kv_heads=1, attention_impl="blockwise",
+                                        attention_block=3, remat="block", norm="post", dropout=0.1),
+    "modern-pallas-bfloat16": dict(attention_impl="pallas", pallas_block_q=4, pallas_block_k=4,
+                                   n_kv_heads=1, positions="rope", qk_norm=True, norm_type="rms",
+                                   compute_dtype="bfloat16"),
 }
 
 
