@@ -227,6 +227,63 @@ for causal in (True, False):
                  blockwise_attention_bwd, lambda p, x: layers.attention(p, x, H, causal), (p, x), dy)
 
 # %% [markdown]
+# ## Grouped-query attention
+#
+# Llama-family models give $k$ and $v$ fewer heads than $q$: $H_{kv} = H / G$ key/value
+# heads, so $W_k$ and $W_v$ are $(D, H_{kv} d_h)$, and query head $h$ reads key/value head
+# $\lfloor h/G \rfloor$. $G = 1$ is the attention above; $H_{kv} = 1$ is multi-query
+# attention. The forward copies each key/value head $G$ times (`repeat_kv`, Hugging Face's
+# name), then runs the same core on $H$ heads:
+#
+# $$K'_h = K_{\lfloor h/G \rfloor}, \qquad V'_h = V_{\lfloor h/G \rfloor}, \qquad h = 0, \dots, H - 1.$$
+#
+# A copy sends one value to $G$ places, so its transpose adds the $G$ gradients that come
+# back (the embedding's scatter-add below is the same rule). The core's backward gives
+# $\bar K'$ and $\bar V'$ on $H$ heads, as before, and
+#
+# $$\bar K_j = \sum_{h:\ \lfloor h/G \rfloor = j} \bar K'_h, \qquad \bar V_j = \sum_{h:\ \lfloor h/G \rfloor = j} \bar V'_h$$
+#
+# (`sum_groups`: the head axis reshaped to $(H_{kv}, G)$, then summed over $G$). Everything
+# before the copy, $k$'s and $v$'s projections and QK-norm and rotary positions on $k$
+# (derived below), runs on the $H_{kv}$ heads, so $\bar W_k$ has $W_k$'s shape
+# $(D, H_{kv} d_h)$. Below: $H = 4$ query heads over $H_{kv} = 2$ ($G = 2$) and over one
+# ($H_{kv} = 1$), no biases, with QK-norm and rotary positions as in `llama-tiny`.
+
+# %%
+from manual_grads.attention import sum_groups
+
+show(layers.repeat_kv)
+show(sum_groups)
+D, H, Dh = 16, 4, 4
+x, dy = rand(2, 6, D), rand(2, 6, D)
+for Hkv in (2, 1):
+    print(f"--- causal, H = {H} query heads over Hkv = {Hkv} key/value heads (G = {H // Hkv})")
+    p = {"wq": rand(D, D), "wk": rand(D, Hkv * Dh), "wv": rand(D, Hkv * Dh), "wo": rand(D, D),
+         "q_norm": {"scale": rand(Dh)}, "k_norm": {"scale": rand(Dh)}}
+    opts = dict(n_kv_heads=Hkv, norm_eps=1e-6, rope_theta=10000.0)
+    assert check(lambda p, x: attention_fwd(p, x, H, True, **opts), attention_bwd,
+                 lambda p, x: layers.attention(p, x, H, True, **opts), (p, x), dy)
+
+# %% [markdown]
+# What it saves: decoding keeps every past token's keys and values, and the cache holds
+# them with $H_{kv}$ heads, $(L, B, H_{kv}, S, d_h)$ each (`kv_cache.init_cache`). The
+# `smollm` preset (SmolLM-135M's shape: 30 layers, 9 query heads over 3 key/value heads of
+# width 64, 2048 positions), one sequence in bfloat16:
+
+# %%
+from jaxformer.model.config import get_preset
+from jaxformer.model.kv_cache import init_cache
+
+smollm = get_preset("smollm")
+mib = {}  # Hkv -> MiB of k and v
+for n in (smollm.n_heads, smollm.kv_heads):
+    cache = jax.eval_shape(lambda: init_cache(smollm.replace(n_kv_heads=n), 1, jnp.bfloat16))
+    mib[n] = sum(a.size * a.dtype.itemsize for a in cache.values()) / 2**20  # shapes only
+L, B, _, S, Dh = cache["k"].shape
+print(f"k and v (L, B, Hkv, S, Dh) = ({L}, {B}, Hkv, {S}, {Dh}): {mib[smollm.n_heads]:.1f} MiB with "
+      f"Hkv = H = {smollm.n_heads}, {mib[smollm.kv_heads]:.1f} MiB with Hkv = {smollm.kv_heads}")
+
+# %% [markdown]
 # ## Embedding
 #
 # $x_{b,t} = E_{\text{id}_{b,t}}$ reads rows of the table, so the backward adds each
@@ -362,30 +419,34 @@ assert check(swiglu_fwd, swiglu_bwd, lambda p, x: layers.feed_forward(p, x, "sil
 # reverse `lax.scan`; inside a block the residual connections add their gradients),
 # the embeddings. Here it meets `jax.value_and_grad(jaxformer.loss_fn)` on a batch of
 # the embedded corpus, for every leaf of the parameter tree (the per-layer leaves are
-# stacked over the layers, so `blocks.attn.wq` holds both layers' $W_q$).
+# stacked over the layers, so `blocks.attn.wq` holds both layers' $W_q$). Two presets:
+# `tiny`, GPT-2's block (layer norm, learned positions, GELU, biases), and `llama-tiny`,
+# the modern one (RMS norm, rotary positions, SwiGLU, QK-norm, 4 query heads over 2
+# key/value heads, no biases).
 
 # %%
 import manual_grads
 from jaxformer import data, init_params, loss_fn
 from jaxformer.model.config import get_preset
 
-config = get_preset("tiny")
-params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
 ids = data.ByteTokenizer().encode(data.load_corpus("default"))
 batch = {k: jnp.asarray(v) for k, v in data.Batcher(ids, 4, 16, seed=0).batch(0).items()}
-
-manual = jax.jit(lambda p, b: manual_grads.value_and_grad(p, b, config))
-auto = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, config)))
-(loss_m, grads_m), (loss_a, grads_a) = manual(params, batch), auto(params, batch)
-print(f"loss: by hand {float(loss_m):.10f}, jax.grad {float(loss_a):.10f}")
-ok = cmp("loss", loss_m, loss_a)
-leaves = {".".join(k.key for k in path): (g_m, g_a) for (path, g_m), g_a in
-          zip(jax.tree_util.tree_flatten_with_path(grads_m)[0], jax.tree_util.tree_leaves(grads_a))}
 order = ["tok_embed", "pos_embed", "blocks", "ln1", "attn", "ln2", "ffn", "ln_f", "head"]
-for path in sorted(leaves, key=lambda path: [(order.index(k) if k in order else 99, k)
-                                             for k in path.split(".")]):  # the model's order
-    ok &= cmp(path, *leaves[path])
-assert ok
+for preset in ("tiny", "llama-tiny"):
+    print(f"--- {preset}")
+    config = get_preset(preset)
+    params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(0), config, jnp.float64)
+    manual = jax.jit(lambda p, b: manual_grads.value_and_grad(p, b, config))
+    auto = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, config)))
+    (loss_m, grads_m), (loss_a, grads_a) = manual(params, batch), auto(params, batch)
+    print(f"loss: by hand {float(loss_m):.10f}, jax.grad {float(loss_a):.10f}")
+    ok = cmp(f"{'loss':<24}", loss_m, loss_a)
+    leaves = {".".join(k.key for k in path): (g_m, g_a) for (path, g_m), g_a in zip(
+        jax.tree_util.tree_flatten_with_path(grads_m)[0], jax.tree_util.tree_leaves(grads_a))}
+    for path in sorted(leaves, key=lambda path: [(order.index(k) if k in order else 99, k)
+                                                 for k in path.split(".")]):  # the model's order
+        ok &= cmp(f"{path:<24}", *leaves[path])
+    assert ok
 
 # %% [markdown]
 # ## Try this
