@@ -142,6 +142,14 @@ def test_flops_per_token_convention():
         flops.flops_per_token(c, 0)
 
 
+def test_matmul_params_of_the_modern_block():
+    """SmolLM-135M's shape (grouped-query k and v, three feed-forward weights, tied head): the
+    matmul weights are every parameter but the RMS norms' scales."""
+    c = get_preset("smollm", vocab_size=49152)
+    norms = c.n_layers * 2 * c.d_model + c.d_model
+    assert flops.matmul_params(c) == 134_515_008 - norms
+
+
 def test_mfu_uses_the_datasheet_peak_of_a_known_gpu():
     c = get_preset("tiny")
     h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")

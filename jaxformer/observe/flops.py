@@ -6,7 +6,9 @@ The convention (docs/design.md, "FLOPs and MFU"), per token of a training step
     6 * N                      N = matmul parameters: L * (4 D^2 + 2 D F) + D V
                                (q, k, v, o projections, the feed-forward's two
                                weights, the head; no biases, layer norms or
-                               embeddings: the embedding is a gather, not a matmul)
+                               embeddings: the embedding is a gather, not a matmul;
+                               k and v are Hkv Dh wide with grouped-query attention,
+                               and the gated MLP has 3 D F weights)
   + 12 * L * T * D             attention scores q k^T and the weighted sum P v,
                                forward 2 matmuls * 2 FLOPs * T * D, times 3
   / 2 when causal              a causal model uses only the lower triangle of
@@ -73,9 +75,13 @@ FP32_NON_TENSOR = {"H100 PCIe": 51.2e12, "H100 NVL": 60e12, "H200 NVL": 60e12, "
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """N: weights that take part in a matmul (q, k, v, o, w_in, w_out per layer; the head)."""
+    """N: weights that take part in a matmul (q, k, v, o, w_in, w_out per layer; the head).
+    Grouped-query attention narrows k and v to Hkv * Dh columns; the gated MLP has three
+    weights (w_gate, w_up, w_down) where the plain one has two."""
     D, F, L, V = config.d_model, config.d_ff, config.n_layers, config.vocab_size
-    return L * (4 * D * D + 2 * D * F) + D * V
+    kv = config.kv_heads * config.d_head
+    ffn = (3 if config.mlp == "gated" else 2) * D * F
+    return L * (2 * D * D + 2 * D * kv + ffn) + D * V
 
 
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
