@@ -239,7 +239,7 @@ def test_diagnosis_names_the_backward_stage(params, monkeypatch):
     def nan_in_the_last_call(res, dy):  # the backward reaches blocks[0].ln1 last
         dp, dx = real(res, dy)
         calls.append(1)
-        if len(calls) == 2 * CONFIG.n_layers:  # ln2 and ln1 of each block
+        if len(calls) == 1 + 2 * CONFIG.n_layers:  # ln_f, then ln2 and ln1 of each block
             dp = dict(dp, scale=dp["scale"].at[0].set(jnp.nan))
         return dp, dx
 

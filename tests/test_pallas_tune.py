@@ -3,9 +3,11 @@ memory and on disk; tested with a fake timer (it never times anything off a GPU)
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
 from jaxformer.model import pallas_attention as pa
+from jaxformer.model import pallas_backward as pb
 from jaxformer.model import pallas_tune as tune
 
 SHAPE = tune.Shape(T=1024, Dh=64, dtype="bfloat16", causal=True, G=2)
@@ -69,7 +71,7 @@ def test_the_key_names_every_part_of_the_shape():
 
 def test_it_never_runs_off_a_gpu(monkeypatch):
     """On CPU (this test) choice is None without timing; plan takes the defaults."""
-    monkeypatch.setattr(tune, "time_on_gpu", lambda *a: pytest.fail("timed off a GPU"))
+    assert tune.choice(SHAPE, measure=lambda *a: pytest.fail("timed off a GPU")) is None
     assert tune.choice(SHAPE) is None
     t, how = pa.plan("gpu", SHAPE, 0, 0)
     assert (t.Kq, t.Kk, how.num_warps, how.num_stages) == (64, 64, 4, 2)
@@ -89,3 +91,16 @@ def test_plan_takes_the_tuned_choice_on_a_gpu_and_config_blocks_win(monkeypatch)
 def test_cache_path_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert tune.cache_path() == tmp_path / "jaxformer" / "pallas_tune.json"
+
+
+def test_the_differentiable_kernel_tunes_its_shape_with_the_kernels_timer(monkeypatch):
+    """flash_core_fwd asks for a tuned launch of its own shape, passing the timer of the
+    module that owns the kernels; blocks set in the config skip the tuning."""
+    asked = []
+    monkeypatch.setattr(tune, "choice", lambda shape, measure=None: asked.append((shape, measure)))
+    q, k = jnp.zeros((1, 4, 24, 8), jnp.float32), jnp.zeros((1, 2, 24, 8), jnp.float32)
+    pb.flash_core_fwd(q, k, k, True)
+    assert tune.Shape(24, 8, "float32", True, 2) in [s for s, m in asked if m is pb.time_on_gpu]
+    asked.clear()
+    pb.flash_core_fwd(q, k, k, True, 8, 8)
+    assert all(m is None for _, m in asked)

@@ -47,10 +47,13 @@ in stats_dtype (lse's dtype).
 from __future__ import annotations
 
 import functools
+import math
+import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxformer.model import pallas_tune
@@ -84,8 +87,10 @@ def flash_core_fwd(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0, co
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, FlashRes):
     the forward kernel, keeping q, k, v (in the products' dtype), O and lse; never the
     (B, H, T, T) probabilities."""
-    check_heads(q, k, v)
+    G = check_heads(q, k, v)
     cd = jnp.dtype(compute_dtype or q.dtype)
+    if not (block_q or block_k):  # on a GPU process, tune this shape once (None elsewhere)
+        pallas_tune.choice(pallas_tune.Shape(*q.shape[2:], cd.name, causal, G), time_on_gpu)
     branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k, compute_dtype=cd)
     out, lse = on_platform(branch, q, k, v)  # (B, H, T, Dh), (B, H, T)
     res_type = CausalFlashRes if causal else FlashRes
@@ -210,6 +215,27 @@ def time_step(device: str, q, k, v, do, causal: bool, tuned: pallas_tune.Choice)
     pallas_tune times (q, do (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> dq, dk, dv)."""
     out, lse = forward_on(device, q, k, v, causal=causal, tuned=tuned)
     return backward_on(device, q, k, v, out, lse, do, causal=causal, tuned=tuned)
+
+
+def time_on_gpu(shape: pallas_tune.Shape, c: pallas_tune.Choice, repeats: int = 5) -> float:
+    """Seconds of the Triton forward and backward kernels at ``c`` on one (1, 4 G, T, Dh)
+    attention (4 key/value heads), the best of ``repeats`` after a warm-up: pallas_tune's
+    measure. Runs eagerly even while a caller traces (ensure_compile_time_eval)."""
+    def step(q, k, v, do):
+        return time_step("gpu", q, k, v, do, shape.causal, c)
+
+    rng, dtype = np.random.default_rng(0), jnp.dtype(shape.dtype)
+    q, do = (rng.standard_normal((1, 4 * shape.G, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((1, 4, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
+    with jax.ensure_compile_time_eval():
+        run = jax.jit(step).lower(q, k, v, do).compile()
+        jax.block_until_ready(run(q, k, v, do))
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run(q, k, v, do))
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 # ----------------------------------------------------------------------------

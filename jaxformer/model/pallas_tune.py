@@ -7,8 +7,11 @@ it per device kind and shape: in memory, and on disk in ``cache_path()``
 It never runs off a GPU: ``choice`` returns None unless the process's default backend is
 a GPU (then pallas_attention.DEFAULT_BLOCKS and Triton's 4 warps / 2 stages are the
 fallback, as they are on TPU and CPU). ModelConfig.pallas_block_q / pallas_block_k set
-(non-zero) win: pallas_attention.plan asks only when both are 0. ``choose`` takes the
-timer as an argument, so its selection and caching are tested on CPU with a fake one.
+(non-zero) win: pallas_attention.plan asks only when both are 0. The differentiable
+kernel (pallas_backward.flash_core_fwd) tunes a new shape before it traces, with the
+timer it owns (``time_on_gpu``: the kernels import this module, not the reverse);
+``plan`` then reads the cached choice. ``choose`` takes the timer as an argument, so its
+selection and caching are tested on CPU with a fake one.
 """
 
 from __future__ import annotations
@@ -17,13 +20,10 @@ import json
 import math
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 
 class Shape(NamedTuple):
@@ -105,32 +105,16 @@ def choose(name: str, measure: Callable[[Choice], float], candidates=CANDIDATES,
     return best
 
 
-def choice(shape: Shape) -> Choice | None:
-    """The tuned launch for ``shape`` on this process's GPU; None off a GPU."""
+def choice(shape: Shape, measure: Callable[[Shape, Choice], float] | None = None) -> Choice | None:
+    """The tuned launch for ``shape`` on this process's GPU; None off a GPU. With ``measure``
+    (seconds of one candidate at ``shape``: pallas_backward.time_on_gpu, which times the
+    kernels this module cannot import) an untuned shape is tuned now; without it, only a
+    cached choice is returned (None when there is none)."""
     if jax.default_backend() != "gpu":
         return None
-    kind = jax.devices()[0].device_kind
-    return choose(key(kind, shape), lambda c: time_on_gpu(shape, c))
-
-
-def time_on_gpu(shape: Shape, c: Choice, repeats: int = 5) -> float:
-    """Seconds of the Triton forward and backward kernels at ``c`` on one (1, 4 G, T, Dh)
-    attention (4 key/value heads), the best of ``repeats`` after a warm-up. Runs eagerly
-    even while a caller traces (ensure_compile_time_eval)."""
-    from jaxformer.model import pallas_backward as pb  # the kernels import this module
-
-    def step(q, k, v, do):
-        return pb.time_step("gpu", q, k, v, do, shape.causal, c)
-
-    rng, dtype = np.random.default_rng(0), jnp.dtype(shape.dtype)
-    q, do = (rng.standard_normal((1, 4 * shape.G, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((1, 4, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
-    with jax.ensure_compile_time_eval():
-        run = jax.jit(step).lower(q, k, v, do).compile()
-        jax.block_until_ready(run(q, k, v, do))
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(q, k, v, do))
-            best = min(best, time.perf_counter() - start)
-    return best
+    name = key(jax.devices()[0].device_kind, shape)
+    if measure is not None:
+        return choose(name, lambda c: measure(shape, c))
+    if name not in _memory and (stored := _read(cache_path()).get(name)) is not None:
+        _memory[name] = Choice(**stored)
+    return _memory.get(name)
