@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -68,31 +69,52 @@ def _batches(stream: Iterator[Piece]) -> Iterator[list[Piece]]:
         yield batch
 
 
+def _bytes(piece: Piece) -> bytes:
+    """A piece as UTF-8 bytes (what the byte tokenizer reads)."""
+    return piece.data if isinstance(piece.data, bytes) else piece.data.encode("utf-8")
+
+
+def _text_bytes(piece: Piece) -> int:
+    """The UTF-8 bytes of a piece's text (a record's text is a str: its length counts characters)."""
+    return len(piece.data) if isinstance(piece.data, bytes) else len(piece.data.encode("utf-8"))
+
+
+def _encode_each(tokenizer, batch: list[Piece], datas: list) -> list[np.ndarray]:
+    """tokenizer.encode of each piece; a char vocabulary's unknown character names its piece."""
+    encoded = []
+    for piece, data in zip(batch, datas):
+        try:
+            encoded.append(tokenizer.encode(data))
+        except ValueError as e:
+            raise ValueError(f"{piece.where}: {e}") from None
+    return encoded
+
+
 def encode_stream(tokenizer, stream: Iterator[Piece], bar=None) -> Iterator[np.ndarray]:
-    """The token ids of a stream of pieces, a batch at a time, documents joined."""
+    """The token ids of a stream of pieces, a batch at a time, documents joined. The byte
+    tokenizer reads every piece as UTF-8 bytes (a record's text is a str), the others as
+    text (a text file's piece is bytes); ``bar`` counts the UTF-8 bytes of the text."""
     eot = getattr(tokenizer, "eot_id", None)
+    as_data, newline = (_bytes, b"\n") if tokenizer.kind == "byte" else (_text, "\n")
     first, ends_newline = True, True
     for batch in _batches(stream):
-        if tokenizer.kind == "byte":
-            datas = [p.data if isinstance(p.data, bytes) else p.data.encode("utf-8") for p in batch]
-        else:
-            datas = [_text(p) for p in batch]
+        datas = [as_data(p) for p in batch]  # all bytes or all str
         if hasattr(tokenizer, "encode_batch"):
             encoded = tokenizer.encode_batch(datas)
         else:
-            encoded = [tokenizer.encode(d) for d in datas]
+            encoded = _encode_each(tokenizer, batch, datas)
         for piece, data, ids in zip(batch, datas, encoded):
             if piece.new_doc and not first:
                 if eot is not None:
                     yield np.array([eot], np.int32)
                 elif not ends_newline:
-                    yield tokenizer.encode(b"\n" if tokenizer.kind == "byte" else "\n")
+                    yield tokenizer.encode(newline)
             first = False
             if len(data):
-                ends_newline = data[-1:] in (b"\n", "\n")
+                ends_newline = data[-1:] == newline
             yield ids
             if bar is not None:
-                bar.update(len(piece.data) if isinstance(piece.data, bytes) else len(data.encode("utf-8")))
+                bar.update(len(data) if isinstance(data, bytes) else _text_bytes(piece))
 
 
 class ShardWriter:
@@ -139,8 +161,12 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
             log: Callable[[str], None] | None = None) -> PrepareResult:
     """Tokenize ``corpus`` into the shards of the folder ``out``; returns meta.json's
     contents. ``tokenizer``: byte, char, bpe (with ``vocab_size``), gpt2 or a
-    tokenizer.json path."""
+    tokenizer.json path. A folder this call created is removed again when an error
+    stops it before any file is written."""
+    if not os.fspath(out):
+        raise ValueError("--out is empty: name the folder to write")
     out = Path(out)
+    corpus = os.fspath(corpus) if isinstance(corpus, os.PathLike) else corpus
     log = log or (lambda line: None)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction!r}")
@@ -148,6 +174,8 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
         raise ValueError(f"--shard-tokens must be a positive integer, got {shard_tokens!r}")
     source = {"corpus": corpus, "tokenizer": tokenizer, "vocab_size": vocab_size,
               "text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens}
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
     if (out / shards.META_FILE).is_file():
         meta = shards.read_meta(out)
         if meta["source"] != source:
@@ -158,7 +186,19 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
         result = PrepareResult(meta)
         result.done_before = True
         return result
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return PrepareResult(_prepare_into(out, source, progress, log))
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # a missing or empty corpus leaves no empty folder behind
+        raise
+
+
+def _prepare_into(out: Path, source: dict, progress: bool, log: Callable[[str], None]) -> dict:
+    """prepare's work in the folder ``out``: the tokenizer, the shards, meta.json last."""
+    corpus, text_field = source["corpus"], source["text_field"]
     stale = _leftovers(out)
     if stale:
         for path in stale:
@@ -166,11 +206,11 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
         log(f"removed {len(stale)} file{'' if len(stale) == 1 else 's'} of an interrupted prepare in {out}; starting over")
 
     texts = (_text(p) for p in pieces(corpus, text_field))
-    if tokenizer == "char":  # documents are joined with a newline: the vocabulary must hold it
+    if source["tokenizer"] == "char":  # documents are joined with a newline: the vocabulary must hold it
         texts = itertools.chain(texts, ["\n"])
-    tok = make_tokenizer(tokenizer, vocab_size=vocab_size, texts=texts)
+    tok = make_tokenizer(source["tokenizer"], vocab_size=source["vocab_size"], texts=texts)
     dtype = shards.token_dtype(tok.vocab_size)
-    writer = ShardWriter(out, dtype, shard_tokens, val_fraction)
+    writer = ShardWriter(out, dtype, source["shard_tokens"], source["val_fraction"])
     n_docs = n_bytes = 0
     with tqdm(total=total_bytes(corpus), unit="B", unit_scale=True, disable=not progress,
               desc="tokenizing", dynamic_ncols=True) as bar:
@@ -178,7 +218,7 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
             nonlocal n_docs, n_bytes
             for piece in pieces(corpus, text_field):
                 n_docs += piece.new_doc
-                n_bytes += len(piece.data)
+                n_bytes += _text_bytes(piece)
                 yield piece
         for ids in encode_stream(tok, counted(), bar):
             writer.add(ids)
@@ -186,7 +226,8 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
     splits = {split: {"tokens": sum(s["tokens"] for s in writer.written[split]),
                       "shards": writer.written[split]} for split in shards.SPLITS}
     if not splits["train"]["tokens"]:
-        raise ValueError(f"corpus {corpus!r} gave no training tokens")
+        raise ValueError(f"corpus {corpus!r} gave no training tokens ({n_docs} document"
+                         f"{'' if n_docs == 1 else 's'}, {n_bytes} bytes of text)")
     tok_dict = tok.to_dict()
     tok_file = tok_dict["json"] if tok.kind == "hf" else json.dumps(tok_dict)
     shards.write_atomic(out / shards.TOKENIZER_FILE, tok_file.encode("utf-8"))
@@ -197,5 +238,5 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
     n_shards = len(writer.written['train']) + len(writer.written['val'])
     log(f"{out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} validation "
         f"{dtype.name} tokens in {n_shards} shard{'' if n_shards == 1 else 's'}, "
-        f"from {n_docs:,} documents ({n_bytes / 2**20:.1f} MiB); {tok.kind} tokenizer, vocab {tok.vocab_size}")
-    return PrepareResult(meta)
+        f"from {n_docs:,} document{'' if n_docs == 1 else 's'} ({n_bytes / 2**20:.1f} MiB); {tok.kind} tokenizer, vocab {tok.vocab_size}")
+    return meta

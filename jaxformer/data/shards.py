@@ -9,7 +9,7 @@ Layout of DATA_DIR (written by ``prepare.prepare``)::
 
 meta.json fields: ``format`` ("jaxformer-shards"), ``version`` (1), ``dtype``,
 ``tokenizer`` (its ``to_dict``, as runs save it), ``vocab_size``, ``source`` (corpus
-spec, text field, val fraction, shard tokens), ``documents`` and ``bytes`` read,
+spec, text field, val fraction, shard tokens), ``documents`` and ``bytes`` (of UTF-8 text) read,
 ``splits``: {"train"|"val": {"tokens": n, "shards": [{"file", "tokens", "sha256"}]}}.
 
 ``open_split`` maps a split's shards (``np.memmap``, nothing read until a window is

@@ -46,6 +46,8 @@ def corpus_files(spec: str) -> list[str]:
         return files
     if os.path.isfile(path):
         return [path]
+    if os.path.exists(path):
+        raise ValueError(f"corpus path {spec!r} is neither a file nor a folder")
     raise ValueError(f"corpus path {spec!r} does not exist (built-in corpora: {', '.join(CORPUS_NAMES)}; "
                      f"a Hugging Face dataset: hf:NAME[:CONFIG][:SPLIT])")
 
@@ -88,30 +90,36 @@ def _text_pieces(path: str, data: bytes, offset: int, new_doc: bool) -> Iterator
         yield Piece(data, path, offset, new_doc)
 
 
+def _cut(data: bytes) -> int:
+    """Where a piece of data ends: after its last newline, else before the UTF-8
+    character it ends in (the character goes with the next piece), else at its end."""
+    cut = data.rfind(b"\n") + 1
+    if cut:
+        return cut
+    cut = len(data)
+    while cut > len(data) - 4 and cut > 0 and (data[cut - 1] & 0xC0) == 0x80:
+        cut -= 1  # data[cut - 1] continues a character: back up to its start
+    if cut > 0 and data[cut - 1] >= 0xC0:
+        cut -= 1  # the lead byte of a cut character goes with its continuation
+    return cut or len(data)
+
+
 def text_file_pieces(path: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Piece]:
     """A text file in pieces of about chunk_bytes, cut after a newline where the piece
-    holds one, else before a UTF-8 character."""
-    offset, carry, first = 0, b"", True
+    holds one, else before a UTF-8 character. A block is read ahead, so the last piece
+    is known as the last: it gets the newline a file lacks."""
+    offset, first = 0, True
     with open(path, "rb") as f:
+        data = f.read(chunk_bytes)
         while True:
             block = f.read(chunk_bytes)
-            data = carry + block
             if not block:
                 yield from _text_pieces(path, data, offset, first)
                 return
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                cut = len(data)
-                while cut > len(data) - 4 and cut > 0 and (data[cut - 1] & 0xC0) == 0x80:
-                    cut -= 1  # data[cut - 1] continues a character: back up to its start
-                if cut > 0 and data[cut - 1] >= 0xC0:
-                    cut -= 1  # the lead byte of a cut character goes with its continuation
-                if cut == 0:
-                    cut = len(data)
-            carry = data[cut:]
-            if cut:
-                yield Piece(data[:cut], path, offset, first)
-                offset, first = offset + cut, False
+            cut = _cut(data)
+            yield Piece(data[:cut], path, offset, first)
+            offset, first = offset + cut, False
+            data = data[cut:] + block
 
 
 def _record_text(record, field: str, where: str) -> str:
@@ -124,6 +132,11 @@ def _record_text(record, field: str, where: str) -> str:
     text = record[field]
     if not isinstance(text, str):
         raise ValueError(f"{where}: field {field!r} holds {type(text).__name__}, not text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON may escape half a surrogate pair: "\ud800"
+        raise ValueError(f"{where}: field {field!r} holds {text[e.start]!r} at character {e.start}, "
+                         "half of a UTF-16 surrogate pair: not text") from None
     return text
 
 
@@ -146,7 +159,10 @@ def parquet_records(path: str, field: str) -> Iterator[Piece]:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"{path}: reading Parquet needs pyarrow: pip install 'jaxformer[data]'") from None
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"{path}: not a Parquet file ({e})") from None
     columns = pf.schema_arrow.names
     if field not in columns:
         raise ValueError(f"{path}: no column {field!r} (its columns: {', '.join(columns[:8])}); "
