@@ -6,6 +6,8 @@ Forward, per chunk c of C flattened positions (N = B * T, M = ceil(N / C) chunks
     loss  = sum_c sum_n w_n * (lse_n - z_c[n, target_n])
 Backward, recomputing z_c one chunk at a time:
     dz_c = dloss * w_n * (exp(z_c - lse_c) - onehot(target))   undoes the weighted nll
+                                    (w_n = 0 for padding and for every position of a
+                                    mask that sums to 0: dz_c, dx_c, dw, db exactly 0)
     dx_c = dz_c @ w^T;  dw += x_c^T dz_c;  db += sum(dz_c)     undo z_c = x_c @ w + b
 Mixed precision: the three products (z_c, dx_c, dw) read their inputs in the compute
 dtype and accumulate in float32 (``jaxformer.layers.matmul``); lse, dz_c, the loss and

@@ -177,7 +177,8 @@ _cross_entropy = _register(_loss.cross_entropy_fwd, _loss.cross_entropy_bwd)
 
 
 def cross_entropy(logits, targets, mask=None):
-    """Mean of -log softmax(logits)[target] over positions where mask is 1."""
+    """Mean of -log softmax(logits)[target] over positions where mask is 1 (0, with a
+    gradient of 0, when no position counts)."""
     return _cross_entropy(logits, targets, mask)
 
 
@@ -193,7 +194,8 @@ _chunked_head_loss = _register(_chunked.chunked_head_loss_fwd, _chunked_head_los
 
 
 def chunked_head_loss(head, x, targets, mask, chunk, compute_dtype=None):
-    """The mean cross entropy of x @ w + b, C = ``chunk`` positions at a time."""
+    """The mean cross entropy of x @ w + b, C = ``chunk`` positions at a time (0, with a
+    gradient of 0, when the mask sums to 0)."""
     return _chunked_head_loss(head, x, targets, mask, chunk, compute_dtype)
 
 

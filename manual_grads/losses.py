@@ -1,7 +1,7 @@
 """Softmax cross entropy, fused with its backward.
 
     loss = sum_i w_i * (logsumexp(logits_i) - logits_i[target_i])
-    w_i  = mask_i / sum(mask)             (1 / N without a mask; 0 for an all-zero mask under jit)
+    w_i  = mask_i / sum(mask)             (1 / N without a mask; 0 for a mask that sums to 0)
     dlogits_i = dloss * w_i * (softmax(logits_i) - onehot(target_i))
 
 The softmax subtracts the row max, so logits of magnitude 1e4 are fine. The
@@ -23,7 +23,7 @@ from jaxformer.model.losses import cross_entropy
 class CrossEntropyRes(NamedTuple):
     probs: jax.Array  # (..., V) softmax(logits)
     targets: jax.Array  # (...) int
-    weights: jax.Array  # (...) each position's share of the mean: mask / sum(mask)
+    weights: jax.Array  # (...) each position's share of the mean: mask / sum(mask) (0s: all-zero mask)
 
 
 def cross_entropy_fwd(logits, targets, mask=None):
@@ -37,7 +37,8 @@ def cross_entropy_bwd(res: CrossEntropyRes, dloss):
     """dloss () -> (dlogits (..., V), None, None); dlogits in float32 or wider.
 
     Undoes ``nll = logsumexp(logits) - logits[target]`` and the weighted mean:
-    dlogits = dloss * w * (softmax(logits) - onehot(target)).
+    dlogits = dloss * w * (softmax(logits) - onehot(target)); exactly 0 where w is 0
+    (every position of a mask that sums to 0).
     """
     probs, targets, weights = res
     onehot = jax.nn.one_hot(targets, probs.shape[-1], dtype=probs.dtype)  # (..., V)

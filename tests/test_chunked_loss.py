@@ -37,12 +37,18 @@ def test_chunked_matches_full(chunk, mask_name):
     np.testing.assert_allclose(CHUNKED_AUTO(head, x, targets, mask, chunk), ref, rtol=1e-12, atol=1e-12)
 
 
-def test_all_zero_mask_gives_zero_under_jit():
+@pytest.mark.parametrize("jit", [False, True])
+def test_all_zero_mask_gives_zero_loss_and_gradient(jit):
+    """Eagerly and under jit alike: loss 0 and exactly zero cotangents (manual and
+    jax.vjp), and the autodiff path's loss 0 too."""
     head, x, targets, dloss = make(2)
-    (loss, (dp, dx)), _ = layer_and_vjp(CHUNKED, (head, x), dloss, consts=(targets, np.zeros((B, T))),
-                                        static=(3,), jit=True)
-    assert float(loss) == 0.0
+    zeros = np.zeros((B, T))
+    (loss, (dp, dx)), (loss_ref, (dp_ref, dx_ref)) = layer_and_vjp(
+        CHUNKED, (head, x), dloss, consts=(targets, zeros), static=(3,), jit=jit)
+    assert float(loss) == 0.0 and float(loss_ref) == 0.0
     assert not np.any(dx) and not np.any(dp["w"]) and not np.any(dp["b"])
+    assert not np.any(dx_ref) and not np.any(dp_ref["w"]) and not np.any(dp_ref["b"])
+    assert float(chunked_head_loss(head, x, targets, zeros, 3)) == 0.0  # eager autodiff path
 
 
 def test_residuals_never_hold_logits():

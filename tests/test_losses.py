@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from helpers import Layer, assert_layer_matches_vjp, masks
 
-from jaxformer.model.losses import EmptyMaskError, cross_entropy
+from jaxformer.model.losses import cross_entropy
 from manual_grads.losses import cross_entropy_bwd, cross_entropy_fwd
 
 # targets and mask are not differentiated: cross_entropy_bwd gives None for them
@@ -47,19 +47,15 @@ def test_cross_entropy_shapes(B, T, V, mask):
     check(logits, targets, masks(3, B, T)[mask] if mask else None, dloss, jit=True)
 
 
-def test_all_zero_mask_gives_zero_loss_and_gradient_under_jit():
+@pytest.mark.parametrize("jit", [False, True])
+def test_all_zero_mask_gives_zero_loss_and_gradient(jit):
+    """One meaning eagerly and under jit: no position counts, so the loss is 0 and its
+    gradient exactly 0 (the masked sum over max(count, 1)), never an error or a NaN."""
     logits, targets, _ = make(4, 2, 3, 5)
-    loss, dlogits = check(logits, targets, np.zeros((2, 3)), 1.0, jit=True)
+    loss, dlogits = check(logits, targets, np.zeros((2, 3)), 1.0, jit=jit)
     assert float(loss) == 0.0
     np.testing.assert_array_equal(dlogits, 0.0)
-
-
-def test_all_zero_mask_is_refused_in_eager_calls():
-    logits, targets, _ = make(4, 2, 3, 5)
-    with pytest.raises(EmptyMaskError, match=r"loss mask of shape \(2, 3\) sums to 0"):
-        cross_entropy(logits, targets, np.zeros((2, 3)))
-    with pytest.raises(EmptyMaskError):
-        cross_entropy_fwd(logits, targets, np.zeros((2, 3)))
+    assert float(cross_entropy(logits, targets, np.zeros((2, 3), bool))) == 0.0
 
 
 def test_fractional_mask_is_normalised_by_its_true_sum():
@@ -69,6 +65,11 @@ def test_fractional_mask_is_normalised_by_its_true_sum():
     quarter = np.full((2, 3), 0.25)
     loss, _ = check(logits, targets, quarter, dloss, jit=False)
     np.testing.assert_allclose(loss, cross_entropy(logits, targets), rtol=1e-14)
+    # a sum below 1: one position weighted 0.5 is that position's loss, not half of it
+    half = np.zeros((2, 3))
+    half[1, 2] = 0.5
+    loss, _ = check(logits, targets, half, dloss, jit=False)
+    np.testing.assert_allclose(loss, cross_entropy(logits[1, 2], targets[1, 2]), rtol=1e-14)
 
 
 @pytest.mark.parametrize("mask", ["none", "mostly_zero"])

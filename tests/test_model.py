@@ -15,7 +15,6 @@ from jaxformer.model import layers
 from jaxformer.model.config import (ACTIVATIONS, NORMS, POSITIONS, PRESETS, SMALL_PRESETS,
                                     ModelConfig)
 from jaxformer.model.params import check_params
-from jaxformer.model.losses import EmptyMaskError
 
 TINY = dict(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)
 
@@ -231,10 +230,36 @@ def test_cross_entropy_matches_log_softmax_and_mask():
     np.testing.assert_allclose(jf.cross_entropy(logits, targets), nll.mean(), rtol=1e-12)
     np.testing.assert_allclose(jf.cross_entropy(logits, targets, mask),
                                (nll * mask).sum() / mask.sum(), rtol=1e-12)
-    # an all-zero mask: refused by name eagerly, exactly 0 (never a NaN) under jit
-    with pytest.raises(EmptyMaskError, match="sums to 0"):
-        jf.cross_entropy(logits, targets, jnp.zeros_like(mask))
+    # an all-zero mask: exactly 0 (never an error or a NaN), eagerly and under jit
+    assert float(jf.cross_entropy(logits, targets, jnp.zeros_like(mask))) == 0.0
     assert float(jax.jit(jf.cross_entropy)(logits, targets, jnp.zeros_like(mask))) == 0.0
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 4])
+def test_all_zero_mask_is_a_loss_of_zero_on_every_path(loss_chunk):
+    """No position counts: loss 0 and gradients exactly 0 (float64) from jaxformer.loss_fn
+    eager and jitted, manual_grads.value_and_grad, jax.grad and the custom_vjp rules,
+    with the head and loss at once or chunk by chunk (4 does not divide B * T = 21)."""
+    import manual_grads
+    from manual_grads import custom_vjp
+
+    config = ModelConfig(**TINY, loss_chunk=loss_chunk)
+    params = jf.init_params(jax.random.PRNGKey(0), config, dtype=jnp.float64)
+    batch = {**batch_for(config), "mask": jnp.zeros((3, 7))}
+    assert float(jf.loss_fn(params, batch, config)) == 0.0
+    assert float(jax.jit(jf.loss_fn, static_argnums=2)(params, batch, config)) == 0.0
+    sources = {
+        "manual": manual_grads.value_and_grad(params, batch, config),
+        "manual, jitted": jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config),
+        "jax.grad": jax.value_and_grad(jf.loss_fn)(params, batch, config),
+        "custom_vjp": jax.value_and_grad(custom_vjp.loss_fn)(params, batch, config),
+    }
+    for name, (loss, grads) in sources.items():
+        assert float(loss) == 0.0, name
+        assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params), name
+        for leaf in jax.tree_util.tree_leaves(grads):
+            assert leaf.dtype == jnp.float64, name
+            np.testing.assert_array_equal(leaf, 0.0, err_msg=name)
 
 
 # ---------------------------------------------------------------------------- bad input

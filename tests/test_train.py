@@ -90,6 +90,39 @@ def test_make_train_step_works_with_any_gradient_source():
     assert float(a1["loss"]) == pytest.approx(float(m1["loss"]))
 
 
+def test_plain_optax_optimizer_trains_and_the_records_leave_lr_out(corpus, tmp_path):
+    """optax.sgd(0.1), whose rate is no state, through make_train_step: the update of
+    make_optimizer("sgd", lr=0.1), metrics without lr. The loop's reporting (RunLog:
+    metrics.jsonl, TensorBoard scalars, the loss plot) takes such metrics as they are."""
+    import optax
+
+    from jaxformer.observe import tb
+    from jaxformer.observe.run_log import RunLog
+
+    batch = {"target": jnp.array([1.0, -2.0, 0.5])}
+    out = {}
+    for name, optimizer in (("plain", optax.sgd(0.1)), ("made", make_optimizer("sgd", lr=0.1))):
+        step = make_train_step(_quadratic_grad_fn, optimizer)
+        state, metrics = step(init_state({"w": jnp.array([0.0, 0.0, 3.0])}, optimizer), batch)
+        out[name] = (state.params["w"], metrics)
+    (w_plain, plain), (w_made, made) = out["plain"], out["made"]
+    np.testing.assert_allclose(w_plain, w_made, rtol=1e-12)
+    assert set(plain) == {"loss", "grad_norm", "update_norm"}
+    assert set(made) == set(plain) | {"lr"}
+
+    settings = tiny_settings(corpus, steps=1)
+    log = RunLog(tmp_path, settings, settings.model_config(256), 1, 0, resumed=False, main=True,
+                 progress=False)
+    log.add(1, plain)
+    log.write(log.record(1, log.fetch()[-1][1]))
+    log.close()
+    (record,) = read_metrics(tmp_path)
+    assert "lr" not in record and record["loss"] == pytest.approx(float(plain["loss"]))
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    scalars = tb.read_scalars(tmp_path)
+    assert "train/loss" in scalars and "train/lr" not in scalars
+
+
 def test_gradient_sources_by_name():
     from jaxformer import get_preset
 

@@ -4,7 +4,8 @@ Shape letters: N = B * T positions, C the chunk, M = ceil(N / C) chunks,
 Np = M * C the padded count.
 
     loss = sum_n w_n * (logsumexp(x_n @ w + b) - (x_n @ w + b)[target_n])
-    w_n  = mask_n / sum(mask)              (1 / N without a mask; losses.mask_weights)
+    w_n  = mask_n / sum(mask)              (1 / N without a mask; all 0 when the mask sums
+                                            to 0: loss 0, gradient 0; losses.mask_weights)
 
 The positions are flattened, padded up to Np (padding gets weight 0) and cut
 into M chunks; a ``lax.scan`` adds each chunk's weighted negative log-likelihood.
@@ -26,8 +27,8 @@ from jaxformer.model.losses import mask_weights
 
 
 def position_weights(targets, mask, dtype):
-    """(...) weight of each position in the mean: mask / sum(mask) (losses.mask_weights),
-    or 1 / N."""
+    """(...) weight of each position in the mean: mask / sum(mask) (losses.mask_weights:
+    all 0 when the mask sums to 0), or 1 / N."""
     if mask is None:
         return jnp.full(targets.shape, 1.0 / targets.size, dtype)
     return mask_weights(mask, dtype)

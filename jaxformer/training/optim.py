@@ -9,7 +9,7 @@ is the chain
     -> scale_by_adam -> [add_decayed_weights, adamw] -> scale_by_learning_rate(schedule)
 
 wrapped in ``optax.inject_hyperparams`` (so the learning rate of the last update
-sits in the optimizer state, see ``current_lr``) and, with ``accum_steps > 1``,
+sits in the optimizer state, see ``injected_lr``) and, with ``accum_steps > 1``,
 in ``optax.MultiSteps`` (gradients of ``accum_steps`` calls are averaged into
 one update). Steps in schedules count optimizer updates, not micro-batches.
 
@@ -260,12 +260,15 @@ def make_optimizer(
 
 def _hyperparam(opt_state, name: str):
     """The hyperparameter ``name`` of the first ``inject_hyperparams`` state inside
-    ``opt_state`` that holds it; None when none does."""
+    ``opt_state`` that holds it, wherever the state nests it (chain, MultiSteps,
+    partition, masked); None when none does."""
 
     def find(node):
         hyper = getattr(node, "hyperparams", None)
         if isinstance(hyper, dict) and name in hyper:
             return hyper[name]
+        if isinstance(node, dict):  # partition / multi_transform: one state per label
+            node = tuple(node.values())
         if isinstance(node, (tuple, list)):  # chains and NamedTuple states (MultiSteps, ...)
             for child in node:
                 found = find(child)
@@ -276,20 +279,29 @@ def _hyperparam(opt_state, name: str):
     return find(opt_state)
 
 
-def current_lr(opt_state):
-    """The learning rate of the last update (the first one's before any), read from
-    the state of an optimizer built by ``make_optimizer`` (for "muon": AdamW's). ValueError
-    for a state without a ``learning_rate`` hyperparameter (an optimizer not built by
-    ``make_optimizer`` or ``optax.inject_hyperparams``)."""
+def injected_lr(opt_state):
+    """The learning rate of the last update (the first one's before any) when the
+    optimizer state holds one (an ``optax.inject_hyperparams`` state with a
+    ``learning_rate``, as every ``make_optimizer`` builds; for "muon": AdamW's), float32;
+    None for any other optax state (``optax.adamw(1e-3)``: its rate is a constant
+    closed over, not state)."""
     found = _hyperparam(opt_state, "learning_rate")
+    return None if found is None else jnp.asarray(found, jnp.float32)
+
+
+def current_lr(opt_state):
+    """``injected_lr``, required: ValueError for a state without a ``learning_rate``
+    hyperparameter (an optimizer not built by ``make_optimizer`` or
+    ``optax.inject_hyperparams``)."""
+    found = injected_lr(opt_state)
     if found is None:
         raise ValueError("the optimizer state holds no learning_rate hyperparameter; build the "
                          "optimizer with make_optimizer (optax.inject_hyperparams) to read its rate")
-    return jnp.asarray(found, jnp.float32)
+    return found
 
 
 def current_muon_lr(opt_state):
-    """Muon's learning rate of the last update (as ``current_lr``), or None for an
+    """Muon's learning rate of the last update (as ``injected_lr``), or None for an
     optimizer state without one (every optimizer but "muon")."""
     found = _hyperparam(opt_state, "muon_learning_rate")
     return None if found is None else jnp.asarray(found, jnp.float32)

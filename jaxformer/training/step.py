@@ -3,9 +3,10 @@
 A gradient source is any function ``(params, batch) -> (loss, grads)``:
 ``grad_source("auto", config)`` wraps ``jax.value_and_grad(loss_fn)``,
 ``grad_source("manual", config)`` the hand-derived ``manual_grads.value_and_grad``.
-``make_train_step(grad_fn, optimizer)`` turns either into the same jitted step
+``make_train_step(grad_fn, optimizer)`` turns either, with any optax
+``GradientTransformation``, into the same jitted step
 
-    state, metrics = step(state, batch)   # metrics: loss, grad_norm, update_norm, lr
+    state, metrics = step(state, batch)   # metrics: loss, grad_norm, update_norm, lr (when injected)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import manual_grads
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params, validate_params
 from jaxformer.model.transformer import loss_fn
-from jaxformer.training.optim import current_lr, current_muon_lr, make_optimizer
+from jaxformer.training.optim import current_muon_lr, injected_lr, make_optimizer
 from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
 from jaxformer.training.sharding import make_mesh, mesh_shardings, state_shardings
 
@@ -98,16 +99,20 @@ def layer_grad_norms(grads) -> dict:
 def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
                     mesh: Mesh | None = None, donate: bool = True, state_sharding=None):
     """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
-    source. The input state's buffers are donated (do not reuse it after the call).
-A ``grad_fn`` marked ``takes_key`` (grad_source with dropout) is called with a key
-split off ``state.rng`` each step, so the key stream lives in the checkpoint.
+    source and any optax ``GradientTransformation`` (``optax.adamw(1e-3)``, a chain,
+    ``optax.MultiSteps``, ``make_optimizer``'s). The input state's buffers are donated
+    (do not reuse it after the call). A ``grad_fn`` marked ``takes_key`` (grad_source
+    with dropout) is called with a key split off ``state.rng`` each step, so the key
+    stream lives in the checkpoint.
 
     With a ``mesh`` (sharding.make_mesh), the batch is split along its first axis over
     data x fsdp, and the state laid out by ``state_sharding`` (a TrainState of
     NamedShardings, sharding.state_shardings; default: replicated): jit inserts the
     collectives. The metrics come back replicated and stay on the device.
-    metrics: loss, grad_norm (global norm of the gradient), update_norm, lr (muon_lr too
-    for the muon optimizer), and the per-layer norms of ``layer_grad_norms``.
+    metrics: loss, grad_norm (global norm of the gradient), update_norm, the per-layer
+    norms of ``layer_grad_norms``, and lr when the optimizer state holds an injected
+    learning rate (``optim.injected_lr``: ``optax.inject_hyperparams``, every
+    ``make_optimizer``; muon_lr too for the muon optimizer); no lr otherwise.
     """
 
     takes_key = getattr(grad_fn, "takes_key", False)
@@ -126,9 +131,11 @@ split off ``state.rng`` each step, so the key stream lives in the checkpoint.
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
             "update_norm": optax.tree.norm(updates),
-            "lr": current_lr(opt_state),
-            **layer_grad_norms(grads),
         }
+        lr = injected_lr(opt_state)
+        if lr is not None:  # a rate the state holds (inject_hyperparams); a constant has none
+            metrics["lr"] = lr
+        metrics.update(layer_grad_norms(grads))
         muon_lr = current_muon_lr(opt_state)
         if muon_lr is not None:  # optimizer muon: the matrices' rate beside AdamW's lr
             metrics["muon_lr"] = muon_lr
