@@ -1,4 +1,5 @@
-"""The ``jaxformer`` command: prepare, train, generate, presets, diagnose, compare-grads, bench.
+"""The ``jaxformer`` command: prepare, train, generate, presets, diagnose, compare-grads, bench,
+export, doctor.
 
 Each command is a module of this package with ``add_parser(subparsers)`` and
 ``run(args) -> int``; this one assembles them and dispatches. Bad input ends with
@@ -15,7 +16,7 @@ import sys
 from importlib import metadata
 
 import jaxformer
-from jaxformer.cli import bench, compare_grads, diagnose, export, generate, prepare, presets, train
+from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, prepare, presets, train
 from jaxformer.cli.args import Parser, UsageError, exit_at_ctrl_c, run_command
 
 DESCRIPTION = """\
@@ -44,13 +45,16 @@ examples:
         and the first layer that makes a NaN or an infinity
   jaxformer compare-grads --help
         compare the manual gradients with jax.grad
+  jaxformer doctor
+        check this install on this device: the attention kernels against full
+        attention, manual gradients against jax.grad, training, speed and MFU
 
 Run `jaxformer COMMAND --help` for the options of each command.
 """
 
 # The subcommands in the order --help lists them: name -> module with add_parser and run.
 COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets": presets, "diagnose": diagnose,
-            "compare-grads": compare_grads, "bench": bench, "export": export}
+            "compare-grads": compare_grads, "bench": bench, "export": export, "doctor": doctor}
 
 
 def version() -> str:

@@ -1,0 +1,107 @@
+"""`jaxformer doctor --quick` on this CPU: the report names the device and the versions,
+what it checked and what it could not (the compiled kernels, cuDNN), states each
+measurement against its bound, ends with the verdict, writes the same as JSON and exits
+0; with a wrong kernel backward and wrong manual gradients it names those checks failed
+and exits 1."""
+
+import contextlib
+import io
+import json
+
+import jax
+import pytest
+
+import manual_grads
+from jaxformer.cli.main import main
+from jaxformer.model import pallas_backward
+
+VERDICT = "doctor: 8 checks passed, 0 failed, 3 not checked on cpu"
+
+
+def run_doctor(out):
+    """(exit code, stdout, the JSON report) of `jaxformer doctor --quick --out out`."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["doctor", "--quick", "--out", str(out)])
+    return code, text.getvalue(), json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    return run_doctor(tmp_path_factory.mktemp("doctor") / "report.json")
+
+
+def statuses(report):
+    return {c["name"]: c["status"] for c in report["checks"]}
+
+
+def test_quick_report_names_the_device_the_checks_and_what_it_could_not_check(healthy):
+    code, text, report = healthy
+    assert code == 0, text
+    lines = text.splitlines()
+    assert lines[:2] == ["jaxformer doctor on cpu", "  devices   1 x cpu (platform cpu)"]
+    assert lines[2].startswith(f"  versions  jax {jax.__version__}, jaxlib ")
+    assert all(f"{word} " in lines[2] for word in ("optax", "Python", "jaxformer"))
+    assert ("  pallas compiled kernels                  not checked: no GPU/TPU (Pallas compiles for "
+            "cuda/rocm/tpu only; cpu runs interpret mode)") in lines
+    assert statuses(report) == {
+        "pallas compiled kernels": "not checked",
+        "pallas float32 (interpret mode)": "passed",
+        "pallas bfloat16 (interpret mode)": "passed",
+        "cudnn bfloat16": "not checked",
+        "manual vs jax.grad, float32": "passed",
+        "full, manual grads": "passed",
+        "blockwise, manual grads": "passed",
+        "pallas (interpret mode), manual grads": "passed",
+        "cudnn": "not checked",
+        "manual_full": "passed",
+        "auto_full": "passed",
+    }
+    assert lines[-2] == report["summary"]["verdict"] == VERDICT
+    assert lines[-1].startswith("report: ")
+    assert [s["group"] for s in report["sections"]] == ["kernels", "gradients", "training", "bench"]
+
+
+def test_quick_report_states_the_measurements_and_their_bounds(healthy):
+    _, text, report = healthy
+    checks = {c["name"]: c for c in report["checks"]}
+    f32, bf16 = checks["pallas float32 (interpret mode)"], checks["pallas bfloat16 (interpret mode)"]
+    assert set(f32["values"]["rel"]) == {"out", "dq", "dk", "dv"}
+    assert max(f32["values"]["rel"].values()) <= f32["values"]["tolerance"] == 1e-5
+    assert 1e-4 < max(bf16["values"]["rel"].values()) <= bf16["values"]["tolerance"] == 2e-2  # bfloat16 ran
+    grads = checks["manual vs jax.grad, float32"]
+    assert grads["values"]["tolerance"] == 1e-4 and len(grads["values"]["rel"]) == 20  # every leaf
+    losses = checks["full, manual grads"]["values"]["losses"]
+    assert len(losses) == 20 and losses[-1] < 0.9 * losses[0]
+    assert checks["manual_full"]["values"]["mfu"] > 0 and "  MFU peak: " in text
+
+
+def test_a_wrong_kernel_backward_and_wrong_manual_gradients_fail(tmp_path, monkeypatch):
+    """dQ of the kernel's backward (the rule jax.grad runs through flash_attention) off
+    by 10%, every manual gradient leaf off by 0.1%: those three checks fail by name, the
+    rest still run and pass (Adam does not mind gradients scaled by 1.001), exit 1."""
+    right_bwd, right_vg = pallas_backward.flash_core_bwd, manual_grads.value_and_grad
+
+    def wrong_bwd(res, dout):
+        dq, dk, dv = right_bwd(res, dout)
+        return dq * 1.1, dk, dv
+
+    def wrong_vg(*args, **kwargs):
+        loss, grads = right_vg(*args, **kwargs)
+        return loss, jax.tree_util.tree_map(lambda g: g * 1.001, grads)
+
+    monkeypatch.setattr(pallas_backward, "flash_core_bwd", wrong_bwd)
+    monkeypatch.setattr(manual_grads, "value_and_grad", wrong_vg)
+    code, text, report = run_doctor(tmp_path / "broken.json")
+    assert code == 1, text
+    failed = {name for name, status in statuses(report).items() if status == "failed"}
+    assert failed == {"pallas float32 (interpret mode)", "pallas bfloat16 (interpret mode)",
+                      "manual vs jax.grad, float32"}, text
+    assert "passed: worst rel 1.0e-01 (dq) > 1e-05" not in text and "failed: worst rel 1.0e-01 (dq) > 1e-05" in text
+    assert "failed: worst leaf rel 1.0e-03" in text and " of 20 leaves over (tok_embed, pos_embed" in text
+    assert report["summary"]["verdict"] == "doctor: 5 checks passed, 3 failed, 3 not checked on cpu"
+
+
+def test_bad_flags_are_one_error_line(capsys):
+    assert main(["doctor", "--seed", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("error: argument --seed: expected an integer >= 0")
