@@ -32,7 +32,7 @@ MANUAL_IMPORTERS = {"jaxformer.training", "jaxformer.tools", CLI}  # rooms that 
 # importing jaxformer neither needs them installed nor pays their start-up time.
 HEAVY_OPTIONAL = frozenset({"torch", "matplotlib", "tensorboardX", "transformers", "tokenizers", "datasets",
                             "pyarrow", "safetensors", "huggingface_hub",
-                            "jaxformer.tools.torch_ref"})  # imports torch at its top
+                            "jaxformer.tools.torch_ref", "jaxformer.tools.torch_ref_layers"})  # import torch at their top
 
 
 class Import(NamedTuple):

@@ -8,8 +8,13 @@ and reports (no argument parsing: the command lines are in ``jaxformer.cli``).
     bench, bench_contestants, bench_report
                             step time, MFU and memory against jax.grad and PyTorch; the report
     memory                  what each backward keeps
-    torch_ref               an independent PyTorch model (imports torch: only the benchmark's
-                            PyTorch contestants and tests load it)
+    torch_ref, torch_ref_layers
+                            an independent PyTorch model, GPT-2's block and the modern one
+                            (imports torch: only the benchmark's PyTorch contestants and tests
+                            load it)
+    doctor, doctor_checks, doctor_report
+                            `jaxformer doctor`: the kernels, gradients, training and speed on
+                            the device JAX sees, one report
 
 May import: ``jaxformer.training``, ``jaxformer.inference`` and every room below them,
 and ``manual_grads``; never ``jaxformer.cli``.

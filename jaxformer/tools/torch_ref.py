@@ -1,11 +1,19 @@
 """The jaxformer model written in PyTorch, for the benchmark (needs ``torch``).
 
-Same math as jaxformer/model/: pre-LN or post-LN blocks, gelu / gelu_tanh /
-relu / tanh, learned or sinusoidal positions, causal or not, linear layers
-``x @ w + b``. It is written the way a PyTorch user would (nanoGPT's model.py):
-``nn.Linear`` layers (weight stored transposed, (O, I)) with q|k|v as one fused
-projection, ``nn.LayerNorm``, ``F.scaled_dot_product_attention(is_causal=...)``,
-``F.cross_entropy``; AdamW with ``foreach=True`` (``fused=True`` on CUDA); bfloat16
+Same math as jaxformer/model/, for every ModelConfig option that changes it: pre-LN or
+post-LN blocks, layer norm or RMS norm (with or without a scale), gelu / gelu_tanh / relu /
+tanh / silu / relu2, the plain or the gated feed-forward, learned, sinusoidal or rotary
+positions, embed_scale, grouped-query attention, QK-norm, causal or not, with or without
+biases, the head tied or not, dropout; linear layers ``x @ w + b``. (The attention
+implementation, loss chunking and remat do not change the math; the compute dtype is
+``torch.autocast``'s.) A field it does not know, at a value other than its default, is
+refused with a ValueError naming it (``check_config``).
+
+It is written the way a PyTorch user would (nanoGPT's model.py, Hugging Face's Llama for the
+modern block): ``nn.Linear`` layers (weight stored transposed, (O, I)) with q|k|v as one
+fused projection, ``nn.LayerNorm`` / ``nn.RMSNorm``, ``F.scaled_dot_product_attention``,
+``F.cross_entropy``, the tied head sharing ``tok_embed.weight``; the layers are in
+torch_ref_layers.py. AdamW with ``foreach=True`` (``fused=True`` on CUDA); bfloat16
 ``torch.autocast`` when the JAX side computes in bfloat16.
 
     model = TorchTransformer.from_jax(params, config, device)   # copies the weights
@@ -16,6 +24,8 @@ projection, ``nn.LayerNorm``, ``F.scaled_dot_product_attention(is_causal=...)``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 
 import numpy as np
 import torch
@@ -23,81 +33,81 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.tools.torch_ref_layers import ACTIVATIONS, Attention, FeedForward, norm, sinusoidal_positions
 
-GELU_APPROX = {"gelu": "none", "gelu_tanh": "tanh"}
+# The ModelConfig fields this model implements, with the values it knows (None: any value).
+SUPPORTED = {
+    "vocab_size": None, "d_model": None, "n_heads": None, "n_layers": None, "d_ff": None,
+    "max_seq_len": None, "activation": tuple(ACTIVATIONS), "norm": ("pre", "post"),
+    "positions": ("learned", "sinusoidal", "rope"), "embed_scale": None, "causal": None,
+    "ln_eps": None, "tie_embeddings": None, "bias": None, "head_bias": None, "dropout": None,
+    "norm_type": ("layer", "rms"), "norm_scale": None, "rope_theta": None,
+    "mlp": ("plain", "gated"), "n_kv_heads": None, "qk_norm": None,
+    # how JAX computes, not what: any value gives this model's math
+    "attention_impl": None, "attention_block": None, "pallas_block_q": None, "pallas_block_k": None,
+    "loss_chunk": None, "remat": None, "compute_dtype": None,
+}
 
 
-def activation(name: str, h):
-    if name in GELU_APPROX:
-        return F.gelu(h, approximate=GELU_APPROX[name])
-    return torch.relu(h) if name == "relu" else torch.tanh(h)
-
-
-def sinusoidal_positions(T: int, D: int, dtype) -> torch.Tensor:
-    """(T, D): sin(t / 10000^(2i/D)) at feature 2i, cos at 2i+1 (layers.sinusoidal_positions)."""
-    t = torch.arange(T, dtype=torch.float64)[:, None]
-    i = torch.arange(0, D, 2, dtype=torch.float64)[None, :]
-    angle = t / (10000.0 ** (i / D))  # (T, ceil(D/2))
-    table = torch.zeros(T, D, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(angle)
-    table[:, 1::2] = torch.cos(angle[:, : D // 2])
-    return table.to(dtype)
+def check_config(config: ModelConfig) -> None:
+    """Raise ValueError naming the first field of ``config`` this model does not implement:
+    a value it does not know, or a field it does not know set to other than its default."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name not in SUPPORTED:
+            if value != field.default:
+                raise ValueError(f"the PyTorch model does not implement ModelConfig.{field.name} "
+                                 f"(got {value!r}, only its default {field.default!r})")
+        elif SUPPORTED[field.name] is not None and value not in SUPPORTED[field.name]:
+            raise ValueError(f"the PyTorch model does not implement ModelConfig.{field.name} "
+                             f"{value!r} (only {', '.join(map(repr, SUPPORTED[field.name]))})")
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, dtype):
         super().__init__()
-        D, F_ = config.d_model, config.d_ff
         self.config = config
-        kw = {"dtype": dtype}
-        self.ln1 = nn.LayerNorm(D, eps=config.ln_eps, **kw)
-        self.qkv = nn.Linear(D, 3 * D, **kw)  # q | k | v in one product (nanoGPT's c_attn)
-        self.o = nn.Linear(D, D, **kw)
-        self.ln2 = nn.LayerNorm(D, eps=config.ln_eps, **kw)
-        self.w_in, self.w_out = nn.Linear(D, F_, **kw), nn.Linear(F_, D, **kw)
-
-    def attention(self, x):  # x (B, T, D)
-        B, T, D = x.shape
-        H = self.config.n_heads
-
-        def heads(t):  # (B, T, D) -> (B, H, T, Dh)
-            return t.view(B, T, H, D // H).transpose(1, 2)
-
-        q, k, v = self.qkv(x).split(D, dim=2)  # (B, T, D) each
-        att = F.scaled_dot_product_attention(heads(q), heads(k), heads(v),
-                                             is_causal=self.config.causal)  # (B, H, T, Dh)
-        return self.o(att.transpose(1, 2).reshape(B, T, D))
-
-    def feed_forward(self, x):
-        return self.w_out(activation(self.config.activation, self.w_in(x)))
+        self.ln1, self.ln2 = norm(config, config.d_model, dtype), norm(config, config.d_model, dtype)
+        self.attn = Attention(config, dtype)
+        self.ffn = FeedForward(config, dtype)
 
     def forward(self, x):
         if self.config.norm == "pre":
-            x = x + self.attention(self.ln1(x))
-            return x + self.feed_forward(self.ln2(x))
-        x = self.ln1(x + self.attention(x))
-        return self.ln2(x + self.feed_forward(x))
+            x = x + self.attn(self.ln1(x))
+            return x + self.ffn(self.ln2(x))
+        x = self.ln1(x + self.attn(x))
+        return self.ln2(x + self.ffn(x))
 
 
 class TorchTransformer(nn.Module):
     def __init__(self, config: ModelConfig, dtype=torch.float32):
         super().__init__()
+        check_config(config)
         self.config = config
         D = config.d_model
         self.tok_embed = nn.Embedding(config.vocab_size, D, dtype=dtype)
         if config.positions == "learned":
             self.pos_embed = nn.Parameter(torch.zeros(config.max_seq_len, D, dtype=dtype))
-        else:
+        elif config.positions == "sinusoidal":
             self.register_buffer("sin_table", sinusoidal_positions(config.max_seq_len, D, dtype))
+        self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, dtype) for _ in range(config.n_layers))
         if config.norm == "pre":
-            self.ln_f = nn.LayerNorm(D, eps=config.ln_eps, dtype=dtype)
-        self.head = nn.Linear(D, config.vocab_size, dtype=dtype)
+            self.ln_f = norm(config, D, dtype)
+        self.head = nn.Linear(D, config.vocab_size, bias=config.head_bias, dtype=dtype)
+        if config.tie_embeddings:  # one tensor, both roles (nanoGPT's weight tying)
+            self.head.weight = self.tok_embed.weight
 
     def forward(self, inputs):  # inputs int64 (B, T) -> logits (B, T, V)
         T = inputs.shape[1]
-        pos = self.pos_embed[:T] if self.config.positions == "learned" else self.sin_table[:T]
-        x = self.tok_embed(inputs) + pos
+        x = self.tok_embed(inputs)
+        if self.config.embed_scale:
+            x = x * math.sqrt(self.config.d_model)
+        if self.config.positions == "learned":
+            x = x + self.pos_embed[:T]
+        elif self.config.positions == "sinusoidal":
+            x = x + self.sin_table[:T]
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x)
         if self.config.norm == "pre":
@@ -114,30 +124,50 @@ class TorchTransformer(nn.Module):
     def _pairs(self):
         """(path in the params pytree, parameter, rows, transpose?) for every leaf: the
         leaf is ``parameter[rows]`` (rows None: all of it), transposed for a weight matrix;
-        block leaves carry the layer index last in the path."""
-        D = self.config.d_model
+        block leaves carry the layer index last in the path. A norm without params is its
+        node's path with parameter None (the empty dict of the pytree)."""
+        c = self.config
+        D, F_, Dkv = c.d_model, c.d_ff, c.kv_heads * c.d_head
+
+        def norm_leaves(path, m, *layer):  # LayerNorm: scale, bias?; RMSNorm: scale? (None: no scale)
+            found = (("scale", m.weight), ("bias", getattr(m, "bias", None)))
+            leaves = [(path + (leaf,) + layer, t, None, False) for leaf, t in found if t is not None]
+            return leaves or [(path, None, None, False)]  # no params: the empty node {}
+
+        def linear_leaves(group, names, m, widths, l):  # one nn.Linear holding leaves side by side
+            out, start = [], 0
+            for (w, b), width in zip(names, widths):
+                rows = slice(start, start + width)
+                out.append((("blocks", group, w, l), m.weight, rows, True))
+                if m.bias is not None:
+                    out.append((("blocks", group, b, l), m.bias, rows, False))
+                start += width
+            return out
+
         out = [(("tok_embed",), self.tok_embed.weight, None, False)]
-        if self.config.positions == "learned":
+        if c.positions == "learned":
             out.append((("pos_embed",), self.pos_embed, None, False))
         for l, b in enumerate(self.blocks):
-            for ln in ("ln1", "ln2"):
-                m = getattr(b, ln)
-                out += [(("blocks", ln, "scale", l), m.weight, None, False),
-                        (("blocks", ln, "bias", l), m.bias, None, False)]
-            for i, name in enumerate("qkv"):  # rows i*D:(i+1)*D of the fused projection
-                rows = slice(i * D, (i + 1) * D)
-                out += [(("blocks", "attn", "w" + name, l), b.qkv.weight, rows, True),
-                        (("blocks", "attn", "b" + name, l), b.qkv.bias, rows, False)]
-            out += [(("blocks", "attn", "wo", l), b.o.weight, None, True),
-                    (("blocks", "attn", "bo", l), b.o.bias, None, False)]
-            for name in ("in", "out"):
-                m = getattr(b, "w_" + name)
-                out += [(("blocks", "ffn", "w_" + name, l), m.weight, None, True),
-                        (("blocks", "ffn", "b_" + name, l), m.bias, None, False)]
-        if self.config.norm == "pre":
-            out += [(("ln_f", "scale"), self.ln_f.weight, None, False),
-                    (("ln_f", "bias"), self.ln_f.bias, None, False)]
-        out += [(("head", "w"), self.head.weight, None, True), (("head", "b"), self.head.bias, None, False)]
+            out += norm_leaves(("blocks", "ln1"), b.ln1, l) + norm_leaves(("blocks", "ln2"), b.ln2, l)
+            qkv = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+            out += linear_leaves("attn", qkv, b.attn.qkv, (D, Dkv, Dkv), l)
+            out += linear_leaves("attn", (("wo", "bo"),), b.attn.o, (D,), l)
+            if c.qk_norm:
+                out += (norm_leaves(("blocks", "attn", "q_norm"), b.attn.q_norm, l)
+                        + norm_leaves(("blocks", "attn", "k_norm"), b.attn.k_norm, l))
+            if c.mlp == "gated":
+                gate_up = (("w_gate", "b_gate"), ("w_up", "b_up"))
+                out += linear_leaves("ffn", gate_up, b.ffn.gate_up, (F_, F_), l)
+                out += linear_leaves("ffn", (("w_down", "b_down"),), b.ffn.w_down, (D,), l)
+            else:
+                out += linear_leaves("ffn", (("w_in", "b_in"),), b.ffn.w_in, (F_,), l)
+                out += linear_leaves("ffn", (("w_out", "b_out"),), b.ffn.w_out, (D,), l)
+        if c.norm == "pre":
+            out += norm_leaves(("ln_f",), self.ln_f)
+        if not c.tie_embeddings:  # tied: head.weight is tok_embed.weight, one leaf
+            out.append((("head", "w"), self.head.weight, None, True))
+        if c.head_bias:
+            out.append((("head", "b"), self.head.bias, None, False))
         return out
 
     @classmethod
@@ -149,6 +179,8 @@ class TorchTransformer(nn.Module):
         model = cls(config, dtype)
         with torch.no_grad():
             for path, tensor, rows, transpose in model._pairs():
+                if tensor is None:
+                    continue
                 value = np.asarray(_get(params, path))
                 target = tensor if rows is None else tensor[rows]  # a view: the copy lands in tensor
                 target.copy_(torch.from_numpy(np.array(value.T if transpose else value)))
@@ -158,38 +190,47 @@ class TorchTransformer(nn.Module):
         """The ``.grad`` of every parameter, as numpy arrays in the params pytree layout."""
         tree: dict = {}
         for path, tensor, rows, transpose in self._pairs():
+            if tensor is None:
+                _set(tree, path, None)
+                continue
             g = tensor.grad.detach().cpu().numpy()
             g = g if rows is None else g[rows]
             _set(tree, path, g.T if transpose else g)
         return _stack_layers(tree)
 
 
+def _is_block(path) -> bool:
+    """Whether ``path`` names a block leaf (its last entry the layer index)."""
+    return path[0] == "blocks" and isinstance(path[-1], int)
+
+
 def _get(params, path):
-    if path[0] == "blocks":
-        _, group, leaf, layer = path
-        return np.asarray(params["blocks"][group][leaf])[layer]
     node = params
-    for key in path:
+    for key in path[:-1] if _is_block(path) else path:
         node = node[key]
-    return node
+    return np.asarray(node)[path[-1]] if _is_block(path) else node
 
 
 def _set(tree, path, value):
-    if path[0] == "blocks":
-        _, group, leaf, layer = path
-        tree.setdefault("blocks", {}).setdefault(group, {}).setdefault(leaf, {})[layer] = value
-        return
+    """Put ``value`` at ``path`` of ``tree`` (a block leaf under its layer index); value
+    None: an empty node (a norm without params)."""
+    *parents, last = path
     node = tree
-    for key in path[:-1]:
+    for key in parents:
         node = node.setdefault(key, {})
-    node[path[-1]] = value
+    if value is None:
+        node.setdefault(last, {})
+    else:
+        node[last] = value
 
 
-def _stack_layers(tree):
-    for group in tree.get("blocks", {}).values():
-        for leaf, by_layer in group.items():
-            group[leaf] = np.stack([by_layer[l] for l in sorted(by_layer)])
-    return tree
+def _stack_layers(node):
+    """{layer index: array} -> the arrays stacked along a leading layer axis, everywhere in ``node``."""
+    if not isinstance(node, dict) or not node:
+        return node
+    if all(isinstance(k, int) for k in node):
+        return np.stack([node[l] for l in sorted(node)])
+    return {k: _stack_layers(v) for k, v in node.items()}
 
 
 def to_torch_batch(batch, device=None) -> tuple[torch.Tensor, torch.Tensor]:
