@@ -27,7 +27,10 @@ def read_hf(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
         raise HFFormatError(f"{folder}: config.json model_type {kind!r} is not supported "
                             f"(supported: {', '.join(FORMATS)})")
     mapping = FORMATS[kind]
-    config = mapping.config_from_hf(hf)
+    try:
+        config = mapping.config_from_hf(hf)
+    except HFFormatError as e:  # "config.json: ...": which folder's
+        raise HFFormatError(f"{folder}: {e}") from None
     return mapping.params_from_hf(read_tensors(folder), config, dtype, str(folder)), config
 
 

@@ -51,31 +51,62 @@ def read_config_json(folder) -> dict:
     path = Path(folder) / CONFIG_JSON
     if not path.exists():
         raise HFFormatError(f"{folder} has no {CONFIG_JSON} (not a Hugging Face model folder)")
-    return json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFFormatError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise HFFormatError(f"{path} holds a JSON {type(hf).__name__}, not an object of settings")
+    return hf
 
 
 def load_safetensors(path) -> dict[str, np.ndarray]:
     """{name: array} of one .safetensors file; bfloat16 tensors (numpy has no such dtype, and
     many Llama checkpoints are stored so) come back as float32, exactly."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        header = _safetensors_header(path, f)
         if not any(isinstance(v, dict) and v.get("dtype") == "BF16" for v in header.values()):
-            return dict(load_file(str(path)))
+            try:
+                return dict(load_file(str(path)))
+            except SafetensorError as e:
+                raise HFFormatError(f"{path} is not a readable safetensors file: {e}") from None
         start = f.tell()
         out = {}
         for name, v in header.items():
             if name == "__metadata__":
                 continue
-            begin, end = v["data_offsets"]
-            f.seek(start + begin)
-            raw = f.read(end - begin)
-            if v["dtype"] == "BF16":  # the upper half of a float32
-                a = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
-            else:
-                a = np.frombuffer(raw, DTYPES[v["dtype"]]).copy()
-            out[name] = a.reshape(v["shape"])
+            try:
+                begin, end = v["data_offsets"]
+                f.seek(start + begin)
+                raw = f.read(end - begin)
+                if v["dtype"] == "BF16":  # the upper half of a float32
+                    a = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+                else:
+                    a = np.frombuffer(raw, DTYPES[v["dtype"]]).copy()
+                out[name] = a.reshape(v["shape"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise HFFormatError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: "
+                                    f"{e})") from None
         return out
+
+
+def _safetensors_header(path, f) -> dict:
+    """The JSON header of the safetensors file open as ``f`` (8 bytes of length, then
+    the JSON); HFFormatError naming ``path`` when the file is not one."""
+    size = Path(path).stat().st_size
+    length = int.from_bytes(f.read(8), "little")
+    if size < 8 or length > size - 8:
+        raise HFFormatError(f"{path} is not a safetensors file (its header length {length:,} "
+                            f"does not fit the file's {size:,} bytes)")
+    try:
+        header = json.loads(f.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise HFFormatError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise HFFormatError(f"{path} is not a safetensors file (its header is not a JSON object)")
+    return header
 
 
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",

@@ -53,13 +53,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        ("add_cross_attention", False)):
         if hf.get(name, want) != want:
             raise HFFormatError(f"config.json: {name} = {hf[name]!r} is not supported (needs {want!r})")
-    D = hf["n_embd"]
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=D, n_heads=hf["n_head"], n_layers=hf["n_layer"],
-        d_ff=hf.get("n_inner") or 4 * D, max_seq_len=hf["n_positions"],
-        activation=ACTIVATIONS_IN[act], norm="pre", positions="learned", causal=True,
-        ln_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True, head_bias=False)
+    try:
+        D = hf["n_embd"]
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=D, n_heads=hf["n_head"], n_layers=hf["n_layer"],
+            d_ff=hf.get("n_inner") or 4 * D, max_seq_len=hf["n_positions"],
+            activation=ACTIVATIONS_IN[act], norm="pre", positions="learned", causal=True,
+            ln_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True, head_bias=False)
+    except KeyError as e:
+        raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise HFFormatError(f"config.json: {e}") from None
 
 
 def config_to_hf(config: ModelConfig) -> dict:

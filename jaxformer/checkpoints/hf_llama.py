@@ -81,13 +81,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if attention_bias != mlp_bias:
         raise HFFormatError(f"config.json: attention_bias {attention_bias} with mlp_bias {mlp_bias} is not "
                             f"supported (ModelConfig.bias covers both: they must be equal)")
-    D, H = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or D // H
-    if D % H or head_dim != D // H:
-        raise HFFormatError(f"config.json: head_dim {head_dim} is not hidden_size / num_attention_heads "
-                            f"({D} / {H}); only that head width is supported")
-    n_kv = hf.get("num_key_value_heads") or H
     try:
+        D, H = hf["hidden_size"], hf["num_attention_heads"]
+        if not isinstance(H, int) or H < 1:
+            raise HFFormatError(f"config.json: num_attention_heads must be a positive integer, got {H!r}")
+        head_dim = hf.get("head_dim") or D // H
+        if D % H or head_dim != D // H:
+            raise HFFormatError(f"config.json: head_dim {head_dim} is not hidden_size / "
+                                f"num_attention_heads ({D} / {H}); only that head width is supported")
+        n_kv = hf.get("num_key_value_heads") or H
         return ModelConfig(
             vocab_size=hf["vocab_size"], d_model=D, n_heads=H, n_kv_heads=0 if n_kv == H else n_kv,
             n_layers=hf["num_hidden_layers"], d_ff=hf["intermediate_size"],
@@ -96,9 +98,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
             mlp="gated", causal=True, ln_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=attention_bias,
             head_bias=False)
+    except HFFormatError:
+        raise
     except KeyError as e:
         raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
-    except ValueError as e:
+    except (TypeError, ValueError, ZeroDivisionError) as e:
         raise HFFormatError(f"config.json: {e}") from None
 
 

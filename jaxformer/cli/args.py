@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Callable
 
 from jaxformer.checkpoints.checkpoint import CheckpointError
@@ -62,6 +63,18 @@ def number(kind: type) -> Callable[[str], int | float]:
                 f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
     parse.__name__ = kind.__name__
     return parse
+
+
+def output_folder(path, flag: str) -> None:
+    """Check, before any work, that ``path`` can be the folder a command writes (``flag``
+    names the option): UsageError when it, or the nearest part of it that exists, is a
+    file. Catching it first spares a long run that would fail at its first write."""
+    for part in (Path(path), *Path(path).parents):
+        if part.exists():
+            if not part.is_dir():
+                what = f"{flag} {path} is" if part == Path(path) else f"{flag} {path}: {part} is"
+                raise UsageError(f"{what} a file, not a folder; choose another path")
+            return
 
 
 def one_line(e: BaseException) -> str:

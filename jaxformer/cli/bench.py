@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxformer.cli.args import Parser, nonneg_int, positive_int, run_command
+from jaxformer.cli.args import Parser, nonneg_int, output_folder, positive_int, run_command
 from jaxformer.cli.flags import add_model_flags, model_overrides
 from jaxformer.model.config import PRESETS, get_preset
 from jaxformer.tools import bench, bench_sweep
@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     # so that PyTorch's contestants share the device (set before JAX's backend starts).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     s = settings_from_args(args)
+    output_folder(args.out, "--out")
     for point in bench_sweep.grid(args.shapes or {}) if args.shapes else ():
         bench_sweep.point_settings(s, point)  # every shape checked (ValueError) before any runs
     dev = jax.devices()[0]

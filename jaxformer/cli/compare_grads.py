@@ -17,7 +17,7 @@ from typing import Sequence
 import jax
 
 from jaxformer.cli import flags
-from jaxformer.cli.args import Parser, UsageError, nonneg_int, positive_int, run_command
+from jaxformer.cli.args import Parser, UsageError, nonneg_int, output_folder, positive_int, run_command
 from jaxformer.model.config import PRESETS
 from jaxformer.model.validate import check_precision
 from jaxformer.tools.compare import DEFAULT_PRESETS, GradFn, compare_imported, compare_preset
@@ -107,6 +107,7 @@ def run(args: argparse.Namespace, manual_fn: GradFn | None = None) -> int:
     """Run the comparison of parsed ``args``; 0 when every leaf of every preset passes, 1
     otherwise (naming the leaf on stderr)."""
     args = resolve(args)
+    output_folder(args.out, "--out")
     if args.dtype == "float64" or args.fd:
         jax.config.update("jax_enable_x64", True)  # before anything is traced
     color = use_color(sys.stdout)

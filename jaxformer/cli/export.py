@@ -4,16 +4,23 @@ options, Llama for the modern block's (checkpoints/hf.py chooses)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+import jax
+
+from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.hf import write_hf
 from jaxformer.checkpoints.runs import load_run
-from jaxformer.cli.args import nonneg_int
+from jaxformer.cli.args import nonneg_int, output_folder
 from jaxformer.observe.words import plural
 from jaxformer.training.step import state_template
 
+TOKENIZER_JSON = "tokenizer.json"
+
 EPILOG = """examples:
   jaxformer export --run runs/ft --hf out/gpt2-ft
-        config.json + model.safetensors: transformers.GPT2LMHeadModel.from_pretrained("out/gpt2-ft")
+        config.json + model.safetensors (+ tokenizer.json for a subword tokenizer):
+        transformers.GPT2LMHeadModel.from_pretrained("out/gpt2-ft")
   jaxformer export --run runs/llama-ft --hf out/llama-ft
         a run of the modern block (RMS norm, rotary, gated MLP): LlamaForCausalLM
 """
@@ -35,8 +42,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    output_folder(args.hf, "--hf")
+    meta = checkpoint.read_meta(args.run, args.step) if args.step is not None \
+        else checkpoint.newest_meta(args.run)
+    if meta.get("param_dtype") == "float64":  # a --dtype float64 run: its params load as they are
+        jax.config.update("jax_enable_x64", True)
     params, config, tokenizer, _ = load_run(args.run, state_template, args.step)
     out, kind = write_hf(args.hf, params, config)
-    print(f"wrote {out} ({kind}: config.json, model.safetensors): {plural(config.n_layers, 'layer')}, d_model "
+    files = ["config.json", "model.safetensors"]
+    own = Path(out) / TOKENIZER_JSON
+    if tokenizer.kind == "hf":  # a subword tokenizer travels with the model, as on the hub
+        own.write_text(tokenizer.to_dict()["json"], encoding="utf-8")
+        files.append(TOKENIZER_JSON)
+    elif own.exists():  # left by an earlier export here: it is not this model's
+        own.unlink()
+    print(f"wrote {out} ({kind}: {', '.join(files)}): {plural(config.n_layers, 'layer')}, d_model "
           f"{config.d_model}, vocab {config.vocab_size} ({type(tokenizer).__name__})")
     return 0

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.hf import read_hf, resolve_source
-from jaxformer.cli.args import UsageError, exit_now, nonneg_int, positive_int
+from jaxformer.cli.args import UsageError, exit_now, nonneg_int, output_folder, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import count_params
@@ -61,7 +61,8 @@ TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "vocab_size", "data", "m
 
 def epilog() -> str:
     """EPILOG and each preset's recipe, from config.PRESET_TRAINING."""
-    recipes = "\n".join(f"  {name:<8} {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS)
+    width = max(map(len, PRESETS))
+    recipes = "\n".join(f"  {name:<{width}}  {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS)
     return (f"{EPILOG}\npreset recipes (the defaults of the options above; `jaxformer presets` "
             f"for shapes):\n{recipes}\nA recipe's warmup that does not fit a short run's decaying "
             f"schedule is cut to a tenth of its updates\n(the run says so; --warmup-steps sets it).\n")
@@ -203,6 +204,7 @@ SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activa
 
 
 def run(args: argparse.Namespace) -> int:
+    output_folder(args.out, "--out")
     heartbeat = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                        args.heartbeat_timeout,
                                        lambda: f"resume every process with: {resume_command(args)}")

@@ -172,6 +172,15 @@ def measure_cpu_peak(n: int = 1024, reps: int = 10) -> float | None:
     return peak
 
 
+def cached_cpu_peak(n: int = 1024) -> float | None:
+    """The figure peak_cache_path() holds for this machine's (n, n) matmul, None when none."""
+    try:
+        cached = json.loads(peak_cache_path().read_text())
+    except (OSError, ValueError):
+        return None
+    return cached.get(cpu_key(n)) if isinstance(cached, dict) else None
+
+
 def machine_is_busy() -> bool:
     """The 1-minute load average exceeds half the cores: timings now are others' too."""
     try:
@@ -200,15 +209,20 @@ def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) 
     """(peak FLOP/s, where it comes from) for ``device`` (default: the first JAX device).
     Known accelerators use the table above; a CPU measures a float32 matmul;
     anything else gives (None, reason). A CPU's figure is measured once per machine
-    (measure_cpu_peak's cache)."""
+    (measure_cpu_peak's cache); one measured on a busy machine is this process's own,
+    and the reason says so."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
         peak = measure_cpu_peak(cpu_matmul)
         if peak is None:
             return None, (f"a {cpu_matmul}x{cpu_matmul} float32 matmul timed faster than any "
                           f"CPU can run it, twice; no peak to divide by")
-        return peak, (f"measured once on this machine: median float32 "
-                      f"{cpu_matmul}x{cpu_matmul} matmul, cached in {peak_cache_path()}")
+        if cached_cpu_peak(cpu_matmul) == peak:
+            return peak, (f"measured once on this machine: median float32 "
+                          f"{cpu_matmul}x{cpu_matmul} matmul, cached in {peak_cache_path()}")
+        return peak, (f"measured by this process, median float32 {cpu_matmul}x{cpu_matmul} matmul; "
+                      f"not cached, as the machine was busy (or {peak_cache_path()} is not "
+                      f"writable): a rough figure")
     kind = getattr(device, "device_kind", "")
     for key, peaks in KNOWN_PEAKS:
         if key in kind:

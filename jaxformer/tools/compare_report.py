@@ -17,6 +17,7 @@ from typing import Sequence
 
 import jax
 
+from jaxformer.observe.words import plural
 from jaxformer.tools.compare_plot import plot_report
 from jaxformer.tools.leaves import error_rank
 
@@ -118,8 +119,8 @@ def format_preset(r, color: bool = False) -> str:
         worst = max(checks, key=lambda x: error_rank(x["rel"]))
         smaller = sum(x["eps"] < r.fd["eps"] for x in checks)
         lines += [rule, (
-            f"finite differences (float64, eps {r.fd['eps']:g}, {r.fd['n_directions']} "
-            f"directions per leaf and over the whole tree): worst rel {_sci(worst['rel'])} at "
+            f"finite differences (float64, eps {r.fd['eps']:g}, {plural(r.fd['n_directions'], 'direction')} "
+            f"per leaf and over the whole tree): worst rel {_sci(worst['rel'])} at "
             f"{worst.get('path', 'whole tree')}, tolerance {r.fd['tolerance']:.0e}  "
             f"{status(r.fd['passed'], color)}")]
         if smaller:
@@ -239,7 +240,7 @@ def format_markdown(report: dict) -> str:
         if p["fd"]:
             fd = p["fd"]
             lines += ["", f"Finite differences (float64 central differences, eps {fd['eps']:g}, "
-                      f"{fd['n_directions']} random unit directions per leaf, tolerance "
+                      f"{plural(fd['n_directions'], 'random unit direction')} per leaf, tolerance "
                       f"{fd['tolerance']:.0e}, floor {fd['floor']:.1e}): "
                       f"{yes(fd['passed'])}; over the whole tree: "
                       + ", ".join(_sci(_num(w["rel"])) for w in fd["whole_tree"]) + "."]
