@@ -181,3 +181,21 @@ def test_finite_differences_line_counts_its_directions(capsys, tmp_path):
     assert code == 0, out
     assert re.search(r"eps [0-9.e-]+, 1 direction per leaf", out), out
     assert "1 random unit direction per leaf" in (tmp_path / "cg" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.parquet", "folder"])
+def test_train_corpus_refuses_record_files_and_names_prepare(name, tmp_path, capsys):
+    """JSONL and Parquet hold their text in a field: read as bytes they would train on the
+    file's syntax, so --corpus refuses them (alone or inside a folder) and names prepare."""
+    target = tmp_path / name
+    if name == "folder":
+        target.mkdir()
+        (target / "a.txt").write_text("plain text\n")
+        (target / "b.jsonl").write_text('{"text": "a record"}\n')
+    else:
+        target.write_bytes(b'{"text": "a record"}\n' if name.endswith(".jsonl") else b"PAR1....PAR1")
+    code = main(["train", "--preset", "tiny", "--corpus", str(target), "--steps", "1",
+                 "--out", str(tmp_path / "run"), "--no-progress"])
+    line = _one_line_error(capsys, code)
+    kind = "a Parquet file" if name.endswith(".parquet") else "a JSONL file"
+    assert f"is {kind}" in line and "jaxformer prepare --corpus" in line and "--data DIR" in line, line

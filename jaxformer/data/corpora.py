@@ -108,11 +108,14 @@ def load_corpus(spec: str, max_bytes: int | None = None) -> bytes:
         files = _files_below(path)
         if not files:
             raise ValueError(f"corpus folder {spec!r} holds no files")
+        for file in files:
+            _refuse_records(file, spec)
         data = _concat(files, max_bytes)
         if not data:
             raise ValueError(f"corpus folder {spec!r} holds only empty files")
         return data
     if os.path.isfile(path):
+        _refuse_records(path, spec)
         with open(path, "rb") as f:
             data = f.read() if max_bytes is None else f.read(max_bytes + 4)
         if not data:
@@ -123,6 +126,21 @@ def load_corpus(spec: str, max_bytes: int | None = None) -> bytes:
     raise ValueError(
         f"corpus path {spec!r} does not exist (built-in corpora: {', '.join(CORPUS_NAMES)})"
     )
+
+
+# record files: their text sits in a field, which `jaxformer prepare` reads (data/sources.py)
+RECORD_SUFFIXES = {".jsonl": "a JSONL file", ".parquet": "a Parquet file"}
+
+
+def _refuse_records(path: str, spec: str) -> None:
+    """ValueError for a JSONL or Parquet file among a corpus's text files: read as bytes it
+    would train on the file's syntax, not on its text field."""
+    kind = RECORD_SUFFIXES.get(os.path.splitext(path)[1])
+    if kind:
+        where = repr(spec) if os.path.samefile(path, os.path.expanduser(spec)) else f"{spec!r} ({path})"
+        raise ValueError(f"corpus {where} is {kind}: --corpus reads text files as they are; tokenize "
+                         f"its text field once with `jaxformer prepare --corpus {spec} --out DIR`, "
+                         f"then train with --data DIR")
 
 
 def _size(n: int) -> str:
