@@ -9,6 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+import jaxformer
+from jaxformer.checkpoints.hf import write_hf
 from jaxformer.cli.main import main
 from jaxformer.observe import flops
 
@@ -199,3 +201,20 @@ def test_train_corpus_refuses_record_files_and_names_prepare(name, tmp_path, cap
     line = _one_line_error(capsys, code)
     kind = "a Parquet file" if name.endswith(".parquet") else "a JSONL file"
     assert f"is {kind}" in line and "jaxformer prepare --corpus" in line and "--data DIR" in line, line
+
+
+def test_init_from_a_short_model_takes_its_max_seq_len(tmp_path, corpus, capsys):
+    """The default recipe's seq_len (loopos: 64) longer than the imported model's
+    max_seq_len (16) becomes that max_seq_len, said on stderr; a --seq-len longer is refused
+    naming the folder."""
+    config = jaxformer.get_preset("llama-tiny", qk_norm=False)
+    folder, _ = write_hf(tmp_path / "llama", jaxformer.init_params(jax.random.PRNGKey(0), config), config)
+    code = main(["train", "--init-from", str(folder), "--corpus", corpus, "--steps", "1",
+                 "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"seq_len {config.max_seq_len}: the max_seq_len of the model from --init-from {folder}" in err
+    code = main(["train", "--init-from", str(folder), "--corpus", corpus, "--steps", "1", "--seq-len", "32",
+                 "--out", str(tmp_path / "run2"), "--no-progress"])
+    line = _one_line_error(capsys, code)
+    assert f"--seq-len 32 exceeds the max_seq_len 16 of the model from --init-from {folder}" in line

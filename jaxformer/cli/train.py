@@ -182,9 +182,11 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
     return off_is_zero(settings)
 
 
-def imported_start(spec: str, settings: TrainSettings, flags: dict):
+def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_given: bool = False):
     """(params, settings whose model is the imported one's: GPT-2 or Llama) of ``--init-from spec``;
-    a flag that would change the imported shapes is refused by name."""
+    a flag that would change the imported shapes is refused by name. A recipe's seq_len longer
+    than the imported max_seq_len becomes that max_seq_len (said on stderr); a --seq-len
+    longer is refused."""
     folder = resolve_source(spec)
     params, config = read_hf(folder, np.float64 if settings.dtype == "float64" else np.float32)
     fields = config.to_dict()
@@ -194,7 +196,15 @@ def imported_start(spec: str, settings: TrainSettings, flags: dict):
         raise UsageError(f"--init-from {spec}: the model comes from the folder; "
                          f"{', '.join(flag_name(n) for n in refused)} would change its shape")
     model = {k: v for k, v in settings.model.items() if k not in SHAPE_FIELDS}
-    return params, settings.replace(model={**fields, **model})
+    settings = settings.replace(model={**fields, **model})
+    if settings.seq_len > config.max_seq_len:
+        if seq_len_given:
+            raise UsageError(f"--seq-len {settings.seq_len} exceeds the max_seq_len {config.max_seq_len} "
+                             f"of the model from --init-from {spec}")
+        print(f"seq_len {config.max_seq_len}: the max_seq_len of the model from --init-from {spec} (the "
+              f"{settings.preset} recipe's {settings.seq_len} does not fit; --seq-len sets it)", file=sys.stderr)
+        settings = settings.replace(seq_len=config.max_seq_len)
+    return params, settings
 
 
 # ModelConfig fields an imported model fixes (its params' tree and shapes, its function)
@@ -213,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
         jax.config.update("jax_enable_x64", True)
     init = None
     if args.init_from and not args.resume:
-        init, settings = imported_start(args.init_from, settings, model_overrides(args))
+        init, settings = imported_start(args.init_from, settings, model_overrides(args),
+                                        seq_len_given=args.seq_len is not None)
     settings.validate()  # before the banner: a bad setting is the only line
 
     t0 = time.perf_counter()
