@@ -13,10 +13,13 @@ v repeated G times (``repeat_kv``); the Pallas kernel and cuDNN read the Hkv hea
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+from jax.interpreters import mlir
 
 from jaxformer.model.blockwise import blockwise_attention_core
 from jaxformer.model.dropout import dropout
@@ -187,12 +190,9 @@ CUDNN_DTYPES = ("bfloat16", "float16")
 
 
 def check_cudnn(products_dtype) -> None:
-    """Raise ValueError where cuDNN's fused attention cannot run: off a GPU, or with
-    products in a dtype other than bfloat16 / float16."""
-    backend = jax.default_backend()
-    if backend != "gpu":
-        raise ValueError(f"attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); "
-                         f"the backend is {backend!r}: use 'pallas', 'blockwise' or 'full'")
+    """Raise ValueError where cuDNN's fused attention cannot take the products: a dtype
+    other than bfloat16 / float16. The device is not checked here: the program runs cuDNN
+    where it is lowered for cuda (``cudnn_core``), so a CPU process may export it."""
     if jnp.dtype(products_dtype).name not in CUDNN_DTYPES:
         raise ValueError(f"attention_impl 'cudnn' needs bfloat16 or float16 products, not "
                          f"{jnp.dtype(products_dtype).name}: set compute_dtype='bfloat16'")
@@ -201,13 +201,62 @@ def check_cudnn(products_dtype) -> None:
 def cudnn_attention(p, x, n_heads, causal, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5,
                     rope_theta=0.0):
     """attention(p, x, n_heads, causal) with the core from jax.nn.dot_product_attention's
-    cuDNN implementation (GPU only, bfloat16 or float16 products; JAX's grad only); it
-    reads k and v with their Hkv heads."""
+    cuDNN implementation (lowered for cuda only, bfloat16 or float16 products; JAX's grad
+    only); it reads k and v with their Hkv heads."""
     cd = compute_dtype
     q, k, v = attention_qkv(p, x, n_heads, cd, n_kv_heads, norm_eps, rope_theta)
     dtype = jnp.dtype(cd or q.dtype)
     check_cudnn(dtype)
     q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")  # (B, T, H, Dh)
+    out = cudnn_core(q, k, v, causal)  # (B, T, H, Dh)
     B, T = x.shape[:2]
     return linear(out.reshape(B, T, -1), p["wo"], p.get("bo"), cd)
+
+
+OFF_GPU = ("attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); the program "
+           "is lowered for {platform!r}: use 'pallas', 'blockwise' or 'full'")
+
+
+def cudnn_core(q, k, v, causal):
+    """q (B, T, H, Dh), k, v (B, T, Hkv, Dh) -> (B, T, H, Dh): cuDNN's attention where the
+    program is lowered for cuda; lowered for any other platform (or run off a GPU), a
+    ValueError naming it. Both branches are traced, so a CPU process can export the cuda
+    program; JAX's cuDNN wrapper asks the CUDA plugin for cuDNN's version while tracing,
+    and a process without the plugin gets that error at the cuda lowering, not before."""
+    def on_cuda(q, k, v):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a shape cuDNN refuses
+            said = str(error).replace("{", "{{").replace("}", "}}")
+            hint = (" (JAX reads cuDNN's version from its CUDA plugin while tracing: pip install "
+                    "'jaxformer[cuda]')") if isinstance(error, RuntimeError) else ""
+            return _refused(q, f"attention_impl 'cudnn' cannot be lowered for cuda here: {said}{hint}")
+
+    return jax.lax.platform_dependent(q, k, v, cuda=on_cuda, default=lambda q, k, v: _refused(q, OFF_GPU))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _refused(like, message: str):
+    """A stand-in of ``like``'s shape and dtype whose lowering (or eager run) raises
+    ValueError(message), ``{platform}`` filled with the platform lowered for; its
+    cotangent is another such stand-in."""
+    return _refused_p.bind(like, message=message)
+
+
+_refused.defvjp(lambda like, message: (_refused(like, message), None),
+                lambda message, _, g: (_refused(g, message),))
+
+
+def _refuse_lowering(ctx, like, *, message):
+    platforms = getattr(ctx.module_context, "platforms", None) or ("?",)
+    raise ValueError(message.format(platform=", ".join(platforms)))
+
+
+def _refuse_run(like, *, message):
+    raise ValueError(message.format(platform=jax.default_backend()))
+
+
+_refused_p = jax.extend.core.Primitive("cudnn_attention_refused")
+_refused_p.def_abstract_eval(lambda like, message: jax.core.ShapedArray(like.shape, like.dtype))
+_refused_p.def_impl(_refuse_run)
+mlir.register_lowering(_refused_p, _refuse_lowering)

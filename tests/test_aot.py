@@ -1,0 +1,197 @@
+"""Every train-step variant (attention full / blockwise / pallas / cudnn x manual / auto
+gradients x float32 / bfloat16 products x one device / a 2 x 2 data x fsdp mesh) lowers
+for cuda and for tpu from this CPU machine, and compiles for a TPU v5e topology when
+jax[tpu] is installed (in one subprocess, so the TPU plugin stays out of this one), and
+for an H100 when JAX's CUDA plugin is (jaxformer/tools/aot.py). A block size Triton
+cannot take fails the cuda lowering by name. The model is GPT-2's block at a small size:
+2 layers, width 128, two heads of 64, T = 128, batch 4."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxformer.model.attention import cudnn_core
+from jaxformer.model.config import get_preset
+from jaxformer.tools import aot
+from jaxformer.tools.aot_report import describe, table
+from jaxformer.tools.aot_targets import cuda_plugin
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.settings import settings_for
+
+CONFIG = get_preset("gpt2", n_layers=2, d_model=128, n_heads=2, d_ff=512, max_seq_len=128, vocab_size=256)
+B = 4  # divides over the 2 x 2 mesh
+OPTIMIZER = make_optimizer(**settings_for("gpt2").optimizer_kwargs())  # AdamW, clipping, cosine
+MOSAIC_ON_A_MESH = ("the Mosaic kernel is not partitioned over a mesh: JAX asks for a shard_map "
+                    "around the pallas_call")
+
+
+def lowering_cases() -> list:
+    cases = []
+    for platform in aot.PLATFORMS:
+        for variant in aot.variants():
+            if aot.absent(variant, platform):
+                continue  # test_variants_a_platform_does_not_have_are_skipped_with_the_reason
+            marks = []
+            if platform == "tpu" and variant.attention == "pallas" and variant.mesh:
+                marks = [pytest.mark.xfail(raises=NotImplementedError, strict=True, reason=MOSAIC_ON_A_MESH)]
+            cases.append(pytest.param(platform, variant, id=f"{platform}-{variant.name}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("platform,variant", lowering_cases())
+def test_every_variant_lowers(platform, variant):
+    """Exported for the platform (cudnn's mesh variant: lowered by jit on compile-only GPU
+    devices); the Pallas kernels are its custom calls (Triton on cuda, Mosaic on tpu: the
+    forward and three backward kernels at least), cuDNN's fMHA forward and backward."""
+    if aot.skip_reason(variant, platform):
+        pytest.skip(aot.skip_reason(variant, platform))
+    outcome = aot.lower_for(CONFIG, variant, platform, OPTIMIZER, B)
+    assert outcome.stage == "lowered", describe(outcome)
+    if variant.attention == "pallas":
+        assert outcome.kernels >= 4, describe(outcome)
+    elif variant.attention == "cudnn" and not variant.mesh:
+        assert outcome.kernels == 2, describe(outcome)
+    elif variant.attention != "cudnn":
+        assert outcome.kernels == 0, describe(outcome)
+
+
+def test_variants_a_platform_does_not_have_are_skipped_with_the_reason():
+    cudnn = {(v.grads, v.dtype): v for v in aot.variants(attentions=("cudnn",), meshes=(None,))}
+    assert "only on a GPU" in aot.lower_for(CONFIG, cudnn["auto", "bfloat16"], "tpu", OPTIMIZER, B).reason
+    assert "float32 products" in aot.skip_reason(cudnn["auto", "float32"], "cuda")
+    with pytest.raises(ValueError, match="attention_impl 'cudnn' cannot run with compute_dtype 'float32'"):
+        aot.variant_config(CONFIG, cudnn["auto", "float32"])  # the config refuses it too
+    assert "no hand-derived backward" in aot.skip_reason(cudnn["manual", "bfloat16"], "cuda")
+    assert all(aot.absent(v, p) is None for v in aot.variants(attentions=("full", "blockwise", "pallas"))
+               for p in aot.PLATFORMS)
+
+
+def test_a_block_size_triton_cannot_take_fails_the_cuda_lowering_by_name():
+    """pallas_block_q 24 (a multiple of 8, not a power of two): the tpu program lowers,
+    the cuda one fails naming the field and the value."""
+    config = CONFIG.replace(pallas_block_q=24)
+    variant = aot.Variant("pallas", "manual", "bfloat16")
+    assert aot.lower_for(config, variant, "tpu", OPTIMIZER, B).stage == "lowered"
+    with pytest.raises(ValueError, match="ModelConfig.pallas_block_q must be a power of two >= 16 on a GPU "
+                                         "\\(Triton's tiles\\), got 24"):
+        aot.lower_for(config, variant, "cuda", OPTIMIZER, B)
+
+
+def test_cudnn_follows_the_platform_lowered_for():
+    """The cuda program holds cuDNN's calls (with JAX's CUDA plugin) or fails its lowering
+    naming the plugin (without it); lowered for cpu or tpu it fails naming the platform."""
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: cudnn_core(q, k, v, True))
+
+    def export(platform):
+        return jax.export.export(f, platforms=[platform], disabled_checks=aot.EXPORT_CHECKS)(q, q, q)
+
+    for platform in ("cpu", "tpu"):
+        with pytest.raises(ValueError, match=f"runs only on a GPU .*lowered for '{platform}'"):
+            export(platform)
+    if cuda_plugin() is None:
+        with pytest.raises(ValueError, match="cannot be lowered for cuda here: .*CUDA plugin"):
+            export("cuda")
+    else:
+        assert aot.kernel_count(export("cuda").mlir_module()) == 1
+
+
+def test_largest_batch_bisects_over_compiles(monkeypatch):
+    """A stand-in compiler whose program takes 1 GiB per row: 15 rows fit the 15.75 GiB
+    libtpu gives a program on a v5e chip."""
+    tried = []
+
+    def compile_for(config, variant, target, optimizer, batch_size, seq_len=None):
+        tried.append(batch_size)
+        memory = aot.Memory(temp=batch_size * 2**30 - 1024, argument=1024, output=0, alias=0, code=0)
+        return aot.Outcome(variant, target, "compiled", 0.0, 0, memory, batch_size=batch_size)
+
+    monkeypatch.setattr(aot, "compile_for", compile_for)
+    variant = aot.Variant("full", "manual", "bfloat16")
+    assert aot.TARGETS["tpu-v5e"].hbm_bytes == 15.75 * 2**30
+    batch, outcome, outcomes = aot.largest_batch(CONFIG, variant, "tpu-v5e", OPTIMIZER, start=5)
+    assert batch == 15 and outcome.memory.total == 15 * 2**30
+    assert tried == [5, 10, 20, 15, 17, 16] and [o.batch_size for o in outcomes] == sorted(tried)
+    assert aot.largest_batch(CONFIG, variant, "tpu-v5e", OPTIMIZER, start=64, multiple=4)[0] == 12
+    assert aot.largest_batch(CONFIG, variant, "tpu-v5e", OPTIMIZER, start=8, limit=8)[0] == 8
+    assert "| manual_full_bf16 | tpu-v5e | 15 | compiled |" in table([outcome])
+
+
+# ---------------------------------------------------------------------------- compiled by XLA
+
+COMPILE = """
+import json, sys
+from jaxformer.model.config import ModelConfig
+from jaxformer.tools import aot
+from jaxformer.training.optim import make_optimizer
+from jaxformer.training.settings import settings_for
+config = ModelConfig.from_dict(json.loads(sys.argv[1]))
+target, todo = sys.argv[2], [aot.Variant(*v[:3], tuple(v[3]) if v[3] else None) for v in json.loads(sys.argv[3])]
+optimizer = make_optimizer(**settings_for("gpt2").optimizer_kwargs())
+out = aot.run(config, todo, [target], optimizer, batch_size=int(sys.argv[4]))
+print(json.dumps({o.variant.name: dict(stage=o.stage, kernels=o.kernels, reason=o.reason,
+                                       memory=o.memory and o.memory._asdict()) for o in out}))
+"""
+
+
+def compiled(target: str, todo) -> dict:
+    """{variant name: outcome} of aot.run compiling ``todo`` for ``target`` in a subprocess
+    (JAX_PLATFORMS=cpu: the TPU plugin only compiles; no cloud metadata queries)."""
+    env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+    args = [json.dumps(CONFIG.to_dict()), target, json.dumps([list(v) for v in todo]), str(B)]
+    done = subprocess.run([sys.executable, "-c", COMPILE, *args], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_variant_compiles_for_a_tpu_v5e():
+    """libtpu compiles every variant for a v5e chip (the mesh ones for four), Mosaic kernels
+    included, and XLA's memory plan is sane: the arguments are the state and the batch
+    (fsdp=2 halves them on each chip), the donated state is written in place (aliased),
+    and the manual backward's scratch is positive. At this size jax.grad's temporaries
+    all fit in the chip's VMEM (temp 0 bytes of HBM), so manual vs jax.grad is compared at
+    GPT-2's size in docs/benchmark.md, not here."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install 'jaxformer[tpu]'): the TPU compile check needs it")
+    todo = [v for v in aot.variants() if aot.absent(v, "tpu") is None]
+    out = compiled("tpu-v5e", todo)
+    state = aot.abstract_state(CONFIG, OPTIMIZER)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state))
+    one = {}
+    for v in todo:
+        o = out[v.name]
+        if v.attention == "pallas" and v.mesh:  # MOSAIC_ON_A_MESH: when it is fixed, this fails
+            assert o["stage"] == "failed" and "Mosaic kernels cannot be automatically partitioned" in o["reason"]
+            continue
+        assert o["stage"] == "compiled", (v.name, o)
+        assert (o["kernels"] >= 4) == (v.attention == "pallas"), (v.name, o)
+        memory = o["memory"]
+        share = 2 if v.mesh else 1  # the state split over fsdp = 2 (leaves it does not divide stay whole)
+        batch_bytes = 2 * B * CONFIG.max_seq_len * 4  # inputs and targets, int32
+        assert state_bytes / share <= memory["argument"] <= 1.05 * state_bytes / share + batch_bytes
+        assert 0.99 * state_bytes / share <= memory["alias"] <= memory["argument"], (v.name, memory)
+        assert memory["temp"] >= 0 and memory["code"] > 0, (v.name, memory)
+        if v.grads == "manual":
+            assert memory["temp"] > 0, (v.name, memory)
+        one.setdefault(v.mesh, []).append(memory["argument"])
+    assert max(one[aot.MESH]) < min(one[None]), one
+
+
+def test_pallas_and_cudnn_compile_for_an_h100():
+    """With JAX's CUDA plugin, XLA compiles for an H100 it does not have (a GPU target
+    config, no GPU opened): the Triton kernels, cuDNN's attention, a data x fsdp mesh."""
+    if cuda_plugin() is None:
+        pytest.skip("JAX's CUDA plugin is not installed (pip install 'jaxformer[cuda]'): the GPU compile "
+                    "check needs it; the cuda lowering above still runs")
+    todo = [aot.Variant("pallas", "manual", "bfloat16"), aot.Variant("cudnn", "auto", "bfloat16"),
+            aot.Variant("full", "manual", "float32", aot.MESH)]
+    out = compiled("h100", todo)
+    assert all(o["stage"] == "compiled" and o["memory"]["temp"] > 0 for o in out.values()), out
+    assert out["manual_pallas_bf16"]["kernels"] >= 4 and out["auto_cudnn_bf16"]["kernels"] == 2, out
