@@ -27,8 +27,6 @@ from jaxformer.training.settings import settings_for
 CONFIG = get_preset("gpt2", n_layers=2, d_model=128, n_heads=2, d_ff=512, max_seq_len=128, vocab_size=256)
 B = 4  # divides over the 2 x 2 mesh
 OPTIMIZER = make_optimizer(**settings_for("gpt2").optimizer_kwargs())  # AdamW, clipping, cosine
-MOSAIC_ON_A_MESH = ("the Mosaic kernel is not partitioned over a mesh: JAX asks for a shard_map "
-                    "around the pallas_call")
 
 
 def lowering_cases() -> list:
@@ -37,10 +35,7 @@ def lowering_cases() -> list:
         for variant in aot.variants():
             if aot.absent(variant, platform):
                 continue  # test_variants_a_platform_does_not_have_are_skipped_with_the_reason
-            marks = []
-            if platform == "tpu" and variant.attention == "pallas" and variant.mesh:
-                marks = [pytest.mark.xfail(raises=NotImplementedError, strict=True, reason=MOSAIC_ON_A_MESH)]
-            cases.append(pytest.param(platform, variant, id=f"{platform}-{variant.name}", marks=marks))
+            cases.append(pytest.param(platform, variant, id=f"{platform}-{variant.name}"))
     return cases
 
 
@@ -167,9 +162,6 @@ def test_every_variant_compiles_for_a_tpu_v5e():
     one = {}
     for v in todo:
         o = out[v.name]
-        if v.attention == "pallas" and v.mesh:  # MOSAIC_ON_A_MESH: when it is fixed, this fails
-            assert o["stage"] == "failed" and "Mosaic kernels cannot be automatically partitioned" in o["reason"]
-            continue
         assert o["stage"] == "compiled", (v.name, o)
         assert (o["kernels"] >= 4) == (v.attention == "pallas"), (v.name, o)
         memory = o["memory"]

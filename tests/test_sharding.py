@@ -17,10 +17,13 @@ from helpers import host_devices_flags, tiny_settings
 
 STEPS = 3
 CASES = [("data=8", "auto", ""), ("data=2,fsdp=4", "auto", ""), ("data=8", "manual", ""),
-         ("data=2,fsdp=4", "manual", ""), ("data=2,fsdp=4", "manual", "modern")]
+         ("data=2,fsdp=4", "manual", ""), ("data=2,fsdp=4", "manual", "modern"),
+         ("data=2,fsdp=4", "manual", "pallas")]
 # the modern block on the tiny preset: multi-query attention, rotary positions, RMS norm, SwiGLU, QK-norm
 MODERN = dict(norm_type="rms", positions="rope", mlp="gated", activation="silu", n_kv_heads=1,
               qk_norm=True, bias=False)
+# model overrides of each case's kind; "pallas": the kernel runs per shard of the batch (shard_map)
+KINDS = {"": {}, "modern": MODERN, "pallas": dict(attention_impl="pallas", pallas_block_q=8, pallas_block_k=8)}
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -32,7 +35,7 @@ SCRIPT = textwrap.dedent("""
     from helpers import tiny_settings
 
     corpus, out, steps, cases = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-    modern = json.loads(sys.argv[5])
+    kinds = json.loads(sys.argv[5])
     assert jax.device_count() == 8, jax.devices()
     batch = put_batch({"inputs": np.zeros((8, 16), np.int32)}, make_mesh(shape="data=2,fsdp=4"))
     assert [s.data.shape for s in batch["inputs"].addressable_shards] == [(1, 16)] * 8
@@ -49,12 +52,12 @@ SCRIPT = textwrap.dedent("""
             errors[name] = str(e)
     out_records = {}
     for mesh, grads, kind in cases:
-        model = modern if kind else {}
+        model = kinds[kind]
         result = train(tiny_settings(corpus, steps=steps, eval_every=steps, mesh=mesh, grads=grads, model=model),
                        f"{out}/{mesh}-{grads}{kind}", progress=False)
         params = result.state.params
         out_records[f"{mesh} {grads}{kind}"] = result.records
-        if kind:  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too
+        if kind == "modern":  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too
             w_up = params["blocks"]["ffn"]["w_up"]
             assert [s.data.shape for s in w_up.addressable_shards] == [(2, 16, 6)] * 8
         elif "fsdp=4" in mesh:  # (V, D) = (256, 16): split along V; ln_f scale (16,): along D
@@ -83,7 +86,7 @@ def test_meshes_match_one_device(corpus, tmp_path):
     # compiled like the rest of the suite (conftest.py): faster, and the same on both sides
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, corpus, str(tmp_path / "sharded"), str(STEPS),
-                           json.dumps(CASES), json.dumps(MODERN)], capture_output=True, text=True, env=env, timeout=900)
+                           json.dumps(CASES), json.dumps(KINDS)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     errors = result["errors"]
@@ -92,9 +95,8 @@ def test_meshes_match_one_device(corpus, tmp_path):
     assert "fsdp=3 does not divide the 8 devices" in errors["fsdp"]
     assert "has 6 rows, which do not divide over the 8 devices" in errors["rows"]
     sharded = result["records"]
-    for grads, kind in (("auto", ""), ("manual", ""), ("manual", "modern")):
-        single = train(tiny_settings(corpus, steps=STEPS, eval_every=STEPS, grads=grads,
-                                     model=MODERN if kind else {}),
+    for grads, kind in (("auto", ""), ("manual", ""), ("manual", "modern"), ("manual", "pallas")):
+        single = train(tiny_settings(corpus, steps=STEPS, eval_every=STEPS, grads=grads, model=KINDS[kind]),
                        tmp_path / f"single-{grads}{kind}", progress=False).records
         runs = [f"{mesh} {g}{k}" for mesh, g, k in CASES if (g, k) == (grads, kind)] + (
             ["resumed"] if grads == "auto" else [])

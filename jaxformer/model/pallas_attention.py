@@ -137,7 +137,26 @@ def on_platform(branch, *args):
     branch; a multi-platform export with the kernel fails (JAX lowers every kept branch
     for every platform, and a compiled pallas_call has no CPU lowering)."""
     gpu, tpu, cpu = (functools.partial(_guarded, branch, d) for d in ("gpu", "tpu", "cpu"))
-    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=cpu)
+
+    def switch(*args):
+        return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=cpu)
+
+    return per_example_shards(switch, *args)
+
+
+def per_example_shards(f, *args):
+    """f(*args), every arg and result batched along axis 0, run per shard of the batch
+    when the trace has a mesh (``jax.sharding.get_abstract_mesh()``: the training step
+    sets it): a kernel is one custom call that XLA cannot partition (Mosaic refuses to,
+    Triton's would be gathered whole), and attention is independent per example, so each
+    device runs the kernel on its own rows. Without a mesh, or a batch the mesh does not
+    divide, f(*args)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or args[0].shape[0] % mesh.size:
+        return f(*args)
+    rows = jax.sharding.PartitionSpec(mesh.axis_names)
+    return jax.shard_map(f, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
+                         check_vma=False)(*args)
 
 
 def _guarded(branch, device: str, *args):

@@ -146,7 +146,20 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
         replicated, split = mesh_shardings(mesh)
         layout = replicated if state_sharding is None else state_sharding
         kwargs.update(in_shardings=(layout, split), out_shardings=(layout, replicated))
+        return jax.jit(_under_mesh(step, mesh), **kwargs)
     return jax.jit(step, **kwargs)
+
+
+def _under_mesh(step, mesh: Mesh):
+    """``step`` traced with ``mesh`` as the context's abstract mesh, so that a layer that
+    must run per shard (the Pallas kernel: pallas_attention.per_example_shards) sees it."""
+    abstract = getattr(mesh, "abstract_mesh", mesh)  # a Mesh's, or an AbstractMesh itself
+
+    @functools.wraps(step)
+    def traced(state, batch):
+        with jax.sharding.use_abstract_mesh(abstract):
+            return step(state, batch)
+    return traced
 
 
 def make_eval_step(config: ModelConfig, mesh: Mesh | None = None):
