@@ -125,3 +125,11 @@ def test_readme_excerpts_have_the_shape_of_todays_output(monkeypatch, tmp_path):
         got = [rx.mask(line) for line in printed[name] if rx.mask(line).startswith(keep)]
         assert got == want, f"{name}: README.md shows another output; run python experiments/readme_examples.py"
     assert any(line.startswith("The ") for line in printed["generate"])  # the sample, after its prompt
+
+
+def test_readme_first_screen_stays_short():
+    """Install, train, sample first; the long tables live in docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move detail to docs/"
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[0] == "## Install, train, sample", headings
