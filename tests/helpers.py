@@ -242,3 +242,13 @@ LEAN_SHAPES = [(2, 13, "mostly_zero"), (2, 13, None), (3, 3, "bool"), (2, 3, "in
                (2, 7, None), (3, 1, "mostly_zero"), (2, 12, "int"), (1, 9, "bool")]
 LEAN_CASES = [(LEAN_TINY.replace(**row), *shape)
               for row, shape in zip(lean_covering_rows(), LEAN_SHAPES)]
+
+
+def one_line_error(capsys, code, expected_code=2):
+    """The single ``error: ...`` line a command wrote to stderr, after checking its exit
+    code and that no traceback came with it."""
+    err = capsys.readouterr().err
+    assert code == expected_code, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

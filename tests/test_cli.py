@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxformer.cli.main import main
+from helpers import one_line_error
 
 
 def _train_args(corpus, out, *extra):
@@ -21,14 +22,6 @@ def run_dir(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "run"
     assert main(_train_args(corpus, out)) == 0
     return out
-
-
-def _one_line_error(capsys, code, expected_code=2):
-    err = capsys.readouterr().err
-    assert code == expected_code, err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_train_writes_a_run_folder(run_dir, capsys):
@@ -71,7 +64,7 @@ def test_resume_continues_with_the_saved_settings(run_dir, tmp_path, capsys):
     # a differing model is refused, naming the fields
     code = main(["train", "--out", str(copy), "--resume", "--preset", "cllm", "--steps", "9",
                  "--no-progress"])
-    line = _one_line_error(capsys, code)
+    line = one_line_error(capsys, code)
     assert "model config differs in activation: 'gelu' (checkpoint) vs 'tanh' (requested)" in line
     assert "d_model: 16 (checkpoint) vs 64 (requested)" in line
 
@@ -97,7 +90,7 @@ def test_resume_continues_with_the_saved_settings(run_dir, tmp_path, capsys):
 ])
 def test_bad_input_is_one_error_line_and_exit_code_2(args, message, tmp_path, corpus, run_dir, capsys):
     args = [a.format(tmp=tmp_path, corpus=corpus, run=run_dir) for a in args]
-    line = _one_line_error(capsys, main(args))
+    line = one_line_error(capsys, main(args))
     assert message in line, line
 
 

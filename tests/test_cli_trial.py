@@ -12,19 +12,12 @@ import pytest
 import jaxformer
 from jaxformer.checkpoints.hf import write_hf
 from jaxformer.cli.main import main
+from helpers import one_line_error
 from jaxformer.observe import flops
 
 # a GPT-2 small enough to build by hand: config.json of the folders below
 GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 16, "n_head": 2, "n_layer": 1,
                "n_positions": 16}
-
-
-def _one_line_error(capsys, code, expected_code=2):
-    err = capsys.readouterr().err
-    assert code == expected_code, err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def _folder(root, name, config, weights: bytes | None = None):
@@ -52,7 +45,7 @@ def test_a_broken_hugging_face_folder_is_one_error_line(name, config, weights, m
     folder = _folder(tmp_path, name, config, weights)
     code = main(["train", "--init-from", str(folder), "--corpus", corpus, "--steps", "1",
                  "--out", str(tmp_path / "run"), "--no-progress"])
-    line = _one_line_error(capsys, code)
+    line = one_line_error(capsys, code)
     assert message in line and name in line, line
     assert not (tmp_path / "run").exists()
 
@@ -60,7 +53,7 @@ def test_a_broken_hugging_face_folder_is_one_error_line(name, config, weights, m
 def test_compare_grads_init_from_a_broken_folder_is_one_error_line(tmp_path, capsys):
     folder = _folder(tmp_path, "gpt2-no-width", {"model_type": "gpt2", "vocab_size": 256})
     code = main(["compare-grads", "--init-from", str(folder), "--out", str(tmp_path / "cg")])
-    assert "config.json: 'n_embd' is missing" in _one_line_error(capsys, code)
+    assert "config.json: 'n_embd' is missing" in one_line_error(capsys, code)
 
 
 @pytest.mark.parametrize("argv", [
@@ -85,7 +78,7 @@ def test_an_output_folder_that_is_a_file_is_refused_before_any_work(argv, tmp_pa
     file = tmp_path / "taken.txt"
     file.write_text("a file")
     argv = [a.format(corpus=corpus, file=file, tmp=tmp_path) for a in argv]
-    line = _one_line_error(capsys, main(argv))
+    line = one_line_error(capsys, main(argv))
     assert "a file, not a folder" in line and str(file) in line, line
     assert file.read_text() == "a file"
 
@@ -198,7 +191,7 @@ def test_train_corpus_refuses_record_files_and_names_prepare(name, tmp_path, cap
         target.write_bytes(b'{"text": "a record"}\n' if name.endswith(".jsonl") else b"PAR1....PAR1")
     code = main(["train", "--preset", "tiny", "--corpus", str(target), "--steps", "1",
                  "--out", str(tmp_path / "run"), "--no-progress"])
-    line = _one_line_error(capsys, code)
+    line = one_line_error(capsys, code)
     kind = "a Parquet file" if name.endswith(".parquet") else "a JSONL file"
     assert f"is {kind}" in line and "jaxformer prepare --corpus" in line and "--data DIR" in line, line
 
@@ -216,5 +209,68 @@ def test_init_from_a_short_model_takes_its_max_seq_len(tmp_path, corpus, capsys)
     assert f"seq_len {config.max_seq_len}: the max_seq_len of the model from --init-from {folder}" in err
     code = main(["train", "--init-from", str(folder), "--corpus", corpus, "--steps", "1", "--seq-len", "32",
                  "--out", str(tmp_path / "run2"), "--no-progress"])
-    line = _one_line_error(capsys, code)
+    line = one_line_error(capsys, code)
     assert f"--seq-len 32 exceeds the max_seq_len 16 of the model from --init-from {folder}" in line
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--beta2", "1.5", "beta2 (--beta2) must be < 1, got 1.5"),
+    ("--beta1", "-0.5", "beta1 (--beta1) must be >= 0"),
+    ("--adam-eps", "0", "adam_eps (--adam-eps) must be > 0"),
+    ("--weight-decay", "-1", "weight_decay (--weight-decay) must be >= 0"),
+    ("--momentum", "1.5", "momentum (--momentum) must be <= 1.0"),
+])
+def test_an_optimizer_setting_out_of_range_is_named_as_given(flag, value, message, tmp_path, corpus,
+                                                            capsys):
+    code = main(["train", "--preset", "tiny", "--corpus", corpus, "--steps", "1", flag, value,
+                 "--out", str(tmp_path / "run"), "--no-progress"])
+    assert message in one_line_error(capsys, code)
+
+
+def test_init_from_a_vocabulary_not_the_tokenizer_is_refused_before_compiling(tmp_path, corpus, capsys,
+                                                                             monkeypatch):
+    """A byte-vocabulary model (256 tokens) with a char tokenizer: refused once the tokenizer
+    is built, before the step is compiled or any state made."""
+    import jaxformer.training.loop as loop
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled the step before the vocabulary was checked")
+
+    monkeypatch.setattr(loop, "check_run_memory", no_compile)
+    monkeypatch.setattr(loop, "init_fn", no_compile)
+    config = jaxformer.get_preset("llama-tiny", qk_norm=False)
+    folder, _ = write_hf(tmp_path / "llama", jaxformer.init_params(jax.random.PRNGKey(0), config), config)
+    code = main(["train", "--init-from", str(folder), "--tokenizer", "char", "--corpus", corpus,
+                 "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress"])
+    line = one_line_error(capsys, code)
+    assert "the initial model's vocabulary has 256 tokens, the tokenizer's" in line, line
+
+
+def test_a_run_config_repeats_it_from_another_folder_and_resumes_it(tmp_path, corpus, capsys, monkeypatch):
+    """config.toml holds the corpus as an absolute path (a built-in corpus by its name):
+    `train --config` repeats the run from any folder, and resumes the run it came from,
+    whose checkpoint holds the corpus as it was given."""
+    import shutil
+
+    from jaxformer.training.configfile import read_config
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(corpus, work / "corpus.txt")
+    monkeypatch.chdir(work)
+    small = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-progress"]
+    assert main(["train", "--corpus", "corpus.txt", "--steps", "1", "--out", "runs/t4", *small]) == 0
+    _, train = read_config(work / "runs" / "t4" / "config.toml")
+    assert train["corpus"] == str(work / "corpus.txt") and train["tokenizer"] == "byte"
+    # resumed from its own config.toml: the checkpoint's relative corpus is the same file
+    capsys.readouterr()
+    code = main(["train", "--config", "runs/t4/config.toml", "--steps", "2", "--out", "runs/t4", "--resume",
+                 "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--config", "work/runs/t4/config.toml", "--steps", "2", "--out", "work/runs/t4c",
+                 "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert main(["train", "--corpus", "default", "--steps", "1", "--out", "builtin", *small,
+                 "--max-corpus-bytes", "20000"]) == 0
+    assert read_config(tmp_path / "builtin" / "config.toml")[1]["corpus"] == "default"

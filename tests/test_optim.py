@@ -38,10 +38,10 @@ def _close(a, b, atol=ATOL, rtol=RTOL):
     (dict(schedule="exp"), "unknown schedule"),
     (dict(lr=-1.0), "lr must be >= 0"),
     (dict(lr="big"), "lr must be a finite number"),
-    (dict(clip_value=0.0), "clip_value must be > 0"),
-    (dict(clip_norm=-1.0), "clip_norm must be > 0"),
-    (dict(weight_decay=-0.1), "weight_decay must be >= 0"),
-    (dict(accum_steps=0), "accum_steps must be an integer >= 1"),
+    (dict(clip_value=0.0), "clip_value (--clip-value) must be > 0"),
+    (dict(clip_norm=-1.0), "clip_norm (--clip-norm) must be > 0"),
+    (dict(weight_decay=-0.1), "weight_decay (--weight-decay) must be >= 0"),
+    (dict(accum_steps=0), "accum_steps (--accum-steps) must be an integer >= 1"),
     (dict(warmup_steps=-1), "warmup_steps"),
     (dict(schedule="cosine"), "needs total_steps"),
     (dict(schedule="cosine", warmup_steps=10, total_steps=10), "total_steps (10) > warmup_steps (10)"),
@@ -49,6 +49,11 @@ def _close(a, b, atol=ATOL, rtol=RTOL):
     (dict(name="muon", muon_lr=float("nan")), "muon_lr (--muon-lr) must be a finite number"),
     (dict(name="muon", muon_momentum=1.0), "muon_momentum (--muon-momentum) must be < 1"),
     (dict(name="muon", muon_momentum=-0.5), "muon_momentum (--muon-momentum) must be >= 0"),
+    (dict(b1=1.0), "beta1 (--beta1) must be < 1, got 1.0"),
+    (dict(b2=1.5), "beta2 (--beta2) must be < 1, got 1.5"),
+    (dict(b2=-0.1), "beta2 (--beta2) must be >= 0"),
+    (dict(eps=0.0), "adam_eps (--adam-eps) must be > 0"),
+    (dict(momentum=2.0), "momentum (--momentum) must be <= 1.0"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError) as info:

@@ -286,3 +286,25 @@ def test_resume_from_data_is_bit_exact_and_the_run_keeps_its_tokenizer(tmp_path)
     _, config, tokenizer, _ = runs.load_state(tmp_path / "straight", state_template)
     assert tokenizer == data.load_tokenizer_file(str(tmp_path / "d" / "tokenizer.json"))
     assert config.vocab_size == tokenizer.vocab_size
+
+
+@pytest.mark.parametrize("missing", ["datasets", "offline"])
+def test_a_dataset_that_cannot_be_opened_is_refused_before_the_progress_bar(missing, monkeypatch,
+                                                                            tmp_path, capsys):
+    """`jaxformer prepare --corpus hf:...` without the `datasets` package (or offline): the
+    one error line alone, no "tokenizing" bar drawn first, and no folder left behind."""
+    from jaxformer.cli.main import main
+
+    def load_dataset(name, config, split, streaming):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    fake = None if missing == "datasets" else __import__("types").SimpleNamespace(load_dataset=load_dataset)
+    monkeypatch.setitem(__import__("sys").modules, "datasets", fake)
+    code = main(["prepare", "--corpus", "hf:wikitext:wikitext-103-raw-v1", "--tokenizer", "byte",
+                 "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "tokenizing" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "hf:wikitext" in lines[0], err
+    assert not (tmp_path / "d").exists()

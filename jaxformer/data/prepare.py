@@ -212,11 +212,15 @@ def _prepare_into(out: Path, source: dict, progress: bool, log: Callable[[str], 
     dtype = shards.token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, source["shard_tokens"], source["val_fraction"])
     n_docs = n_bytes = 0
+    # the source opened, and its first piece read, before the bar shows: a dataset that
+    # cannot be opened (no `datasets` package, offline) is one error, not a bar and an error
+    stream = pieces(corpus, text_field)
+    first = next(stream, None)
     with tqdm(total=total_bytes(corpus), unit="B", unit_scale=True, disable=not progress,
               desc="tokenizing", dynamic_ncols=True) as bar:
         def counted():
             nonlocal n_docs, n_bytes
-            for piece in pieces(corpus, text_field):
+            for piece in itertools.chain([] if first is None else [first], stream):
                 n_docs += piece.new_doc
                 n_bytes += _text_bytes(piece)
                 yield piece

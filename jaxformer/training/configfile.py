@@ -4,14 +4,17 @@
 ``read_config(path)`` returns the two tables, checked against the field names;
 ``write_config(path, settings, config)`` writes a run's fully resolved settings
 (every run folder gets one, ``config.toml``), which ``jaxformer train --config``
-reads back. Fields that are None are left out (for clipping, 0 stands for off), and
-vocab_size is a comment: it always comes from the tokenizer.
+reads back. Fields that are None are left out (for clipping, 0 stands for off),
+vocab_size is a comment: it always comes from the tokenizer, and the corpus, data
+and tokenizer files are written as absolute paths (``absolute_paths``), so the file
+repeats the run from any folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +23,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from jaxformer.data.corpora import CORPUS_NAMES
+from jaxformer.data.sources import HF_PREFIX
+from jaxformer.data.tokenizers import TOKENIZER_KINDS
 from jaxformer.model.config import ModelConfig
 from jaxformer.training.settings import TrainSettings, settings_for
 
@@ -80,11 +86,41 @@ def _table(name: str, values: dict) -> list[str]:
     return [f"[{name}]"] + [f"{k} = {_value(v)}" for k, v in values.items() if v is not None] + [""]
 
 
+PATH_FIELDS = ("corpus", "data", "tokenizer")  # settings that may name a file or folder
+
+
+def _is_path(name: str, value) -> bool:
+    """Whether the setting ``name``'s ``value`` names a file or folder (not a built-in
+    corpus, a hf: dataset or a tokenizer kind)."""
+    if not isinstance(value, str) or not value:
+        return False
+    if name == "corpus":
+        return value not in CORPUS_NAMES and not value.startswith(HF_PREFIX)
+    if name == "tokenizer":
+        return value not in TOKENIZER_KINDS
+    return True
+
+
+def absolute_paths(train: dict) -> dict:
+    """``train`` (TrainSettings fields) with the corpus, data and tokenizer paths made
+    absolute, relative to the current folder; built-in names stay as they are."""
+    return {k: os.path.abspath(v) if k in PATH_FIELDS and _is_path(k, v) else v for k, v in train.items()}
+
+
+def same_path(name: str, a, b) -> bool:
+    """Whether two values of the setting ``name`` name the same file or folder (one
+    absolute, one relative to the current folder), or are equal."""
+    if a == b:
+        return True
+    return _is_path(name, a) and _is_path(name, b) and os.path.abspath(a) == os.path.abspath(b)
+
+
 def write_config(path, settings, config: ModelConfig) -> None:
-    """``path``: the resolved ``config`` as [model] and ``settings`` as [train]."""
+    """``path``: the resolved ``config`` as [model] and ``settings`` as [train] (its
+    paths absolute)."""
     model = config.to_dict()
     vocab = model.pop("vocab_size")
-    train = {k: v for k, v in settings.to_dict().items() if k != "model"}
+    train = absolute_paths({k: v for k, v in settings.to_dict().items() if k != "model"})
     for name in OFF_IS_ZERO:
         if train.get(name) is None:
             train[name] = 0.0

@@ -46,15 +46,21 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -
     )
 
 
+def check_init_vocab(params, config: ModelConfig) -> None:
+    """The vocabulary of ``params`` (their tok_embed rows) must be ``config``'s, the
+    tokenizer's: ValueError otherwise (the loop asks before it compiles the step)."""
+    rows = getattr(params.get("tok_embed") if isinstance(params, dict) else None, "shape", (None,))[0]
+    if rows is not None and rows != config.vocab_size:
+        raise ValueError(f"the initial model's vocabulary has {rows} tokens, the tokenizer's "
+                         f"{config.vocab_size}: train it with the tokenizer it was made for")
+
+
 def with_params(state: TrainState, params, config: ModelConfig) -> TrainState:
     """``state`` with ``params`` (host arrays, e.g. an imported model) in place of its
     own, in its dtypes and layout; ValueError naming the first leaf that does not fit
     ``config`` (a vocabulary other than the tokenizer's names tok_embed). The optimizer
     state of sgd / momentum / adam(w) / muon does not depend on the params' values."""
-    rows = getattr(params.get("tok_embed") if isinstance(params, dict) else None, "shape", (None,))[0]
-    if rows is not None and rows != config.vocab_size:
-        raise ValueError(f"the initial model's vocabulary has {rows} tokens, the tokenizer's "
-                         f"{config.vocab_size}: train it with the tokenizer it was made for")
+    check_init_vocab(params, config)
     validate_params(params, config)
     return state._replace(params=jax.tree_util.tree_map(
         lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding), params, state.params))
