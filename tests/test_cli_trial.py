@@ -8,12 +8,14 @@ import re
 import jax
 import numpy as np
 import pytest
+from tqdm import tqdm
 
 import jaxformer
 from jaxformer.checkpoints.hf import write_hf
+from jaxformer.cli.args import run_command
 from jaxformer.cli.main import main
-from helpers import one_line_error
 from jaxformer.observe import flops
+from helpers import one_line_error
 
 # a GPT-2 small enough to build by hand: config.json of the folders below
 GPT2_CONFIG = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 16, "n_head": 2, "n_layer": 1,
@@ -274,3 +276,17 @@ def test_a_run_config_repeats_it_from_another_folder_and_resumes_it(tmp_path, co
     assert main(["train", "--corpus", "default", "--steps", "1", "--out", "builtin", *small,
                  "--max-corpus-bytes", "20000"]) == 0
     assert read_config(tmp_path / "builtin" / "config.toml")[1]["corpus"] == "default"
+
+
+def test_an_error_during_a_progress_bar_starts_its_own_line(capsys):
+    """A bar is drawn without a newline; the error (here a ValueError, as Ctrl-C's
+    "interrupted" in test_stopping.py) closes it first, so the error line stands alone."""
+    def work():
+        bar = tqdm(total=10, desc="tokenizing")
+        bar.update(3)
+        raise ValueError("the corpus ran out")
+
+    assert run_command(work) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "error: the corpus ran out", err
+    assert "tokenizing" in err

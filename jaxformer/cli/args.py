@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from tqdm import tqdm
+
 from jaxformer.checkpoints.checkpoint import CheckpointError
 from jaxformer.training.loop import NonFiniteLossError
 
@@ -91,13 +93,21 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def error_line(message: str) -> None:
+    """``error: message`` on stderr, on a line of its own: a progress bar still drawn (tqdm
+    writes it without a newline) is closed first, so the error never joins its line."""
+    for bar in list(getattr(tqdm, "_instances", ())):  # the live bars (tqdm's own registry)
+        bar.close()
+    print(f"error: {message}", file=sys.stderr)
+
+
 def exit_at_ctrl_c(signum, frame) -> None:
     """A SIGINT handler that ends the process at once with ``error: interrupted`` and 130.
     Raising KeyboardInterrupt is not enough for a long native computation: when the signal
     lands inside a callback (JAX's garbage-collection hook) Python prints "Exception
     ignored" and carries on. Commands with nothing to save use this (train checkpoints)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    print("error: interrupted", file=sys.stderr)
+    error_line("interrupted")
     exit_now(130)
 
 
@@ -114,13 +124,13 @@ def run_command(fn: Callable[..., int | None], *args, exit_on_interrupt: bool = 
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except (UsageError, CheckpointError, ValueError, OSError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        error_line(one_line(e))
         return 2
     except NonFiniteLossError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        error_line(one_line(e))
         return 1
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        error_line("interrupted")
         if exit_on_interrupt:
             exit_now(130)
         return 130
