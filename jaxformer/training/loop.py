@@ -35,7 +35,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params
 from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, first_non_finite_loss
-from jaxformer.training.configfile import CONFIG_FILE, PATH_FIELDS, same_path, write_config
+from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
 from jaxformer.training.memory_check import check_run_memory
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
@@ -100,7 +100,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     # the data, the state and the step
     saved_meta = None
     if resume:
-        settings, saved_meta = resume_settings(run_dir, saved_paths(run_dir, settings))
+        settings, saved_meta = resume_settings(run_dir, settings)
     else:
         check_fresh(run_dir)
     mesh = make_mesh(devices, settings.mesh)
@@ -216,17 +216,6 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     # the report
     timing = run_log.summary()
     return TrainResult(state, config, data.tokenizer, run_log.records, run_dir, timing)
-
-
-def saved_paths(run_dir: Path, settings: TrainSettings) -> TrainSettings:
-    """``settings`` with each path the checkpoint's settings spell otherwise (a
-    config.toml's absolute path, a relative one in the checkpoint) but that names the
-    same file or folder written the checkpoint's way: the same corpus resumes."""
-    saved = checkpoint.newest_meta(run_dir)["settings"]
-    changes = {name: saved[name] for name in PATH_FIELDS
-               if name in saved and saved[name] != getattr(settings, name)
-               and same_path(name, saved[name], getattr(settings, name))}
-    return settings.replace(**changes) if changes else settings
 
 
 def _every(s: int, n: int) -> bool:

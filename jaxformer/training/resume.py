@@ -20,6 +20,7 @@ from pathlib import Path
 from jaxformer.checkpoints import checkpoint
 from jaxformer.data import shards_fingerprint, tokenizer_from_dict
 from jaxformer.model.config import ModelConfig
+from jaxformer.training.configfile import PATH_FIELDS, same_path
 from jaxformer.training.settings import (RESUMABLE_CHANGES, TrainSettings, config_diff, diff_fields,
                                          keep_schedule)
 
@@ -115,10 +116,14 @@ def check_fresh(run_dir: Path) -> None:
 
 def resume_settings(run_dir: Path, settings: TrainSettings) -> tuple[TrainSettings, dict]:
     """(the settings to resume with, the meta of the newest checkpoint whose meta reads):
-    the schedule horizon kept (a note on stderr when that matters), the rest checked
-    against the checkpoint (``check_resume``)."""
+    a path that names the checkpoint's file or folder in another spelling (config.toml's
+    absolute one) taken as the checkpoint spells it, the schedule horizon kept (a note on
+    stderr when that matters), the rest checked against the checkpoint (``check_resume``)."""
     saved_meta = checkpoint.newest_meta(run_dir)
-    settings, note = keep_schedule(settings, TrainSettings.from_dict(saved_meta["settings"]))
+    saved = TrainSettings.from_dict(saved_meta["settings"])
+    same = {name: getattr(saved, name) for name in PATH_FIELDS
+            if same_path(name, getattr(saved, name), getattr(settings, name))}
+    settings, note = keep_schedule(settings.replace(**same), saved)
     if note:
         _say(note)
     return settings, check_resume(run_dir, settings, saved_meta)
