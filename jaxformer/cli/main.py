@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from importlib import metadata
 
-import jaxformer
 from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, prepare, presets, train
 from jaxformer.cli.args import Parser, UsageError, exit_at_ctrl_c, run_command
+from jaxformer.tools.doctor import project_version
 
 DESCRIPTION = """\
 Train a small transformer language model written as pure JAX functions, whose
@@ -57,18 +56,12 @@ COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets":
             "compare-grads": compare_grads, "bench": bench, "export": export, "doctor": doctor}
 
 
-def version() -> str:
-    """The installed distribution's version, else the package's __version__."""
-    try:
-        return metadata.version("jaxformer")
-    except metadata.PackageNotFoundError:
-        return jaxformer.__version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxformer", description=DESCRIPTION, epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"jaxformer {version()}")
+    parser.add_argument("--version", action="version", version=f"jaxformer {project_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS.values():
         command.add_parser(subparsers)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.model.attention import attention_probs, check_cudnn, repeat_kv
+from jaxformer.model.attention import cudnn_core as model_cudnn_core
 from jaxformer.model.config import ModelConfig, get_preset
 from jaxformer.model.pallas_backward import flash_attention
 from jaxformer.model.params import init_params
@@ -126,11 +127,11 @@ def pallas_core(q, k, v, compute_dtype=None, block_q=0, block_k=0):
 
 
 def cudnn_core(q, k, v, compute_dtype="bfloat16"):
-    """attention_impl "cudnn"'s core (model/attention.py cudnn_attention), in (B, H, T, Dh)."""
+    """attention_impl "cudnn"'s core, the model's own (model/attention.py cudnn_core, as
+    cudnn_attention calls it), in (B, H, T, Dh)."""
     check_cudnn(compute_dtype)
     q, k, v = (jnp.swapaxes(a, 1, 2).astype(compute_dtype) for a in (q, k, v))  # (B, T, H, Dh)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    return jnp.swapaxes(out, 1, 2).astype(jnp.float32)
+    return jnp.swapaxes(model_cudnn_core(q, k, v, True), 1, 2).astype(jnp.float32)
 
 
 def core_vjp(core, q, k, v, do):
