@@ -17,15 +17,14 @@ import functools
 import math
 
 import jax
-import jax.extend
 import jax.numpy as jnp
-from jax.interpreters import mlir
 
 from jaxformer.model.blockwise import blockwise_attention_core
 from jaxformer.model.dropout import dropout
 from jaxformer.model.linear import linear
 from jaxformer.model.pallas_backward import flash_attention
 from jaxformer.model.precision import matmul, upcast
+from jaxformer.model.refused import refused
 from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.rotary import apply_rope, rope_tables
 
@@ -214,7 +213,7 @@ def cudnn_attention(p, x, n_heads, causal, compute_dtype=None, n_kv_heads=0, nor
 
 
 OFF_GPU = ("attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); the program "
-           "is lowered for {platform!r}: use 'pallas', 'blockwise' or 'full'")
+           "is lowered for {platform}: use 'pallas', 'blockwise' or 'full'")
 
 
 def cudnn_core(q, k, v, causal):
@@ -227,36 +226,19 @@ def cudnn_core(q, k, v, causal):
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
         except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a shape cuDNN refuses
-            said = str(error).replace("{", "{{").replace("}", "}}")
             hint = (" (JAX reads cuDNN's version from its CUDA plugin while tracing: pip install "
                     "'jaxformer[cuda]')") if isinstance(error, RuntimeError) else ""
-            return _refused(q, f"attention_impl 'cudnn' cannot be lowered for cuda here: {said}{hint}")
+            return _refused(q, f"attention_impl 'cudnn' cannot be lowered for cuda here: {error}{hint}")
 
     return jax.lax.platform_dependent(q, k, v, cuda=on_cuda, default=lambda q, k, v: _refused(q, OFF_GPU))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _refused(like, message: str):
-    """A stand-in of ``like``'s shape and dtype whose lowering (or eager run) raises
-    ValueError(message), ``{platform}`` filled with the platform lowered for; its
-    cotangent is another such stand-in."""
-    return _refused_p.bind(like, message=message)
+    """refused.refused of ``like``'s shape and dtype (ValueError), differentiable: its
+    cotangent is another such stand-in, so jax.grad traces the cuda program's other branch."""
+    return refused(like, ValueError, message)
 
 
 _refused.defvjp(lambda like, message: (_refused(like, message), None),
                 lambda message, _, g: (_refused(g, message),))
-
-
-def _refuse_lowering(ctx, like, *, message):
-    platforms = getattr(ctx.module_context, "platforms", None) or ("?",)
-    raise ValueError(message.format(platform=", ".join(platforms)))
-
-
-def _refuse_run(like, *, message):
-    raise ValueError(message.format(platform=jax.default_backend()))
-
-
-_refused_p = jax.extend.core.Primitive("cudnn_attention_refused")
-_refused_p.def_abstract_eval(lambda like, message: jax.core.ShapedArray(like.shape, like.dtype))
-_refused_p.def_impl(_refuse_run)
-mlir.register_lowering(_refused_p, _refuse_lowering)

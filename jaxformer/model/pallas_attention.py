@@ -41,15 +41,14 @@ import math
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
-from jax.interpreters import mlir
 
 from jaxformer.model import pallas_tune
 from jaxformer.model.precision import stats_dtype
+from jaxformer.model.refused import refused
 
 # (block_q, block_k) when ModelConfig.pallas_block_q / pallas_block_k are 0 (on a GPU: when
 # no autotuned choice exists, pallas_tune.py). GPU: tiles small enough for the backward's
@@ -167,21 +166,7 @@ def _guarded(branch, device: str, *args):
     try:
         return branch(device, *args)
     except TilingError as error:
-        shapes = jax.eval_shape(functools.partial(branch, "cpu"), *args)
-        flat, tree = jax.tree_util.tree_flatten(shapes)
-        outs = _refused_p.bind(message=str(error), avals=tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in flat))
-        return jax.tree_util.tree_unflatten(tree, outs)
-
-
-def _refuse(*args, message: str, avals):
-    raise TilingError(message)
-
-
-_refused_p = jax.extend.core.Primitive("pallas_attention_refused")  # a branch that cannot be built
-_refused_p.multiple_results = True
-_refused_p.def_abstract_eval(lambda *args, message, avals: avals)
-_refused_p.def_impl(_refuse)
-mlir.register_lowering(_refused_p, lambda ctx, *args, message, avals: _refuse(message=message, avals=avals))
+        return refused(jax.eval_shape(functools.partial(branch, "cpu"), *args), TilingError, str(error))
 
 
 def pad(x, length: int, width: int | None = None):
