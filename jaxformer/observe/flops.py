@@ -147,12 +147,7 @@ def measure_cpu_peak(n: int = 1024, reps: int = 10) -> float | None:
     A figure no CPU could reach (plausible_cpu_peak), cached or measured, is dropped: the
     matmul is measured again, and if it is still implausible the peak is None (MFU n/a)."""
     path, key = peak_cache_path(), cpu_key(n)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if not isinstance(cached, dict):
-        cached = {}
+    cached = _peak_cache()
     if plausible_cpu_peak(cached.get(key)):
         return float(cached[key])
     peak = cpu_matmul_flops(n, reps)
@@ -172,13 +167,18 @@ def measure_cpu_peak(n: int = 1024, reps: int = 10) -> float | None:
     return peak
 
 
-def cached_cpu_peak(n: int = 1024) -> float | None:
-    """The figure peak_cache_path() holds for this machine's (n, n) matmul, None when none."""
+def _peak_cache() -> dict:
+    """The peaks peak_cache_path() holds ({} when it is missing, unreadable or not a table)."""
     try:
         cached = json.loads(peak_cache_path().read_text())
     except (OSError, ValueError):
-        return None
-    return cached.get(cpu_key(n)) if isinstance(cached, dict) else None
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def cached_cpu_peak(n: int = 1024) -> float | None:
+    """The figure peak_cache_path() holds for this machine's (n, n) matmul, None when none."""
+    return _peak_cache().get(cpu_key(n))
 
 
 def machine_is_busy() -> bool:
