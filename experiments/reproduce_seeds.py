@@ -139,7 +139,7 @@ def make_stage_optimizer(name: str, stage: int, params, *, lr: float = LR, clip:
         optax.multi_transform({"learn": learn, "frozen": optax.set_to_zero()},
                               stage_labels(params, stage)),
         decayed,
-        # injected, so the training step can read and report the rate (training.current_lr)
+        # injected, so the training step can read and report the rate (training.optim.injected_lr)
         optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=lr),
     )
 

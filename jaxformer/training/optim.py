@@ -40,17 +40,15 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "muon")
 # "no-embed" weight matrices only; "all" every leaf
 DECAY_RULES = ("nanogpt", "no-embed", "all")
 SCHEDULES = ("constant", "cosine", "linear")
-# make_optimizer's arguments as a run's settings (TrainSettings, config.toml) and
-# `jaxformer train` flags name them: every range error names the setting and its flag
-# (lr is both)
-SETTING_NAMES = {
-    "warmup_steps": "warmup_steps (--warmup-steps)",
-    "clip_value": "clip_value (--clip-value)", "clip_norm": "clip_norm (--clip-norm)",
-    "weight_decay": "weight_decay (--weight-decay)", "momentum": "momentum (--momentum)",
-    "accum_steps": "accum_steps (--accum-steps)", "b1": "beta1 (--beta1)", "b2": "beta2 (--beta2)",
-    "eps": "adam_eps (--adam-eps)", "min_lr": "min_lr (--min-lr)", "muon_lr": "muon_lr (--muon-lr)",
-    "muon_momentum": "muon_momentum (--muon-momentum)",
-}
+# make_optimizer's arguments that a run's settings (TrainSettings, config.toml) and
+# `jaxformer train` flags name otherwise; the rest share their names (setting_name)
+RENAMED = {"b1": "beta1", "b2": "beta2", "eps": "adam_eps"}
+
+
+def setting_name(arg: str) -> str:
+    """make_optimizer's ``arg`` as a user gives it, setting and flag: 'beta2 (--beta2)'."""
+    name = RENAMED.get(arg, arg)
+    return f"{name} (--{name.replace('_', '-')})"
 
 
 def _check_number(name, value, *, minimum=0.0, strict=False, maximum=None):
@@ -76,7 +74,7 @@ def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
     linear:   linear warmup to lr, then linear decay to final_lr_fraction * lr at total_steps.
     """
     _check_number("lr", lr)
-    _check_int(SETTING_NAMES["warmup_steps"], warmup_steps, 0)
+    _check_int(setting_name("warmup_steps"), warmup_steps, 0)
     _check_number("final_lr_fraction", final_lr_fraction, maximum=1.0)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -205,19 +203,19 @@ def make_optimizer(
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     for label, value in (("clip_value", clip_value), ("clip_norm", clip_norm)):
         if value is not None:
-            _check_number(SETTING_NAMES[label], value, strict=True)
-    _check_number(SETTING_NAMES["weight_decay"], weight_decay)
-    _check_number(SETTING_NAMES["momentum"], momentum, maximum=1.0)
-    _check_int(SETTING_NAMES["accum_steps"], accum_steps, 1)
+            _check_number(setting_name(label), value, strict=True)
+    _check_number(setting_name("weight_decay"), weight_decay)
+    _check_number(setting_name("momentum"), momentum, maximum=1.0)
+    _check_int(setting_name("accum_steps"), accum_steps, 1)
     for label, value in (("b1", b1), ("b2", b2), ("muon_momentum", muon_momentum)):
-        _check_number(SETTING_NAMES[label], value)
+        _check_number(setting_name(label), value)
         if value >= 1.0:
-            raise ValueError(f"{SETTING_NAMES[label]} must be < 1, got {value!r}")
-    _check_number(SETTING_NAMES["eps"], eps, strict=True)
-    _check_number(SETTING_NAMES["muon_lr"], muon_lr)
+            raise ValueError(f"{setting_name(label)} must be < 1, got {value!r}")
+    _check_number(setting_name("eps"), eps, strict=True)
+    _check_number(setting_name("muon_lr"), muon_lr)
     decay_mask({}, decay_rule)  # the rule's name
     if min_lr is not None:
-        _check_number(SETTING_NAMES["min_lr"], min_lr)
+        _check_number(setting_name("min_lr"), min_lr)
         _check_number("lr", lr, strict=True)
         if min_lr > lr:
             raise ValueError(f"min_lr ({min_lr}) must not exceed lr ({lr})")
