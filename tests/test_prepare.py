@@ -3,6 +3,8 @@ shards, the subword tokenizers, and the errors bad data input gets."""
 
 import json
 import random
+import sys
+import types
 
 import chex
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 
 from jaxformer import data
 from jaxformer.checkpoints import runs
+from jaxformer.cli.main import main
 from jaxformer.data.prepare import prepare
 from jaxformer.data.sources import parse_hf_spec, pieces, text_file_pieces
 from jaxformer.observe.metrics import RUN_KEYS, read_metrics
@@ -195,7 +198,7 @@ def test_hf_dataset_specs(monkeypatch):
     assert parse_hf_spec("hf:owt") == ("owt", None, "train")
     with pytest.raises(ValueError, match="write hf:NAME"):
         parse_hf_spec("hf:")
-    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(ValueError, match=r"hf:owt: Hugging Face datasets need the `datasets` package"):
         next(pieces("hf:owt"))
 
@@ -213,8 +216,8 @@ def test_hf_datasets_are_streamed_and_offline_is_one_error(monkeypatch, tmp_path
             raise ConnectionError("Couldn't reach 'offline' on the Hub (LocalEntryNotFoundError)\nmore")
         return iter(rows if name == "good" else [{"text": "a"}, {"body": "b"}])
 
-    monkeypatch.setitem(__import__("sys").modules, "datasets",
-                        __import__("types").SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setitem(sys.modules, "datasets",
+                        types.SimpleNamespace(load_dataset=load_dataset))
     got = list(pieces("hf:good:cfg:validation"))
     assert calls == [("good", "cfg", "validation", True)]
     assert [x.data for x in got] == [r["text"] for r in rows] and all(x.new_doc for x in got)
@@ -293,13 +296,11 @@ def test_a_dataset_that_cannot_be_opened_is_refused_before_the_progress_bar(miss
                                                                             tmp_path, capsys):
     """`jaxformer prepare --corpus hf:...` without the `datasets` package (or offline): the
     one error line alone, no "tokenizing" bar drawn first, and no folder left behind."""
-    from jaxformer.cli.main import main
-
     def load_dataset(name, config, split, streaming):
         raise ConnectionError("Couldn't reach the Hub")
 
-    fake = None if missing == "datasets" else __import__("types").SimpleNamespace(load_dataset=load_dataset)
-    monkeypatch.setitem(__import__("sys").modules, "datasets", fake)
+    fake = None if missing == "datasets" else types.SimpleNamespace(load_dataset=load_dataset)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
     code = main(["prepare", "--corpus", "hf:wikitext:wikitext-103-raw-v1", "--tokenizer", "byte",
                  "--out", str(tmp_path / "d")])
     err = capsys.readouterr().err

@@ -56,8 +56,6 @@ COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets":
             "compare-grads": compare_grads, "bench": bench, "export": export, "doctor": doctor}
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxformer", description=DESCRIPTION, epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
