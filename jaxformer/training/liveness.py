@@ -33,6 +33,11 @@ from jax._src import distributed as jax_distributed  # the client, as orbax read
 
 EXIT_LOST = 75  # EX_TEMPFAIL: the job can continue with --resume
 POLL_S = 1.0
+# finish(): process 0 stays this long after the others have disconnected. The service
+# counts a process gone while it still answers that process's ShutdownTask call; had
+# process 0 exited then, the other is aborted natively ("Failed to disconnect from
+# coordination service", SIGABRT), seen with two jobs on a busy machine.
+DISCONNECT_GRACE_S = 1.0
 
 _lost = threading.Event()
 _done = threading.Event()  # the job is ending normally: the watch stands down
@@ -109,6 +114,7 @@ def finish(num_processes: int, timeout: float) -> None:
     while time.monotonic() < deadline:
         try:
             if len(missing(client, num_processes)) == num_processes - 1:
+                time.sleep(DISCONNECT_GRACE_S)
                 return
         except Exception:  # noqa: BLE001 - nothing left to wait for
             return
