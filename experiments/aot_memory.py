@@ -1,5 +1,5 @@
 """GPT-2 small's training step compiled for devices this machine does not have
-(jaxformer/tools/aot.py): the gpt2 preset with GPT-2's 50257-token vocabulary (--vocab-size)
+(jaxformer/tools/aot/steps.py): the gpt2 preset with GPT-2's 50257-token vocabulary (--vocab-size)
 and its recipe's AdamW, float32 master params, bfloat16 products, batch 8 x 1024.
 
 - TPU v5e, one chip (libtpu's topology; jax[tpu]): manual and jax.grad gradients with
@@ -28,8 +28,8 @@ import time  # noqa: E402
 from jaxformer.data.hf_tokenizers import GPT2_VOCAB_SIZE  # noqa: E402
 from jaxformer.model.config import get_preset  # noqa: E402
 from jaxformer.tools import aot  # noqa: E402
-from jaxformer.tools.aot_report import describe, table  # noqa: E402
-from jaxformer.tools.aot_targets import TARGETS, missing  # noqa: E402
+from jaxformer.tools.aot.report import describe, table  # noqa: E402
+from jaxformer.tools.aot.targets import TARGETS, missing  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
 from jaxformer.training.settings import settings_for  # noqa: E402
 

@@ -8,7 +8,7 @@ implementation vs the same model in PyTorch, on the device JAX sees.
 
 Writes report.json, report.md and bench.png (a sweep: bench_sweep.png) to --out
 (default runs/bench); docs/benchmark.md explains them. The command line is
-jaxformer/cli/bench.py (also `jaxformer bench`), the benchmark jaxformer/tools/bench.py.
+jaxformer/cli/bench.py (also `jaxformer bench`), the benchmark jaxformer/tools/bench/run.py.
 """
 
 import sys

@@ -8,7 +8,7 @@
 Writes report.json, report.md and rel_errors.png to --out (default runs/compare_grads);
 exits 1, naming the leaf, when any gradient is over tolerance. The command line is
 jaxformer/cli/compare_grads.py (also `jaxformer compare-grads`), the comparison
-jaxformer/tools/compare.py and compare_fd.py, the reports compare_report.py and
+jaxformer/tools/compare/grads.py and compare_fd.py, the reports compare_report.py and
 compare_plot.py.
 """
 

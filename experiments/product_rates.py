@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.tools.compare import time_calls
+from jaxformer.tools.compare.grads import time_calls
 
 
 def main(argv=None) -> None:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 PACKAGES = ("jaxformer", "manual_grads")
 PUBLIC_API, ENTRY_POINT, CLI, MANUAL = "jaxformer", "jaxformer.__main__", "jaxformer.cli", "manual_grads"
 RANKS = {
+    "jaxformer.kernels": -1,  # device kernels and their tuning: below the model, which names them as cores
     "jaxformer.model": 0,
     "jaxformer.data": 1, MANUAL: 1,
     "jaxformer.checkpoints": 2, "jaxformer.observe": 2,
@@ -32,7 +33,7 @@ MANUAL_IMPORTERS = {"jaxformer.training", "jaxformer.tools", CLI}  # rooms that 
 # importing jaxformer neither needs them installed nor pays their start-up time.
 HEAVY_OPTIONAL = frozenset({"torch", "matplotlib", "tensorboardX", "transformers", "tokenizers", "datasets",
                             "pyarrow", "safetensors", "huggingface_hub",
-                            "jaxformer.tools.torch_ref", "jaxformer.tools.torch_ref_layers"})  # import torch at their top
+                            "jaxformer.tools.torch_ref.model", "jaxformer.tools.torch_ref.layers"})  # import torch at their top
 
 
 class Import(NamedTuple):
@@ -115,7 +116,7 @@ def may_import(src: str, dst: str) -> bool:
     if src == ENTRY_POINT:
         return dst == CLI
     if src in (PUBLIC_API, MANUAL):
-        return dst == "jaxformer.model"
+        return dst in ("jaxformer.model", "jaxformer.kernels")
     if dst == MANUAL:
         return src in MANUAL_IMPORTERS
     if dst == PUBLIC_API:  # the public API sits just above the model

@@ -2,7 +2,7 @@
 gradients x float32 / bfloat16 products x one device / a 2 x 2 data x fsdp mesh) lowers
 for cuda and for tpu from this CPU machine, and compiles for a TPU v5e topology when
 jax[tpu] is installed (in one subprocess, so the TPU plugin stays out of this one), and
-for an H100 when JAX's CUDA plugin is (jaxformer/tools/aot.py). A block size Triton
+for an H100 when JAX's CUDA plugin is (jaxformer/tools/aot/steps.py). A block size Triton
 cannot take fails the cuda lowering by name. The model is GPT-2's block at a small size:
 2 layers, width 128, two heads of 64, T = 128, batch 4."""
 
@@ -18,9 +18,9 @@ import pytest
 
 from jaxformer.model.attention import cudnn_core
 from jaxformer.model.config import get_preset
-from jaxformer.tools import aot
-from jaxformer.tools.aot_report import describe, table
-from jaxformer.tools.aot_targets import cuda_plugin
+from jaxformer.tools.aot.steps import steps as aot
+from jaxformer.tools.aot.report import describe, table
+from jaxformer.tools.aot.targets import cuda_plugin
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.settings import settings_for
 
@@ -123,7 +123,7 @@ def test_largest_batch_bisects_over_compiles(monkeypatch):
 COMPILE = """
 import json, sys
 from jaxformer.model.config import ModelConfig
-from jaxformer.tools import aot
+from jaxformer.tools.aot.steps import steps as aot
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.settings import settings_for
 config = ModelConfig.from_dict(json.loads(sys.argv[1]))

@@ -126,7 +126,7 @@ def test_export_carries_a_subword_tokenizer(tmp_path, corpus, capsys):
     is whole: `train --init-from` and `compare-grads --init-from` read text with it."""
     from jaxformer.checkpoints.hf import read_hf
     from jaxformer.data.hf_tokenizers import HFTokenizer, train_bpe
-    from jaxformer.tools.compare import batch_tokenizer
+    from jaxformer.tools.compare.grads import batch_tokenizer
 
     text = open(corpus, encoding="utf-8").read()
     tokenizer_file = tmp_path / "tokenizer.json"

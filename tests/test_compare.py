@@ -1,4 +1,4 @@
-"""The main job, jaxformer.tools.compare and its command line jaxformer.cli.compare_grads
+"""The main job, jaxformer.tools.compare.grads and its command line jaxformer.cli.compare_grads
 (experiments/compare_grads.py): on the tiny preset in float64, every leaf of the real
 manual gradient passes, the three reports are written and parse, and a deliberately
 perturbed manual gradient makes the job fail naming the leaf, in run_comparison and in
@@ -22,7 +22,10 @@ from jaxformer.cli import compare_grads
 from jaxformer.cli.args import UsageError
 from jaxformer.data import CharTokenizer, load_corpus
 from jaxformer.model.config import PRESETS
-from jaxformer.tools import compare, compare_fd, compare_report, leaves
+from jaxformer.tools.compare.grads import grads as compare
+from jaxformer.tools.compare.grads import fd as compare_fd
+from jaxformer.tools.compare.grads import report as compare_report
+from jaxformer.tools.compare.grads import leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 PERTURBED = ("blocks", "ffn", "w_in")  # the leaf the broken gradient source gets wrong

@@ -13,7 +13,7 @@ import pytest
 
 import manual_grads
 from jaxformer.cli.main import main
-from jaxformer.model import pallas_backward
+from jaxformer.kernels.pallas import backward as pallas_backward
 
 VERDICT = "doctor: 8 checks passed, 0 failed, 3 not checked on cpu"
 

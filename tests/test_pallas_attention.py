@@ -19,12 +19,12 @@ from helpers import dot_generals, leaf_rels, make_batch, make_params
 
 import jaxformer
 import manual_grads
-from jaxformer.model import pallas_attention as pa
-from jaxformer.model import pallas_backward as pb
+from jaxformer.kernels.pallas import forward as pa
+from jaxformer.kernels.pallas import backward as pb
 from jaxformer.model.attention import attention, attention_probs, blockwise_attention, pallas_attention
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.precision import matmul
-from jaxformer.tools import compare
+from jaxformer.tools.compare.grads import grads as compare
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
 from manual_grads.pallas_attention import pallas_attention_bwd, pallas_attention_fwd
@@ -221,7 +221,7 @@ import json, sys, time
 import jax, jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
-from jaxformer.model.pallas_backward import flash_attention
+from jaxformer.kernels.pallas.backward import flash_attention
 device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
 def loss(q, k, v):
     return flash_attention(q, k, v, True).astype(jnp.float32).sum()

@@ -6,9 +6,9 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from jaxformer.model import pallas_attention as pa
-from jaxformer.model import pallas_backward as pb
-from jaxformer.model import pallas_tune as tune
+from jaxformer.kernels.pallas import forward as pa
+from jaxformer.kernels.pallas import backward as pb
+from jaxformer.kernels.pallas import tune
 
 SHAPE = tune.Shape(T=1024, Dh=64, dtype="bfloat16", causal=True, G=2)
 NAME = tune.key("NVIDIA H100 80GB HBM3", SHAPE)

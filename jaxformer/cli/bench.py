@@ -1,7 +1,7 @@
 """``jaxformer bench`` (and ``experiments/benchmark.py``): benchmark one training step,
 manual vs automatic gradients over each attention implementation vs PyTorch, at one
-shape or over a grid of shapes (``--shapes``); the benchmark itself is ``tools.bench``
-(contestants chosen by ``tools.bench_select``), the sweep ``tools.bench_sweep``."""
+shape or over a grid of shapes (``--shapes``); the benchmark itself is ``tools.bench.run``
+(contestants chosen by ``tools.bench.select``), the sweep ``tools.bench.sweep``."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import jax
 from jaxformer.cli.args import Parser, nonneg_int, output_folder, positive_int, run_command
 from jaxformer.cli.flags import add_model_flags, model_overrides
 from jaxformer.model.config import PRESETS, get_preset
-from jaxformer.tools import bench, bench_sweep
-from jaxformer.tools.bench_report import format_summary, write_reports
-from jaxformer.tools.bench_select import ATTENTION_CHOICES, parse_attention
-from jaxformer.tools.bench_sweep_report import format_sweep_summary, write_sweep_reports
+from jaxformer.tools.bench.run import run as bench
+from jaxformer.tools.bench.run import sweep as bench_sweep
+from jaxformer.tools.bench.report import format_summary, write_reports
+from jaxformer.tools.bench.select import ATTENTION_CHOICES, parse_attention
+from jaxformer.tools.bench.sweep_report import format_sweep_summary, write_sweep_reports
 
 DESCRIPTION = ("Benchmark one training step (gradients + AdamW) on the device JAX sees: manual "
                "gradients (full, blockwise, pallas attention), jax.grad (full, cudnn), and the same "

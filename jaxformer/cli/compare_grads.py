@@ -1,6 +1,6 @@
 """``jaxformer compare-grads`` (and ``experiments/compare_grads.py``, the main job): the
 hand-derived gradients against jax.grad, leaf by leaf, for each preset, with reports.
-The comparison itself is ``tools.compare``; the reports ``tools.compare_report``.
+The comparison itself is ``tools.compare.grads``; the reports ``tools.compare.report``.
 
 Every ModelConfig field has a flag (``cli.flags``: ``--compute-dtype``,
 ``--attention-impl``, ``--loss-chunk``, ...), applied to the config of each preset.
@@ -20,9 +20,9 @@ from jaxformer.cli import flags
 from jaxformer.cli.args import Parser, UsageError, nonneg_int, output_folder, positive_int, run_command
 from jaxformer.model.config import PRESETS
 from jaxformer.model.validate import check_precision
-from jaxformer.tools.compare import DEFAULT_PRESETS, GradFn, compare_imported, compare_preset
-from jaxformer.tools.compare_fd import FD_DIRECTIONS, FD_TOLERANCE
-from jaxformer.tools.compare_report import build_report, format_preset, status, use_color, write_reports
+from jaxformer.tools.compare.grads import DEFAULT_PRESETS, GradFn, compare_imported, compare_preset
+from jaxformer.tools.compare.fd import FD_DIRECTIONS, FD_TOLERANCE
+from jaxformer.tools.compare.report import build_report, format_preset, status, use_color, write_reports
 
 REPORT_FILES = ("report.json", "report.md", "rel_errors.png")
 # The options recorded in report.json, besides the model flags given.

@@ -1,7 +1,7 @@
 """``jaxformer doctor``: check this install on the device JAX sees (the attention kernels
 compiled for it against full attention, manual gradients against jax.grad, a few
 training steps per attention implementation, a short benchmark with MFU) and print one
-report; the checks are ``tools.doctor``, the report ``tools.doctor_report``."""
+report; the checks are ``tools.doctor.checks``, the report ``tools.doctor.report``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from jaxformer.cli.args import nonneg_int
-from jaxformer.tools import doctor
-from jaxformer.tools.doctor_report import format_text, write_json
+from jaxformer.tools.doctor.run import run as doctor
+from jaxformer.tools.doctor.report import format_text, write_json
 
 DESCRIPTION = ("Check this install on the device JAX sees and print one report: the Pallas attention "
                "kernels compiled for it (and cuDNN's on a GPU) against full attention in float32 and "

@@ -16,7 +16,7 @@ import sys
 
 from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, prepare, presets, train
 from jaxformer.cli.args import Parser, UsageError, exit_at_ctrl_c, run_command
-from jaxformer.tools.doctor import project_version
+import jaxformer
 
 DESCRIPTION = """\
 Train a small transformer language model written as pure JAX functions, whose
@@ -59,7 +59,7 @@ COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets":
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxformer", description=DESCRIPTION, epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"jaxformer {project_version()}")
+    parser.add_argument("--version", action="version", version=f"jaxformer {jaxformer.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS.values():
         command.add_parser(subparsers)

@@ -3,13 +3,13 @@
 ``config`` (ModelConfig and the presets), ``params`` (init and shape checks),
 ``precision`` (the compute-dtype policy), one module per layer kind (``linear``,
 ``activations``, ``layer_norm``, ``embedding``, ``attention``, ``blockwise``,
-``pallas_attention``, ``block``, ``losses``, ``chunked_loss``), ``transformer`` (features,
+``block``, ``losses``, ``chunked_loss``), ``transformer`` (features,
 forward, loss_fn), ``kv_cache`` (the same model over a key/value cache, for decoding) and
 ``validate`` (checks of ids, batches and params that name what is wrong).
-Each module here has a mirror in ``manual_grads/`` holding its hand-derived backward,
-but for ``pallas_backward``: the Pallas flash-attention kernels' backward, here because
-the model's forward wraps it as a jax.custom_vjp (a pallas_call has no transpose), and
-``pallas_tune``: the kernels' GPU launch, chosen by timing and cached.
+Each module here has a mirror in ``manual_grads/`` holding its hand-derived backward.
+The Pallas flash-attention kernels (forward, backward, tiling, tuning) live in the room
+below, ``jaxformer.kernels``.
 
-May import: jax, numpy and itself only. Everything else in jaxformer imports it.
+May import: jax, numpy, ``jaxformer.kernels`` and itself only. Everything else in
+jaxformer imports it.
 """

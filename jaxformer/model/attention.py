@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jaxformer.model.blockwise import blockwise_attention_core
 from jaxformer.model.dropout import dropout
 from jaxformer.model.linear import linear
-from jaxformer.model.pallas_backward import flash_attention
+from jaxformer.kernels.pallas.backward import flash_attention
 from jaxformer.model.precision import matmul, upcast
-from jaxformer.model.refused import refused
+from jaxformer.kernels.refused import refused
 from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.rotary import apply_rope, rope_tables
 

@@ -50,8 +50,8 @@ from jaxformer.data.tokenizers import load_tokenizer_file
 from jaxformer.model.config import PRESETS, ModelConfig
 from jaxformer.model.params import count_params, init_params
 from jaxformer.model.transformer import loss_fn
-from jaxformer.tools.compare_fd import FD_DIRECTIONS, fd_check
-from jaxformer.tools.leaves import block_of, dotted, error_rank, model_order_key
+from jaxformer.tools.compare.fd import FD_DIRECTIONS, fd_check
+from jaxformer.tools.compare.leaves import block_of, dotted, error_rank, model_order_key
 from manual_grads import check
 
 DEFAULT_PRESETS = ("loopos", "sunfish", "cllm")  # the three systems the project grew from

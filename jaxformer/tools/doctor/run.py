@@ -11,7 +11,7 @@ checks that passed, failed or could not be run here (with the reason):
                 forward and gradients (on a CPU the kernels run in interpret mode)
     gradients   manual_grads against jax.grad on a small GPT-2-shaped model, per leaf
     training    TRAIN_STEPS steps per attention implementation: loss finite and falling
-    bench       a short tools/bench.py benchmark: ms/step, tokens/s, MFU
+    bench       a short tools/bench/run.py benchmark: ms/step, tokens/s, MFU
 
 ``run(settings)`` returns the report dict (doctor_report.py writes it as text and
 JSON); the last line of the text is the verdict, ``doctor: N checks passed, M failed,
@@ -24,7 +24,6 @@ from __future__ import annotations
 import platform as pyplatform
 import sys
 import time
-from importlib import metadata
 from typing import Callable, NamedTuple
 
 import jax
@@ -32,7 +31,7 @@ import jaxlib
 import optax
 
 import jaxformer
-from jaxformer.tools.doctor_checks import (FAILED, NOT_CHECKED, PASSED, TRAIN_DROP, TRAIN_STEPS, Check,
+from jaxformer.tools.doctor.checks import (FAILED, NOT_CHECKED, PASSED, TRAIN_DROP, TRAIN_STEPS, Check,
                                            bench_checks, bench_settings, gpt2_shaped, gradient_checks,
                                            judged, kernel_checks, kernel_shape, shape_text,
                                            train_config, training_checks)
@@ -43,14 +42,6 @@ class Settings(NamedTuple):
     seed: int = 0  # params, attention inputs and batches
 
 
-def project_version() -> str:
-    """The installed distribution's version, else the package's __version__."""
-    try:
-        return metadata.version("jaxformer")
-    except metadata.PackageNotFoundError:
-        return jaxformer.__version__
-
-
 def header() -> dict:
     """What runs here: the devices JAX sees, the platform, the versions."""
     devices = jax.devices()
@@ -59,7 +50,7 @@ def header() -> dict:
             "device_count": len(devices),
             "runtime": getattr(devices[0].client, "platform_version", None),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
-            "python": pyplatform.python_version(), "jaxformer": project_version()}
+            "python": pyplatform.python_version(), "jaxformer": jaxformer.__version__}
 
 
 def where(head: dict) -> str:

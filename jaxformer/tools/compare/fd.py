@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import loss_fn
-from jaxformer.tools.leaves import dotted, error_rank
+from jaxformer.tools.compare.leaves import dotted, error_rank
 from manual_grads import check
 
 FD_TOLERANCE = 1e-6  # relative error allowed between finite differences and the manual gradient

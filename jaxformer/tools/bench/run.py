@@ -37,9 +37,9 @@ import jax.numpy as jnp
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params, init_params
 from jaxformer.observe import flops
-from jaxformer.tools.bench_contestants import (OPTIMIZER, make_batch, make_contestants, memory_stats,
+from jaxformer.tools.bench.contestants import (OPTIMIZER, make_batch, make_contestants, memory_stats,
                                                time_rounds, torch_version)
-from jaxformer.tools.bench_select import ALL_NAMES, TORCH_KINDS, Skip, Spec, select, torch_device
+from jaxformer.tools.bench.select import ALL_NAMES, TORCH_KINDS, Skip, Spec, select, torch_device
 from jaxformer.training.step import grad_source
 
 # Where work on the manual step should get to, at the loopos shape (reported, never

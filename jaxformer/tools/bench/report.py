@@ -1,4 +1,4 @@
-"""The benchmark's reports: report.json, report.md and bench.png (see tools/bench.py)."""
+"""The benchmark's reports: report.json, report.md and bench.png (see tools/bench/run.py)."""
 
 from __future__ import annotations
 

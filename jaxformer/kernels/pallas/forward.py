@@ -46,9 +46,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from jaxformer.model import pallas_tune
-from jaxformer.model.precision import stats_dtype
-from jaxformer.model.refused import refused
+from jaxformer.kernels.pallas import tune as pallas_tune
+from jaxformer.kernels.refused import refused
+
+
+def stats_dtype(dtype):
+    """float32, or the input's dtype when wider: jaxformer.model.precision.stats_dtype's rule
+    (the kernels room sits below the model room and imports nothing from it)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 # (block_q, block_k) when ModelConfig.pallas_block_q / pallas_block_k are 0 (on a GPU: when
 # no autotuned choice exists, pallas_tune.py). GPU: tiles small enough for the backward's

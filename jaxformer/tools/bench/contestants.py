@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.tools.bench_select import Spec
+from jaxformer.tools.bench.select import Spec
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import grad_source, init_state, make_train_step
 
@@ -92,7 +92,7 @@ def torch_contestant(spec: Spec, config, params, batch, device: str = "cpu") -> 
     runs here; when it fails the contestant carries the error."""
     import torch
 
-    from jaxformer.tools.torch_ref import TorchTransformer, adamw, autocast, to_torch_batch  # imports torch
+    from jaxformer.tools.torch_ref.model import TorchTransformer, adamw, autocast, to_torch_batch  # imports torch
 
     try:
         model = TorchTransformer.from_jax(jax.device_get(params), config, device)

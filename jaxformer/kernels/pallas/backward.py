@@ -56,8 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxformer.model import pallas_tune
-from jaxformer.model.pallas_attention import (Tiling, check_heads, dot, first_query_block, forward_on,
+from jaxformer.kernels.pallas import tune as pallas_tune
+from jaxformer.kernels.pallas.forward import (Tiling, check_heads, dot, first_query_block, forward_on,
                                               head_spec, key_blocks_seen, kv_head, launch, on_platform, pad,
                                               padded_inputs, pallas_attention_core, plan, query_spec,
                                               tile_scores)

@@ -1,4 +1,4 @@
-"""``jaxformer doctor``'s report (tools/doctor.py's dict) as text and as report JSON.
+"""``jaxformer doctor``'s report (tools/doctor/run.py's dict) as text and as report JSON.
 
     jaxformer doctor on cpu
       devices   1 x cpu (platform cpu)

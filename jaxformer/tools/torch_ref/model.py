@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.tools.torch_ref_layers import ACTIVATIONS, Attention, FeedForward, norm, sinusoidal_positions
+from jaxformer.tools.torch_ref.layers import ACTIVATIONS, Attention, FeedForward, norm, sinusoidal_positions
 
 # The ModelConfig fields this model implements, with the values it knows (None: any value).
 SUPPORTED = {

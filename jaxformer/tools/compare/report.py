@@ -1,4 +1,4 @@
-"""Reporting for the gradient comparison (``tools.compare``): the terminal table of a
+"""Reporting for the gradient comparison (``tools.compare.grads``): the terminal table of a
 preset, the JSON and Markdown report files (the PNG is ``compare_plot``'s).
 
 Everything here reads a ``compare.PresetReport`` (or its ``to_dict()``); nothing
@@ -18,8 +18,8 @@ from typing import Sequence
 import jax
 
 from jaxformer.observe.words import plural
-from jaxformer.tools.compare_plot import plot_report
-from jaxformer.tools.leaves import error_rank
+from jaxformer.tools.compare.plot import plot_report
+from jaxformer.tools.compare.leaves import error_rank
 
 
 # ----------------------------------------------------------------------------

@@ -42,8 +42,8 @@ from jax.sharding import AbstractMesh, SingleDeviceSharding
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
-from jaxformer.tools.aot_report import describe
-from jaxformer.tools.aot_targets import TARGETS, Target, cuda_plugin, missing, target_devices
+from jaxformer.tools.aot.report import describe
+from jaxformer.tools.aot.targets import TARGETS, Target, cuda_plugin, missing, target_devices
 from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_shardings
 from jaxformer.training.step import grad_source, init_state, make_train_step
 

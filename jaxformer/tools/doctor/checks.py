@@ -11,7 +11,7 @@ returning ``Check`` rows: passed, failed, or not checked (and why).
   (compare.run_comparison, per-leaf relative error against check.tolerance_for).
 - training: TRAIN_STEPS steps of the tiny preset per attention implementation the
   device has (training/step.py's factory, manual gradients; cuDNN has only jax.grad).
-- bench: a few rounds of tools/bench.py's benchmark, tokens/s and MFU (observe/flops.py).
+- bench: a few rounds of tools/bench/run.py's benchmark, tokens/s and MFU (observe/flops.py).
 
 Relative errors are norm ratios, ``||got - ref|| / ||ref||`` per array
 (manual_grads.check.compare_trees). Float32 comparisons run under
@@ -32,12 +32,13 @@ import numpy as np
 from jaxformer.model.attention import attention_probs, check_cudnn, repeat_kv
 from jaxformer.model.attention import cudnn_core as model_cudnn_core
 from jaxformer.model.config import ModelConfig, get_preset
-from jaxformer.model.pallas_backward import flash_attention
+from jaxformer.kernels.pallas.backward import flash_attention
 from jaxformer.model.params import init_params
 from jaxformer.model.precision import matmul
-from jaxformer.tools import bench, compare
-from jaxformer.tools.bench_contestants import error_line
-from jaxformer.tools.leaves import error_rank
+from jaxformer.tools.bench.run import run as bench
+from jaxformer.tools.compare.grads import grads as compare
+from jaxformer.tools.bench.contestants import error_line
+from jaxformer.tools.compare.leaves import error_rank
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import grad_source, init_state, make_train_step
 from manual_grads import check

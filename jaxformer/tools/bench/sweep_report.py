@@ -1,6 +1,6 @@
 """The shape sweep's reports: report.json, report.md (one row per shape, each
 contestant's tokens/s, the fastest in bold) and bench_sweep.png (tokens/s and the
-ratio to the fastest, per shape, one line per contestant); see tools/bench_sweep.py."""
+ratio to the fastest, per shape, one line per contestant); see tools/bench/sweep.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from jaxformer.observe.words import plural
-from jaxformer.tools.bench_report import LABELS, json_safe
+from jaxformer.tools.bench.report import LABELS, json_safe
 
 
 def ran_contestants(sweep: dict) -> list[str]:

@@ -1,0 +1,3 @@
+"""Manual vs automatic gradients, leaf by leaf (`jaxformer compare-grads`): ``grads``
+computes both, ``fd`` checks against finite differences, ``leaves`` names and orders the
+leaves, ``report`` and ``plot`` tell."""
