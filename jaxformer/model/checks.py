@@ -1,0 +1,71 @@
+"""Checks of a setting's type and range, each raising one ValueError that names the setting.
+
+Every room validates its settings with these (ModelConfig, TrainSettings, the optimizer,
+sampling, data preparation), so a value is judged by one rule everywhere: a bool is never
+a number, an integer is a Python or numpy integer, and a number must be finite.
+
+    check_int("n_layers", 0)            ValueError: n_layers must be a positive integer, got 0
+    check_number("dropout", 1.0, low=0, high=1, high_open=True)
+                                        ValueError: dropout must be in [0, 1), got 1.0
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def is_int(value) -> bool:
+    """An integer that is not a bool: Python's int or a numpy integer."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value) -> bool:
+    """An int or float (Python's or numpy's) that is not a bool."""
+    return is_int(value) or isinstance(value, (float, np.floating))
+
+
+def int_words(minimum: int) -> str:
+    """How an integer >= minimum is named in an error: "a positive integer" for 1."""
+    return {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
+
+
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """value as an int; ValueError naming ``name`` unless it is an integer >= minimum."""
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be {int_words(minimum)}, got {value!r}")
+    return int(value)
+
+
+def interval(low, high, low_open: bool, high_open: bool) -> str:
+    """The range's text: "[0, 1)", "> 0", "<= 1"."""
+    if low is not None and high is not None:
+        return f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"{'<' if high_open else '<='} {high}"
+
+
+def in_range(value, low=None, high=None, low_open: bool = False, high_open: bool = False) -> bool:
+    """Whether value lies between low and high (None: unbounded), each end open or closed."""
+    above = low is None or (value > low if low_open else value >= low)
+    below = high is None or (value < high if high_open else value <= high)
+    return above and below
+
+
+def check_number(name: str, value, low=None, high=None, low_open: bool = False,
+                 high_open: bool = False) -> float:
+    """value as a float; ValueError naming ``name`` unless it is a finite number in the
+    range (None ends are unbounded)."""
+    if not is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not in_range(value, low, high, low_open, high_open):
+        raise ValueError(f"{name} must be {interval(low, high, low_open, high_open)}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value, choices) -> None:
+    """ValueError naming ``name`` and the choices unless value is one of them."""
+    if value not in tuple(choices):
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
