@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxformer.model.attention import merge_heads, split_heads
-from jaxformer.kernels.pallas.backward import FlashRes, flash_core_bwd, flash_core_fwd
+from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
 from manual_grads.attention import HeadsRes, _proj, heads_bwd, heads_fwd, with_biases
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 

@@ -13,7 +13,7 @@ import pytest
 
 import manual_grads
 from jaxformer.cli.main import main
-from jaxformer.kernels.pallas import backward as pallas_backward
+from jaxformer.kernels.pallas import entry as pallas_entry
 
 VERDICT = "doctor: 8 checks passed, 0 failed, 3 not checked on cpu"
 
@@ -80,7 +80,7 @@ def test_a_wrong_kernel_backward_and_wrong_manual_gradients_fail(tmp_path, monke
     """dQ of the kernel's backward (the rule jax.grad runs through flash_attention) off
     by 10%, every manual gradient leaf off by 0.1%: those three checks fail by name, the
     rest still run and pass (Adam does not mind gradients scaled by 1.001), exit 1."""
-    right_bwd, right_vg = pallas_backward.flash_core_bwd, manual_grads.value_and_grad
+    right_bwd, right_vg = pallas_entry.flash_core_bwd, manual_grads.value_and_grad
 
     def wrong_bwd(res, dout):
         dq, dk, dv = right_bwd(res, dout)
@@ -90,7 +90,7 @@ def test_a_wrong_kernel_backward_and_wrong_manual_gradients_fail(tmp_path, monke
         loss, grads = right_vg(*args, **kwargs)
         return loss, jax.tree_util.tree_map(lambda g: g * 1.001, grads)
 
-    monkeypatch.setattr(pallas_backward, "flash_core_bwd", wrong_bwd)
+    monkeypatch.setattr(pallas_entry, "flash_core_bwd", wrong_bwd)
     monkeypatch.setattr(manual_grads, "value_and_grad", wrong_vg)
     code, text, report = run_doctor(tmp_path / "broken.json")
     assert code == 1, text

@@ -21,6 +21,8 @@ import jaxformer
 import manual_grads
 from jaxformer.kernels.pallas import forward as pa
 from jaxformer.kernels.pallas import backward as pb
+from jaxformer.kernels.pallas import entry as pe
+from jaxformer.kernels.pallas import tiling as pt
 from jaxformer.model.attention import attention, attention_probs, blockwise_attention, pallas_attention
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.precision import matmul
@@ -49,8 +51,8 @@ def repeat_kv(k, G):
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
 def manual_core(q, k, v, do, causal, blocks):
-    out, res = pb.flash_core_fwd(q, k, v, causal, *blocks)
-    return out, res, pb.flash_core_bwd(res, do)
+    out, res = pe.flash_core_fwd(q, k, v, causal, *blocks)
+    return out, res, pe.flash_core_bwd(res, do)
 
 
 @functools.partial(jax.jit, static_argnums=4)
@@ -85,7 +87,7 @@ def test_core_equals_full_attention(T, causal):
         s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
     np.testing.assert_allclose(res.lse, jax.nn.logsumexp(s, axis=-1), rtol=1e-13, atol=1e-13)
     assert_trees_close(grads_ref, grads, rtol=1e-10)
-    assert isinstance(res, pb.CausalFlashRes) == causal
+    assert isinstance(res, pe.CausalFlashRes) == causal
     assert out.dtype == res.lse.dtype == jnp.float64
 
 
@@ -106,7 +108,7 @@ def test_grouped_query_core_equals_repeated_full_attention(Hkv, causal):
 def test_grouped_query_custom_vjp_returns_key_value_head_gradients():
     """jax.grad through flash_attention (the model's path): dk, dv have Hkv heads."""
     q, k, v, do = gqa_inputs(3, 21, Hkv=1)
-    f = jax.jit(lambda q, k, v: jnp.vdot(pb.flash_attention(q, k, v, True, 8, 8), do))
+    f = jax.jit(lambda q, k, v: jnp.vdot(pe.flash_attention(q, k, v, True, 8, 8), do))
     grads = jax.grad(f, argnums=(0, 1, 2))(q, k, v)
     _, grads_ref = full_core_vjp(q, k, v, do, True)
     assert grads[1].shape == (1, 1, 21, 8)
@@ -117,16 +119,16 @@ def test_grouped_query_custom_vjp_returns_key_value_head_gradients():
 def test_heads_that_do_not_group_are_refused(shapes):
     q, k = (jnp.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match="H a multiple of Hkv; got q"):
-        pb.flash_attention(q, k, k, True)
+        pe.flash_attention(q, k, k, True)
 
 
 def test_residuals_never_hold_the_probabilities():
     """What the backward keeps: q, k, v (unpadded: each platform pads to its own tiles), O
     and lse, nothing (T, T); the requested block sizes are read back from the shapes."""
     q, k, v, _ = gqa_inputs(0, T)
-    _, res = jax.eval_shape(lambda q, k, v: pb.flash_core_fwd(q, k, v, True, *BLOCKS), q, k, v)
+    _, res = jax.eval_shape(lambda q, k, v: pe.flash_core_fwd(q, k, v, True, *BLOCKS), q, k, v)
     assert res.q.shape == res.out.shape == (1, 4, T, 8) and res.k.shape == res.v.shape == (1, 2, T, 8)
-    assert res.lse.shape == (1, 4, T) and pb.res_blocks(res) == BLOCKS
+    assert res.lse.shape == (1, 4, T) and pe.res_blocks(res) == BLOCKS
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
@@ -155,29 +157,29 @@ def test_other_platforms_tiles_in_interpret_mode(device, blocks, interpret):
 
 
 def test_tiling_per_device():
-    assert pa.tiling(T, 8, 16, 32, "gpu") == pa.Tiling(T, 16, 32, 3, 2, 8, 16)
-    assert pa.tiling(5, 8, 0, 0, "gpu")[1:3] == (16, 16)  # short T: one 16-tile
-    assert pa.tiling(T, 8, 16, 8, "tpu") == pa.Tiling(T, 16, 8, 3, 5, 8, 8)
-    assert pa.tiling(5, 64, 0, 0, "tpu")[1:3] == (8, 8)  # short T: rounded up to 8 rows
+    assert pt.tiling(T, 8, 16, 32, "gpu") == pt.Tiling(T, 16, 32, 3, 2, 8, 16)
+    assert pt.tiling(5, 8, 0, 0, "gpu")[1:3] == (16, 16)  # short T: one 16-tile
+    assert pt.tiling(T, 8, 16, 8, "tpu") == pt.Tiling(T, 16, 8, 3, 5, 8, 8)
+    assert pt.tiling(5, 64, 0, 0, "tpu")[1:3] == (8, 8)  # short T: rounded up to 8 rows
 
 
 def test_block_sizes_default_per_device():
-    assert pa.tiling(200, 64, 0, 0, "gpu")[1:3] == pa.DEFAULT_BLOCKS["gpu"] == (64, 64)
-    assert pa.tiling(200, 64, 0, 0, "tpu")[1:3] == pa.DEFAULT_BLOCKS["tpu"] == (128, 128)
-    assert pa.tiling(200, 64, 0, 0, "cpu")[1:3] == pa.DEFAULT_BLOCKS["cpu"] == (128, 128)
-    assert pa.tiling(200, 64, 32, 0, "cpu")[1:3] == (32, 128)
+    assert pt.tiling(200, 64, 0, 0, "gpu")[1:3] == pt.DEFAULT_BLOCKS["gpu"] == (64, 64)
+    assert pt.tiling(200, 64, 0, 0, "tpu")[1:3] == pt.DEFAULT_BLOCKS["tpu"] == (128, 128)
+    assert pt.tiling(200, 64, 0, 0, "cpu")[1:3] == pt.DEFAULT_BLOCKS["cpu"] == (128, 128)
+    assert pt.tiling(200, 64, 32, 0, "cpu")[1:3] == (32, 128)
 
 
 @pytest.mark.parametrize("block", [12, 24, 8])
 def test_gpu_tiles_must_be_powers_of_two(block):
     with pytest.raises(ValueError, match="ModelConfig.pallas_block_q must be a power of two >= 16"):
-        pa.tiling(T, 8, block, 64, "gpu")
+        pt.tiling(T, 8, block, 64, "gpu")
 
 
 @pytest.mark.parametrize("block", [4, 12, 100])
 def test_tpu_tiles_must_be_multiples_of_eight(block):
     with pytest.raises(ValueError, match=f"ModelConfig.pallas_block_k must be a multiple of 8 on a TPU.*got {block}"):
-        pa.tiling(T, 8, 8, block, "tpu")
+        pt.tiling(T, 8, 8, block, "tpu")
 
 
 # ---------------------------------------------------------------------------- the platform lowered for
@@ -191,7 +193,7 @@ def exported(platform, blocks=(0, 0)):
     """The StableHLO of jax.value_and_grad through flash_attention (GQA, G = 2), exported
     from this CPU process for ``platform``."""
     def loss(q, k, v):
-        return pb.flash_attention(q, k, v, True, *blocks).sum()
+        return pe.flash_attention(q, k, v, True, *blocks).sum()
     q, k = jax.ShapeDtypeStruct((1, 4, 40, 8), jnp.float32), jax.ShapeDtypeStruct((1, 2, 40, 8), jnp.float32)
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     return jax.export.export(f, platforms=[platform], disabled_checks=EXPORT_CHECKS)(q, k, k).mlir_module()
@@ -221,7 +223,7 @@ import json, sys, time
 import jax, jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
-from jaxformer.kernels.pallas.backward import flash_attention
+from jaxformer.kernels.pallas import flash_attention
 device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
 def loss(q, k, v):
     return flash_attention(q, k, v, True).astype(jnp.float32).sum()

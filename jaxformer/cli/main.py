@@ -1,5 +1,5 @@
 """The ``jaxformer`` command: prepare, train, generate, presets, diagnose, compare-grads, bench,
-export, doctor.
+export, doctor, tune.
 
 Each command is a module of this package with ``add_parser(subparsers)`` and
 ``run(args) -> int``; this one assembles them and dispatches. Bad input ends with
@@ -14,7 +14,7 @@ import argparse
 import signal
 import sys
 
-from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, prepare, presets, train
+from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, prepare, presets, train, tune
 from jaxformer.cli.args import Parser, UsageError, exit_at_ctrl_c, run_command
 import jaxformer
 
@@ -47,13 +47,15 @@ examples:
   jaxformer doctor
         check this install on this device: the attention kernels against full
         attention, manual gradients against jax.grad, training, speed and MFU
+  jaxformer tune --preset gpt2 --compute-dtype bfloat16 --seq-len 1024
+        time the Pallas kernels' launches on this GPU and keep the fastest
 
 Run `jaxformer COMMAND --help` for the options of each command.
 """
 
 # The subcommands in the order --help lists them: name -> module with add_parser and run.
 COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets": presets, "diagnose": diagnose,
-            "compare-grads": compare_grads, "bench": bench, "export": export, "doctor": doctor}
+            "compare-grads": compare_grads, "bench": bench, "export": export, "doctor": doctor, "tune": tune}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxformer.model.blockwise import blockwise_attention_core
 from jaxformer.model.dropout import dropout
 from jaxformer.model.linear import linear
-from jaxformer.kernels.pallas.backward import flash_attention
+from jaxformer.kernels.pallas import flash_attention
 from jaxformer.model.precision import matmul, upcast
 from jaxformer.kernels.refused import refused
 from jaxformer.model.rms_norm import rms_norm

@@ -158,7 +158,7 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
 
 def _under_mesh(step, mesh: Mesh):
     """``step`` traced with ``mesh`` as the context's abstract mesh, so that a layer that
-    must run per shard (the Pallas kernel: pallas_attention.per_example_shards) sees it."""
+    must run per shard (the Pallas kernel: kernels.shards.per_example_shards) sees it."""
     abstract = getattr(mesh, "abstract_mesh", mesh)  # a Mesh's, or an AbstractMesh itself
 
     @functools.wraps(step)

@@ -1,14 +1,9 @@
-"""FlashAttention-2's backward as three Pallas kernels, and ``flash_attention``: the
-forward kernel (pallas_attention.py) as a ``jax.custom_vjp`` whose rule they are.
+"""FlashAttention-2's backward as three Pallas kernels: the rule of the forward kernel
+(forward.py), which JAX's grad cannot differentiate (a ``pallas_call`` has no transpose).
+entry.py pairs them: ``flash_core_fwd`` / ``flash_core_bwd`` (called by manual_grads) and
+``flash_attention``, the ``jax.custom_vjp`` the model calls.
 
-A ``pallas_call`` has no transpose, so JAX's grad cannot differentiate the forward
-kernel; the model's forward for attention_impl "pallas" calls ``flash_attention``,
-whose backward is the hand-derived one below. The manual gradient source
-(manual_grads/pallas_attention.py) calls the same pair, ``flash_core_fwd`` and
-``flash_core_bwd``. Both live here, in the model room, because the model's custom_vjp
-needs them and the model room imports nothing from manual_grads/.
-
-Shape letters as in pallas_attention.py (G = H // Hkv query heads per key/value head).
+Shape letters as in forward.py (G = H // Hkv query heads per key/value head).
 Forward, per query head h (key/value head h // G), query block i, key block j
 (scale = 1 / sqrt(Dh)):
     S_ij = q_i k_j^T * scale                              (Kq, Kk), masked
@@ -36,7 +31,7 @@ Backward, given dO:
 Two kernels instead of one fused: each output is written by exactly one program, so
 there are no atomics and each program's accumulators stay in registers.
 
-Where they run: as the forward, the platform lowered for (pallas_attention.on_platform);
+Where they run: as the forward, the platform lowered for (platform.on_platform);
 each branch pads the residuals to its own tiles, so forward and backward need not share
 block sizes. Padding: dO is zero on padded query rows, so they add nothing (D = 0 there
 too); padded keys have P = 0. Precision: every product reads the compute dtype (q's dtype
@@ -47,55 +42,15 @@ in stats_dtype (lse's dtype).
 from __future__ import annotations
 
 import functools
-import math
-import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxformer.kernels.pallas import tune as pallas_tune
-from jaxformer.kernels.pallas.forward import (Tiling, check_heads, dot, first_query_block, forward_on,
-                                              head_spec, key_blocks_seen, kv_head, launch, on_platform, pad,
-                                              padded_inputs, pallas_attention_core, plan, query_spec,
-                                              tile_scores)
-
-
-class FlashRes(NamedTuple):
-    """Bidirectional; CausalFlashRes (same fields) undoes the causal forward. Unpadded:
-    each platform's backward pads to its own tiles. T and Dh are q's, G = H // Hkv."""
-    q: jax.Array  # (B, H, T, Dh) in the products' dtype (the compute dtype, or q's own)
-    k: jax.Array  # (B, Hkv, T, Dh) in the products' dtype
-    v: jax.Array  # (B, Hkv, T, Dh)
-    out: jax.Array  # (B, H, T, Dh) O, in the dtype of the forward's q (before the cast)
-    lse: jax.Array  # (B, H, T) row log-sum-exp of S, in stats_dtype
-    blocks: jax.Array  # (block_q, block_k, 0) int32, empty: the requested block sizes (0: the device's)
-
-
-class CausalFlashRes(FlashRes):
-    pass
-
-
-def res_blocks(res: FlashRes) -> tuple[int, int]:
-    """The block sizes the forward was asked for, read back from the residual's shapes."""
-    return res.blocks.shape[-3], res.blocks.shape[-2]
-
-
-def flash_core_fwd(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0, compute_dtype=None):
-    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, FlashRes):
-    the forward kernel, keeping q, k, v (in the products' dtype), O and lse; never the
-    (B, H, T, T) probabilities."""
-    G = check_heads(q, k, v)
-    cd = jnp.dtype(compute_dtype or q.dtype)
-    if not (block_q or block_k):  # on a GPU process, tune this shape once (None elsewhere)
-        pallas_tune.choice(pallas_tune.Shape(*q.shape[2:], cd.name, causal, G), time_on_gpu)
-    branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k, compute_dtype=cd)
-    out, lse = on_platform(branch, q, k, v)  # (B, H, T, Dh), (B, H, T)
-    res_type = CausalFlashRes if causal else FlashRes
-    blocks = jnp.zeros((block_q, block_k, 0), jnp.int32)
-    return out, res_type(q.astype(cd), k.astype(cd), v.astype(cd), out, lse, blocks)
+from jaxformer.kernels.pallas.forward import (check_heads, dot, first_query_block, head_spec, key_blocks_seen,
+                                              kv_head, launch, pad, padded_inputs, query_spec, tile_scores)
+from jaxformer.kernels.pallas.tiling import Tiling, plan
 
 
 # ----------------------------------------------------------------------------
@@ -199,65 +154,3 @@ def backward_on(device: str, q, k, v, out, lse, dout, *, causal: bool, block_q: 
     # query head h read key/value head h // G: its dK, dV are the sum of its G heads' shares
     dk, dv = (g.reshape(B, Hkv, G, Tk, t.Dp).sum(axis=2).astype(grad) for g in (dk, dv))
     return dq[:, :, :T, :Dh], dk[:, :, :T, :Dh], dv[:, :, :T, :Dh]
-
-
-def flash_core_bwd(res: FlashRes, dout):
-    """dout (B, H, T, Dh) -> (dq (B, H, T, Dh), dk, dv (B, Hkv, T, Dh)) in out's dtype, by
-    the backward kernels of the platform lowered for (pairs above the causal diagonal skipped)."""
-    block_q, block_k = res_blocks(res)
-    branch = functools.partial(backward_on, causal=isinstance(res, CausalFlashRes),
-                               block_q=block_q, block_k=block_k)
-    return on_platform(branch, res.q, res.k, res.v, res.out, res.lse, dout)
-
-
-def time_step(device: str, q, k, v, do, causal: bool, tuned: pallas_tune.Choice):
-    """The forward and backward kernels at the ``tuned`` launch, no platform switch: what
-    pallas_tune times (q, do (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> dq, dk, dv)."""
-    out, lse = forward_on(device, q, k, v, causal=causal, tuned=tuned)
-    return backward_on(device, q, k, v, out, lse, do, causal=causal, tuned=tuned)
-
-
-def time_on_gpu(shape: pallas_tune.Shape, c: pallas_tune.Choice, repeats: int = 5) -> float:
-    """Seconds of the Triton forward and backward kernels at ``c`` on one (1, 4 G, T, Dh)
-    attention (4 key/value heads), the best of ``repeats`` after a warm-up: pallas_tune's
-    measure. Runs eagerly even while a caller traces (ensure_compile_time_eval)."""
-    def step(q, k, v, do):
-        return time_step("gpu", q, k, v, do, shape.causal, c)
-
-    rng, dtype = np.random.default_rng(0), jnp.dtype(shape.dtype)
-    q, do = (rng.standard_normal((1, 4 * shape.G, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((1, 4, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
-    with jax.ensure_compile_time_eval():
-        run = jax.jit(step).lower(q, k, v, do).compile()
-        jax.block_until_ready(run(q, k, v, do))
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(q, k, v, do))
-            best = min(best, time.perf_counter() - start)
-    return best
-
-
-# ----------------------------------------------------------------------------
-# the model's differentiable core: the forward kernel, with the kernels above as its rule
-
-
-def _flash_fwd_rule(q, k, v, causal, block_q, block_k, compute_dtype):
-    return flash_core_fwd(q, k, v, causal, block_q, block_k, compute_dtype)
-
-
-def _flash_bwd_rule(causal, block_q, block_k, compute_dtype, res, dout):
-    return flash_core_bwd(res, dout)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def flash_attention(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0, compute_dtype=None):
-    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), H a multiple of Hkv -> softmax(q k^T / sqrt(Dh)) v
-    (B, H, T, Dh), query head h reading key/value head h // (H // Hkv), future masked if
-    causal: the forward kernel, differentiable (JAX's grad runs flash_core_bwd; dk, dv come
-    back (B, Hkv, T, Dh)). block_q / block_k of 0 take the device's choice (pallas_tune on a
-    GPU, else pallas_attention.DEFAULT_BLOCKS); products in ``compute_dtype``."""
-    return pallas_attention_core(q, k, v, causal, block_q, block_k, compute_dtype)[0]
-
-
-flash_attention.defvjp(_flash_fwd_rule, _flash_bwd_rule)

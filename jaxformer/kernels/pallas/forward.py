@@ -1,5 +1,5 @@
 """FlashAttention-2's forward as a Pallas kernel: softmax(q k^T / sqrt(Dh)) v without the
-(T, T) matrix, the row log-sum-exp kept for the backward (pallas_backward.py).
+(T, T) matrix, the row log-sum-exp kept for the backward (backward.py).
 
 Shape letters: B batch, H query heads, Hkv key/value heads (H % Hkv == 0; G = H // Hkv
 query heads share one, query head h reading key/value head h // G: grouped-query
@@ -17,14 +17,11 @@ loop stops at the diagonal, so blocks above it are never loaded; padded keys (po
 Row statistics are (Kq, 1) columns and row arrays (B, H, Tq, 1), the layout both Triton
 and Mosaic (TPU) take.
 
-Where it runs: the platform the program is lowered for, chosen by
-``jax.lax.platform_dependent`` (``on_platform``), not by the process's default backend:
-"cuda"/"rocm" launch it through Triton, "tpu" through Mosaic, any other platform (CPU) in
-interpret mode (the same kernel as a jitted loop over the grid: slow, for proof). So a
-CPU process exporting for "cuda" (``jax.export(..., platforms=["cuda"])``) or compiling
-for a TPU topology emits the compiled kernel. Every branch takes and returns unpadded
-arrays, so each pads to its own tiles (``plan``): block sizes, the head-width padding and
-the GPU autotune (pallas_tune.py) are per branch.
+Where it runs: the platform the program is lowered for (platform.py, ``on_platform``),
+not the process's default backend: "cuda"/"rocm" launch it through Triton, "tpu" through
+Mosaic, any other platform (CPU) in interpret mode. Every branch takes and returns
+unpadded arrays, so each pads to its own tiles (tiling.py, ``plan``): block sizes, the
+head-width padding and the GPU's tuned launch (read from tune.py's table) are per branch.
 
 Precision (ModelConfig.compute_dtype, as precision.py's ``matmul``): q, k and v enter
 the kernel in the compute dtype (None: their own), each product accumulates in
@@ -38,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +43,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from jaxformer.kernels.pallas import tune as pallas_tune
-from jaxformer.kernels.refused import refused
+from jaxformer.kernels.pallas.platform import on_platform
+from jaxformer.kernels.pallas.tiling import Launch, Tiling, plan
 
 
 def stats_dtype(dtype):
@@ -55,123 +52,8 @@ def stats_dtype(dtype):
     (the kernels room sits below the model room and imports nothing from it)."""
     return jnp.promote_types(dtype, jnp.float32)
 
-# (block_q, block_k) when ModelConfig.pallas_block_q / pallas_block_k are 0 (on a GPU: when
-# no autotuned choice exists, pallas_tune.py). GPU: tiles small enough for the backward's
-# float32 accumulators to stay in registers at Dh <= 128. TPU: 128 rows fill the MXU.
-# CPU interpret mode pays per grid step and loop turn, so it takes big blocks.
-DEFAULT_BLOCKS = {"gpu": (64, 64), "tpu": (128, 128), "cpu": (128, 128)}
-DEFAULT_WARPS, DEFAULT_STAGES = 4, 2  # Triton's launch when untuned
-MIN_GPU_TILE = 16  # Triton's smallest matmul tile side
-TPU_SUBLANES = 8  # a TPU block's second-to-last side: a multiple of 8 (or the whole axis)
+
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp(MASK - m) is 0, never inf - inf
-
-
-class Tiling(NamedTuple):
-    """How a length-T, width-Dh attention is cut into tiles (all static Python ints)."""
-    T: int  # the unpadded length
-    Kq: int  # query block size
-    Kk: int  # key block size
-    Nq: int  # query blocks: ceil(T / Kq)
-    Nk: int  # key blocks: ceil(T / Kk)
-    Dh: int  # the head width
-    Dp: int  # the head width the kernels see: Dh, or padded to Triton's tile
-
-
-class Launch(NamedTuple):
-    """How a branch launches its pallas_calls (static)."""
-    device: str  # "gpu" (Triton), "tpu" (Mosaic) or "cpu" (interpret mode)
-    interpret: Any = False  # pallas_call's interpret: True on "cpu"; tests run gpu/tpu plans with True
-    num_warps: int = DEFAULT_WARPS  # Triton only
-    num_stages: int = DEFAULT_STAGES  # Triton only
-
-
-class TilingError(ValueError):
-    """Block sizes a device cannot take (raised while its branch is traced; on_platform
-    defers it to the lowering for that device)."""
-
-
-def _tile_side(name: str, block: int, T: int, device: str) -> int:
-    """The block size used for length T: ``block``, cut down when T is shorter (to T on
-    CPU, to the power of two covering T, at least 16, on a GPU, to T rounded up to 8 on
-    a TPU). ValueError naming the field where the device cannot take ``block``."""
-    if device == "gpu":
-        if block < MIN_GPU_TILE or block & (block - 1):
-            raise TilingError(f"ModelConfig.{name} must be a power of two >= {MIN_GPU_TILE} on a GPU "
-                             f"(Triton's tiles), got {block}")
-        return min(block, max(MIN_GPU_TILE, pl.next_power_of_2(T)))
-    if device == "tpu":
-        if block % TPU_SUBLANES:
-            raise TilingError(f"ModelConfig.{name} must be a multiple of {TPU_SUBLANES} on a TPU "
-                             f"(Mosaic's (8, 128) tiles), got {block}")
-        return min(block, -(-T // TPU_SUBLANES) * TPU_SUBLANES)
-    return min(block, T)
-
-
-def tiling(T: int, Dh: int, block_q: int, block_k: int, device: str) -> Tiling:
-    """The tiles of a length-T attention on ``device`` ("gpu", "tpu" or "cpu");
-    block_q / block_k of 0 take the device's default."""
-    if device not in DEFAULT_BLOCKS:
-        raise ValueError(f"the Pallas kernel's device must be one of {sorted(DEFAULT_BLOCKS)}, got {device!r}")
-    default_q, default_k = DEFAULT_BLOCKS[device]
-    Kq = _tile_side("pallas_block_q", block_q or default_q, T, device)
-    Kk = _tile_side("pallas_block_k", block_k or default_k, T, device)
-    Dp = max(MIN_GPU_TILE, pl.next_power_of_2(Dh)) if device == "gpu" else Dh
-    return Tiling(T, Kq, Kk, -(-T // Kq), -(-T // Kk), Dh, Dp)
-
-
-def plan(device: str, shape: pallas_tune.Shape, block_q: int, block_k: int, interpret=None,
-         tuned: pallas_tune.Choice | None = None) -> tuple[Tiling, Launch]:
-    """The tiles and launch of one branch. ``tuned`` given: it (the autotuner's own
-    timing runs). On a GPU with both blocks 0: the autotuned choice for ``shape`` when
-    there is one (pallas_tune.choice; None off a GPU). Otherwise the blocks given, 0
-    taking the device default. ``interpret`` None: True on "cpu" only."""
-    launch_ = Launch(device, device == "cpu" if interpret is None else interpret)
-    if tuned is None and device == "gpu" and not (block_q or block_k) and not launch_.interpret:
-        tuned = pallas_tune.choice(shape)  # None off a GPU
-    if tuned is not None:
-        block_q, block_k = tuned.block_q, tuned.block_k
-        launch_ = launch_._replace(num_warps=tuned.num_warps, num_stages=tuned.num_stages)
-    return tiling(shape.T, shape.Dh, block_q, block_k, device), launch_
-
-
-def on_platform(branch, *args):
-    """branch(device, *args) for the platform the program is lowered for: "gpu" on cuda
-    and rocm (Triton), "tpu" (Mosaic), "cpu" on any other (interpret mode). Each branch
-    returns the same shapes (unpadded arrays). Lowering for one platform keeps only its
-    branch; a multi-platform export with the kernel fails (JAX lowers every kept branch
-    for every platform, and a compiled pallas_call has no CPU lowering)."""
-    gpu, tpu, cpu = (functools.partial(_guarded, branch, d) for d in ("gpu", "tpu", "cpu"))
-
-    def switch(*args):
-        return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=cpu)
-
-    return per_example_shards(switch, *args)
-
-
-def per_example_shards(f, *args):
-    """f(*args), every arg and result batched along axis 0, run per shard of the batch
-    when the trace has a mesh (``jax.sharding.get_abstract_mesh()``: the training step
-    sets it): a kernel is one custom call that XLA cannot partition (Mosaic refuses to,
-    Triton's would be gathered whole), and attention is independent per example, so each
-    device runs the kernel on its own rows. Without a mesh, or a batch the mesh does not
-    divide, f(*args)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or args[0].shape[0] % mesh.size:
-        return f(*args)
-    rows = jax.sharding.PartitionSpec(mesh.axis_names)
-    return jax.shard_map(f, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
-                         check_vma=False)(*args)
-
-
-def _guarded(branch, device: str, *args):
-    """branch(device, *args); where the device cannot take the block sizes (TilingError),
-    a stand-in of the CPU branch's shapes whose lowering raises the error: every branch is
-    traced, but only the platform lowered for may refuse (pallas_block_q 8 runs on CPU and
-    TPU, and fails a lowering for cuda)."""
-    try:
-        return branch(device, *args)
-    except TilingError as error:
-        return refused(jax.eval_shape(functools.partial(branch, "cpu"), *args), TilingError, str(error))
 
 
 def pad(x, length: int, width: int | None = None):
@@ -336,7 +218,7 @@ def pallas_attention_core(q, k, v, causal: bool, block_q: int = 0, block_k: int 
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, lse
     (B, H, T) in stats_dtype): out = softmax(q k^T / sqrt(Dh)) v, query head h reading
     key/value head h // (H // Hkv), future masked if causal, by the forward kernel of the
-    platform lowered for. The raw kernel: no derivative (pallas_backward.flash_attention has)."""
+    platform lowered for. The raw kernel: no derivative (entry.flash_attention has)."""
     branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k,
                                compute_dtype=compute_dtype)
     return on_platform(branch, q, k, v)

@@ -1,17 +1,20 @@
-"""The Pallas kernels' launch on a GPU, chosen by measurement: on first use for a
-(device kind, T, Dh, dtype, causal, G) shape, time a few (block_q, block_k, num_warps,
-num_stages) candidates on the kernels' forward and backward, keep the fastest, and cache
-it per device kind and shape: in memory, and on disk in ``cache_path()``
-(``$XDG_CACHE_HOME/jaxformer/pallas_tune.json``, else ``~/.cache/...``), written atomically.
+"""The Pallas kernels' launch table on a GPU: for each (device kind, T, Dh, dtype, causal,
+G) shape, the fastest (block_q, block_k, num_warps, num_stages) found by timing, kept in
+``cache_path()`` (``$XDG_CACHE_HOME/jaxformer/pallas_tune.json``, else ``~/.cache/...``),
+written atomically, and in memory for this process.
 
-It never runs off a GPU: ``choice`` returns None unless the process's default backend is
-a GPU (then pallas_attention.DEFAULT_BLOCKS and Triton's 4 warps / 2 stages are the
-fallback, as they are on TPU and CPU). ModelConfig.pallas_block_q / pallas_block_k set
-(non-zero) win: pallas_attention.plan asks only when both are 0. The differentiable
-kernel (pallas_backward.flash_core_fwd) tunes a new shape before it traces, with the
-timer it owns (``time_on_gpu``: the kernels import this module, not the reverse);
-``plan`` then reads the cached choice. ``choose`` takes the timer as an argument, so its
-selection and caching are tested on CPU with a fake one.
+Two sides, kept apart:
+
+- read: ``choice(shape)``, asked by tiling.plan while a model is traced, returns the
+  table's entry for this process's GPU, or None (off a GPU, or a shape never tuned: the
+  platform's default tiling then). It never times a kernel and never writes a file.
+- write: ``choose(name, measure)`` times every candidate with ``measure`` and stores the
+  fastest. Only the explicit tuning act calls it (timing.tune: ``jaxformer tune``, and
+  ``jaxformer bench`` before it times the pallas step on a GPU). It takes the timer as an
+  argument, so its selection and caching are tested on CPU with a fake one.
+
+ModelConfig.pallas_block_q / pallas_block_k set (non-zero) win: plan asks only when both
+are 0.
 """
 
 from __future__ import annotations
@@ -80,17 +83,18 @@ def _write(path: Path, name: str, choice: Choice) -> None:
 
 
 def choose(name: str, measure: Callable[[Choice], float], candidates=CANDIDATES,
-           path: Path | None = None) -> Choice:
-    """The cached choice for ``name`` (memory, then disk); else the candidate with the
-    least ``measure(choice)`` seconds (one that raises, e.g. out of shared memory, is
-    skipped), then cached in both. ValueError when every candidate fails."""
+           path: Path | None = None, again: bool = False) -> Choice:
+    """The stored choice for ``name`` (memory, then disk; ``again`` skips them); else the
+    candidate with the least ``measure(choice)`` seconds (one that raises, e.g. out of
+    shared memory, is skipped), then stored in both. ValueError when every candidate fails."""
     path = path or cache_path()
-    if name in _memory:
-        return _memory[name]
-    stored = _read(path).get(name)
-    if stored is not None:
-        _memory[name] = Choice(**stored)
-        return _memory[name]
+    if not again:
+        if name in _memory:
+            return _memory[name]
+        stored = _read(path).get(name)
+        if stored is not None:
+            _memory[name] = Choice(**stored)
+            return _memory[name]
     times = {}
     for c in candidates:
         try:
@@ -105,16 +109,18 @@ def choose(name: str, measure: Callable[[Choice], float], candidates=CANDIDATES,
     return best
 
 
-def choice(shape: Shape, measure: Callable[[Shape, Choice], float] | None = None) -> Choice | None:
-    """The tuned launch for ``shape`` on this process's GPU; None off a GPU. With ``measure``
-    (seconds of one candidate at ``shape``: pallas_backward.time_on_gpu, which times the
-    kernels this module cannot import) an untuned shape is tuned now; without it, only a
-    cached choice is returned (None when there is none)."""
-    if jax.default_backend() != "gpu":
+def device_kind() -> str | None:
+    """This process's GPU, as the table names it ("NVIDIA H100 80GB HBM3"); None off a GPU."""
+    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else None
+
+
+def choice(shape: Shape) -> Choice | None:
+    """The launch table's choice for ``shape`` on this process's GPU: None off a GPU or
+    for a shape never tuned. Read only: what a traced model asks (tiling.plan)."""
+    kind = device_kind()
+    if kind is None:
         return None
-    name = key(jax.devices()[0].device_kind, shape)
-    if measure is not None:
-        return choose(name, lambda c: measure(shape, c))
+    name = key(kind, shape)
     if name not in _memory and (stored := _read(cache_path()).get(name)) is not None:
         _memory[name] = Choice(**stored)
     return _memory.get(name)

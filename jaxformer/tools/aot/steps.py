@@ -43,7 +43,7 @@ from jax.sharding import AbstractMesh, SingleDeviceSharding
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.tools.aot.report import describe
-from jaxformer.tools.aot.targets import TARGETS, Target, cuda_plugin, missing, target_devices
+from jaxformer.tools.aot.targets import TARGETS, Target, cudnn_problem, missing, target_devices
 from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_shardings
 from jaxformer.training.step import grad_source, init_state, make_train_step
 
@@ -93,15 +93,14 @@ def absent(variant: Variant, platform: str) -> str | None:
     return None
 
 
-NO_CUDA_PLUGIN = "JAX traces cuDNN attention only with its CUDA plugin (pip install 'jaxformer[cuda]')"
-
-
 def skip_reason(variant: Variant, platform: str) -> str | None:
     """Why ``variant`` is not lowered for ``platform`` here: it does not exist there, or
-    (cudnn) JAX's CUDA plugin, which traces it, is not installed."""
-    if variant.attention == "cudnn" and platform == "cuda" and cuda_plugin() is None:
-        return absent(variant, platform) or NO_CUDA_PLUGIN
-    return absent(variant, platform)
+    (cudnn) JAX cannot trace cuDNN's attention here (targets.cudnn_problem: its CUDA
+    plugin or the cuDNN library is not installed)."""
+    problem = absent(variant, platform)
+    if problem is None and variant.attention == "cudnn" and platform == "cuda" and cudnn_problem():
+        return f"cudnn needs cuDNN to trace: {cudnn_problem()}"
+    return problem
 
 
 

@@ -78,6 +78,21 @@ def cuda_plugin() -> str | None:
     return next((name for name in CUDA_PLUGINS if importlib.util.find_spec(name) is not None), None)
 
 
+def cudnn_problem() -> str | None:
+    """Why JAX cannot trace cuDNN's attention here (one line), or None. It reads cuDNN's
+    version through the CUDA plugin, which needs the plugin (jax-cuda12-plugin) and the
+    cuDNN library beside it (nvidia-cudnn-cu12; jax[cuda12] installs both)."""
+    plugin = cuda_plugin()
+    if plugin is None:
+        return "JAX's CUDA plugin is not installed (pip install 'jaxformer[cuda]')"
+    try:
+        importlib.import_module(f"{plugin}._versions").cudnn_get_version()
+    except Exception as error:  # noqa: BLE001 - the plugin's own words: "cuDNN not found."
+        return (f"the cuDNN library is not installed ({str(error).strip()} pip install nvidia-cudnn-cu12, "
+                f"or 'jaxformer[cuda]'); JAX's CUDA plugin alone compiles the rest")
+    return None
+
+
 def missing(target: Target) -> str | None:
     """Why ``target`` cannot be compiled for here (one line), or None."""
     if target.platform == "tpu" and importlib.util.find_spec("libtpu") is None:

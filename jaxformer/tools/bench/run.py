@@ -34,6 +34,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.kernels.pallas import timing as pallas_timing
+from jaxformer.kernels.pallas import tune as pallas_tune
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params, init_params
 from jaxformer.observe import flops
@@ -176,6 +178,25 @@ def choose(s: Settings) -> tuple[list[Spec], list[Skip], str | None]:
     return specs, skipped, device
 
 
+def pallas_shape(config: ModelConfig, seq_len: int) -> pallas_tune.Shape:
+    """The launch-table shape the Pallas kernels of ``config``'s attention trace at length
+    ``seq_len``: head width, the products' dtype (compute_dtype, else the params' float32),
+    causal, query heads per key/value head."""
+    return pallas_tune.Shape(seq_len, config.d_head, config.compute_dtype or "float32", config.causal,
+                             config.n_heads // config.kv_heads)
+
+
+def tune_pallas(config: ModelConfig, seq_len: int, say) -> None:
+    """On a GPU, the Pallas kernels' launch at this shape tuned (timed once and written to
+    the launch table, or read from it) before the pallas step is compiled and timed;
+    pallas_block_q / pallas_block_k set in the config need no tuning."""
+    if pallas_tune.device_kind() is None or config.pallas_block_q or config.pallas_block_k:
+        return
+    shape = pallas_shape(config, seq_len)
+    picked = pallas_timing.tune([shape])[shape]
+    say(f"pallas launch for T={shape.T} Dh={shape.Dh} {shape.dtype}: {picked} ({pallas_tune.cache_path()})")
+
+
 def say_skips(skipped: list[Skip], say) -> None:
     """One line per reason: contestants skipped for the same reason share it."""
     by_reason: dict[str, list[str]] = {}
@@ -192,6 +213,8 @@ def run(s: Settings, say=lambda line: print(line, file=sys.stderr, flush=True)) 
     config, B, T = s.config, s.batch_size, s.seq_len
     specs, skipped, device = choose(s)
     say_skips(skipped, say)
+    if any(spec.attention == "pallas" for spec in specs):
+        tune_pallas(config, T, say)
     params = init_params(jax.random.PRNGKey(s.seed), config, dtype=jnp.float32)
     batch = make_batch(config, B, T, s.seed)
     per_token = flops.flops_per_token(config, T)

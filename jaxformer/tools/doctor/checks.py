@@ -32,7 +32,7 @@ import numpy as np
 from jaxformer.model.attention import attention_probs, check_cudnn, repeat_kv
 from jaxformer.model.attention import cudnn_core as model_cudnn_core
 from jaxformer.model.config import ModelConfig, get_preset
-from jaxformer.kernels.pallas.backward import flash_attention
+from jaxformer.kernels.pallas import flash_attention
 from jaxformer.model.params import init_params
 from jaxformer.model.precision import matmul
 from jaxformer.tools.bench import run as bench

@@ -1,0 +1,25 @@
+"""A kernel on a mesh: run it per shard of the batch.
+
+A hand-written kernel is one custom call that XLA cannot partition (Mosaic refuses to,
+Triton's would be gathered whole onto every device). Attention is independent per
+example, so each device runs the kernel on its own rows of the batch. The mesh is the
+trace's abstract mesh (``jax.sharding.get_abstract_mesh()``), which the training step
+sets (training/step.py traces its step under ``jax.sharding.use_abstract_mesh``): the
+kernels room needs no mesh passed in and imports nothing from training.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def per_example_shards(f, *args):
+    """f(*args), every arg and result batched along axis 0, run per shard of the batch
+    when the trace has a mesh: each device calls f on its own rows, split over every
+    mesh axis. Without a mesh, or a batch the mesh does not divide, f(*args)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or args[0].shape[0] % mesh.size:
+        return f(*args)
+    rows = jax.sharding.PartitionSpec(mesh.axis_names)
+    return jax.shard_map(f, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
+                         check_vma=False)(*args)
