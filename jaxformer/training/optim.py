@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxformer.model.checks import check_int, check_number
-from jaxformer.training.muon import muon_groups, muon_labels  # noqa: F401  (muon_labels: public here)
+from jaxformer.training.muon import LAYER_MATRIX, muon_groups, muon_labels, scale_by_width  # noqa: F401
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "muon")
 # which leaves weight decay applies to (decay_mask): "nanogpt" weight matrices and
