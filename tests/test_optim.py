@@ -41,7 +41,7 @@ def _close(a, b, atol=ATOL, rtol=RTOL):
     (dict(clip_value=0.0), "clip_value (--clip-value) must be > 0"),
     (dict(clip_norm=-1.0), "clip_norm (--clip-norm) must be > 0"),
     (dict(weight_decay=-0.1), "weight_decay (--weight-decay) must be >= 0"),
-    (dict(accum_steps=0), "accum_steps (--accum-steps) must be an integer >= 1"),
+    (dict(accum_steps=0), "accum_steps (--accum-steps) must be a positive integer, got 0"),
     (dict(warmup_steps=-1), "warmup_steps"),
     (dict(schedule="cosine"), "needs total_steps"),
     (dict(schedule="cosine", warmup_steps=10, total_steps=10), "total_steps (10) > warmup_steps (10)"),

@@ -4,19 +4,10 @@
     read_hf_gpt2(folder, dtype) -> (params, ModelConfig)
     write_hf_gpt2(folder, params, config)      a folder GPT2LMHeadModel.from_pretrained loads
 
-The mapping, per layer l (HF names with or without the "transformer." prefix):
-
-    wte.weight (V, D)                  tok_embed
-    wpe.weight (n_positions, D)        pos_embed
-    h.l.ln_1.weight / .bias            blocks.ln1.scale / .bias
-    h.l.attn.c_attn.weight (D, 3D)     [wq | wk | wv]: Conv1D keeps (in, out), as our x @ w
-    h.l.attn.c_attn.bias (3D,)         [bq | bk | bv]
-    h.l.attn.c_proj.weight / .bias     blocks.attn.wo / bo
-    h.l.ln_2.weight / .bias            blocks.ln2.scale / .bias
-    h.l.mlp.c_fc.weight / .bias        blocks.ffn.w_in / b_in
-    h.l.mlp.c_proj.weight / .bias      blocks.ffn.w_out / b_out
-    ln_f.weight / .bias                ln_f.scale / .bias
-    lm_head.weight (V, D)              tied to wte (tie_embeddings, no head bias); untied: head.w = its ^T
+The mapping is written once, as tables read in both directions (hf_table.py): TENSORS
+(HF name, our leaves, shape, transform; names with or without the "transformer." prefix:
+c_attn holds [wq | wk | wv], Conv1D keeps (in, out) as our x @ w, lm_head is tied to wte or
+head.w^T) and KEYS (config.json key, ModelConfig field); FIXED is what every GPT-2 is.
 
 config.json: n_embd, n_head, n_layer, n_positions, vocab_size, n_inner (None: 4 n_embd),
 layer_norm_epsilon, activation_function (gelu_new and gelu_pytorch_tanh = gelu_tanh,
@@ -33,12 +24,53 @@ import numpy as np
 
 from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError,  # noqa: F401
                                             read_config_json, read_tensors, resolve_source)
+from jaxformer.checkpoints.hf_table import Key, Tensor, check_fixed, fields_in, keys_out, params_in, params_out
 from jaxformer.model.config import ModelConfig
 
 ACTIVATIONS_IN = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                   "relu": "relu", "tanh": "tanh"}
 ACTIVATIONS_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "tanh": "tanh"}
 BUFFERS = (".attn.bias", ".attn.masked_bias")
+PREFIX = "transformer."  # of every name but lm_head's, as save_pretrained writes them
+HEAD = "lm_head.weight"
+
+# The mapping of the module docstring, read in both directions (hf_table.py); shapes of one
+# HF tensor. Conv1D keeps (in, out), as our x @ w: nothing is transposed but the head.
+_D = lambda c: (c.d_model,)  # noqa: E731
+TENSORS = (
+    Tensor("wte.weight", ("tok_embed",), lambda c: (c.vocab_size, c.d_model)),
+    Tensor("wpe.weight", ("pos_embed",), lambda c: (c.max_seq_len, c.d_model)),
+    Tensor("h.{l}.ln_1.weight", ("blocks.ln1.scale",), _D),
+    Tensor("h.{l}.ln_1.bias", ("blocks.ln1.bias",), _D),
+    Tensor("h.{l}.attn.c_attn.weight", ("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv"),
+           lambda c: (c.d_model, 3 * c.d_model)),
+    Tensor("h.{l}.attn.c_attn.bias", ("blocks.attn.bq", "blocks.attn.bk", "blocks.attn.bv"),
+           lambda c: (3 * c.d_model,)),
+    Tensor("h.{l}.attn.c_proj.weight", ("blocks.attn.wo",), lambda c: (c.d_model, c.d_model)),
+    Tensor("h.{l}.attn.c_proj.bias", ("blocks.attn.bo",), _D),
+    Tensor("h.{l}.ln_2.weight", ("blocks.ln2.scale",), _D),
+    Tensor("h.{l}.ln_2.bias", ("blocks.ln2.bias",), _D),
+    Tensor("h.{l}.mlp.c_fc.weight", ("blocks.ffn.w_in",), lambda c: (c.d_model, c.d_ff)),
+    Tensor("h.{l}.mlp.c_fc.bias", ("blocks.ffn.b_in",), lambda c: (c.d_ff,)),
+    Tensor("h.{l}.mlp.c_proj.weight", ("blocks.ffn.w_out",), lambda c: (c.d_ff, c.d_model)),
+    Tensor("h.{l}.mlp.c_proj.bias", ("blocks.ffn.b_out",), _D),
+    Tensor("ln_f.weight", ("ln_f.scale",), _D),
+    Tensor("ln_f.bias", ("ln_f.bias",), _D),
+    Tensor(HEAD, ("head.w",), lambda c: (c.vocab_size, c.d_model), transpose=True,
+           when=lambda c: not c.tie_embeddings),
+)
+# config.json keys <-> ModelConfig fields (n_inner None: 4 n_embd)
+KEYS = (
+    Key("vocab_size", "vocab_size"), Key("n_embd", "d_model"), Key("n_head", "n_heads"),
+    Key("n_layer", "n_layers"), Key("n_inner", "d_ff", None), Key("n_positions", "max_seq_len"),
+    Key("layer_norm_epsilon", "ln_eps", 1e-5, float),
+    Key("activation_function", "activation", "gelu_new", ACTIVATIONS_IN.__getitem__,
+        ACTIVATIONS_OUT.__getitem__),
+    Key("tie_word_embeddings", "tie_embeddings", True, bool),
+)
+# what every GPT-2 is, which config.json does not record
+FIXED = {"norm": "pre", "positions": "learned", "causal": True, "bias": True, "head_bias": False,
+         "embed_scale": False, "norm_type": "layer", "mlp": "plain", "qk_norm": False}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -54,13 +86,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         if hf.get(name, want) != want:
             raise HFFormatError(f"config.json: {name} = {hf[name]!r} is not supported (needs {want!r})")
     try:
-        D = hf["n_embd"]
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], d_model=D, n_heads=hf["n_head"], n_layers=hf["n_layer"],
-            d_ff=hf.get("n_inner") or 4 * D, max_seq_len=hf["n_positions"],
-            activation=ACTIVATIONS_IN[act], norm="pre", positions="learned", causal=True,
-            ln_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True, head_bias=False)
+        fields = fields_in(KEYS, hf)
+        fields["d_ff"] = fields["d_ff"] or 4 * fields["d_model"]
+        return ModelConfig(**fields, **FIXED)
     except KeyError as e:
         raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
     except (TypeError, ValueError) as e:
@@ -69,25 +97,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def config_to_hf(config: ModelConfig) -> dict:
     """config.json for ``config``; ValueError naming the field a GPT-2 cannot have."""
-    for name, want in (("norm", "pre"), ("positions", "learned"), ("causal", True), ("bias", True),
-                       ("head_bias", False), ("embed_scale", False), ("norm_type", "layer"),
-                       ("mlp", "plain"), ("qk_norm", False)):
-        if getattr(config, name) != want:
-            raise ValueError(f"a Hugging Face GPT-2 needs ModelConfig.{name} = {want!r}, "
-                             f"this model has {getattr(config, name)!r}")
+    check_fixed(FIXED, config, "GPT-2")
     if config.kv_heads != config.n_heads:
         raise ValueError(f"a Hugging Face GPT-2 has as many key/value heads as query heads; this "
                          f"model has n_kv_heads {config.n_kv_heads} of n_heads {config.n_heads}")
     if config.activation not in ACTIVATIONS_OUT:
         raise ValueError(f"a Hugging Face GPT-2 needs ModelConfig.activation one of "
                          f"{', '.join(ACTIVATIONS_OUT)}, this model has {config.activation!r}")
-    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-            "vocab_size": config.vocab_size, "n_embd": config.d_model, "n_head": config.n_heads,
-            "n_layer": config.n_layers, "n_inner": config.d_ff, "n_positions": config.max_seq_len,
-            "n_ctx": config.max_seq_len, "layer_norm_epsilon": config.ln_eps,
-            "activation_function": ACTIVATIONS_OUT[config.activation],
-            "tie_word_embeddings": config.tie_embeddings,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **keys_out(KEYS, config),
+            "n_ctx": config.max_seq_len, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "bos_token_id": config.vocab_size - 1, "eos_token_id": config.vocab_size - 1}
 
 
@@ -98,49 +116,13 @@ def read_hf_gpt2(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
 
 
 def params_from_hf(tensors: dict, config: ModelConfig, dtype=np.float32, where: str = "tensors") -> dict:
-    """The params pytree of ``config`` from a GPT-2 state dict {HF name: array} (the
-    mapping in the module docstring); ``where`` names the source in errors."""
-    folder = where
-    raw = {k.removeprefix("transformer."): v for k, v in tensors.items() if not k.endswith(BUFFERS)}
-    V, D, F, L, S = (config.vocab_size, config.d_model, config.d_ff, config.n_layers, config.max_seq_len)
-
-    def get(name, shape):
-        if name not in raw:
-            raise HFFormatError(f"{folder}: tensor {name!r} is missing")
-        a = np.asarray(raw.pop(name), dtype)
-        if a.shape != tuple(shape):
-            raise HFFormatError(f"{folder}: tensor {name!r} has shape {a.shape}, config.json needs {tuple(shape)}")
-        return a
-
-    def layers(suffix, shape):
-        return np.stack([get(f"h.{l}.{suffix}", shape) for l in range(L)])
-
-    c_attn_w, c_attn_b = layers("attn.c_attn.weight", (D, 3 * D)), layers("attn.c_attn.bias", (3 * D,))
-    wq, wk, wv = np.split(c_attn_w, 3, axis=2)
-    bq, bk, bv = np.split(c_attn_b, 3, axis=1)
-    params = {
-        "tok_embed": get("wte.weight", (V, D)),
-        "pos_embed": get("wpe.weight", (S, D)),
-        "blocks": {
-            "ln1": {"scale": layers("ln_1.weight", (D,)), "bias": layers("ln_1.bias", (D,))},
-            "attn": {"wq": wq, "bq": bq, "wk": wk, "bk": bk, "wv": wv, "bv": bv,
-                     "wo": layers("attn.c_proj.weight", (D, D)), "bo": layers("attn.c_proj.bias", (D,))},
-            "ln2": {"scale": layers("ln_2.weight", (D,)), "bias": layers("ln_2.bias", (D,))},
-            "ffn": {"w_in": layers("mlp.c_fc.weight", (D, F)), "b_in": layers("mlp.c_fc.bias", (F,)),
-                    "w_out": layers("mlp.c_proj.weight", (F, D)), "b_out": layers("mlp.c_proj.bias", (D,))},
-        },
-        "ln_f": {"scale": get("ln_f.weight", (D,)), "bias": get("ln_f.bias", (D,))},
-    }
-    head = raw.pop("lm_head.weight", None)
-    if not config.tie_embeddings:
-        if head is None:
-            raise HFFormatError(f"{folder}: tensor 'lm_head.weight' is missing (tie_word_embeddings is false)")
-        if head.shape != (V, D):
-            raise HFFormatError(f"{folder}: tensor 'lm_head.weight' has shape {head.shape}, needs {(V, D)}")
-        params["head"] = {"w": np.asarray(head, dtype).T.copy()}
-    if raw:
-        raise HFFormatError(f"{folder}: unexpected tensor(s) {', '.join(sorted(raw)[:5])}")
-    return params
+    """The params pytree of ``config`` from a GPT-2 state dict {HF name: array}, with or
+    without the "transformer." prefix (TENSORS); ``where`` names the source in errors.
+    A tied model's lm_head.weight, if stored, is the embedding's copy: skipped."""
+    raw = {k.removeprefix(PREFIX): v for k, v in tensors.items() if not k.endswith(BUFFERS)}
+    if config.tie_embeddings:
+        raw.pop(HEAD, None)
+    return params_in(TENSORS, raw, config, dtype, where)
 
 
 def write_hf_gpt2(folder, params, config: ModelConfig) -> Path:
@@ -150,25 +132,7 @@ def write_hf_gpt2(folder, params, config: ModelConfig) -> Path:
     hf = config_to_hf(config)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))  # noqa: E731
-    b = params["blocks"]
-    out = {"transformer.wte.weight": f32(params["tok_embed"]),
-           "transformer.wpe.weight": f32(params["pos_embed"]),
-           "transformer.ln_f.weight": f32(params["ln_f"]["scale"]),
-           "transformer.ln_f.bias": f32(params["ln_f"]["bias"])}
-    a = b["attn"]
-    for l in range(config.n_layers):
-        h = f"transformer.h.{l}."
-        out[h + "ln_1.weight"], out[h + "ln_1.bias"] = f32(b["ln1"]["scale"][l]), f32(b["ln1"]["bias"][l])
-        out[h + "ln_2.weight"], out[h + "ln_2.bias"] = f32(b["ln2"]["scale"][l]), f32(b["ln2"]["bias"][l])
-        out[h + "attn.c_attn.weight"] = f32(np.concatenate([a["wq"][l], a["wk"][l], a["wv"][l]], axis=1))
-        out[h + "attn.c_attn.bias"] = f32(np.concatenate([a["bq"][l], a["bk"][l], a["bv"][l]]))
-        out[h + "attn.c_proj.weight"], out[h + "attn.c_proj.bias"] = f32(a["wo"][l]), f32(a["bo"][l])
-        out[h + "mlp.c_fc.weight"], out[h + "mlp.c_fc.bias"] = f32(b["ffn"]["w_in"][l]), f32(b["ffn"]["b_in"][l])
-        out[h + "mlp.c_proj.weight"] = f32(b["ffn"]["w_out"][l])
-        out[h + "mlp.c_proj.bias"] = f32(b["ffn"]["b_out"][l])
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = f32(np.asarray(params["head"]["w"]).T)
+    out = {(k if k == HEAD else PREFIX + k): v for k, v in params_out(TENSORS, params, config).items()}
     save_file(out, str(folder / SAFETENSORS), metadata={"format": "pt"})
     (folder / CONFIG_JSON).write_text(json.dumps(hf, indent=2) + "\n")
     return folder

@@ -1,4 +1,10 @@
-"""Command-line flags for every ModelConfig field, shared by all commands.
+"""Command-line flags derived from the settings' dataclasses, shared by all commands.
+
+``add_setting_flags(parser, TrainSettings, titles)`` adds one flag per field declared
+with ``training.fields.setting`` (``--steps``, ``--lr``, ...): its type, range, choices,
+help and the default --help shows all come from the field, each defaulting to None so
+an unset flag falls through to the preset's recipe, a config file or a checkpoint;
+``setting_flags(cls)`` names their fields.
 
 ``add_model_flags(parser)`` adds ``--d-model``, ``--n-heads``, ... (one per field
 of ModelConfig except ``vocab_size``, which comes from the tokenizer), each
@@ -14,8 +20,9 @@ import argparse
 import dataclasses
 import typing
 
-from jaxformer.cli.args import number
+from jaxformer.cli.args import nonneg_int, number, positive_int
 from jaxformer.model import config as _config
+from jaxformer.training.fields import declared, default_text, value_type
 
 # Allowed values of the string fields, for --help and for argparse's own check.
 CHOICES = {
@@ -77,6 +84,37 @@ def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
         else:
             group.add_argument(flag_name(f.name), dest=f.name, default=None, help=helptext)
     return group
+
+
+# argparse type of an integer setting, by its least value
+INT_TYPES = {1: positive_int, 0: nonneg_int}
+
+
+def setting_flags(cls) -> tuple[str, ...]:
+    """The fields of the settings dataclass ``cls`` that have a flag, in declaration order."""
+    return tuple(f.name for f in declared(cls) if f.metadata["group"] is not None)
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, cls, titles: tuple[str, ...]) -> dict:
+    """One flag per field of ``cls`` declared with a group (``dest`` = the field name, default
+    None, --help from the field's help and default). ``titles``: the argument groups, in
+    --help order ("": the parser itself). Returns {title: group}, for other flags to join."""
+    groups = {title: parser if title == "" else parser.add_argument_group(title) for title in titles}
+    for f in declared(cls):
+        meta = f.metadata
+        if meta["group"] is None:
+            continue
+        kind, _ = value_type(cls, f.name)
+        options = dict(dest=f.name, default=None, metavar=meta["metavar"],
+                       help=f"{meta['help']} (default: {default_text(f)})")
+        if meta["choices"] is not None:
+            options["choices"] = list(meta["choices"])
+        elif kind is int:
+            options["type"] = INT_TYPES.get(meta["minimum"], number(int))
+        elif kind is float:
+            options["type"] = number(float)
+        groups[meta["group"]].add_argument(flag_name(f.name), **options)
+    return groups
 
 
 def model_overrides(args: argparse.Namespace) -> dict:

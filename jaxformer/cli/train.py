@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.hf import read_hf, resolve_source
 from jaxformer.cli.args import UsageError, exit_now, nonneg_int, output_folder, positive_int
-from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
+from jaxformer.cli.flags import add_model_flags, add_setting_flags, flag_name, model_overrides, setting_flags
 from jaxformer.model.config import PRESET_TRAINING, PRESETS
 from jaxformer.model.params import count_params
 from jaxformer.observe.report import recipe_text
@@ -22,13 +22,13 @@ from jaxformer.observe.words import plural
 from jaxformer.training import distributed, liveness
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
 from jaxformer.training.loop import train
-from jaxformer.training.optim import DECAY_RULES, OPTIMIZERS, SCHEDULES
 from jaxformer.training.settings import TrainSettings, settings_for
 from jaxformer.training.stopping import Interrupted
 
 EPILOG = """\
-Unset options come from the preset's training recipe (jaxformer.config.PRESET_TRAINING);
-with --resume, from the checkpoint's settings. The model's vocab_size is the tokenizer's.
+Unset options come from the preset's training recipe (jaxformer.config.PRESET_TRAINING),
+then the default each shows (TrainSettings'); with --resume, from the checkpoint's settings.
+The model's vocab_size is the tokenizer's.
 
 examples:
   jaxformer train --preset loopos --steps 300 --out runs/loopos
@@ -52,18 +52,16 @@ device; with --attention-impl blockwise --loss-chunk 256 --remat block, 3.8 GiB.
 """
 
 # The flags that are TrainSettings fields of the same name (None when not given).
-TRAIN_FLAGS = ("grads", "steps", "corpus", "tokenizer", "vocab_size", "data", "max_corpus_bytes", "val_fraction",
-               "batch_size", "seq_len", "seed", "optimizer", "lr", "schedule", "warmup_steps", "schedule_steps",
-               "clip_value", "clip_norm", "weight_decay", "momentum", "accum_steps", "dtype",
-               "beta1", "beta2", "adam_eps", "min_lr", "decay_rule", "muon_lr", "muon_momentum",
-               "eval_every", "eval_batches", "log_every", "ckpt_every", "keep_checkpoints", "mesh")
+TRAIN_FLAGS = setting_flags(TrainSettings)
+# the --help sections, in order ("": the command's own); TrainSettings' fields name theirs
+GROUPS = ("", "data", "optimizer", "logging and checkpoints", "devices and processes")
 
 
 def epilog() -> str:
     """EPILOG and each preset's recipe, from config.PRESET_TRAINING."""
     width = max(map(len, PRESETS))
     recipes = "\n".join(f"  {name:<{width}}  {recipe_text(PRESET_TRAINING.get(name, {}))}" for name in PRESETS)
-    return (f"{EPILOG}\npreset recipes (the defaults of the options above; `jaxformer presets` "
+    return (f"{EPILOG}\npreset recipes (they replace the defaults shown above; `jaxformer presets` "
             f"for shapes):\n{recipes}\nA recipe's warmup that does not fit a short run's decaying "
             f"schedule is cut to a tenth of its updates\n(the run says so; --warmup-steps sets it).\n")
 
@@ -74,9 +72,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--out", required=True, metavar="DIR", help="run folder (created)")
     t.add_argument("--preset", choices=list(PRESETS), help="model and training recipe (default: loopos)")
-    t.add_argument("--grads", choices=["auto", "manual"],
-                   help="gradient source: jax.grad (auto, default) or the hand-derived backward (manual)")
-    t.add_argument("--steps", type=positive_int, help="total training steps of the run (default 100)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the run folder's newest checkpoint that verifies")
     t.add_argument("--allow-data-change", action="store_true",
@@ -91,61 +86,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--config", metavar="FILE",
                    help="TOML file with [model] and [train] tables (a run folder's config.toml); "
                         "flags override it")
-    d = t.add_argument_group("data")
-    d.add_argument("--corpus", metavar="SPEC",
-                   help='"default" (built-in English text), "stdlib" (Python sources) or a file/folder path')
-    d.add_argument("--data", metavar="DATA_DIR",
-                   help="a folder of token shards written by `jaxformer prepare` (memory-mapped, never "
-                        "read whole); replaces --corpus and --tokenizer")
-    d.add_argument("--tokenizer", metavar="KIND",
-                   help="byte (256 ids), char (the corpus's characters), bpe (a byte-level BPE learned "
-                        "from the training text; --vocab-size), gpt2 (GPT-2's, when its tokenizer.json is "
-                        "on the machine) or a path to a tokenizer.json")
-    d.add_argument("--vocab-size", type=positive_int, metavar="N", help="the vocabulary --tokenizer bpe learns")
-    d.add_argument("--max-corpus-bytes", type=positive_int, metavar="N", help="read at most N bytes of the corpus")
-    d.add_argument("--val-fraction", type=float, metavar="F", help="held-out tail of the corpus (default 0.1)")
-    d.add_argument("--batch-size", type=positive_int, metavar="B", help="sequences per step")
-    d.add_argument("--seq-len", type=positive_int, metavar="T", help="tokens per sequence (<= the model's max_seq_len)")
-    d.add_argument("--seed", type=nonneg_int, help="seed of the params init and the batch order")
-    o = t.add_argument_group("optimizer")
-    o.add_argument("--optimizer", choices=list(OPTIMIZERS),
-                   help="muon: Muon for the blocks' weight matrices, AdamW (--lr) for embeddings, "
-                        "head, norms and biases")
-    o.add_argument("--lr", type=float, help="(peak) learning rate")
-    o.add_argument("--muon-lr", type=float, metavar="LR",
-                   help="--optimizer muon: peak learning rate of the weight matrices (default 0.02)")
-    o.add_argument("--muon-momentum", type=float, metavar="M",
-                   help="--optimizer muon: Muon's Nesterov momentum (default 0.95)")
-    o.add_argument("--schedule", choices=list(SCHEDULES), help="learning-rate schedule after the warmup")
-    o.add_argument("--warmup-steps", type=nonneg_int, metavar="N")
-    o.add_argument("--schedule-steps", type=positive_int, metavar="N",
-                   help="the schedule's horizon (default: --steps; a resumed run keeps its own)")
-    o.add_argument("--clip-value", type=float, metavar="V", help="clip each gradient entry to [-V, V] (0: off)")
-    o.add_argument("--clip-norm", type=float, metavar="N", help="clip the gradient's global norm to N (0: off)")
-    o.add_argument("--weight-decay", type=float, metavar="W")
-    o.add_argument("--momentum", type=float, metavar="M", help="for --optimizer momentum (default 0.9)")
-    o.add_argument("--beta1", type=float, metavar="B", help="Adam's beta1 (default 0.9)")
-    o.add_argument("--beta2", type=float, metavar="B",
-                   help="Adam's beta2 (default 0.999; nanoGPT: 0.95, 0.99 for small models)")
-    o.add_argument("--adam-eps", type=float, metavar="E", help="Adam's epsilon (default 1e-8)")
-    o.add_argument("--min-lr", type=float, metavar="LR",
-                   help="where a cosine/linear schedule ends (default: a tenth of --lr)")
-    o.add_argument("--decay-rule", choices=list(DECAY_RULES),
-                   help="leaves weight decay applies to: nanogpt (weight matrices and embeddings, "
-                        "not biases or norms; default), no-embed (weight matrices only), all")
-    o.add_argument("--accum-steps", type=positive_int, metavar="K", help="average K micro-batches per update")
-    o.add_argument("--dtype", choices=["float32", "float64"], help="params dtype (default float32)")
-    r = t.add_argument_group("logging and checkpoints")
-    r.add_argument("--eval-every", type=nonneg_int, metavar="N", help="validation loss every N steps (0: at the end only)")
-    r.add_argument("--eval-batches", type=positive_int, metavar="N", help="validation batches per evaluation")
-    r.add_argument("--log-every", type=positive_int, metavar="N", help="a metrics.jsonl line every N steps")
-    r.add_argument("--ckpt-every", type=nonneg_int, metavar="N", help="checkpoint every N steps (0: at the end only)")
-    r.add_argument("--keep-checkpoints", type=positive_int, metavar="N", help="latest checkpoints kept (default 3)")
+    groups = add_setting_flags(t, TrainSettings, GROUPS)
+    r, m = groups["logging and checkpoints"], groups["devices and processes"]
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    m = t.add_argument_group("devices and processes")
-    m.add_argument("--mesh", metavar="SPEC",
-                   help="device mesh data=N,fsdp=M: the batch splits over N*M devices, params and "
-                        "optimizer state over M (default: every device on data)")
     m.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-process run: process 0's address (or JAX_COORDINATOR_ADDRESS)")
     m.add_argument("--num-processes", type=positive_int, metavar="N",

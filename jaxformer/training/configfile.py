@@ -27,14 +27,17 @@ from jaxformer.data.corpora import CORPUS_NAMES
 from jaxformer.data.sources import HF_PREFIX
 from jaxformer.data.tokenizers import TOKENIZER_KINDS
 from jaxformer.model.config import ModelConfig
+from jaxformer.training.fields import declared
 from jaxformer.training.settings import TrainSettings, settings_for
 
 CONFIG_FILE = "config.toml"
 TABLES = ("model", "train")
-OFF_IS_ZERO = ("clip_value", "clip_norm")  # None (off) is written as 0
+# settings whose None means off (fields.setting's unset "off"): written, and given, as 0
+OFF_IS_ZERO = tuple(f.name for f in declared(TrainSettings) if f.metadata["unset"] == "off")
 
 
 def _train_fields() -> set[str]:
+    """The [train] keys: TrainSettings' fields but ``model`` (the [model] table)."""
     return {f.name for f in dataclasses.fields(TrainSettings)} - {"model"}
 
 

@@ -8,6 +8,8 @@ is the chain
     clip(clip_value) -> clip_by_global_norm(clip_norm) -> [add_decayed_weights]
     -> scale_by_adam -> [add_decayed_weights, adamw] -> scale_by_learning_rate(schedule)
 
+built of small parts (``clipping``, ``decayed_weights``, ``adam_moments``, ``direction``,
+``make_schedule``, ``accumulate``), each checking its own arguments, and
 wrapped in ``optax.inject_hyperparams`` (so the learning rate of the last update
 sits in the optimizer state, see ``injected_lr``) and, with ``accum_steps > 1``,
 in ``optax.MultiSteps`` (gradients of ``accum_steps`` calls are averaged into
@@ -20,19 +22,21 @@ matrices and AdamW for every other leaf (``muon_labels``): after the clipping,
                      -> scale_by_width -> [add_decayed_weights] -> scale_by_learning_rate(muon schedule),
               adamw: scale_by_adam -> [add_decayed_weights] -> scale_by_learning_rate(schedule))
 
-Both rates follow the same schedule (warmup, decay, floor as a fraction of the peak)
-and sit in the optimizer state as ``learning_rate`` and ``muon_learning_rate``.
+(muon.py ``muon_groups``). Both rates follow the same schedule (warmup, decay, floor as a
+fraction of the peak) and sit in the optimizer state as ``learning_rate`` and
+``muon_learning_rate``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import optax
-from optax import contrib
+
+from jaxformer.model.checks import check_int, check_number
+from jaxformer.training.muon import LAYER_MATRIX, muon_groups, muon_labels, scale_by_width  # noqa: F401
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "muon")
 # which leaves weight decay applies to (decay_mask): "nanogpt" weight matrices and
@@ -51,18 +55,10 @@ def setting_name(arg: str) -> str:
     return f"{name} (--{name.replace('_', '-')})"
 
 
-def _check_number(name, value, *, minimum=0.0, strict=False, maximum=None):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if (strict and not value > minimum) or value < minimum:
-        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _fraction(arg: str, value, high=1, high_open=True) -> float:
+    """``value`` as a float in [0, high) (or [0, high]), each end's error naming ``arg``'s setting."""
+    check_number(setting_name(arg), value, low=0.0)
+    return check_number(setting_name(arg), value, high=high, high_open=high_open)
 
 
 def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
@@ -73,12 +69,12 @@ def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
     cosine:   linear warmup to lr, then cosine decay to final_lr_fraction * lr at total_steps.
     linear:   linear warmup to lr, then linear decay to final_lr_fraction * lr at total_steps.
     """
-    _check_number("lr", lr)
-    _check_int(setting_name("warmup_steps"), warmup_steps, 0)
-    _check_number("final_lr_fraction", final_lr_fraction, maximum=1.0)
+    lr = check_number("lr", lr, low=0)
+    check_int(setting_name("warmup_steps"), warmup_steps, 0)
+    check_number("final_lr_fraction", final_lr_fraction, low=0.0)
+    check_number("final_lr_fraction", final_lr_fraction, high=1.0)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    lr = float(lr)
     # warmup: update i < warmup_steps uses lr * (i + 1) / warmup_steps
     warmup = optax.linear_schedule(lr / warmup_steps, lr, warmup_steps - 1) if warmup_steps else None
     if schedule == "constant":
@@ -87,7 +83,7 @@ def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
         return optax.join_schedules([warmup, optax.constant_schedule(lr)], [warmup_steps])
     if total_steps is None:
         raise ValueError(f"the {schedule} schedule needs total_steps")
-    _check_int("total_steps", total_steps, 1)
+    check_int("total_steps", total_steps, 1)
     if total_steps <= warmup_steps:
         raise ValueError(
             f"the {schedule} schedule needs total_steps ({total_steps}) > warmup_steps ({warmup_steps}); "
@@ -124,45 +120,69 @@ def decay_mask(params, rule: str = "nanogpt"):
     return jax.tree_util.tree_map_with_path(is_decayed, params)
 
 
-# A stacked matrix (L, in, out): axis 0 is a batch axis, so Newton-Schulz orthogonalises
-# each layer's (in, out) matrix on its own (optax vmaps over the batch axes).
-LAYER_MATRIX = contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+# ------------------------------------------------------------------ the chain's parts
 
 
-def _is_norm(key) -> bool:
-    return isinstance(key, str) and (key.startswith("ln") or key.endswith("norm"))
+def clipping(clip_value: float | None = None, clip_norm: float | None = None) -> list:
+    """Clip every gradient entry to [-clip_value, clip_value], then rescale the gradient
+    when its global norm exceeds clip_norm (None: that part is off)."""
+    parts = []
+    if clip_value is not None:
+        parts.append(optax.clip(check_number(setting_name("clip_value"), clip_value, low=0, low_open=True)))
+    if clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(
+            check_number(setting_name("clip_norm"), clip_norm, low=0, low_open=True)))
+    return parts
 
 
-def muon_labels(params):
-    """"muon" for the leaves Muon updates, "adamw" for the others. By rule, not by
-    name: a leaf under "blocks" with 3 dims (the layer axis L, then a matrix: wq, w_in,
-    w_gate, ...) that sits under no norm (keys "ln*", "*norm"). Embeddings, the head,
-    norm scales and biases (under blocks: 2 dims, (L, D)) are AdamW's."""
-
-    def label(path, leaf):
-        keys = [getattr(entry, "key", None) for entry in path]
-        matrix = keys[:1] == ["blocks"] and len(jnp.shape(leaf)) == 3
-        return "muon" if matrix and not any(_is_norm(k) for k in keys) else "adamw"
-
-    return jax.tree_util.tree_map_with_path(label, params)
+def decayed_weights(weight_decay: float = 0.0, rule: str = "nanogpt") -> list:
+    """Weight decay on the leaves ``rule`` picks (decay_mask); [] for a decay of 0."""
+    weight_decay = check_number(setting_name("weight_decay"), weight_decay, low=0.0)
+    decay_mask({}, rule)  # the rule's name
+    if not weight_decay:
+        return []
+    return [optax.add_decayed_weights(weight_decay, mask=functools.partial(decay_mask, rule=rule))]
 
 
-def _layer_matrices(updates):
-    """The dimension numbers of the Muon group's leaves (all stacked matrices); the
-    leaves of the other group are optax's MaskedNode, which have no leaves to map."""
-    return jax.tree_util.tree_map(lambda _: LAYER_MATRIX, updates)
+def adam_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Adam's update direction (scale_by_adam), b1 and b2 in [0, 1), eps > 0."""
+    return optax.scale_by_adam(b1=_fraction("b1", b1), b2=_fraction("b2", b2),
+                               eps=check_number(setting_name("eps"), eps, low=0, low_open=True))
 
 
-def scale_by_width() -> optax.GradientTransformation:
-    """Muon's width scaling (Keller Jordan's, optax's default): each stacked (L, in, out)
-    update times sqrt(max(1, out / in)), so a wide output keeps its per-entry size."""
+def direction(name: str, decay: list, momentum: float, adam: optax.GradientTransformation) -> list:
+    """The update direction of sgd, momentum, adam or adamw, with weight decay where each
+    applies it: added to the gradient (L2) before the direction, decoupled after it (adamw)."""
+    if name == "sgd":
+        return decay
+    if name == "momentum":
+        return [*decay, optax.trace(decay=float(momentum))]
+    if name == "adam":
+        return [*decay, adam]
+    return [adam, *decay]
 
-    def update(updates, state, params=None):
-        del params
-        scale = lambda u: u * math.sqrt(max(1.0, u.shape[-1] / u.shape[-2]))  # noqa: E731
-        return jax.tree_util.tree_map(scale, updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update)
+def floor_fraction(lr: float, min_lr: float | None, final_lr_fraction: float = 0.1) -> float:
+    """The fraction of the peak a decaying schedule ends at: min_lr / lr, or
+    final_lr_fraction when min_lr is None."""
+    if min_lr is None:
+        return final_lr_fraction
+    min_lr = check_number(setting_name("min_lr"), min_lr, low=0.0)
+    lr = check_number("lr", lr, low=0.0, low_open=True)
+    if min_lr > lr:
+        raise ValueError(f"min_lr ({min_lr}) must not exceed lr ({lr})")
+    return min_lr / lr
+
+
+def accumulate(optimizer: optax.GradientTransformation, accum_steps: int = 1) -> optax.GradientTransformation:
+    """``optimizer`` applied to the mean gradient of every ``accum_steps`` calls (optax.MultiSteps)."""
+    accum_steps = check_int(setting_name("accum_steps"), accum_steps, 1)
+    if accum_steps == 1:
+        return optimizer
+    return optax.MultiSteps(optimizer, every_k_schedule=accum_steps).gradient_transformation()
+
+
+# ------------------------------------------------------------------ the optimizer
 
 
 def make_optimizer(
@@ -186,7 +206,8 @@ def make_optimizer(
     muon_momentum: float = 0.95,
 ) -> optax.GradientTransformation:
     """The optimizer ``name`` (sgd | momentum | adam | adamw | muon) with its clipping,
-    weight decay, schedule and gradient accumulation. See the module docstring.
+    weight decay, schedule and gradient accumulation: the chain of the module docstring,
+    of the parts above (clipping, decayed_weights, direction or muon_groups, accumulate).
 
     clip_value: clip every gradient entry to [-clip_value, clip_value] (None: off).
     clip_norm: rescale the gradient when its global norm exceeds clip_norm (None: off).
@@ -201,67 +222,27 @@ def make_optimizer(
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    for label, value in (("clip_value", clip_value), ("clip_norm", clip_norm)):
-        if value is not None:
-            _check_number(setting_name(label), value, strict=True)
-    _check_number(setting_name("weight_decay"), weight_decay)
-    _check_number(setting_name("momentum"), momentum, maximum=1.0)
-    _check_int(setting_name("accum_steps"), accum_steps, 1)
-    for label, value in (("b1", b1), ("b2", b2), ("muon_momentum", muon_momentum)):
-        _check_number(setting_name(label), value)
-        if value >= 1.0:
-            raise ValueError(f"{setting_name(label)} must be < 1, got {value!r}")
-    _check_number(setting_name("eps"), eps, strict=True)
-    _check_number(setting_name("muon_lr"), muon_lr)
-    decay_mask({}, decay_rule)  # the rule's name
-    if min_lr is not None:
-        _check_number(setting_name("min_lr"), min_lr)
-        _check_number("lr", lr, strict=True)
-        if min_lr > lr:
-            raise ValueError(f"min_lr ({min_lr}) must not exceed lr ({lr})")
-        final_lr_fraction = min_lr / lr
-    lr_schedule = make_schedule(lr, schedule, warmup_steps, total_steps, final_lr_fraction)
-    mask = functools.partial(decay_mask, rule=decay_rule)
-    decay = [optax.add_decayed_weights(float(weight_decay), mask=mask)] if weight_decay else []
-
-    parts = []
-    if clip_value is not None:
-        parts.append(optax.clip(float(clip_value)))
-    if clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(float(clip_norm)))
-    if name in ("sgd", "momentum", "adam"):
-        parts += decay  # L2: added to the gradient
-    if name == "momentum":
-        parts.append(optax.trace(decay=float(momentum)))
-    elif name in ("adam", "adamw"):
-        parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
-    if name == "adamw":
-        parts += decay  # decoupled
-
+    clip = clipping(clip_value, clip_norm)
+    decay = decayed_weights(weight_decay, decay_rule)
+    adam = adam_moments(b1, b2, eps)
+    momentum = _fraction("momentum", momentum, high=1.0, high_open=False)
+    muon_lr = check_number(setting_name("muon_lr"), muon_lr, low=0.0)
+    muon_momentum = _fraction("muon_momentum", muon_momentum)
+    floor = floor_fraction(lr, min_lr, final_lr_fraction)
+    rates = {"learning_rate": make_schedule(lr, schedule, warmup_steps, total_steps, floor)}
     if name == "muon":
-        # every decay rule decays weight matrices: all of Muon's leaves
-        muon_decay = [optax.add_decayed_weights(float(weight_decay))] if weight_decay else []
+        groups = muon_groups(adam, decay, weight_decay, muon_momentum)
+        rates["muon_learning_rate"] = make_schedule(muon_lr, schedule, warmup_steps, total_steps, floor)
 
         def with_lr(learning_rate, muon_learning_rate):
-            muon = optax.chain(
-                contrib.scale_by_muon(beta=float(muon_momentum), nesterov=True,
-                                      weight_dimension_numbers=_layer_matrices),
-                scale_by_width(), *muon_decay, optax.scale_by_learning_rate(muon_learning_rate))
-            adamw = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), *decay,
-                                optax.scale_by_learning_rate(learning_rate))
-            return optax.chain(*parts, optax.partition({"muon": muon, "adamw": adamw}, muon_labels))
-
-        muon_schedule = make_schedule(muon_lr, schedule, warmup_steps, total_steps, final_lr_fraction)
-        optimizer = optax.inject_hyperparams(with_lr)(
-            learning_rate=lr_schedule, muon_learning_rate=muon_schedule)
+            return optax.chain(*clip, groups(learning_rate, muon_learning_rate))
     else:
-        def with_lr(learning_rate):
-            return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+        parts = direction(name, decay, momentum, adam)
 
-        optimizer = optax.inject_hyperparams(with_lr)(learning_rate=lr_schedule)
-    if accum_steps > 1:
-        optimizer = optax.MultiSteps(optimizer, every_k_schedule=accum_steps).gradient_transformation()
-    return optimizer
+        def with_lr(learning_rate):
+            return optax.chain(*clip, *parts, optax.scale_by_learning_rate(learning_rate))
+
+    return accumulate(optax.inject_hyperparams(with_lr)(**rates), accum_steps)
 
 
 def _hyperparam(opt_state, name: str):

@@ -4,7 +4,6 @@ preset recipes that fill it."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -12,58 +11,94 @@ import jax
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
 from jaxformer.model.validate import check_precision
 from jaxformer.observe.words import plural
-from jaxformer.training.optim import make_optimizer
+from jaxformer.training.fields import check_fields, setting
+from jaxformer.training.optim import DECAY_RULES, OPTIMIZERS, SCHEDULES, make_optimizer
 from jaxformer.training.sharding import parse_mesh
 
 GRAD_SOURCES = ("auto", "manual")
-# numeric settings that must be finite (the optimizer and the data split check their ranges)
-FLOAT_FIELDS = ("lr", "clip_value", "clip_norm", "weight_decay", "momentum", "val_fraction",
-                "beta1", "beta2", "adam_eps", "min_lr", "muon_lr", "muon_momentum")
 DTYPES = ("float32", "float64")
+# the --help sections of the flags (fields.setting's group)
+_DATA, _OPT, _LOG, _DEV = "data", "optimizer", "logging and checkpoints", "devices and processes"
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """Everything a run needs besides its folder. ``settings_for(preset, **flags)``
-    fills it from the preset's recipe (config.PRESET_TRAINING)."""
+    fills it from the preset's recipe (config.PRESET_TRAINING). Each field is declared
+    once (fields.setting): its help, range and group give the checks, the ``train``
+    flags and their --help, and the [train] table of a config.toml."""
 
-    preset: str = "tiny"  # model shape: a key of config.PRESETS
-    model: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields overriding the preset's
-    grads: str = "auto"  # gradient source: auto (jax.grad) | manual (manual_grads)
-    steps: int = 100  # total optimizer calls of the run
-    schedule_steps: int | None = None  # the schedule's horizon (None: steps); kept on resume
-    corpus: str = "default"  # "default", "stdlib" or a file/folder path
-    tokenizer: str = "byte"  # byte | char | bpe | gpt2 | a tokenizer.json path
-    vocab_size: int | None = None  # the vocabulary a bpe tokenizer learns (--tokenizer bpe)
-    data: str | None = None  # a prepared data folder (jaxformer prepare); replaces corpus/tokenizer
-    max_corpus_bytes: int | None = None  # read at most this much of the corpus
-    val_fraction: float = 0.1  # the last part of the corpus, held out for validation
-    optimizer: str = "adam"  # sgd | momentum | adam | adamw | muon (Muon for matrices, AdamW for the rest)
-    lr: float = 1e-3  # peak learning rate
-    schedule: str = "constant"  # constant | cosine | linear (after warmup_steps)
-    warmup_steps: int = 0
-    clip_value: float | None = None  # clip each gradient entry to [-v, v]
-    clip_norm: float | None = None  # clip the gradient's global norm
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # for the momentum optimizer
-    beta1: float = 0.9  # Adam's first-moment decay
-    beta2: float = 0.999  # Adam's second-moment decay (nanoGPT: 0.95, 0.99 for small runs)
-    adam_eps: float = 1e-8  # Adam's epsilon
-    min_lr: float | None = None  # floor of a decaying schedule (None: a tenth of lr)
-    decay_rule: str = "nanogpt"  # which leaves weight decay applies to: nanogpt | no-embed | all
-    muon_lr: float = 0.02  # optimizer muon: peak rate of the hidden weight matrices (lr: the rest's)
-    muon_momentum: float = 0.95  # optimizer muon: Muon's Nesterov momentum (modded-nanogpt's)
-    accum_steps: int = 1  # micro-batches averaged into one update
-    batch_size: int = 16  # B, sequences per step (divisible by the device count)
-    seq_len: int = 64  # T, tokens per sequence (<= the model's max_seq_len)
-    seed: int = 0  # params init, batch order
-    dtype: str = "float32"  # params dtype: float32 | float64 (needs jax_enable_x64)
-    eval_every: int = 50  # validation every N steps (and at the end); 0: only at the end
-    eval_batches: int = 8  # validation batches per evaluation
-    log_every: int = 10  # a metrics.jsonl line every N steps (and at the first and last)
-    ckpt_every: int = 100  # checkpoint every N steps (and at the end); 0: only at the end
-    keep_checkpoints: int = 3  # how many of the latest checkpoints stay on disk
-    mesh: str = ""  # device mesh "data=N,fsdp=M" (sharding.parse_mesh); "": all devices on data
+    preset: str = setting("tiny", "model shape and training recipe: a key of config.PRESETS")
+    model: dict = setting(None, "ModelConfig fields overriding the preset's", factory=dict)
+    grads: str = setting("auto", "gradient source: jax.grad (auto) or the hand-derived backward "
+                         "(manual, manual_grads)", group="", choices=GRAD_SOURCES)
+    steps: int = setting(100, "total training steps (optimizer calls) of the run", group="", minimum=1,
+                         metavar="N")
+    corpus: str = setting("default", '"default" (built-in English text), "stdlib" (Python sources) '
+                          "or a file/folder path", group=_DATA, metavar="SPEC")
+    tokenizer: str = setting("byte", "byte (256 ids), char (the corpus's characters), bpe (a byte-level "
+                             "BPE learned from the training text; --vocab-size), gpt2 (GPT-2's, when "
+                             "its tokenizer.json is on the machine) or a path to a tokenizer.json",
+                             group=_DATA, metavar="KIND")
+    vocab_size: int | None = setting(None, "the vocabulary --tokenizer bpe learns", group=_DATA,
+                                     minimum=1, metavar="N", unset="the tokenizer's")
+    data: str | None = setting(None, "a folder of token shards written by `jaxformer prepare` "
+                               "(memory-mapped, never read whole); replaces --corpus and --tokenizer",
+                               group=_DATA, metavar="DATA_DIR")
+    max_corpus_bytes: int | None = setting(None, "read at most N bytes of the corpus", group=_DATA,
+                                           minimum=1, metavar="N", unset="all")
+    val_fraction: float = setting(0.1, "held-out tail of the corpus, for validation", group=_DATA,
+                                  metavar="F")
+    optimizer: str = setting("adam", "muon: Muon for the blocks' weight matrices, AdamW (--lr) for "
+                             "embeddings, head, norms and biases", group=_OPT, choices=OPTIMIZERS)
+    lr: float = setting(1e-3, "(peak) learning rate", group=_OPT, metavar="LR")
+    schedule: str = setting("constant", "learning-rate schedule after the warmup", group=_OPT,
+                            choices=SCHEDULES)
+    warmup_steps: int = setting(0, "updates of linear warmup", group=_OPT, minimum=0, metavar="N")
+    schedule_steps: int | None = setting(None, "the schedule's horizon (a resumed run keeps its own)",
+                                         group=_OPT, minimum=1, metavar="N", unset="--steps")
+    clip_value: float | None = setting(None, "clip each gradient entry to [-V, V] (0: off)", group=_OPT,
+                                       metavar="V", unset="off")
+    clip_norm: float | None = setting(None, "clip the gradient's global norm to N (0: off)", group=_OPT,
+                                      metavar="N", unset="off")
+    weight_decay: float = setting(0.0, "weight decay: decoupled for adamw and muon, added to the "
+                                  "gradient otherwise", group=_OPT, metavar="W")
+    momentum: float = setting(0.9, "for --optimizer momentum", group=_OPT, metavar="M")
+    beta1: float = setting(0.9, "Adam's first-moment decay", group=_OPT, metavar="B")
+    beta2: float = setting(0.999, "Adam's second-moment decay (nanoGPT: 0.95, 0.99 for small models)",
+                           group=_OPT, metavar="B")
+    adam_eps: float = setting(1e-8, "Adam's epsilon", group=_OPT, metavar="E")
+    min_lr: float | None = setting(None, "where a cosine/linear schedule ends", group=_OPT,
+                                   metavar="LR", unset="a tenth of --lr")
+    decay_rule: str = setting("nanogpt", "leaves weight decay applies to: nanogpt (weight matrices and "
+                              "embeddings, not biases or norms), no-embed (weight matrices only), all",
+                              group=_OPT, choices=DECAY_RULES)
+    muon_lr: float = setting(0.02, "--optimizer muon: peak learning rate of the weight matrices "
+                             "(--lr: the rest's)", group=_OPT, metavar="LR")
+    muon_momentum: float = setting(0.95, "--optimizer muon: Muon's Nesterov momentum", group=_OPT,
+                                   metavar="M")
+    accum_steps: int = setting(1, "average K micro-batches per update", group=_OPT, minimum=1,
+                               metavar="K")
+    batch_size: int = setting(16, "sequences per step (divisible by the device count)", group=_DATA,
+                              minimum=1, metavar="B")
+    seq_len: int = setting(64, "tokens per sequence (<= the model's max_seq_len)", group=_DATA,
+                           minimum=1, metavar="T")
+    seed: int = setting(0, "seed of the params init and the batch order", group=_DATA, minimum=0,
+                        metavar="N")
+    dtype: str = setting("float32", "params dtype", group=_OPT,
+                         choices=DTYPES)
+    eval_every: int = setting(50, "validation loss every N steps and at the end (0: at the end only)",
+                              group=_LOG, minimum=0, metavar="N")
+    eval_batches: int = setting(8, "validation batches per evaluation", group=_LOG, minimum=1,
+                                metavar="N")
+    log_every: int = setting(10, "a metrics.jsonl line every N steps (and at the first and last)",
+                             group=_LOG, minimum=1, metavar="N")
+    ckpt_every: int = setting(100, "checkpoint every N steps and at the end (0: at the end only)",
+                              group=_LOG, minimum=0, metavar="N")
+    keep_checkpoints: int = setting(3, "latest checkpoints kept on disk", group=_LOG, minimum=1,
+                                    metavar="N")
+    mesh: str = setting("", "device mesh data=N,fsdp=M: the batch splits over N*M devices, params and "
+                        "optimizer state over M (\"\": every device on data)", group=_DEV, metavar="SPEC")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,26 +137,7 @@ class TrainSettings:
             raise ValueError(f"unknown gradient source {self.grads!r}; choose one of {', '.join(GRAD_SOURCES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        for name in ("steps", "batch_size", "seq_len", "accum_steps", "eval_batches",
-                     "log_every", "keep_checkpoints"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.schedule_steps is not None and (
-                isinstance(self.schedule_steps, bool) or not isinstance(self.schedule_steps, int)
-                or self.schedule_steps < 1):
-            raise ValueError(f"schedule_steps must be a positive integer, got {self.schedule_steps!r}")
-        for name in FLOAT_FIELDS:
-            value = getattr(self, name)
-            if value is None and name in ("clip_value", "clip_norm", "min_lr"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name in ("eval_every", "ckpt_every", "seed", "warmup_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        check_fields(self)  # each integer >= its minimum, each number finite
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
             raise ValueError("dtype float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
         check_precision({}, self.model_config())  # float16 compute: refused before any data is read
