@@ -105,6 +105,7 @@ def skip_reason(variant: Variant, platform: str) -> str | None:
     return absent(variant, platform)
 
 
+
 class Outcome(NamedTuple):
     variant: Variant
     target: str  # "cuda" | "tpu" (lowered) or a TARGETS name (compiled)
