@@ -44,9 +44,9 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.tools.aot.report import describe
 from jaxformer.tools.aot.targets import TARGETS, Target, cuda_plugin, missing, target_devices
-from jaxformer.training.memory_plan import MemoryPlan as Memory  # XLA's plan, bytes per device
 from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_shardings
 from jaxformer.training.step import grad_source, init_state, make_train_step
+from jaxformer.training.memory_plan import MemoryPlan as Memory  # XLA's plan, bytes per device
 
 ATTENTIONS = ("full", "blockwise", "pallas", "cudnn")
 GRADS = ("manual", "auto")
