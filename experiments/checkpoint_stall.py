@@ -31,7 +31,7 @@ from jaxformer.checkpoints.digests import array_digests, write_file_digests
 from jaxformer.checkpoints.store import manager
 from jaxformer.training.settings import settings_for
 from jaxformer.training.sharding import make_mesh
-from jaxformer.training.step import compiled_step, init_fn, mesh_key, optimizer_items
+from jaxformer.training.step import StepSpec, compiled_step, init_fn
 
 
 def synchronous_save(run_dir, state, meta) -> None:
@@ -61,9 +61,9 @@ def main() -> None:
     settings = settings_for(a.preset, model=model, **({"batch_size": a.batch_size} if a.batch_size else {}))
     config = settings.model_config(256)
     mesh = make_mesh(None, settings.mesh)
-    items, on_mesh = optimizer_items(settings), mesh_key(mesh)
-    state = init_fn(config, settings.dtype, items, *on_mesh)(0)
-    step = compiled_step(config, settings.grads, items, settings.dtype, *on_mesh)
+    spec = StepSpec.of_run(settings, config, mesh)
+    state = init_fn(spec)(0)
+    step = compiled_step(spec)
     rng = np.random.default_rng(0)
     B, T = settings.batch_size, settings.seq_len
     batch = {"inputs": rng.integers(0, 256, (B, T), dtype=np.int32),

@@ -266,7 +266,7 @@ def test_training_stop_names_the_layer(corpus, tmp_path):
     assert checkpoint.all_steps(tmp_path) == [1]
 
 
-def _inf_update_of_block_1(params, batch):
+def _inf_update_of_block_1(params, batch, key=None):
     """A finite gradient whose sgd update (lr 1e30) overflows blocks[1].attn.wq."""
     grads = jax.tree_util.tree_map(jnp.zeros_like, params)
     wq = grads["blocks"]["attn"]["wq"]

@@ -23,7 +23,7 @@ def test_memory_report_structure():
     assert set(report.memory) == {8, 16}
     for stats in report.memory.values():
         assert set(stats) == set(memory.SOURCES)
-        assert all(m.argument_bytes > 0 and m.temp_bytes >= 0 for m in stats.values())
+        assert all(m.argument > 0 and m.temp >= 0 for m in stats.values())
     assert report.lean_vs_autodiff > 0 and set(report.growth) == set(memory.SOURCES)
     assert set(report.step_seconds) == {"manual", "lean"} and report.lean_vs_manual_time > 0
     assert len(report.loadavg) == 3
@@ -37,12 +37,12 @@ def temp_bytes():
     and the manual gradient with each lean option alone."""
     config = memory.memory_config(**SHAPE)
     stats = memory.measure_memory(config, BATCH, SHAPE["seq_len"], LOSS_CHUNK, sources=("autodiff", "manual"))
-    temps = {name: m.temp_bytes for name, m in stats.items()}
+    temps = {name: m.temp for name, m in stats.items()}
     args = memory.abstract_inputs(config, BATCH, SHAPE["seq_len"])
     for name, options in LEAN_OPTIONS.items():
         grads = lambda params, batch, cfg=config.replace(**options): manual_grads.value_and_grad(  # noqa: E731
             params, batch, cfg)
-        temps[name] = memory.compiled_memory(grads, *args).temp_bytes
+        temps[name] = memory.compiled_memory(grads, *args).temp
     return temps
 
 

@@ -12,7 +12,7 @@ from jaxformer.training.memory_check import MemoryCheckError, MemoryPlan
 
 
 def test_plan_total_counts_donated_buffers_once():
-    plan = MemoryPlan(arguments=100, outputs=90, aliased=80, temp=40)
+    plan = MemoryPlan(temp=40, argument=100, output=90, alias=80)
     assert plan.total == 150
     assert plan.half_batch() == 130
 
@@ -24,7 +24,7 @@ def test_a_host_needs_room_beyond_the_plan(monkeypatch):
         def __init__(self, platform):
             self.platform = platform
 
-    plan = MemoryPlan(arguments=2**30, outputs=0, aliased=0, temp=9 * 2**30)
+    plan = MemoryPlan(temp=9 * 2**30, argument=2**30, output=0)
     cpu = memory_check.needed(plan.total, Device("cpu"))
     assert cpu == int(plan.total * (1 + memory_check.HOST_MARGIN)) + memory_check.HOST_SLACK
     assert memory_check.needed(plan.total, Device("gpu")) == plan.total

@@ -133,9 +133,9 @@ def test_step_compiles_once_and_non_finite_step_is_exact(corpus, tmp_path):
     traces = []
     auto = grad_source("auto", get_preset("tiny", vocab_size=256))
 
-    def counted(params, batch):
+    def counted(params, batch, key=None):
         traces.append(1)  # runs only while jit traces the step
-        return auto(params, batch)
+        return auto(params, batch, key)
 
     settings = tiny_settings(corpus, steps=4, log_every=3, eval_every=2, ckpt_every=3)
     train(settings, tmp_path / "run", progress=False, grad_fn=counted)
@@ -144,7 +144,7 @@ def test_step_compiles_once_and_non_finite_step_is_exact(corpus, tmp_path):
     # every call logs its first step (its time is the compile) and its last
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6, 7]
 
-    def nan_from_step_4(params, batch):  # sgd, lr 1, unit gradients: head bias is 1 - s before step s
+    def nan_from_step_4(params, batch, key=None):  # sgd, lr 1, unit gradients: head bias is 1 - s before step s
         loss, grads = auto(params, batch)
         bias = params["head"]["b"][0]
         return jnp.where(bias < -2.5, jnp.nan, loss), jax.tree_util.tree_map(jnp.ones_like, grads)

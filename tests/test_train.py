@@ -57,7 +57,7 @@ def test_final_state(run):
     assert run.config.vocab_size == run.tokenizer.vocab_size == 256
 
 
-def _quadratic_grad_fn(params, batch):
+def _quadratic_grad_fn(params, batch, key=None):
     """A hand-made gradient source: loss = sum((w - target)^2), gradient written out."""
     diff = params["w"] - batch["target"]
     return jnp.sum(diff**2), {"w": 2 * diff}
@@ -67,7 +67,8 @@ def test_make_train_step_works_with_any_gradient_source():
     optimizer = make_optimizer("sgd", lr=0.1)
     batch = {"target": jnp.array([1.0, -2.0, 0.5])}
     w0 = jnp.array([0.0, 0.0, 3.0])
-    auto = jax.value_and_grad(lambda p, b: jnp.sum((p["w"] - b["target"]) ** 2))
+    value_and_grad = jax.value_and_grad(lambda p, b: jnp.sum((p["w"] - b["target"]) ** 2))
+    auto = lambda params, batch, key=None: value_and_grad(params, batch)  # noqa: E731
     results = []
     for grad_fn in (_quadratic_grad_fn, auto):
         step = make_train_step(grad_fn, optimizer)
@@ -159,7 +160,7 @@ def test_manual_gradients_train_like_auto_in_float64(corpus, tmp_path):
                                    [r[key] for r in runs["auto"] if key in r], rtol=1e-10, err_msg=key)
 
 
-def _nan_grad_fn(params, batch):
+def _nan_grad_fn(params, batch, key=None):
     return jnp.float32(jnp.nan), jax.tree_util.tree_map(jnp.zeros_like, params)
 
 

@@ -21,6 +21,18 @@ from jaxformer.observe.metrics import (GRAD_PLOT_FILE, METRICS_FILE, PLOT_FILE, 
 from jaxformer.observe.words import plural
 
 
+def close_all(closers) -> Exception | None:
+    """Call every closer in turn, also after one fails; returns the first error (None:
+    all closed). A run's writers close this way on every way out of the run."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - kept, and the other writers still close
+            first = first or e
+    return first
+
+
 def first_non_finite_loss(fetched: list) -> tuple[int, dict] | None:
     """(step, metrics) of the first non-finite loss or gradient norm among the
     fetched (step, metrics) pairs; None when all are finite."""
@@ -50,7 +62,6 @@ class RunLog:
                 truncate_metrics(self.path, start)
             else:
                 self._clear_leftovers()
-        self.events = tb.open_event_log(run_dir, start + 1 if resumed else None, log) if main else None
         tokens_per_step = settings.batch_size * settings.seq_len
         # the peak MFU divides by, found (on a CPU: measured once per machine) before the clock starts
         self.peak, source = flops.device_peak(dtype=flops.matmul_dtype(config, settings.dtype))
@@ -58,6 +69,7 @@ class RunLog:
             log(f"MFU against a peak of {self.peak / 1e9:,.0f} GFLOP/s per device ({source})"
                 if self.peak else f"MFU: n/a ({source})")
         self.clock = report.StepClock(tokens_per_step)
+        self.events = tb.open_event_log(run_dir, start + 1 if resumed else None, log) if main else None
         self.bar = report.Progress(start, settings.steps, progress and main)
         self.pending: list = []  # (step, metrics on the device) since the last fetch
         self.records: list[dict] = []  # the records written by this call
@@ -140,15 +152,20 @@ class RunLog:
         return f"{100 * tokens_per_s * per_token / (self.peak * self.n_devices):.1f}%"
 
     def close(self) -> None:
-        """Close the bar and the event file; plot every record of the run (all calls)."""
-        self.bar.close()
-        if self.events:
-            self.events.close()
+        """Close the bar and the event file, then plot every record of the run (all
+        calls); each is tried even when one before it fails, and the first error is raised."""
+        closers = [self.bar.close] + ([self.events.close] if self.events else [])
         if self.main:
-            all_records = read_metrics(self.run_dir)
-            if all_records:
-                plot_losses(all_records, self.run_dir / PLOT_FILE)
-                plot_grad_norms(all_records, self.run_dir / GRAD_PLOT_FILE)
+            closers.append(self._plot)
+        error = close_all(closers)
+        if error is not None:
+            raise error
+
+    def _plot(self) -> None:
+        all_records = read_metrics(self.run_dir)
+        if all_records:
+            plot_losses(all_records, self.run_dir / PLOT_FILE)
+            plot_grad_norms(all_records, self.run_dir / GRAD_PLOT_FILE)
 
     def summary(self) -> dict:
         """The call's timing (report.StepClock.summary), also given to ``log`` in one line."""

@@ -11,7 +11,9 @@ shows them. Each metrics record becomes scalars at its step:
 
 from __future__ import annotations
 
+import socket
 import struct
+import time
 from pathlib import Path
 
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
@@ -22,25 +24,55 @@ TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
 
 
 class EventLog:
-    """A tensorboardX writer on ``run_dir``; ``purge_step`` drops events at or after
-    that step left by an interrupted run (a resumed run writes them again)."""
+    """An event file in ``run_dir``, written in the caller's thread through tensorboardX's
+    ``RecordWriter`` (no writer thread, no exit hook: a failed write, a full disk, is an
+    OSError of ``write`` or ``close``, and nothing is left to fail later); ``purge_step``
+    drops events at or after that step left by an interrupted run (a resumed run writes
+    them again). The file is flushed every FLUSH_S seconds and at ``close``."""
+
+    FLUSH_S = 30.0
 
     def __init__(self, run_dir, purge_step: int | None = None):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.record_writer import RecordWriter
 
-        self.writer = SummaryWriter(logdir=str(Path(run_dir)), purge_step=purge_step,
-                                    flush_secs=30)
+        stem = Path(run_dir) / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        self.path, n = stem, 0
+        while self.path.exists():  # a resumed run within the same second: a file of its own
+            n += 1
+            self.path = stem.with_name(f"{stem.name}.{n}")
+        self.file = RecordWriter(str(self.path))
+        self.closed = False
+        self._put(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:  # as tensorboardX's SummaryWriter(purge_step=...) marks it
+            self._put(Event(step=purge_step, file_version="brain.Event:2"))
+            self._put(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self.flush()
+
+    def _put(self, event) -> None:
+        self.file.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.flushed = time.monotonic()
 
     def write(self, record: dict) -> None:
-        step = int(record["step"])
-        for key, tag in TAGS.items():
-            value = record.get(key)
-            if value is None or (key == "tokens_per_s" and "compile_s" in record):
-                continue
-            self.writer.add_scalar(tag, float(value), step)
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=float(record[key])) for key, tag in TAGS.items()
+                  if record.get(key) is not None and not (key == "tokens_per_s" and "compile_s" in record)]
+        if values:
+            self._put(Event(wall_time=time.time(), step=int(record["step"]), summary=Summary(value=values)))
+        if time.monotonic() - self.flushed >= self.FLUSH_S:
+            self.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        """Flush and close the file; it is closed even when the flush fails (that OSError
+        is raised once; a second call does nothing)."""
+        if not self.closed:
+            self.closed = True
+            self.file.close()  # a Python file: closed even when its final flush fails
 
 
 EVENT_GLOB = "events.out.tfevents.*"

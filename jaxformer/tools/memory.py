@@ -4,7 +4,7 @@ experiments/memory.py, as functions a benchmark can reuse.
 Memory comes from ``jax.jit(f).lower(...).compile().memory_analysis()``: XLA's own
 plan for the compiled program, without running it (temp = the scratch buffers the
 program needs at once, argument = its inputs). Gradient sources compared, all
-``(params, batch) -> (loss, grads)``:
+``(params, batch, key=None) -> (loss, grads)``:
 
     autodiff       jax.value_and_grad(loss_fn) of the plain model (full attention,
                    no chunking, no recompute)
@@ -30,6 +30,7 @@ import manual_grads
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
+from jaxformer.training.memory_plan import MemoryPlan
 
 SOURCES = ("autodiff", "manual", "blockwise", "lean")  # measured on every backend
 ALL_SOURCES = SOURCES + ("pallas",)
@@ -50,12 +51,6 @@ def parse_sources(text: str) -> tuple[str, ...]:
         raise ValueError(f"unknown memory source(s) {', '.join(unknown) or repr(text)}; "
                          f"choose from {', '.join(ALL_SOURCES)}")
     return names
-
-
-class MemoryStats(NamedTuple):
-    temp_bytes: int  # XLA's temp_size_in_bytes: scratch buffers alive at once
-    argument_bytes: int  # argument_size_in_bytes: params and batch
-    output_bytes: int  # output_size_in_bytes: loss and grads
 
 
 def memory_config(seq_len: int = 1024, d_model: int = 256, n_heads: int = 4, n_layers: int = 2,
@@ -79,11 +74,11 @@ def source_config(config: ModelConfig, source: str, loss_chunk: int) -> ModelCon
 
 
 def grad_fn(config: ModelConfig, source: str, loss_chunk: int) -> Callable:
-    """(params, batch) -> (loss, grads) for ``source`` (see the module docstring)."""
+    """(params, batch, key=None) -> (loss, grads) for ``source`` (see the module docstring)."""
     cfg = source_config(config, source, loss_chunk)
     if source == "autodiff":
-        return lambda params, batch: jax.value_and_grad(loss_fn)(params, batch, cfg)
-    return lambda params, batch: manual_grads.value_and_grad(params, batch, cfg)
+        return lambda params, batch, key=None: jax.value_and_grad(loss_fn)(params, batch, cfg, key=key)
+    return lambda params, batch, key=None: manual_grads.value_and_grad(params, batch, cfg, key=key)
 
 
 def abstract_inputs(config: ModelConfig, batch_size: int, seq_len: int, dtype=jnp.float32):
@@ -93,16 +88,15 @@ def abstract_inputs(config: ModelConfig, batch_size: int, seq_len: int, dtype=jn
     return params, {"inputs": tokens, "targets": tokens}
 
 
-def compiled_memory(fn: Callable, *args) -> MemoryStats:
-    """XLA's memory plan for jax.jit(fn) compiled at ``args`` (arrays or ShapeDtypeStructs)."""
-    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
-    return MemoryStats(int(analysis.temp_size_in_bytes), int(analysis.argument_size_in_bytes),
-                       int(analysis.output_size_in_bytes))
+def compiled_memory(fn: Callable, *args) -> MemoryPlan:
+    """XLA's memory plan for jax.jit(fn) compiled at ``args`` (arrays or ShapeDtypeStructs):
+    temp (scratch buffers alive at once), argument (params and batch), output (loss and grads)."""
+    return MemoryPlan.of(jax.jit(fn).lower(*args).compile())
 
 
 def measure_memory(config: ModelConfig, batch_size: int, seq_len: int, loss_chunk: int,
-                   sources=SOURCES) -> dict[str, MemoryStats]:
-    """{source: MemoryStats} of one gradient computation at (batch_size, seq_len)."""
+                   sources=SOURCES) -> dict[str, MemoryPlan]:
+    """{source: MemoryPlan} of one gradient computation at (batch_size, seq_len)."""
     config = config.replace(max_seq_len=max(config.max_seq_len, seq_len))
     args = abstract_inputs(config, batch_size, seq_len)
     return {s: compiled_memory(grad_fn(config, s, loss_chunk), *args) for s in sources}
@@ -131,7 +125,7 @@ def time_sources(fns: dict[str, Callable], args, rounds: int = 5, warmup: int = 
 
 
 class MemoryReport(NamedTuple):
-    memory: dict  # {seq_len: {source: MemoryStats}}
+    memory: dict  # {seq_len: {source: MemoryPlan}}
     lean_vs_autodiff: float  # temp(lean) / temp(autodiff) at the base length
     growth: dict  # {source: temp at the long length / temp at the base length}
     step_seconds: dict  # {source: median seconds}, empty when not timed
@@ -151,7 +145,7 @@ def memory_report(config: ModelConfig, batch_size: int, seq_len: int, long_seq_l
         raise ValueError(f"memory sources must include {', '.join(missing)} (the report's ratios need them)")
     memory = {T: measure_memory(config, batch_size, T, loss_chunk, sources) for T in (seq_len, long_seq_len)}
     base, long = memory[seq_len], memory[long_seq_len]
-    growth = {s: long[s].temp_bytes / base[s].temp_bytes for s in sources}
+    growth = {s: long[s].temp / base[s].temp for s in sources}
     steps, ratio = {}, None
     if timing:
         cfg = config.replace(max_seq_len=max(config.max_seq_len, seq_len))
@@ -159,7 +153,7 @@ def memory_report(config: ModelConfig, batch_size: int, seq_len: int, long_seq_l
         fns = {s: grad_fn(cfg, s, loss_chunk) for s in timed}
         steps = time_sources(fns, random_inputs(cfg, batch_size, seq_len), rounds=rounds)
         ratio = steps["lean"] / steps["manual"]
-    return MemoryReport(memory, base["lean"].temp_bytes / base["autodiff"].temp_bytes, growth,
+    return MemoryReport(memory, base["lean"].temp / base["autodiff"].temp, growth,
                         steps, ratio, os.getloadavg())
 
 
@@ -168,7 +162,7 @@ def format_report(report: MemoryReport, seq_len: int, long_seq_len: int) -> str:
     lines = [f"{'source':<10} {'T':>5} {'temp':>13} {'arguments':>13} {'outputs':>13}"]
     for T, stats in report.memory.items():
         for s, m in stats.items():
-            lines.append(f"{s:<10} {T:>5} {mib(m.temp_bytes)} {mib(m.argument_bytes)} {mib(m.output_bytes)}")
+            lines.append(f"{s:<10} {T:>5} {mib(m.temp)} {mib(m.argument)} {mib(m.output)}")
     lines.append("")
     lines.append(f"(a) temp, lean manual / autodiff at T={seq_len}: {report.lean_vs_autodiff:.3f}"
                  f"  (target <= 0.25)")

@@ -43,7 +43,7 @@ from jaxformer.observe.diagnosis import Diagnosis, Range, Recorder, Stage, value
 from jaxformer.observe.words import plural
 from jaxformer.training.run_data import load_data
 from jaxformer.training.settings import TrainSettings
-from jaxformer.training.step import init_fn, state_template
+from jaxformer.training.step import StepSpec, init_fn, state_template
 from manual_grads.model import value_and_grad
 
 
@@ -72,17 +72,17 @@ def diagnose_batch(params, batch, config: ModelConfig) -> Diagnosis:
 # after a failed step, and for a saved checkpoint
 
 
-def diagnose_failure(run_dir, last_saved, config, settings, step_fn, batcher, step: int,
-                     mesh_key, opt_items) -> str:
+def diagnose_failure(run_dir, last_saved, spec: StepSpec, settings, step_fn, batcher, step: int) -> str:
     """Where step ``step``'s first non-finite value appeared, and what resuming will do.
 
     Replays the run from its newest healthy checkpoint (step ``last_saved``, or the
-    initial state when None) with the same compiled ``step_fn`` to the state before
+    initial state of ``spec`` when None) with the same compiled ``step_fn`` to the state before
     ``step``, diagnoses that step's batch (``batcher.batch`` is a pure function of the
     batch index), then replays the failing step itself on the same batch
     (``resume_advice``). Never raises: a failed diagnosis says so."""
     try:
-        state = init_fn(config, settings.dtype, opt_items, *mesh_key)(settings.seed)
+        config = spec.config
+        state = init_fn(spec)(settings.seed)
         if last_saved is not None:
             state = checkpoint.restore(run_dir, state, last_saved)
         index = int(jax.device_get(state.data_index))

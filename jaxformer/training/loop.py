@@ -1,7 +1,9 @@
 """Training: the loop. ``train(settings, out_dir)`` runs a whole run: data,
 periodic validation, ``metrics.jsonl``, checkpoints, ``--resume``, a loss-curve PNG
-at the end. It reads top to bottom: build the data, the state and the step; loop;
-report.
+at the end. It reads top to bottom: ``prepare_run`` builds the mesh, the data, the
+compiled steps and the starting state (no file written); ``run_steps`` opens the run's
+writers (metrics.jsonl, TensorBoard, checkpoints), steps, and closes them on every way
+out; ``train`` reports.
 
 The pieces live beside it: ``settings`` (TrainSettings and the preset recipes),
 ``run_data`` (corpus, tokenizer, batches), ``resume`` (what a resumed run may
@@ -24,27 +26,28 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.data import Prefetcher
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params
 from jaxformer.observe import report
-from jaxformer.observe.run_log import RunLog, first_non_finite_loss
+from jaxformer.observe.run_log import RunLog, close_all, first_non_finite_loss
 from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
 from jaxformer.training.memory_check import check_run_memory
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
-from jaxformer.training.run_data import run_data
+from jaxformer.training.run_data import RunData, run_data
 from jaxformer.training.settings import TrainSettings, recipe_notes
 from jaxformer.training.sharding import check_batch_size, local_rows, make_mesh, put_batch
 from jaxformer.training.stopping import Interrupted, StopRequests
-from jaxformer.training.step import (GradFn, TrainState, check_init_vocab, compiled_eval_step, compiled_step,
-                                     init_fn, mesh_key, optimizer_items, with_params)
+from jaxformer.training.step import (GradFn, StepSpec, TrainState, check_init_vocab, compiled_eval_step,
+                                     compiled_step, init_fn, with_params)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -95,9 +98,41 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     NonFiniteLossError when the loss stops being finite.
     """
     settings.validate()
-    run_dir = Path(out_dir)
+    run = prepare_run(settings, Path(out_dir), resume=resume, devices=devices, grad_fn=grad_fn, log=log,
+                      allow_data_change=allow_data_change, check_memory=check_memory,
+                      init_params=init_params)
+    if log:
+        _log_settings(log, run.settings, run.config, run.state.params, run.mesh)
+    state, run_log = run_steps(run, progress=progress, log=log)
+    return TrainResult(state, run.config, run.data.tokenizer, run_log.records, run.run_dir,
+                       run_log.summary())
 
-    # the data, the state and the step
+
+@dataclasses.dataclass
+class PreparedRun:
+    """A run ready to step: what ``prepare_run`` makes before the first step and the first file."""
+    settings: TrainSettings  # a resumed run's: its schedule horizon kept (resume.resume_settings)
+    run_dir: Path
+    resumed: bool
+    mesh: Mesh
+    data: RunData
+    spec: StepSpec  # the compiled step's identity: config, gradient source, optimizer, dtype, mesh
+    state: TrainState  # the state the steps start from
+    step_fn: Callable  # the step the loop calls: the memory check's executable, else ``jitted``
+    jitted: Callable  # the jitted step (a non-finite step's diagnosis replays with it)
+    eval_fn: Callable  # jitted (params, batch) -> loss
+    val_batches: list  # the validation batches, on the mesh
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.spec.config
+
+
+def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False, devices=None,
+                grad_fn: GradFn | None = None, log=None, allow_data_change: bool = False,
+                check_memory: bool = True, init_params=None) -> PreparedRun:
+    """The mesh, the data, the compiled steps and the starting state of a run (the
+    arguments are train's); writes no file."""
     saved_meta = None
     if resume:
         settings, saved_meta = resume_settings(run_dir, settings)
@@ -106,116 +141,133 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     mesh = make_mesh(devices, settings.mesh)
     check_batch_size(settings.batch_size, mesh)
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
-    config = settings.model_config(data.tokenizer.vocab_size)
+    spec = StepSpec.of_run(settings, settings.model_config(data.tokenizer.vocab_size), mesh, grad_fn)
     if init_params is not None and not resume:
-        check_init_vocab(init_params, config)  # before the step is compiled
-    opt_items, on_mesh = optimizer_items(settings), mesh_key(mesh)
-    checked = None
+        check_init_vocab(init_params, spec.config)  # before the step is compiled
+    jitted = step_fn = compiled_step(spec)
     if check_memory:  # the step compiled, and its memory plan checked, before any state exists
-        checked = check_run_memory(config, settings, grad_fn or settings.grads, opt_items, on_mesh,
-                                   data.batcher.batch(0), mesh.devices.flat[0], log)
-    state = init_fn(config, settings.dtype, opt_items, *on_mesh)(settings.seed)
+        step_fn = check_run_memory(spec, settings, data.batcher.batch(0), mesh.devices.flat[0], log)
+    state = init_fn(spec)(settings.seed)
     if resume:
         state = restore_newest(run_dir, state)
     elif init_params is not None:
-        state = with_params(state, init_params, config)
-    jitted = compiled_step(config, grad_fn or settings.grads, opt_items, settings.dtype, *on_mesh)
-    step_fn = checked or jitted
-    eval_fn = compiled_eval_step(config, *on_mesh)
+        state = with_params(state, init_params, spec.config)
     # a corpus with fewer than B validation windows gives one short batch: replicated
     val_batches = [put_batch(b, mesh, replicate_short=True) for b in data.val_batches]
-    if log:
-        _log_settings(log, settings, config, state.params, mesh)
+    return PreparedRun(settings, run_dir, resume, mesh, data, spec, state, step_fn, jitted,
+                       compiled_eval_step(spec), val_batches)
 
+
+def run_steps(run: PreparedRun, *, progress: bool = True, log=None) -> tuple[TrainState, RunLog]:
+    """Step ``run`` from its state to ``settings.steps``; returns the last state and the
+    RunLog of the call (its records and clock). Host batches are made two ahead on a
+    thread, each process reading only the rows it places. The writers (metrics.jsonl
+    and TensorBoard: RunLog; checkpoints: Saver) and the batch thread are closed on
+    every way out; when the run fails, a writer's own failure to close (the same full
+    disk) is dropped, so the run's error is the one reported."""
     main = jax.process_index() == 0  # only the first process writes the run's records
-    start = int(jax.device_get(state.step))
-    index = int(jax.device_get(state.data_index))
-    run_log = RunLog(run_dir, settings, config, mesh.devices.size, start, resumed=resume, main=main,
-                     progress=progress, log=log)
-    if main:
-        write_config(run_dir / CONFIG_FILE, settings, config)
-    meta = checkpoint_meta(config, data.tokenizer, settings, data.fingerprint)
-    last_saved = start if resume else None
+    start = int(jax.device_get(run.state.step))
+    saver = checkpoint.Saver(run.run_dir, keep=run.settings.keep_checkpoints)
+    rows = local_rows(run.settings.batch_size, run.mesh)
+    batches = Prefetcher(lambda i: run.data.batcher.batch(i, rows), int(jax.device_get(run.state.data_index)),
+                         depth=2)
+    closers = {"batches": batches.close}
+    try:
+        run_log = RunLog(run.run_dir, run.settings, run.config, run.mesh.devices.size, start,
+                         resumed=run.resumed, main=main, progress=progress, log=log)
+        closers.update(records=run_log.close, checkpoints=saver.close)
+        if main:
+            write_config(run.run_dir / CONFIG_FILE, run.settings, run.config)
+        with StopRequests() as stops:
+            state = _Steps(run, start, run_log, saver).loop(run.state, stops, batches)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: the save in flight is left
+            closers.pop("checkpoints", None)  # unfinished (never damaging)
+        close_all(closers.values())
+        raise
+    error = close_all(closers.values())
+    if error is not None:
+        raise error
+    return state, run_log
 
-    def stop(s: int, what: str) -> NonFiniteLossError:
-        """The error for step s, naming the layer that made the first non-finite value."""
-        saver.wait()  # the newest checkpoint complete before it is read back
-        kept = (f"the newest healthy checkpoint is step {last_saved} in "
-                f"{checkpoint.checkpoint_dir(run_dir)}" if last_saved is not None
-                else "no checkpoint was written")
-        cause = diagnose_failure(run_dir, last_saved, config, settings, jitted, data.batcher, s,
-                                 on_mesh, opt_items)
-        return NonFiniteLossError(f"{what}; training stopped, {kept}. {cause}")
 
-    def fetch() -> dict:
+class _Steps:
+    """The steps of a prepared run from step ``start``, writing through ``run_log`` and
+    ``saver``; the newest checkpoint written or resumed from is ``last_saved``."""
+
+    def __init__(self, run: PreparedRun, start: int, run_log: RunLog, saver: checkpoint.Saver):
+        self.run, self.start, self.run_log, self.saver = run, start, run_log, saver
+        self.last_saved = start if run.resumed else None
+        self.meta = checkpoint_meta(run.config, run.data.tokenizer, run.settings, run.data.fingerprint)
+
+    def loop(self, state: TrainState, stops: StopRequests, batches: Prefetcher) -> TrainState:
+        """The steps from ``state`` on; returns the last state."""
+        settings = self.run.settings
+        for s in range(self.start + 1, settings.steps + 1):  # s: the step count after this step
+            batch = put_batch(batches.next(), self.run.mesh)
+            state, metrics = self.run.step_fn(state, batch)  # dispatched; nothing waits for it here
+            self.run_log.add(s, metrics)
+            last = s == settings.steps
+            self.report(state, s, last)
+            self.run_log.step_done()
+            if last or _every(s, settings.ckpt_every):
+                self.save(state, s)
+            if stops.requested(s):  # a signal: checkpoint the step reached, then stop
+                saved_now = self.last_saved != s
+                if saved_now:
+                    self.save(state, s)
+                self.saver.close()
+                raise Interrupted(stops.signum, s, checkpoint.checkpoint_dir(self.run.run_dir) / str(s),
+                                  saved_now)
+        if self.run_log.pending:
+            self.fetch()
+        return state
+
+    def report(self, state: TrainState, s: int, last: bool) -> None:
+        """The record of step s, when s is logged (with the validation loss when evaluated)."""
+        settings = self.run.settings
+        do_eval = bool(self.run.val_batches) and (last or _every(s, settings.eval_every))
+        if not (do_eval or last or s == self.start + 1 or s % settings.log_every == 0):
+            return
+        record = self.run_log.record(s, self.fetch())
+        if do_eval:
+            with self.run_log.paused():
+                record["val_loss"] = evaluate(self.run.eval_fn, state.params, self.run.val_batches)
+            record.update(report.val_bits(record["val_loss"], self.run.data.tokenizer.kind))
+        self.run_log.write(record)
+
+    def fetch(self) -> dict:
         """The metrics since the last fetch on the host; the first non-finite one stops
         the run. Returns the latest step's."""
-        fetched = run_log.fetch()
+        fetched = self.run_log.fetch()
         bad = first_non_finite_loss(fetched)
         if bad is not None:
             s, m = bad
-            raise stop(s, f"non-finite loss at step {s} (loss {m['loss']}, gradient norm "
-                          f"{m['grad_norm']})")
+            raise self.stop(s, f"non-finite loss at step {s} (loss {m['loss']}, gradient norm "
+                               f"{m['grad_norm']})")
         return fetched[-1][1]
 
-    # the loop; host batches are made two ahead on a thread, each process reading
-    # only the rows it places
-    saver = checkpoint.Saver(run_dir, keep=settings.keep_checkpoints)
-
-    def save(s: int) -> None:
+    def save(self, state: TrainState, s: int) -> None:
         """Start the asynchronous save of step s (never of a state past a non-finite loss)."""
-        if run_log.pending:
-            fetch()
-        with run_log.paused():  # tokens/s counts training time only
+        if self.run_log.pending:
+            self.fetch()
+        with self.run_log.paused():  # tokens/s counts training time only
             try:
-                saver.save(state, meta)
+                self.saver.save(state, self.meta)
             except checkpoint.UnhealthyStateError as e:
-                raise stop(s, str(e)) from None
+                raise self.stop(s, str(e)) from None
+        self.last_saved = s
 
-    aborted = False  # a second Ctrl-C: the save in flight is left unfinished (never damaging)
-    rows = local_rows(settings.batch_size, mesh)
-    batches = Prefetcher(lambda i: data.batcher.batch(i, rows), index, depth=2)
-    try:
-        with StopRequests() as stops:
-            for s in range(start + 1, settings.steps + 1):  # s: the step count after this step
-                batch = put_batch(batches.next(), mesh)
-                state, metrics = step_fn(state, batch)  # dispatched; nothing waits for it here
-                run_log.add(s, metrics)
-                index += 1
-                last = s == settings.steps
-                do_eval = bool(val_batches) and (last or _every(s, settings.eval_every))
-                if do_eval or last or s == start + 1 or s % settings.log_every == 0:
-                    record = run_log.record(s, fetch())
-                    if do_eval:
-                        with run_log.paused():
-                            record["val_loss"] = evaluate(eval_fn, state.params, val_batches)
-                        record.update(report.val_bits(record["val_loss"], data.tokenizer.kind))
-                    run_log.write(record)
-                run_log.step_done()
-                if last or _every(s, settings.ckpt_every):
-                    save(s)
-                    last_saved = s
-                if stops.requested(s):  # a signal: checkpoint the step reached, then stop
-                    saved_now = last_saved != s
-                    if saved_now:
-                        save(s)
-                    saver.close()
-                    raise Interrupted(stops.signum, s, checkpoint.checkpoint_dir(run_dir) / str(s),
-                                      saved_now)
-            if run_log.pending:
-                fetch()
-    except KeyboardInterrupt:
-        aborted = True
-        raise
-    finally:
-        batches.close()
-        run_log.close()
-        if not aborted:
-            saver.close()
-
-    # the report
-    timing = run_log.summary()
-    return TrainResult(state, config, data.tokenizer, run_log.records, run_dir, timing)
+    def stop(self, s: int, what: str) -> NonFiniteLossError:
+        """The error for step s, naming the layer that made the first non-finite value."""
+        self.saver.wait()  # the newest checkpoint complete before it is read back
+        run = self.run
+        kept = (f"the newest healthy checkpoint is step {self.last_saved} in "
+                f"{checkpoint.checkpoint_dir(run.run_dir)}" if self.last_saved is not None
+                else "no checkpoint was written")
+        cause = diagnose_failure(run.run_dir, self.last_saved, run.spec, run.settings, run.jitted,
+                                 run.data.batcher, s)
+        return NonFiniteLossError(f"{what}; training stopped, {kept}. {cause}")
 
 
 def _every(s: int, n: int) -> bool:

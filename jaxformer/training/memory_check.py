@@ -2,8 +2,8 @@
 against the memory the device has.
 
 ``check_memory`` lowers and compiles the step for the run's shapes (the compile the
-first step would do anyway: jit reuses it), reads ``compiled.memory_analysis()``
-(arguments + outputs - the donated buffers they share + temporaries) and compares
+first step would do anyway: jit reuses it), reads its ``MemoryPlan`` (memory_plan.py:
+arguments + outputs - the donated buffers they share + temporaries + code) and compares
 it with what the device has free: on CPU the host's available RAM (MemAvailable in
 /proc/meminfo), shared by all local CPU devices; on GPU ``device.memory_stats()``
 (bytes_limit - bytes_in_use). The check runs before the train state is created, so
@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import numpy as np
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.observe.words import format_bytes
-from jaxformer.training.step import compiled_step, init_fn
+from jaxformer.training.memory_plan import MemoryPlan
+from jaxformer.training.step import StepSpec, compiled_step, init_fn
 
 # the lean memory options and the values they take when the run has them off
 LEAN = {"attention_impl": "blockwise", "loss_chunk": 256, "remat": "block"}
@@ -41,28 +42,6 @@ HOST_SLACK = 512 * 2**20
 
 class MemoryCheckError(ValueError):
     """The compiled train step needs more memory than the device has free."""
-
-
-class MemoryPlan(NamedTuple):
-    arguments: int  # bytes of the inputs: train state and batch
-    outputs: int  # bytes of the outputs: new state and metrics
-    aliased: int  # bytes the outputs reuse from donated inputs
-    temp: int  # bytes of temporaries: activations, gradients, optimizer scratch
-
-    @property
-    def total(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temp
-
-    def half_batch(self) -> int:
-        """The estimated total with half the batch: half the temporaries."""
-        return self.total - self.temp // 2
-
-
-def plan_of(compiled) -> MemoryPlan:
-    """The MemoryPlan of a compiled (``.lower(...).compile()``) function, per device."""
-    m = compiled.memory_analysis()
-    return MemoryPlan(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
-                      int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
 
 
 def host_available_bytes() -> int:
@@ -115,13 +94,13 @@ def check_memory(compile_plan: Callable[[ModelConfig], MemoryPlan], config: Mode
     MemoryCheckError when it does not fit the device's free memory; returns the plan."""
     plan = compile_plan(config)
     free = available(device)
-    if free is None or needed(plan.total, device) <= free[0]:
+    if plan is None or free is None or needed(plan.total, device) <= free[0]:
         return plan
     have, where = free
     host = (f"; with {HOST_MARGIN:.0%} and {format_bytes(HOST_SLACK)} to spare for the rest of "
             f"the process: {format_bytes(needed(plan.total, device))}") if device.platform == "cpu" else ""
     lines = [f"the train step needs {format_bytes(plan.total)} per device (XLA's plan: "
-             f"{format_bytes(plan.arguments)} arguments, {format_bytes(plan.outputs - plan.aliased)} "
+             f"{format_bytes(plan.argument)} arguments, {format_bytes(plan.output - plan.alias)} "
              f"new outputs, {format_bytes(plan.temp)} temporaries{host}) and {format_bytes(have)} is "
              f"{where}; options that cut it (XLA's plan):"]
     changes = lean_changes(config)
@@ -146,37 +125,36 @@ def batch_shapes(batch: dict) -> dict:
     return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
 
 
-
-def step_planner(grads, opt_items: tuple, dtype: str, on_mesh: tuple, batch: dict, compiled: dict
-                 ) -> Callable[[ModelConfig], MemoryPlan]:
-    """``config -> MemoryPlan`` of the run's train step (step.compiled_step) for the
-    state of ``config`` and the shapes of the host ``batch``; each executable is kept
-    in ``compiled`` under its config (the loop runs it: no second compile)."""
+def step_planner(spec: StepSpec, batch: dict, compiled: dict) -> Callable[[ModelConfig], MemoryPlan]:
+    """``config -> MemoryPlan`` of the train step ``spec`` with its config replaced
+    (step.compiled_step), for the state of ``config`` and the shapes of the host
+    ``batch``; each executable is kept in ``compiled`` under its config (the loop runs
+    it: no second compile)."""
     shapes = batch_shapes(batch)
 
     def compile_plan(config: ModelConfig) -> MemoryPlan:
-        step_fn = compiled_step(config, grads, opt_items, dtype, *on_mesh)
-        state = jax.eval_shape(init_fn(config, dtype, opt_items, *on_mesh), 0)
-        compiled[config] = step_fn.lower(state, shapes).compile()
-        return plan_of(compiled[config])
+        variant = spec.replace(config=config)
+        state = jax.eval_shape(init_fn(variant), 0)
+        compiled[config] = compiled_step(variant).lower(state, shapes).compile()
+        return MemoryPlan.of(compiled[config])
 
     return compile_plan
 
 
-def check_run_memory(config: ModelConfig, settings, grads, opt_items: tuple, on_mesh: tuple,
-                     batch: dict, device, log=None):
+def check_run_memory(spec: StepSpec, settings, batch: dict, device, log=None):
     """The loop's check: say that the step compiles, compile it, and check its plan
-    (check_memory); logs the compile time and the plan against the free memory.
-    Returns the compiled step (call it as ``step(state, batch)``)."""
+    (check_memory) for ``settings``' batch size and accumulation; logs the compile
+    time and the plan against the free memory. Returns the compiled step (call it as
+    ``step(state, batch)``)."""
     if log:
         log("compiling the train step for this shape...")
     t0 = time.perf_counter()
     compiled: dict = {}
-    planner = step_planner(grads, opt_items, settings.dtype, on_mesh, batch, compiled)
-    plan = check_memory(planner, config, settings.batch_size, settings.accum_steps, device, log)
+    planner = step_planner(spec, batch, compiled)
+    plan = check_memory(planner, spec.config, settings.batch_size, settings.accum_steps, device, log)
     if log:
         free = available(device)
         there = f" of {format_bytes(free[0])} {free[1]}" if free else ""
-        log(f"compiled in {time.perf_counter() - t0:.1f} s; the step needs "
-            f"{format_bytes(plan.total)} per device{there}")
-    return compiled[config]
+        need = f"{format_bytes(plan.total)} per device" if plan else "an unknown amount (no memory plan)"
+        log(f"compiled in {time.perf_counter() - t0:.1f} s; the step needs {need}{there}")
+    return compiled[spec.config]

@@ -78,11 +78,6 @@ def mesh_size(mesh: Mesh) -> tuple[int, int]:
     return mesh.shape["data"], mesh.shape["fsdp"]
 
 
-def mesh_text(mesh: Mesh) -> str:
-    data, fsdp = mesh_size(mesh)
-    return f"data={data},fsdp={fsdp}"
-
-
 def mesh_shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
     """(replicated, batch: split along the first axis over data x fsdp) on ``mesh``."""
     return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, BATCH_SPEC)

@@ -1,17 +1,23 @@
 """One training step for any gradient source: the state, the step and eval factories.
 
-A gradient source is any function ``(params, batch) -> (loss, grads)``:
+A gradient source is any function ``(params, batch, key=None) -> (loss, grads)``
+(``key``: the step's dropout key, ignored by a model without dropout):
 ``grad_source("auto", config)`` wraps ``jax.value_and_grad(loss_fn)``,
 ``grad_source("manual", config)`` the hand-derived ``manual_grads.value_and_grad``.
 ``make_train_step(grad_fn, optimizer)`` turns either, with any optax
 ``GradientTransformation``, into the same jitted step
 
     state, metrics = step(state, batch)   # metrics: loss, grad_norm, update_norm, lr (when injected)
+
+A ``StepSpec`` (config, gradient source, optimizer items, dtype, mesh key) names one
+compiled step of the loop; the builders below are cached on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -66,24 +72,36 @@ def with_params(state: TrainState, params, config: ModelConfig) -> TrainState:
         lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding), params, state.params))
 
 
-GradFn = Callable[[Any, dict], tuple[jax.Array, Any]]
+GradFn = Callable[..., tuple[jax.Array, Any]]  # (params, batch, key=None) -> (loss, grads)
 
 
 def grad_source(kind: str, config: ModelConfig) -> GradFn:
-    """The gradient source ``(params, batch) -> (loss, grads)`` named ``kind``:
-    "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``).
-    With config.dropout > 0 it is ``(params, batch, key)``, marked ``takes_key``: the
-    training step hands it a key split off TrainState.rng."""
+    """The gradient source ``(params, batch, key=None) -> (loss, grads)`` named ``kind``:
+    "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``). The
+    training step hands it a key split off TrainState.rng (dropout uses it; key None:
+    no dropout)."""
     if kind == "auto":
         value_and_grad = jax.value_and_grad(loss_fn)
-        fn = lambda params, batch, key=None: value_and_grad(params, batch, config, key=key)  # noqa: E731
-    elif kind == "manual":
-        fn = lambda params, batch, key=None: manual_grads.value_and_grad(  # noqa: E731
-            params, batch, config, key=key)
-    else:
-        raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
-    fn.takes_key = bool(config.dropout)
-    return fn
+        return lambda params, batch, key=None: value_and_grad(params, batch, config, key=key)
+    if kind == "manual":
+        return lambda params, batch, key=None: manual_grads.value_and_grad(params, batch, config, key=key)
+    raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
+
+
+def check_grad_fn(grad_fn: GradFn) -> None:
+    """ValueError unless ``grad_fn`` can be called as ``(params, batch, key)``."""
+    if not callable(grad_fn):
+        raise ValueError(f"grad_fn must be a function (params, batch, key=None) -> (loss, grads), "
+                         f"got {type(grad_fn).__name__}")
+    try:
+        signature = inspect.signature(grad_fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will tell
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        raise ValueError(f"grad_fn {getattr(grad_fn, '__name__', grad_fn)}{signature} must take "
+                         "(params, batch, key=None): the step passes this step's dropout key") from None
 
 
 def layer_grad_norms(grads) -> dict:
@@ -107,9 +125,9 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
     """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
     source and any optax ``GradientTransformation`` (``optax.adamw(1e-3)``, a chain,
     ``optax.MultiSteps``, ``make_optimizer``'s). The input state's buffers are donated
-    (do not reuse it after the call). A ``grad_fn`` marked ``takes_key`` (grad_source
-    with dropout) is called with a key split off ``state.rng`` each step, so the key
-    stream lives in the checkpoint.
+    (do not reuse it after the call). ``grad_fn(params, batch, key)`` gets a key split
+    off ``state.rng`` each step (dropout draws its masks from it; a source without
+    dropout ignores it), so the key stream lives in the checkpoint.
 
     With a ``mesh`` (sharding.make_mesh), the batch is split along its first axis over
     data x fsdp, and the state laid out by ``state_sharding`` (a TrainState of
@@ -120,16 +138,11 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
     learning rate (``optim.injected_lr``: ``optax.inject_hyperparams``, every
     ``make_optimizer``; muon_lr too for the muon optimizer); no lr otherwise.
     """
-
-    takes_key = getattr(grad_fn, "takes_key", False)
+    check_grad_fn(grad_fn)
 
     def step(state: TrainState, batch):
-        rng = state.rng
-        if takes_key:  # dropout: this step's key comes off the state's key stream
-            rng, key = jax.random.split(rng)
-            loss, grads = grad_fn(state.params, batch, key)
-        else:
-            loss, grads = grad_fn(state.params, batch)
+        rng, key = jax.random.split(state.rng)  # this step's key comes off the state's key stream
+        loss, grads = grad_fn(state.params, batch, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, rng)
@@ -177,21 +190,56 @@ def make_eval_step(config: ModelConfig, mesh: Mesh | None = None):
     return jax.jit(lambda params, batch: loss_fn(params, batch, config), **kwargs)
 
 
-# The builders the loop uses, cached: runs in one process with the same model,
-# optimizer and mesh share one compiled step (a resumed run, a test suite): jit
-# caches per function object. ``opt_items`` are the optimizer's keyword arguments as
-# sorted (name, value) pairs (``optimizer_items``); a mesh is named by its devices and
-# its (data, fsdp) shape (``mesh_key``), all hashable.
+# The builders the loop uses, cached on a StepSpec: runs in one process with the same
+# model, optimizer and mesh share one compiled step (a resumed run, a test suite): jit
+# caches per function object.
 
 
 def optimizer_items(settings: TrainSettings) -> tuple:
-    """The run's optimizer arguments, hashable: the cache key of the builders below."""
+    """The run's optimizer arguments as sorted (name, value) pairs, hashable."""
     return tuple(sorted(settings.optimizer_kwargs().items()))
 
 
 def mesh_key(mesh: Mesh) -> tuple[tuple, tuple[int, int]]:
-    """(devices, (data, fsdp) shape) of ``mesh``, hashable: the builders' mesh arguments."""
+    """(devices, (data, fsdp) shape) of ``mesh``, hashable."""
     return tuple(mesh.devices.flat), tuple(mesh.devices.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What one compiled train step is, hashable: the key of every cached builder."""
+
+    config: ModelConfig
+    grads: str | GradFn | None = None  # a gradient source's name (GRAD_SOURCES) or the function
+    opt_items: tuple = ()  # make_optimizer's arguments as sorted (name, value) pairs
+    dtype: str = "float32"  # the params' dtype
+    mesh_key: tuple = ()  # (devices, (data, fsdp)): mesh_key(mesh); () for the default devices
+
+    @classmethod
+    def of_run(cls, settings: TrainSettings, config: ModelConfig, mesh: Mesh,
+               grad_fn: GradFn | None = None) -> StepSpec:
+        """The step of a run of ``settings`` on ``mesh`` (``grad_fn``: instead of settings.grads)."""
+        return cls(config, grad_fn or settings.grads, optimizer_items(settings), settings.dtype,
+                   mesh_key(mesh))
+
+    def replace(self, **changes) -> StepSpec:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def state_part(self) -> StepSpec:
+        """The spec without its gradient source: all the train state depends on."""
+        return self.replace(grads=None)
+
+    def mesh(self) -> Mesh:
+        return make_mesh(*self.mesh_key) if self.mesh_key else make_mesh()
+
+    def grad_fn(self) -> GradFn:
+        if self.grads is None:
+            raise ValueError("StepSpec.grads is None: name a gradient source (auto, manual) or give one")
+        return grad_source(self.grads, self.config) if isinstance(self.grads, str) else self.grads
+
+    def optimizer(self) -> optax.GradientTransformation:
+        return _optimizer(self.opt_items)
 
 
 @functools.lru_cache(maxsize=8)
@@ -199,47 +247,46 @@ def _optimizer(opt_items: tuple) -> optax.GradientTransformation:
     return make_optimizer(**dict(opt_items))
 
 
-def _mesh(devices: tuple, shape: tuple[int, int]) -> Mesh:
-    return make_mesh(devices, shape)
-
-
-@functools.lru_cache(maxsize=8)
-def _state_sharding(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple,
-                    shape: tuple[int, int]):
-    """The TrainState's NamedShardings on the mesh (sharding.state_shardings)."""
-    shapes = jax.eval_shape(_init_state_fn(config, dtype, opt_items), 0)
-    return state_shardings(shapes, _mesh(devices, shape))
-
-
-def _init_state_fn(config: ModelConfig, dtype: str, opt_items: tuple):
+def _init_state_fn(spec: StepSpec):
     def init(seed):
-        params = init_params(jax.random.PRNGKey(seed), config, dtype=jnp.dtype(dtype))
-        return init_state(params, _optimizer(opt_items), seed)
+        params = init_params(jax.random.PRNGKey(seed), spec.config, dtype=jnp.dtype(spec.dtype))
+        return init_state(params, spec.optimizer(), seed)
 
     return init
 
 
 @functools.lru_cache(maxsize=8)
-def init_fn(config: ModelConfig, dtype: str, opt_items: tuple, devices: tuple, shape: tuple[int, int]):
+def _state_sharding(spec: StepSpec):
+    """The TrainState's NamedShardings on the mesh (sharding.state_shardings)."""
+    return state_shardings(jax.eval_shape(_init_state_fn(spec), 0), spec.mesh())
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(spec: StepSpec):
+    return jax.jit(_init_state_fn(spec), out_shardings=_state_sharding(spec))
+
+
+def init_fn(spec: StepSpec):
     """Jitted seed -> the initial TrainState, laid out on the mesh (one compile
     instead of one per random draw; each device computes only its own shards)."""
-    layout = _state_sharding(config, dtype, opt_items, devices, shape)
-    return jax.jit(_init_state_fn(config, dtype, opt_items), out_shardings=layout)
+    return _init_fn(spec.state_part)
 
 
 @functools.lru_cache(maxsize=8)
-def compiled_step(config: ModelConfig, grads: str | GradFn, opt_items: tuple, dtype: str,
-                  devices: tuple, shape: tuple[int, int]):
-    """The jitted step of gradient source ``grads`` (a name or a function) on the mesh."""
-    grad_fn = grad_source(grads, config) if isinstance(grads, str) else grads
-    return make_train_step(grad_fn, _optimizer(opt_items), mesh=_mesh(devices, shape),
-                           state_sharding=_state_sharding(config, dtype, opt_items, devices, shape))
+def compiled_step(spec: StepSpec):
+    """The jitted step of ``spec`` on its mesh."""
+    return make_train_step(spec.grad_fn(), spec.optimizer(), mesh=spec.mesh(),
+                           state_sharding=_state_sharding(spec.state_part))
 
 
 @functools.lru_cache(maxsize=8)
-def compiled_eval_step(config: ModelConfig, devices: tuple, shape: tuple[int, int]):
-    """The jitted ``(params, batch) -> loss`` on the mesh."""
-    return make_eval_step(config, _mesh(devices, shape))
+def _eval_step(config: ModelConfig, mesh_key: tuple):
+    return make_eval_step(config, StepSpec(config, mesh_key=mesh_key).mesh())
+
+
+def compiled_eval_step(spec: StepSpec):
+    """The jitted ``(params, batch) -> loss`` on the spec's mesh."""
+    return _eval_step(spec.config, spec.mesh_key)
 
 
 def state_template(config: ModelConfig, meta: dict) -> TrainState:
@@ -247,5 +294,5 @@ def state_template(config: ModelConfig, meta: dict) -> TrainState:
     checkpoint holds, from its ``meta`` (train settings, param dtype): the template
     ``checkpoints.runs.load_state`` restores into."""
     settings = TrainSettings.from_dict(meta["settings"])
-    dtype = meta.get("param_dtype", "float32")
-    return jax.eval_shape(_init_state_fn(config, dtype, optimizer_items(settings)), 0)
+    spec = StepSpec(config, opt_items=optimizer_items(settings), dtype=meta.get("param_dtype", "float32"))
+    return jax.eval_shape(_init_state_fn(spec), 0)

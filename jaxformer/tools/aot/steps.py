@@ -46,6 +46,7 @@ from jaxformer.tools.aot.report import describe
 from jaxformer.tools.aot.targets import TARGETS, Target, cudnn_problem, missing, target_devices
 from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_shardings
 from jaxformer.training.step import grad_source, init_state, make_train_step
+from jaxformer.training.memory_plan import MemoryPlan as Memory  # XLA's plan, bytes per device
 
 ATTENTIONS = ("full", "blockwise", "pallas", "cudnn")
 GRADS = ("manual", "auto")
@@ -102,26 +103,6 @@ def skip_reason(variant: Variant, platform: str) -> str | None:
         return f"cudnn needs cuDNN to trace: {cudnn_problem()}"
     return problem
 
-
-
-class Memory(NamedTuple):
-    """XLA's memory plan of a compiled program, bytes per device (memory_analysis)."""
-    temp: int  # scratch buffers alive at once
-    argument: int  # the inputs: state and batch
-    output: int  # the new state and the metrics
-    alias: int  # outputs written over donated inputs (counted in both above)
-    code: int  # generated code
-
-    @property
-    def total(self) -> int:
-        """What the program holds at its peak: inputs, outputs not aliased, temps, code."""
-        return self.argument + self.output - self.alias + self.temp + self.code
-
-    @classmethod
-    def of(cls, compiled) -> "Memory":
-        m = compiled.memory_analysis()
-        return cls(m.temp_size_in_bytes, m.argument_size_in_bytes, m.output_size_in_bytes,
-                   m.alias_size_in_bytes, m.generated_code_size_in_bytes)
 
 
 class Outcome(NamedTuple):

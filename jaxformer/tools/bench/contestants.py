@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.tools.bench.select import Spec
+from jaxformer.training.memory_plan import MemoryPlan
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import grad_source, init_state, make_train_step
 
@@ -43,14 +44,8 @@ def error_line(e: BaseException) -> str:
 
 def memory_stats(compiled) -> dict | None:
     """XLA's memory_analysis of a compiled function, in bytes (None if unavailable)."""
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # not implemented on this backend
-        return None
-    if m is None:
-        return None
-    names = ("temp", "argument", "output", "alias", "generated_code")
-    return {f"{n}_bytes": int(getattr(m, f"{n}_size_in_bytes", 0) or 0) for n in names}
+    plan = MemoryPlan.of(compiled)
+    return None if plan is None else plan.as_dict()
 
 
 def make_batch(config, batch_size: int, seq_len: int, seed: int) -> dict:
