@@ -15,7 +15,7 @@ import pytest
 import jaxformer
 from jaxformer import loss_fn
 from jaxformer.model.config import PRESETS
-from jaxformer.tools.compare.grads import grads as compare
+from jaxformer.tools.compare import grads as compare
 from jaxformer.training.settings import settings_for
 from manual_grads import check, value_and_grad
 

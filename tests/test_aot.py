@@ -18,7 +18,7 @@ import pytest
 
 from jaxformer.model.attention import cudnn_core
 from jaxformer.model.config import get_preset
-from jaxformer.tools.aot.steps import steps as aot
+from jaxformer.tools.aot import steps as aot
 from jaxformer.tools.aot.report import describe, table
 from jaxformer.tools.aot.targets import cuda_plugin
 from jaxformer.training.optim import make_optimizer
@@ -123,7 +123,7 @@ def test_largest_batch_bisects_over_compiles(monkeypatch):
 COMPILE = """
 import json, sys
 from jaxformer.model.config import ModelConfig
-from jaxformer.tools.aot.steps import steps as aot
+from jaxformer.tools.aot import steps as aot
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.settings import settings_for
 config = ModelConfig.from_dict(json.loads(sys.argv[1]))

@@ -17,9 +17,9 @@ from jaxformer.cli.main import main as cli_main
 from jaxformer.model.config import get_preset
 from jaxformer.model.params import init_params
 from jaxformer.observe import flops
-from jaxformer.tools.bench.run import run as bench
-from jaxformer.tools.bench.run import select as bench_select
-from jaxformer.tools.bench.run import sweep as bench_sweep
+from jaxformer.tools.bench import run as bench
+from jaxformer.tools.bench import select as bench_select
+from jaxformer.tools.bench import sweep as bench_sweep
 from jaxformer.tools.bench.contestants import make_batch, make_contestants
 from jaxformer.tools.bench.report import format_markdown
 from jaxformer.tools.bench.select import Spec, select

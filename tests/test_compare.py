@@ -22,10 +22,10 @@ from jaxformer.cli import compare_grads
 from jaxformer.cli.args import UsageError
 from jaxformer.data import CharTokenizer, load_corpus
 from jaxformer.model.config import PRESETS
-from jaxformer.tools.compare.grads import grads as compare
-from jaxformer.tools.compare.grads import fd as compare_fd
-from jaxformer.tools.compare.grads import report as compare_report
-from jaxformer.tools.compare.grads import leaves
+from jaxformer.tools.compare import grads as compare
+from jaxformer.tools.compare import fd as compare_fd
+from jaxformer.tools.compare import report as compare_report
+from jaxformer.tools.compare import leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 PERTURBED = ("blocks", "ffn", "w_in")  # the leaf the broken gradient source gets wrong

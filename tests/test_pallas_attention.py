@@ -24,7 +24,7 @@ from jaxformer.kernels.pallas import backward as pb
 from jaxformer.model.attention import attention, attention_probs, blockwise_attention, pallas_attention
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.precision import matmul
-from jaxformer.tools.compare.grads import grads as compare
+from jaxformer.tools.compare import grads as compare
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
 from manual_grads.pallas_attention import pallas_attention_bwd, pallas_attention_fwd

@@ -18,7 +18,7 @@ import pytest
 from helpers import assert_bfloat16_within_autodiff, auto_vg, dot_generals, manual_vg
 
 from jaxformer import init_params, loss_fn
-from jaxformer.tools.compare.grads import grads as compare
+from jaxformer.tools.compare import grads as compare
 from jaxformer.cli import compare_grads
 from jaxformer.cli.compare_grads import announce_replaced
 from jaxformer.model.config import ModelConfig

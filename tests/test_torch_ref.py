@@ -13,7 +13,7 @@ import manual_grads
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
-from jaxformer.tools.torch_ref.model import model as torch_ref
+from jaxformer.tools.torch_ref import model as torch_ref
 from jaxformer.tools.torch_ref.model import TorchTransformer, to_torch_batch
 
 BASE = ModelConfig(vocab_size=11, d_model=12, n_heads=3, n_layers=2, d_ff=20, max_seq_len=9)

@@ -15,8 +15,8 @@ import jax
 from jaxformer.cli.args import Parser, nonneg_int, output_folder, positive_int, run_command
 from jaxformer.cli.flags import add_model_flags, model_overrides
 from jaxformer.model.config import PRESETS, get_preset
-from jaxformer.tools.bench.run import run as bench
-from jaxformer.tools.bench.run import sweep as bench_sweep
+from jaxformer.tools.bench import run as bench
+from jaxformer.tools.bench import sweep as bench_sweep
 from jaxformer.tools.bench.report import format_summary, write_reports
 from jaxformer.tools.bench.select import ATTENTION_CHOICES, parse_attention
 from jaxformer.tools.bench.sweep_report import format_sweep_summary, write_sweep_reports

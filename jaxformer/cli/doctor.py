@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from jaxformer.cli.args import nonneg_int
-from jaxformer.tools.doctor.run import run as doctor
+from jaxformer.tools.doctor import run as doctor
 from jaxformer.tools.doctor.report import format_text, write_json
 
 DESCRIPTION = ("Check this install on the device JAX sees and print one report: the Pallas attention "

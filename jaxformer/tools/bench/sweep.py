@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from jaxformer.tools.bench.run import run as bench
+from jaxformer.tools.bench import run as bench
 
 SWEEP_FIELDS = ("n_layers", "d_model", "n_heads", "d_ff", "seq_len", "batch_size")
 SHORT = {"n_layers": "L", "d_model": "D", "n_heads": "H", "d_ff": "F", "seq_len": "T", "batch_size": "B"}

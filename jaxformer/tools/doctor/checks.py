@@ -35,8 +35,8 @@ from jaxformer.model.config import ModelConfig, get_preset
 from jaxformer.kernels.pallas.backward import flash_attention
 from jaxformer.model.params import init_params
 from jaxformer.model.precision import matmul
-from jaxformer.tools.bench.run import run as bench
-from jaxformer.tools.compare.grads import grads as compare
+from jaxformer.tools.bench import run as bench
+from jaxformer.tools.compare import grads as compare
 from jaxformer.tools.bench.contestants import error_line
 from jaxformer.tools.compare.leaves import error_rank
 from jaxformer.training.optim import make_optimizer
