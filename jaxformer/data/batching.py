@@ -9,7 +9,8 @@ a ``Batcher`` serves training batches
 
 as a pure function of ``(seed, index)``, so a run resumed at step ``index`` sees the
 very batches an uninterrupted run would have seen. ``sequential_batches`` gives the
-validation batches, the same every time.
+validation batches, the same every time. ``random_batch`` is a batch of uniform random
+ids in the same layout, for timing and memory measurements that need no text.
 
 Windows (the choice, and why): the corpus is cut into non-overlapping windows of
 T + 1 tokens with stride T (neighbouring windows share one token, the last target
@@ -36,7 +37,18 @@ import numpy as np
 
 from jaxformer.data.shards import ShardedTokens
 from jaxformer.model.checks import check_int, check_number
+from jaxformer.model.config import ModelConfig
 from jaxformer.model.validate import as_id_array
+
+
+def random_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int = 0) -> dict:
+    """{"inputs", "targets"}: int32 (B, T) numpy arrays cut from B rows of T + 1 ids drawn
+    uniformly from [0, config.vocab_size) with ``np.random.default_rng(seed)``, the targets
+    the inputs shifted by one (as a Batcher's)."""
+    batch_size, seq_len = check_int("batch_size", batch_size), check_int("seq_len", seq_len)
+    rng = np.random.default_rng(check_int("seed", seed, minimum=0))
+    tokens = rng.integers(0, config.vocab_size, size=(batch_size, seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
