@@ -38,7 +38,6 @@ Writes results.json, results.md and curves.png to --out (default runs/reproduce_
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -55,6 +54,7 @@ import optax
 from jaxformer import data
 from jaxformer.model.config import PRESETS, get_preset
 from jaxformer.model.params import init_params
+from jaxformer.observe.jsonsafe import write_json
 from jaxformer.observe.words import plural
 from jaxformer.training.optim import decay_mask
 from jaxformer.training.step import grad_source, init_state, make_eval_step, make_train_step
@@ -378,21 +378,11 @@ def plot(report: dict, path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _json_safe(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def write_outputs(report: dict, out) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = dict(json=out / "results.json", markdown=out / "results.md", png=out / "curves.png")
-    paths["json"].write_text(json.dumps(_json_safe(report), indent=1) + "\n")
+    write_json(paths["json"], report, indent=1)
     paths["markdown"].write_text(format_markdown(report))
     plot(report, paths["png"])
     return paths

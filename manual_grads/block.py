@@ -1,11 +1,12 @@
-"""The feed-forward layer (plain or gated) and the residual block, pre-LN and post-LN.
+"""The residual block, pre-LN and post-LN.
 
     pre:  x1 = x + drop(attn(ln1(x)));   y = x1 + drop(ffn(ln2(x1)))
     post: x1 = ln1(x + drop(attn(x)));   y = ln2(x1 + drop(ffn(x1)))
 
 ln is layer norm, or RMS norm with norm_type "rms" (``norm_fwd``; the backward follows
-the residual's type). drop is dropout, only with the layer's key (jaxformer/model/dropout.py names the
-keys); the residuals keep the keys and redraw each mask in the backward.
+the residual's type). ffn is mlp.py's pair, plain or gated. drop is dropout, only with
+the layer's key (jaxformer/model/dropout.py names the keys); the residuals keep the keys
+and redraw each mask in the backward.
 
 Where a value feeds both a residual branch and the skip connection, the two
 gradients add. The residual's type (PreBlockRes or PostBlockRes) tells the
@@ -22,18 +23,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-
-from jaxformer.model.block import gate_up_weights
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, sub_key
-from manual_grads.activations import activation_bwd, activation_fwd
 from manual_grads.attention import AttentionRes
 from manual_grads.blockwise import BlockwiseAttentionRes, any_attention_bwd, any_attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
-from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.tap import tap_backward, tap_forward
 
@@ -53,79 +49,6 @@ def norm_bwd(res, dy):
     if isinstance(res, RMSNormRes):
         return rms_norm_bwd(res, dy)
     return layer_norm_bwd(res, dy)
-
-# ----------------------------------------------------------------------------
-# feed-forward: y = act(x @ w_in + b_in) @ w_out + b_out
-
-
-class FeedForwardRes(NamedTuple):
-    inp: LinearRes  # x (..., D), w_in (D, F)
-    act: NamedTuple  # (..., F): the activation's residual (manual_grads/activations.py)
-    out: LinearRes  # act(h) (..., F), w_out (F, D)
-
-
-class GatedFeedForwardRes(NamedTuple):
-    inp: LinearRes  # x (..., D), [w_gate | w_up] (D, 2F)
-    act: NamedTuple  # (..., F): the gate's activation's residual
-    a: jax.Array  # (..., F) act(gate), float32 or wider
-    up: jax.Array  # (..., F) x @ w_up + b_up
-    out: LinearRes  # act(gate) * up (..., F), w_down (F, D)
-
-
-def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
-    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> y (..., D).
-    The products run in ``compute_dtype``, the activation in float32 or wider. A gated p
-    (w_gate, w_up, w_down) runs gated_feed_forward_fwd."""
-    if "w_gate" in p:
-        return gated_feed_forward_fwd(p, x, activation_name, compute_dtype)
-    h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype)  # (..., F)
-    a, act_res = activation_fwd(activation_name, h)  # (..., F)
-    y, out_res = linear_fwd(_lin(p, "out"), a, compute_dtype)  # (..., D)
-    return y, FeedForwardRes(inp_res, act_res, out_res)
-
-
-def feed_forward_bwd(res, dy):
-    """dy (..., D) -> (dp with p's keys, dx (..., D))."""
-    if isinstance(res, GatedFeedForwardRes):
-        return gated_feed_forward_bwd(res, dy)
-    d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
-    dh = activation_bwd(res.act, da)  # a = act(h)
-    d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
-    dp = {"w_in": d_in["w"], "w_out": d_out["w"]}
-    if "b" in d_in:  # the layer has biases (ModelConfig.bias)
-        dp.update(b_in=d_in["b"], b_out=d_out["b"])
-    return dp, dx
-
-
-def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
-    """p = {w_gate, w_up (D, F), w_down (F, D), b_gate, b_up (F,), b_down (D,)}; x (..., D) ->
-    y = (act(x @ w_gate + b_gate) * (x @ w_up + b_up)) @ w_down + b_down (..., D)."""
-    w, b = gate_up_weights(p)  # (D, 2F), (2F,) or None
-    gu, inp_res = linear_fwd({"w": w} if b is None else {"w": w, "b": b}, x, compute_dtype)  # (..., 2F)
-    gate, up = jnp.split(gu, 2, axis=-1)  # (..., F) each
-    a, act_res = activation_fwd(activation_name, gate)  # (..., F)
-    y, out_res = linear_fwd(_lin(p, "down"), a * up, compute_dtype)  # (..., D)
-    return y, GatedFeedForwardRes(inp_res, act_res, a, up, out_res)
-
-
-def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
-    """dy (..., D) -> ({w_gate, w_up, w_down, b_gate?, b_up?, b_down?}, dx (..., D))."""
-    d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
-    da, dup = dm * res.up, dm * res.a  # m = a * up
-    dgate = activation_bwd(res.act, da)  # a = act(gate)
-    d_in, dx = linear_bwd(res.inp, jnp.concatenate([dgate, dup], axis=-1))  # [gate | up] = x @ [w_gate | w_up] + b
-    dw_gate, dw_up = jnp.split(d_in["w"], 2, axis=1)  # (D, F) each
-    dp = {"w_gate": dw_gate, "w_up": dw_up, "w_down": d_out["w"]}
-    if "b" in d_in:  # the layer has biases (ModelConfig.bias)
-        db_gate, db_up = jnp.split(d_in["b"], 2)
-        dp.update(b_gate=db_gate, b_up=db_up, b_down=d_out["b"])
-    return dp, dx
-
-
-def _lin(p, name):
-    """The feed-forward's w_<name>, b_<name> as a linear layer's {"w", "b"?}."""
-    return {"w": p["w_" + name], "b": p["b_" + name]} if "b_" + name in p else {"w": p["w_" + name]}
-
 
 # ----------------------------------------------------------------------------
 # the residual block

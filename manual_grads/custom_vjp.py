@@ -29,6 +29,7 @@ from manual_grads import embedding as _emb
 from manual_grads import layer_norm as _ln
 from manual_grads import linear as _lin
 from manual_grads import losses as _loss
+from manual_grads import mlp as _mlp
 from manual_grads import pallas_attention as _pallas
 from manual_grads.model import embed_params
 
@@ -99,7 +100,7 @@ _attention = _register(
     lambda p, x, n_heads, causal, cd, n_kv, eps, theta: _attn.attention_fwd(
         p, x, n_heads, causal, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),
     _attn.attention_bwd, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-_feed_forward = _register(_block.feed_forward_fwd, _block.feed_forward_bwd, nondiff_argnums=(2, 3))
+_feed_forward = _register(_mlp.feed_forward_fwd, _mlp.feed_forward_bwd, nondiff_argnums=(2, 3))
 _blockwise_attention = _register(
     lambda p, x, n_heads, causal, block, cd, n_kv, eps, theta: _bw.blockwise_attention_fwd(
         p, x, n_heads, causal, block, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),

@@ -14,13 +14,14 @@ import pytest
 
 from jaxformer.cli.bench import build_parser, main, settings_from_args
 from jaxformer.cli.main import main as cli_main
+from jaxformer.data.batching import random_batch
 from jaxformer.model.config import get_preset
 from jaxformer.model.params import init_params
 from jaxformer.observe import flops
 from jaxformer.tools.bench import run as bench
 from jaxformer.tools.bench import select as bench_select
 from jaxformer.tools.bench import sweep as bench_sweep
-from jaxformer.tools.bench.contestants import make_batch, make_contestants
+from jaxformer.tools.bench.contestants import make_contestants
 from jaxformer.tools.bench.report import format_markdown
 from jaxformer.tools.bench.select import Spec, select
 
@@ -270,7 +271,7 @@ def test_a_contestant_that_fails_to_compile_is_kept_with_one_line():
     params = init_params(jax.random.PRNGKey(0), config)
     heard = []
     [c] = make_contestants([Spec("auto_cudnn", "auto", "cudnn")], config, params,
-                           make_batch(config, 2, 8, 0), say=heard.append)
+                           random_batch(config, 2, 8, 0), say=heard.append)
     assert c.run is None and "only on a GPU" in c.error
     assert len(heard) == 1 and heard[0].startswith("auto_cudnn: skipped, it failed to build: ValueError")
 

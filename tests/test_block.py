@@ -1,5 +1,5 @@
-"""manual_grads.block (feed-forward and the residual block, pre-LN and post-LN)
-against jax.vjp of jaxformer.layers, in float64."""
+"""manual_grads.block (the residual block, pre-LN and post-LN) against jax.vjp of
+jaxformer.layers, in float64 (the feed-forward layer on its own: test_mlp.py)."""
 
 from functools import partial
 
@@ -7,10 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxformer.model.config import ACTIVATIONS, ModelConfig
-from jaxformer.model.block import block, feed_forward
-from manual_grads.block import (PostBlockRes, PreBlockRes, block_bwd, block_fwd,
-                                feed_forward_bwd, feed_forward_fwd)
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.block import block
+from manual_grads.block import PostBlockRes, PreBlockRes, block_bwd, block_fwd
 from manual_grads.check import assert_trees_close
 
 
@@ -58,8 +57,8 @@ def check_block(config, B, T, seed=0):
 
 
 # every activation, each norm twice, both maskings; shapes with T = 1, one head,
-# odd B and T, d_ff below and above d_model (the feed-forward tests below cover
-# every activation on its own)
+# odd B and T, d_ff below and above d_model (test_mlp.py covers every activation
+# on the feed-forward layer alone)
 @pytest.mark.parametrize("B,T,D,H,F,activation,norm,causal", [
     (3, 5, 8, 2, 12, "gelu", "pre", True),
     (1, 1, 4, 1, 6, "relu", "post", True),  # T = 1, one head
@@ -78,26 +77,3 @@ def test_residual_type_names_the_block():
         config = ModelConfig(d_model=4, n_heads=2, d_ff=6, norm=norm)
         _, res = jax.eval_shape(lambda p, x: block_fwd(p, x, config), p, x)
         assert isinstance(res, res_type)
-
-
-def manual_ffn(p, x, dy, name):
-    y, res = feed_forward_fwd(p, x, name)
-    return y, feed_forward_bwd(res, dy)
-
-
-@partial(jax.jit, static_argnums=3)
-def reference_ffn(p, x, dy, name):
-    y, vjp = jax.vjp(lambda p, x: feed_forward(p, x, name), p, x)
-    return y, vjp(dy)
-
-
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_feed_forward_matches_autodiff(activation, jit):
-    rng = np.random.default_rng(4)
-    p = block_params(rng, 5, 9)["ffn"]
-    x, dy = rng.standard_normal((2, 3, 7, 5))
-    y, grads = (jax.jit(manual_ffn, static_argnums=3) if jit else manual_ffn)(p, x, dy, activation)
-    y_ref, grads_ref = reference_ffn(p, x, dy, activation)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
-    assert_trees_close(grads_ref, grads, rtol=1e-10)

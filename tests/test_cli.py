@@ -82,7 +82,7 @@ def test_resume_continues_with_the_saved_settings(run_dir, tmp_path, capsys):
     (["train", "--out", "{tmp}/none", "--resume"], "no checkpoint found in"),
     (["generate", "--run", "{tmp}/none", "--prompt", "x"], "no checkpoint found in"),
     (["generate", "--run", "{run}", "--prompt", "x", "--temperature", "-1"],
-     "temperature must be a finite number >= 0"),
+     "temperature must be >= 0, got -1.0"),
     (["generate", "--run", "{run}", "--prompt", ""], "the prompt is empty"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["train", "--preset", "tiny", "--optimizer", "muon", "--muon-lr", "-1", "--out", "{tmp}/a",

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from jaxformer.data import (Batcher, ByteTokenizer, CharTokenizer, load_corpus, make_tokenizer,
                             sequential_batches, split_train_val, tokenizer_from_dict)
+from jaxformer.data.batching import random_batch
+from jaxformer.model.config import ModelConfig
 from jaxformer.model.validate import validate_ids
 
 # ----------------------------------------------------------------------------
@@ -373,3 +375,15 @@ def test_validate_ids_names_the_id_and_position():
         validate_ids(np.array([[0, 1], [-3, 2]]), 10, name="inputs")
     with pytest.raises(ValueError, match="integers"):
         validate_ids(np.array([0.5]), 10)
+
+
+def test_random_batch_is_shifted_in_range_and_fixed_by_its_seed():
+    config = ModelConfig(vocab_size=7)
+    batch = random_batch(config, 3, 5, seed=2)
+    tokens = np.random.default_rng(2).integers(0, 7, size=(3, 6), dtype=np.int32)  # its definition
+    np.testing.assert_array_equal(batch["inputs"], tokens[:, :-1])
+    np.testing.assert_array_equal(batch["targets"], tokens[:, 1:])
+    assert batch["inputs"].dtype == np.int32 and batch["inputs"].shape == (3, 5)
+    assert not np.array_equal(random_batch(config, 3, 5, seed=3)["inputs"], batch["inputs"])
+    with pytest.raises(ValueError, match="seq_len must be a positive integer, got 0"):
+        random_batch(config, 3, 0)

@@ -83,13 +83,13 @@ def test_top_k():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=-1.0), "temperature must be >= 0, got -1.0"),
     (dict(top_k=-2), "top_k must be a non-negative integer"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(temperature=float("inf")), "temperature must be a finite number"),
-    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
-    (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_p=float("nan")), "top_p must be a finite number, got nan"),
     (dict(num_samples=0), "num_samples must be a positive integer"),
     (dict(max_new_tokens=-1), "max_new_tokens must be a non-negative integer"),
     (dict(prompt_ids=np.array([], np.int32)), "non-empty"),

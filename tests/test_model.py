@@ -1,6 +1,7 @@
 """The forward model: config validation, every option builds and runs, shapes,
 dtypes, the loss at init, and clear errors for bad input."""
 
+import dataclasses
 import itertools
 import math
 
@@ -12,7 +13,7 @@ import pytest
 
 import jaxformer as jf
 from jaxformer.model import layers
-from jaxformer.model.config import (ACTIVATIONS, NORMS, POSITIONS, PRESETS, SMALL_PRESETS,
+from jaxformer.model.config import (ACTIVATIONS, FIELD_RULES, NORMS, POSITIONS, PRESETS, SMALL_PRESETS,
                                     ModelConfig)
 from jaxformer.model.params import check_params
 
@@ -46,6 +47,18 @@ def batch_for(config, B=3, T=7, seed=0):
 def test_invalid_config_names_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{**TINY, "n_heads": 4, "d_model": 12, field: value})
+
+
+def test_every_field_has_one_rule_and_keeps_its_canonical_type():
+    assert list(FIELD_RULES) == [f.name for f in dataclasses.fields(ModelConfig)]
+    config = ModelConfig(**{**TINY, "d_model": np.int64(12), "ln_eps": 1, "causal": np.bool_(False)})
+    assert (type(config.d_model), type(config.ln_eps), type(config.causal)) == (int, float, bool)
+    assert config == ModelConfig(**{**TINY, "d_model": 12, "ln_eps": 1.0, "causal": False})
+    with pytest.raises(ValueError, match=r"ModelConfig.loss_chunk must be a non-negative integer, "
+                                         r"got -1 \(0: no chunking\)"):
+        ModelConfig(loss_chunk=-1)
+    with pytest.raises(ValueError, match=r"ModelConfig.dropout must be in \[0, 1\), got 1.0"):
+        ModelConfig(dropout=1.0)
 
 
 def test_config_is_hashable_and_round_trips():

@@ -178,9 +178,9 @@ def test_smollm_preset_has_smollm_135m_shape():
     (dict(n_heads=4, n_kv_heads=8), r"n_kv_heads \(8\) must divide n_heads \(4\)"),
     (dict(n_kv_heads=-1), "ModelConfig.n_kv_heads must be a non-negative integer"),
     (dict(norm_scale=False), "norm_scale False .* needs norm_type 'rms'"),
-    (dict(norm_type="batch"), "ModelConfig.norm_type must be one of layer, rms"),
-    (dict(mlp="moe"), "ModelConfig.mlp must be one of plain, gated"),
-    (dict(rope_theta=0.5), "ModelConfig.rope_theta must be a finite number > 1"),
+    (dict(norm_type="batch"), "ModelConfig.norm_type must be one of 'layer', 'rms', got 'batch'"),
+    (dict(mlp="moe"), "ModelConfig.mlp must be one of 'plain', 'gated', got 'moe'"),
+    (dict(rope_theta=0.5), "ModelConfig.rope_theta must be > 1, got 0.5"),
     (dict(d_model=12, n_heads=4, positions="rope"), "positions 'rope' needs an even head width"),
     (dict(qk_norm="yes"), "ModelConfig.qk_norm must be True or False"),
 ])

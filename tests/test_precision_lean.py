@@ -20,9 +20,9 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.transformer import forward
 from manual_grads import attention as _attn
-from manual_grads import block as _block
 from manual_grads import blockwise as _bw
 from manual_grads import custom_vjp as cv
+from manual_grads import mlp as _mlp
 from manual_grads.blockwise import blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.chunked_loss import chunked_head_loss_bwd, chunked_head_loss_fwd
 
@@ -169,7 +169,7 @@ def test_custom_vjp_layers_take_compute_dtype_as_a_static_argument(layer):
     x = qkv(seed=3, shape=(B, T, 16))[0]
     fwd, bwd, p, static = {
         "attention": (_attn.attention_fwd, _attn.attention_bwd, "attn", (2, True)),
-        "feed_forward": (_block.feed_forward_fwd, _block.feed_forward_bwd, "ffn", ("gelu",)),
+        "feed_forward": (_mlp.feed_forward_fwd, _mlp.feed_forward_bwd, "ffn", ("gelu",)),
         "blockwise_attention": (_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd, "attn",
                                 (2, True, 4)),
     }[layer]

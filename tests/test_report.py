@@ -181,4 +181,4 @@ def test_generate_samples_with_top_p_and_reports_time_per_token(cli_run):
     assert "2 x 6 tokens in" in result.stderr and "ms per token position (key/value cache" \
         in result.stderr
     bad = _cli("generate", "--run", str(out), "--prompt", "x", "--top-p", "1.5")
-    assert bad.returncode == 2 and "error: top_p must be a number in (0, 1]" in bad.stderr
+    assert bad.returncode == 2 and "error: top_p must be in (0, 1], got 1.5" in bad.stderr

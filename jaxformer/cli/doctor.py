@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jaxformer.cli.args import nonneg_int
 from jaxformer.tools.doctor import run as doctor
-from jaxformer.tools.doctor.report import format_text, write_json
+from jaxformer.tools.doctor.report import format_text, write_report
 
 DESCRIPTION = ("Check this install on the device JAX sees and print one report: the Pallas attention "
                "kernels compiled for it (and cuDNN's on a GPU) against full attention in float32 and "
@@ -56,5 +56,5 @@ def run(args: argparse.Namespace) -> int:
     report = doctor.run(doctor.Settings(quick=args.quick, seed=args.seed), say)
     print(format_text(report), flush=True)
     if args.out:
-        print(f"report: {write_json(report, args.out)}")
+        print(f"report: {write_report(report, args.out)}")
     return 0 if report["summary"]["failed"] == 0 else 1

@@ -9,7 +9,8 @@ a ``Batcher`` serves training batches
 
 as a pure function of ``(seed, index)``, so a run resumed at step ``index`` sees the
 very batches an uninterrupted run would have seen. ``sequential_batches`` gives the
-validation batches, the same every time.
+validation batches, the same every time. ``random_batch`` is a batch of uniform random
+ids in the same layout, for timing and memory measurements that need no text.
 
 Windows (the choice, and why): the corpus is cut into non-overlapping windows of
 T + 1 tokens with stride T (neighbouring windows share one token, the last target
@@ -35,14 +36,19 @@ from typing import Iterator
 import numpy as np
 
 from jaxformer.data.shards import ShardedTokens
-from jaxformer.model.validate import as_id_array, check_positive_int
+from jaxformer.model.checks import check_int, check_number
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.validate import as_id_array
 
 
-def _check_nonneg_int(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
+def random_batch(config: ModelConfig, batch_size: int, seq_len: int, seed: int = 0) -> dict:
+    """{"inputs", "targets"}: int32 (B, T) numpy arrays cut from B rows of T + 1 ids drawn
+    uniformly from [0, config.vocab_size) with ``np.random.default_rng(seed)``, the targets
+    the inputs shifted by one (as a Batcher's)."""
+    batch_size, seq_len = check_int("batch_size", batch_size), check_int("seq_len", seq_len)
+    rng = np.random.default_rng(check_int("seed", seed, minimum=0))
+    tokens = rng.integers(0, config.vocab_size, size=(batch_size, seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -54,9 +60,7 @@ def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndar
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"ids must be 1-D, got shape {arr.shape}")
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float, np.floating)) \
-            or not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    check_number("val_fraction", val_fraction, low=0, high=1, high_open=True)
     n_val = int(len(arr) * float(val_fraction))
     n_train = len(arr) - n_val
     if n_train <= 0:
@@ -69,9 +73,9 @@ class Batcher:
     for the windowing and the without-replacement sampling."""
 
     def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int):
-        self.batch_size = check_positive_int("batch_size", batch_size)
-        self.seq_len = check_positive_int("seq_len", seq_len)
-        self.seed = _check_nonneg_int("seed", seed)
+        self.batch_size = check_int("batch_size", batch_size)
+        self.seq_len = check_int("seq_len", seq_len)
+        self.seed = check_int("seed", seed, minimum=0)
         self.ids = _token_source(ids)  # (N,): int32 in memory, or shards.ShardedTokens (memory-mapped)
         n, t = len(self.ids), self.seq_len
         if n < t + 1:
@@ -85,7 +89,7 @@ class Batcher:
 
     def epoch_starts(self, epoch: int) -> np.ndarray:
         """int64 (n_windows,): the window starts of an epoch in visiting order."""
-        epoch = _check_nonneg_int("epoch", epoch)
+        epoch = check_int("epoch", epoch, minimum=0)
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         rng = np.random.default_rng([self.seed, epoch])
@@ -97,7 +101,7 @@ class Batcher:
 
     def batch_starts(self, index: int) -> np.ndarray:
         """int64 (B,): the window starts of batch ``index``."""
-        index = _check_nonneg_int("index", index)
+        index = check_int("index", index, minimum=0)
         epoch, k = divmod(index, self.batches_per_epoch)
         starts = self.epoch_starts(epoch)
         if self.n_windows < self.batch_size:  # one batch an epoch: every window, repeated
@@ -163,10 +167,10 @@ def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
     Only full batches are yielded, except that a corpus with fewer than B windows gives
     one smaller batch of all of them. ValueError when ids hold fewer than T + 1 tokens.
     """
-    batch_size = check_positive_int("batch_size", batch_size)
-    seq_len = check_positive_int("seq_len", seq_len)
+    batch_size = check_int("batch_size", batch_size)
+    seq_len = check_int("seq_len", seq_len)
     if max_batches is not None:
-        max_batches = check_positive_int("max_batches", max_batches)
+        max_batches = check_int("max_batches", max_batches)
     arr = _token_source(ids)
     if len(arr) < seq_len + 1:
         raise ValueError(

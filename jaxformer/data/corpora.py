@@ -8,7 +8,7 @@ import importlib.resources
 import os
 import sysconfig
 
-from jaxformer.model.validate import check_positive_int
+from jaxformer.model.checks import check_int
 
 DEFAULT_STDLIB_MAX_BYTES = None  # the stdlib is read whole (about 12 MiB); --max-corpus-bytes cuts it
 CORPUS_NAMES = ("default", "stdlib")  # reserved specs; write "./default" for a file so named
@@ -91,7 +91,7 @@ def load_corpus(spec: str, max_bytes: int | None = None) -> bytes:
     if not isinstance(spec, (str, os.PathLike)):
         raise TypeError(f"corpus spec must be a str or a path, got {type(spec).__name__}")
     if max_bytes is not None:
-        max_bytes = check_positive_int("max_bytes", max_bytes)
+        max_bytes = check_int("max_bytes", max_bytes)
     spec = os.fspath(spec)
     if spec == "default":
         data = importlib.resources.files("jaxformer").joinpath("corpus/default.txt").read_bytes()

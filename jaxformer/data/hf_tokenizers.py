@@ -21,6 +21,7 @@ from typing import Iterable
 
 import numpy as np
 
+from jaxformer.model.checks import check_int
 from jaxformer.model.validate import as_id_array, validate_ids
 
 EOT_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")  # first found is the eot id
@@ -111,9 +112,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """A byte-level BPE (GPT-2's pre-tokenization and byte alphabet) of ``vocab_size``
     tokens, <|endoftext|> included, trained on ``texts``."""
     lib = _library()
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 257:
-        raise ValueError(f"a byte-level BPE needs --vocab-size of at least 257 (256 bytes and "
-                         f"<|endoftext|>), got {vocab_size!r}")
+    vocab_size = check_int("--vocab-size", vocab_size, minimum=257,
+                           note="a byte-level BPE holds the 256 bytes and <|endoftext|>")
     tok = lib.Tokenizer(lib.models.BPE())
     tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = lib.decoders.ByteLevel()

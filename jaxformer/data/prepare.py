@@ -34,6 +34,7 @@ from tqdm import tqdm  # the text bar everywhere: tqdm.auto warns in Jupyter wit
 from jaxformer.data import shards
 from jaxformer.data.sources import Piece, pieces, total_bytes
 from jaxformer.data.tokenizers import make_tokenizer
+from jaxformer.model.checks import check_int, check_number
 
 DEFAULT_SHARD_TOKENS = 1 << 25  # 32 Mi tokens: 64 MiB of uint16
 BATCH_BYTES = 8 << 20  # text tokenized per batch
@@ -168,10 +169,8 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
     out = Path(out)
     corpus = os.fspath(corpus) if isinstance(corpus, os.PathLike) else corpus
     log = log or (lambda line: None)
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction!r}")
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ValueError(f"--shard-tokens must be a positive integer, got {shard_tokens!r}")
+    check_number("--val-fraction", val_fraction, low=0, high=1, high_open=True)
+    check_int("--shard-tokens", shard_tokens)
     source = {"corpus": corpus, "tokenizer": tokenizer, "vocab_size": vocab_size,
               "text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens}
     if out.exists() and not out.is_dir():

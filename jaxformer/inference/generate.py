@@ -26,13 +26,13 @@ with the key ``fold_in(fold_in(PRNGKey(seed), b), i)``.
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.model.checks import check_int, check_number
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.transformer import forward
@@ -40,21 +40,14 @@ from jaxformer.model.validate import validate_ids
 
 
 def check_options(max_new_tokens, temperature, top_k, top_p=None, num_samples=1):
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
-                              or top_k < 0):
-        raise ValueError(f"top_k must be a non-negative integer (0: no limit), got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1] (1: no limit), got {top_p!r}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) \
-            or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    """ValueError naming the sampling option that is out of range (top_k 0 and top_p 1: no limit)."""
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    check_number("temperature", temperature, low=0)
+    if top_k is not None:
+        check_int("top_k", top_k, minimum=0, note="0: no limit")
+    if top_p is not None:
+        check_number("top_p", top_p, low=0, high=1, low_open=True, note="1: no limit")
+    check_int("num_samples", num_samples)
 
 
 def sample_logits(key, logits, temperature, top_k: int, greedy: bool, top_p: float = 1.0):

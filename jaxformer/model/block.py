@@ -1,12 +1,13 @@
-"""The feed-forward layer (plain or gated) and the residual block, pre-LN and post-LN.
+"""The residual block, pre-LN and post-LN.
 
     pre:  x1 = x + drop(attn(ln1(x)));   y = x1 + drop(ffn(ln2(x1)))
     post: x1 = ln1(x + drop(attn(x)));   y = ln2(x1 + drop(ffn(x1)))
 
-ln is layer norm, or RMS norm with config.norm_type "rms" (``pick_norm``). The
-feed-forward is act(x w_in) w_out, or with config.mlp "gated" (act(x w_gate) * x w_up) w_down
-(SwiGLU with activation silu). drop is dropout at config.dropout, only with a key (the layer's, dropout.layer_key);
-attention then drops its probabilities too (dropout.py names every key).
+ln is layer norm, or RMS norm with config.norm_type "rms" (``pick_norm``). ffn is
+mlp.py's feed-forward, plain act(x w_in) w_out or with config.mlp "gated"
+(act(x w_gate) * x w_up) w_down (SwiGLU with activation silu). drop is dropout at
+config.dropout, only with a key (the layer's, dropout.layer_key); attention then drops
+its probabilities too (dropout.py names every key).
 
 ``compose_block`` is the one place the block's forward is written. A path that needs
 the block with a piece of its own passes the pieces in a ``BlockLayers``: the cached
@@ -20,39 +21,13 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from jaxformer.model.activations import activation
 from jaxformer.model.attention import attention, attention_options
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, dropout, sub_key
 from jaxformer.model.layer_norm import layer_norm
-from jaxformer.model.linear import linear
+from jaxformer.model.mlp import feed_forward
 from jaxformer.model.rms_norm import rms_norm
-
-
-def feed_forward(p, x, activation_name, compute_dtype=None):
-    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> (..., D).
-    A gated p = {w_gate, w_up (D, F), b_gate, b_up (F,), w_down (F, D), b_down (D,)} runs
-    gated_feed_forward."""
-    if "w_gate" in p:
-        return gated_feed_forward(p, x, activation_name, compute_dtype)
-    h = linear(x, p["w_in"], p.get("b_in"), compute_dtype)
-    return linear(activation(activation_name, h), p["w_out"], p.get("b_out"), compute_dtype)
-
-
-def gate_up_weights(p):
-    """The gated layer's two input projections side by side: w = [w_gate | w_up] (D, 2F),
-    b (2F,) (None without biases)."""
-    b = jnp.concatenate([p["b_gate"], p["b_up"]]) if "b_gate" in p else None
-    return jnp.concatenate([p["w_gate"], p["w_up"]], axis=1), b
-
-
-def gated_feed_forward(p, x, activation_name, compute_dtype=None):
-    """(act(x @ w_gate + b_gate) * (x @ w_up + b_up)) @ w_down + b_down; x (..., D) -> (..., D).
-    The gate and up projections are one product x @ [w_gate | w_up]."""
-    gate, up = jnp.split(linear(x, *gate_up_weights(p), compute_dtype), 2, axis=-1)  # (..., F) each
-    return linear(activation(activation_name, gate) * up, p["w_down"], p.get("b_down"), compute_dtype)
 
 
 class BlockLayers(NamedTuple):

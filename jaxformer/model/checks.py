@@ -7,6 +7,11 @@ a number, an integer is a Python or numpy integer, and a number must be finite.
     check_int("n_layers", 0)            ValueError: n_layers must be a positive integer, got 0
     check_number("dropout", 1.0, low=0, high=1, high_open=True)
                                         ValueError: dropout must be in [0, 1), got 1.0
+    check_choice("norm", "sandwich", ("pre", "post"))
+                                        ValueError: norm must be one of 'pre', 'post', got 'sandwich'
+    check_bool("causal", "yes")         ValueError: causal must be True or False, got 'yes'
+    check_int("top_k", -1, 0, note="0: no limit")
+                                        ValueError: top_k must be a non-negative integer, got -1 (0: no limit)
 """
 
 from __future__ import annotations
@@ -31,10 +36,16 @@ def int_words(minimum: int) -> str:
     return {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer >= {minimum}")
 
 
-def check_int(name: str, value, minimum: int = 1) -> int:
+def refuse(name: str, words: str, value, note: str = ""):
+    """The one error: "<name> must be <words>, got <value>", then " (<note>)" when given
+    (what a special value means: "0: no limit")."""
+    raise ValueError(f"{name} must be {words}, got {value!r}" + (f" ({note})" if note else ""))
+
+
+def check_int(name: str, value, minimum: int = 1, *, note: str = "") -> int:
     """value as an int; ValueError naming ``name`` unless it is an integer >= minimum."""
     if not is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be {int_words(minimum)}, got {value!r}")
+        refuse(name, int_words(minimum), value, note)
     return int(value)
 
 
@@ -55,17 +66,26 @@ def in_range(value, low=None, high=None, low_open: bool = False, high_open: bool
 
 
 def check_number(name: str, value, low=None, high=None, low_open: bool = False,
-                 high_open: bool = False) -> float:
+                 high_open: bool = False, *, note: str = "") -> float:
     """value as a float; ValueError naming ``name`` unless it is a finite number in the
     range (None ends are unbounded)."""
     if not is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        refuse(name, "a finite number", value, note)
     if not in_range(value, low, high, low_open, high_open):
-        raise ValueError(f"{name} must be {interval(low, high, low_open, high_open)}, got {value!r}")
+        word = "in " if low is not None and high is not None else ""  # "in [0, 1)", "> 0"
+        refuse(name, word + interval(low, high, low_open, high_open), value, note)
     return float(value)
 
 
-def check_choice(name: str, value, choices) -> None:
-    """ValueError naming ``name`` and the choices unless value is one of them."""
+def check_choice(name: str, value, choices, *, note: str = ""):
+    """value; ValueError naming ``name`` and the choices unless value is one of them."""
     if value not in tuple(choices):
-        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+        refuse(name, "one of " + ", ".join(repr(c) for c in choices), value, note)
+    return value
+
+
+def check_bool(name: str, value, *, note: str = "") -> bool:
+    """value as a bool; ValueError naming ``name`` unless it is True or False (Python's or numpy's)."""
+    if not isinstance(value, (bool, np.bool_)):
+        refuse(name, "True or False", value, note)
+    return bool(value)

@@ -1,15 +1,19 @@
 """ModelConfig: the static description of a model, and the presets.
 
 A ModelConfig is a frozen (hence hashable) dataclass, so it can be passed to
-``jax.jit`` as a static argument. Invalid values raise ``ValueError`` at
-construction, naming the field.
+``jax.jit`` as a static argument. Each field has one rule in ``FIELD_RULES`` (judged
+by jaxformer.model.checks) and the rules that tie fields together are the small
+functions of ``CROSS_FIELD_RULES``: an invalid value raises ``ValueError`` at
+construction, naming the field. A valid value is kept in its canonical type (a numpy
+integer becomes an int, an int rate or epsilon a float).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+from typing import Any, NamedTuple
+
+from jaxformer.model.checks import check_bool, check_choice, check_int, check_number
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
 NORMS = ("pre", "post")
@@ -25,32 +29,33 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
     vocab_size: int = 256  # byte-level tokenizer; training replaces it by the tokenizer's size
     d_model: int = 128  # residual stream width D
-    n_heads: int = 8  # D must be divisible by n_heads; Dh = D // n_heads
+    n_heads: int = 8  # query heads H; D must be divisible by n_heads; Dh = D // n_heads
     n_layers: int = 3  # L, the leading axis of every params["blocks"] leaf
-    d_ff: int = 512  # hidden width F of the feed-forward layer (4 * D, as in GPT-2)
-    max_seq_len: int = 64  # longest sequence T the position table covers
-    activation: str = "gelu"  # feed-forward nonlinearity: gelu (erf) | gelu_tanh | relu | tanh
-    norm: str = "pre"  # pre: x + f(LN(x)) and a final LN; post: LN(x + f(x))
-    positions: str = "learned"  # learned table or fixed sinusoidal (sin even, cos odd)
+    d_ff: int = 512  # hidden width F of the feed-forward layer (4 * D, as in GPT-2); gated: of gate and up
+    max_seq_len: int = 64  # longest sequence T: the learned table's rows, the key/value cache's slots
+    activation: str = "gelu"  # feed-forward nonlinearity (gated: the gate's): gelu (erf) | gelu_tanh |
+    # relu | tanh | silu | relu2 (relu squared)
+    norm: str = "pre"  # pre: x + f(norm(x)) and a final norm; post: norm(x + f(x))
+    positions: str = "learned"  # learned table | fixed sinusoidal (sin even, cos odd) | rope (q and k rotated)
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model), as the original Transformer
     causal: bool = True  # mask future positions (a decoder); False for a bidirectional encoder
-    ln_eps: float = 1e-5  # added to the variance inside layer norm
+    ln_eps: float = 1e-5  # every norm's epsilon: added to the variance (layer norm) or mean square (RMS norm, QK-norm)
     # --- memory: how the forward and the manual backward trade memory for compute
     attention_impl: str = "full"  # full: (B, H, T, T) probabilities; blockwise: online softmax over key blocks
     # (pallas: the same as one Pallas kernel, for the platform lowered for: Triton on a GPU, Mosaic on a TPU,
     # CPU interpret mode; cudnn: cuDNN's, GPU, autodiff only)
     attention_block: int = 128  # query and key block size of blockwise attention (any T works)
-    pallas_block_q: int = 0  # pallas: query block size; 0 takes the device's (GPU autotuned, else 64; TPU 128; CPU 128)
-    pallas_block_k: int = 0  # pallas: key block size; 0 takes the device's (GPU autotuned, else 64; TPU 128; CPU 128)
+    pallas_block_q: int = 0  # pallas: query block size; 0 takes the device's default (jaxformer/kernels/pallas/)
+    pallas_block_k: int = 0  # pallas: key block size; 0 takes the device's default (jaxformer/kernels/pallas/)
     loss_chunk: int = 0  # 0: head + cross entropy on all positions; N: N positions at a time
     remat: str = "none"  # none: each block keeps its residuals; block: keep the input, recompute
     # --- precision: None computes in the params' dtype; else matmul inputs are cast to it
     compute_dtype: str | None = None  # None | float32 | bfloat16 | float16 (params stay the master copy)
     # --- GPT-2 / nanoGPT options (docs/design.md, "Model options")
     tie_embeddings: bool = False  # logits = x @ tok_embed^T (+ head.b): no params["head"]["w"]
-    bias: bool = True  # False: no linear biases (bq bk bv bo b_in b_out) and no layer-norm biases
+    bias: bool = True  # False: no linear biases (bq bk bv bo, b_in b_out or b_gate b_up b_down) and no norm biases
     head_bias: bool = True  # False: no params["head"]["b"]
-    dropout: float = 0.0  # rate on the embedding, attention probabilities and residual branches
+    dropout: float = 0.0  # rate on the embedding, attention probabilities and residual branches (training only)
     # --- the modern block (Llama family; docs/design.md, "The modern block")
     norm_type: str = "layer"  # layer: LayerNorm (scale, bias); rms: RMSNorm (scale only, no mean)
     norm_scale: bool = True  # False: RMS norms without a learnable scale (norm_type "rms" only)
@@ -60,82 +65,10 @@ class ModelConfig:
     qk_norm: bool = False  # an RMS norm over each head's q and k (own scales), before rotary positions
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"ModelConfig.d_model ({self.d_model}) must be divisible by "
-                f"n_heads ({self.n_heads})"
-            )
-        if isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 0:
-            raise ValueError(f"ModelConfig.n_kv_heads must be a non-negative integer (0: n_heads), "
-                             f"got {self.n_kv_heads!r}")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide "
-                             f"n_heads ({self.n_heads}): each key/value head serves a whole group "
-                             f"of query heads")
-        for name, allowed in (
-            ("activation", ACTIVATIONS),
-            ("norm", NORMS),
-            ("norm_type", NORM_TYPES),
-            ("mlp", MLPS),
-            ("positions", POSITIONS),
-            ("attention_impl", ATTENTION_IMPLS),
-            ("remat", REMATS),
-        ):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(
-                    f"ModelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}"
-                )
-        for name in ("causal", "embed_scale", "norm_scale", "qk_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if (isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float))
-                or not math.isfinite(self.ln_eps) or not self.ln_eps > 0):
-            raise ValueError(f"ModelConfig.ln_eps must be a positive finite number, got {self.ln_eps!r}")
-        if not self.norm_scale and self.norm_type != "rms":
-            raise ValueError("ModelConfig.norm_scale False (no learnable scale) needs norm_type 'rms', "
-                             f"got norm_type {self.norm_type!r}")
-        if (isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float))
-                or not math.isfinite(self.rope_theta) or not self.rope_theta > 1):
-            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
-        if self.positions == "rope" and self.d_head % 2:
-            raise ValueError(f"ModelConfig.positions 'rope' needs an even head width: d_model "
-                             f"({self.d_model}) / n_heads ({self.n_heads}) is {self.d_head}")
-        if isinstance(self.attention_block, bool) or not isinstance(self.attention_block, int) \
-                or self.attention_block <= 0:
-            raise ValueError(
-                f"ModelConfig.attention_block must be a positive integer, got {self.attention_block!r}")
-        for name in ("pallas_block_q", "pallas_block_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"ModelConfig.{name} must be a non-negative integer "
-                                 f"(0: the device's default), got {value!r}")
-        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
-            raise ValueError(
-                f"ModelConfig.loss_chunk must be a non-negative integer (0: no chunking), "
-                f"got {self.loss_chunk!r}")
-        for name in ("tie_embeddings", "bias", "head_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
-                or not 0.0 <= self.dropout < 1.0):
-            raise ValueError(f"ModelConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
-        if self.dropout and self.attention_impl in ("pallas", "cudnn"):
-            raise ValueError(f"ModelConfig.dropout > 0 is not supported with attention_impl "
-                             f"{self.attention_impl!r} (the fused kernel has no dropout on the "
-                             f"attention probabilities); use 'full' or 'blockwise'")
-        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
-                f"ModelConfig.compute_dtype must be None (the params' dtype) or one of "
-                f"{', '.join(COMPUTE_DTYPES)}; got {self.compute_dtype!r}")
-        if self.attention_impl == "cudnn" and self.compute_dtype == "float32":
-            raise ValueError("ModelConfig.attention_impl 'cudnn' cannot run with compute_dtype "
-                             "'float32': cuDNN's fused attention reads bfloat16 or float16; "
-                             "set compute_dtype='bfloat16'")
+        for name, rule in FIELD_RULES.items():
+            object.__setattr__(self, name, judge(f"ModelConfig.{name}", getattr(self, name), rule))
+        for rule in CROSS_FIELD_RULES:
+            rule(self)
 
     @property
     def d_head(self) -> int:
@@ -159,6 +92,104 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+class Rule(NamedTuple):
+    """A field's rule, judged by jaxformer.model.checks: kind "int" (an integer >= low), "number"
+    (a finite number in the range low..high, each end open or closed), "choice" or "bool"."""
+
+    kind: str
+    low: Any = None
+    high: Any = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple = ()
+    note: str = ""  # what a special value means, added to the error ("0: n_heads")
+
+
+POSITIVE, NON_NEGATIVE, BOOL = Rule("int", 1), Rule("int", 0), Rule("bool")
+
+
+def judge(name: str, value, rule: Rule):
+    """value in its canonical type (int, float, bool) if ``rule`` holds, else ValueError naming ``name``."""
+    if rule.kind == "int":
+        return check_int(name, value, rule.low, note=rule.note)
+    if rule.kind == "number":
+        return check_number(name, value, rule.low, rule.high, rule.low_open, rule.high_open, note=rule.note)
+    if rule.kind == "choice":
+        return check_choice(name, value, rule.choices, note=rule.note)
+    return check_bool(name, value, note=rule.note)
+
+
+# Every field's rule, in the order of the fields (a test checks that each field has one).
+FIELD_RULES: dict[str, Rule] = {
+    "vocab_size": POSITIVE, "d_model": POSITIVE, "n_heads": POSITIVE, "n_layers": POSITIVE,
+    "d_ff": POSITIVE, "max_seq_len": POSITIVE,
+    "activation": Rule("choice", choices=ACTIVATIONS),
+    "norm": Rule("choice", choices=NORMS),
+    "positions": Rule("choice", choices=POSITIONS),
+    "embed_scale": BOOL, "causal": BOOL,
+    "ln_eps": Rule("number", low=0, low_open=True),
+    "attention_impl": Rule("choice", choices=ATTENTION_IMPLS),
+    "attention_block": POSITIVE,
+    "pallas_block_q": NON_NEGATIVE._replace(note="0: the device's default"),
+    "pallas_block_k": NON_NEGATIVE._replace(note="0: the device's default"),
+    "loss_chunk": NON_NEGATIVE._replace(note="0: no chunking"),
+    "remat": Rule("choice", choices=REMATS),
+    "compute_dtype": Rule("choice", choices=(None, *COMPUTE_DTYPES), note="None: the params' dtype"),
+    "tie_embeddings": BOOL, "bias": BOOL, "head_bias": BOOL,
+    "dropout": Rule("number", low=0, high=1, high_open=True),
+    "norm_type": Rule("choice", choices=NORM_TYPES),
+    "norm_scale": BOOL,
+    "rope_theta": Rule("number", low=1, low_open=True),
+    "mlp": Rule("choice", choices=MLPS),
+    "n_kv_heads": NON_NEGATIVE._replace(note="0: n_heads"),
+    "qk_norm": BOOL,
+}
+
+
+# ---------------------------------------------------------------------------- rules across fields
+
+
+def heads_divide_width(c: ModelConfig) -> None:
+    if c.d_model % c.n_heads:
+        raise ValueError(f"ModelConfig.d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
+
+
+def kv_heads_divide_heads(c: ModelConfig) -> None:
+    if c.n_heads % c.kv_heads:
+        raise ValueError(f"ModelConfig.n_kv_heads ({c.n_kv_heads}) must divide n_heads ({c.n_heads}): "
+                         "each key/value head serves a whole group of query heads")
+
+
+def rope_needs_even_heads(c: ModelConfig) -> None:
+    if c.positions == "rope" and c.d_head % 2:
+        raise ValueError(f"ModelConfig.positions 'rope' needs an even head width: d_model "
+                         f"({c.d_model}) / n_heads ({c.n_heads}) is {c.d_head}")
+
+
+def unscaled_norm_is_rms(c: ModelConfig) -> None:
+    if not c.norm_scale and c.norm_type != "rms":
+        raise ValueError("ModelConfig.norm_scale False (no learnable scale) needs norm_type 'rms', "
+                         f"got norm_type {c.norm_type!r}")
+
+
+def fused_attention_has_no_dropout(c: ModelConfig) -> None:
+    if c.dropout and c.attention_impl in ("pallas", "cudnn"):
+        raise ValueError(f"ModelConfig.dropout > 0 is not supported with attention_impl "
+                         f"{c.attention_impl!r} (the fused kernel has no dropout on the "
+                         f"attention probabilities); use 'full' or 'blockwise'")
+
+
+def cudnn_reads_half_precision(c: ModelConfig) -> None:
+    if c.attention_impl == "cudnn" and c.compute_dtype == "float32":
+        raise ValueError("ModelConfig.attention_impl 'cudnn' cannot run with compute_dtype "
+                         "'float32': cuDNN's fused attention reads bfloat16 or float16; "
+                         "set compute_dtype='bfloat16'")
+
+
+CROSS_FIELD_RULES = (heads_divide_width, kv_heads_divide_heads, rope_needs_even_heads, unscaled_norm_is_rms,
+                     fused_attention_has_no_dropout, cudnn_reads_half_precision)
 
 
 # The three systems this project grew from, plus a tiny model for tests.

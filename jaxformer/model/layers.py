@@ -14,13 +14,13 @@ from jaxformer.model.attention import (attention, attention_options, attention_p
                                        merge_qkv, pallas_attention, qkv_heads, qkv_weights,
                                        repeat_kv, rotate_qk, split_heads, split_qkv)
 from jaxformer.model.block import (BLOCK_LAYERS, BlockLayers, block, compose_block,  # noqa: F401
-                                   feed_forward, gate_up_weights, gated_feed_forward, pick_norm,
-                                   remat_block)
+                                   pick_norm, remat_block)
 from jaxformer.model.embedding import (embed, positions, sinusoidal_positions,  # noqa: F401
                                        token_embedding)
 from jaxformer.model.layer_norm import layer_norm, layer_norm_stats, row_scale  # noqa: F401
 from jaxformer.model.linear import linear  # noqa: F401
 from jaxformer.model.losses import cross_entropy  # noqa: F401
+from jaxformer.model.mlp import feed_forward, gate_up_weights, gated_feed_forward  # noqa: F401
 from jaxformer.model.precision import cast, matmul, stats_dtype, upcast  # noqa: F401
 from jaxformer.model.rms_norm import rms_norm, rms_norm_stats  # noqa: F401
 from jaxformer.model.rotary import apply_rope, rope_tables, rotate_half  # noqa: F401

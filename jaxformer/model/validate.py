@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.model.checks import check_int
 from jaxformer.model.config import ModelConfig
+
 
 def _concrete(x) -> bool:
     """True when x holds values (an eager call), False under jit/grad tracing."""
@@ -66,7 +68,6 @@ def check_precision(params, config: ModelConfig) -> None:
             "keep float32 params and set ModelConfig.compute_dtype='bfloat16'")
 
 
-
 def validate_mask(mask) -> None:
     """Raise ValueError when the loss mask holds a negative, NaN or infinite weight
     (eager calls only: a traced value cannot be inspected)."""
@@ -79,14 +80,6 @@ def validate_mask(mask) -> None:
         raise ValueError("batch['mask'] holds NaN or infinite values; weights must be finite and >= 0")
     if np.any(m < 0):
         raise ValueError(f"batch['mask'] holds negative values (min {m.min()}); weights must be >= 0")
-
-
-
-def check_positive_int(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
 
 
 def as_id_array(ids, name: str) -> np.ndarray:
@@ -105,7 +98,7 @@ def validate_ids(ids, vocab_size: int, name: str = "ids") -> None:
     ``ids`` is any integer array-like (numpy, jax, list). The position is an int for
     a 1-D array and an index tuple otherwise, in C order.
     """
-    vocab_size = check_positive_int("vocab_size", vocab_size)
+    vocab_size = check_int("vocab_size", vocab_size)
     arr = as_id_array(ids, name)
     bad = (arr < 0) | (arr >= vocab_size)
     if bad.any():

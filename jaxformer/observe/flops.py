@@ -32,6 +32,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxformer.model.checks import check_int
 from jaxformer.model.config import ModelConfig
 
 CONVENTION = (
@@ -92,8 +93,7 @@ def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     """Training (forward + backward) model FLOPs per token; see the module docstring."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    check_int("seq_len", seq_len)
     return 6 * matmul_params(config) + attention_flops_per_token(config, seq_len)
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import manual_grads
+from jaxformer.data.batching import random_batch
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
@@ -103,11 +104,9 @@ def measure_memory(config: ModelConfig, batch_size: int, seq_len: int, loss_chun
 
 
 def random_inputs(config: ModelConfig, batch_size: int, seq_len: int, seed: int = 0):
-    """Real params (init_params, float32) and a random batch for timing."""
+    """Real params (init_params, float32) and a random batch (data.random_batch) for timing."""
     params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(seed), config, jnp.float32)
-    rng = np.random.default_rng(seed)
-    tokens = lambda: jnp.asarray(rng.integers(0, config.vocab_size, (batch_size, seq_len)), jnp.int32)  # noqa: E731
-    return params, {"inputs": tokens(), "targets": tokens()}
+    return params, jax.device_put(random_batch(config, batch_size, seq_len, seed))
 
 
 def time_sources(fns: dict[str, Callable], args, rounds: int = 5, warmup: int = 1) -> dict[str, float]:

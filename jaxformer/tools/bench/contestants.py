@@ -48,13 +48,6 @@ def memory_stats(compiled) -> dict | None:
     return None if plan is None else plan.as_dict()
 
 
-def make_batch(config, batch_size: int, seq_len: int, seed: int) -> dict:
-    """Random token ids: {"inputs", "targets"} int32 (B, T), the targets shifted by one."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, config.vocab_size, size=(batch_size, seq_len + 1), dtype=np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-
-
 def jax_contestant(spec: Spec, config, params, batch) -> Contestant:
     """The jitted training step of ``grad_source(spec.grads)`` with attention
     ``spec.attention``, compiled here (a failure is kept as the contestant's error)."""

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from pathlib import Path
+
+from jaxformer.observe.jsonsafe import json_safe, write_json
 
 LABELS = {"manual_full": "JAX manual, full", "manual_blockwise": "JAX manual, blockwise",
           "manual_pallas": "JAX manual, pallas", "auto_full": "JAX jax.grad, full",
@@ -16,16 +16,6 @@ RATIO_LABELS = {
     "manual_over_torch_eager_tokens_per_s": "manual (full) tok/s / PyTorch eager tok/s",
     "manual_over_torch_compile_tokens_per_s": "manual (full) tok/s / torch.compile tok/s",
 }
-
-
-def json_safe(x):
-    if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def _mib(n):
@@ -166,9 +156,9 @@ def write_reports(report: dict, out: str | os.PathLike) -> dict:
     """report.json, report.md and bench.png in ``out`` (created); returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    safe = json_safe(report)
+    safe = json_safe(report, non_finite="null")  # a missing number: "-" in the tables
     paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "bench.png"}
-    paths["json"].write_text(json.dumps(safe, indent=2) + "\n")
+    write_json(paths["json"], safe)
     paths["markdown"].write_text(format_markdown(safe))
     plot(safe, paths["png"])
     return paths

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 
 from jaxformer.kernels.pallas import timing as pallas_timing
 from jaxformer.kernels.pallas import tune as pallas_tune
+from jaxformer.data.batching import random_batch
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params, init_params
 from jaxformer.observe import flops
-from jaxformer.tools.bench.contestants import (OPTIMIZER, make_batch, make_contestants, memory_stats,
+from jaxformer.tools.bench.contestants import (OPTIMIZER, make_contestants, memory_stats,
                                                time_rounds, torch_version)
 from jaxformer.tools.bench.select import ALL_NAMES, TORCH_KINDS, Skip, Spec, select, torch_device
 from jaxformer.training.step import grad_source
@@ -216,7 +217,7 @@ def run(s: Settings, say=lambda line: print(line, file=sys.stderr, flush=True)) 
     if any(spec.attention == "pallas" for spec in specs):
         tune_pallas(config, T, say)
     params = init_params(jax.random.PRNGKey(s.seed), config, dtype=jnp.float32)
-    batch = make_batch(config, B, T, s.seed)
+    batch = random_batch(config, B, T, s.seed)
     per_token = flops.flops_per_token(config, T)
     dtype = flops.matmul_dtype(config, "float32")
     contestants = make_contestants(specs, config, params, batch, torch_device=device,

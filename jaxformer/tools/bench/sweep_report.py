@@ -4,12 +4,12 @@ ratio to the fastest, per shape, one line per contestant); see tools/bench/sweep
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from jaxformer.observe.jsonsafe import json_safe, write_json
 from jaxformer.observe.words import plural
-from jaxformer.tools.bench.report import LABELS, json_safe
+from jaxformer.tools.bench.report import LABELS
 
 
 def ran_contestants(sweep: dict) -> list[str]:
@@ -102,9 +102,9 @@ def write_sweep_reports(sweep: dict, out: str | os.PathLike) -> dict:
     """report.json, report.md and bench_sweep.png in ``out`` (created); returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    safe = json_safe(sweep)
+    safe = json_safe(sweep, non_finite="null")  # a missing number: "-" in the tables
     paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "bench_sweep.png"}
-    paths["json"].write_text(json.dumps(safe, indent=2) + "\n")
+    write_json(paths["json"], safe)
     paths["markdown"].write_text(format_sweep_markdown(safe))
     plot_sweep(safe, paths["png"])
     return paths

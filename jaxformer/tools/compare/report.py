@@ -8,7 +8,6 @@ computes a gradient.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import sys
@@ -17,6 +16,7 @@ from typing import Sequence
 
 import jax
 
+from jaxformer.observe.jsonsafe import json_safe, write_json
 from jaxformer.observe.words import plural
 from jaxformer.tools.compare.plot import plot_report
 from jaxformer.tools.compare.leaves import error_rank
@@ -146,17 +146,6 @@ def format_preset(r, color: bool = False) -> str:
 # report files
 
 
-def _json_safe(x):
-    """Non-finite floats as strings ("nan", "inf"): the file stays strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def build_report(reports: Sequence, options: dict) -> dict:
     device = jax.devices()[0]
     return dict(
@@ -249,7 +238,7 @@ def format_markdown(report: dict) -> str:
 
 
 def _num(x) -> float:
-    return float(x)  # also reads back "nan" / "inf" from _json_safe
+    return float(x)  # also reads back "nan" / "inf" from json_safe
 
 
 def write_reports(report: dict, out: str | os.PathLike) -> dict:
@@ -257,9 +246,10 @@ def write_reports(report: dict, out: str | os.PathLike) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = dict(json=out / "report.json", markdown=out / "report.md", png=out / "rel_errors.png")
-    paths["json"].write_text(json.dumps(_json_safe(report), indent=2) + "\n")
-    paths["markdown"].write_text(format_markdown(_json_safe(report)))
-    plot_report(_json_safe(report), paths["png"])
+    safe = json_safe(report)  # non-finite floats as "nan" / "inf": the file stays strict JSON
+    write_json(paths["json"], safe)
+    paths["markdown"].write_text(format_markdown(safe))
+    plot_report(safe, paths["png"])
     return paths
 
 

@@ -14,9 +14,9 @@
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
+
+from jaxformer.observe.jsonsafe import write_json
 
 NAME_WIDTH = 40  # the check names' column
 
@@ -52,20 +52,7 @@ def format_text(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _plain(x):
-    """JSON has no NaN or infinity: they become null (their text in a check's detail)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
-def write_json(report: dict, path) -> Path:
-    """The report as JSON at ``path`` (its folder made); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_plain(report), indent=1) + "\n")
-    return path
+def write_report(report: dict, path) -> Path:
+    """The report as JSON at ``path`` (its folder made); returns the path. NaN and infinity
+    become null (their text is in the check's detail)."""
+    return write_json(path, report, indent=1, non_finite="null")

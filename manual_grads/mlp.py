@@ -1,0 +1,92 @@
+"""The feed-forward layer's (the MLP's) hand-derived backward, plain and gated: the pairs
+of jaxformer/model/mlp.py's ``feed_forward`` and ``gated_feed_forward``.
+
+    plain: h = x @ w_in + b_in;  a = act(h);  y = a @ w_out + b_out
+    gated: [gate | up] = x @ [w_gate | w_up] + [b_gate | b_up];  a = act(gate);  m = a * up;
+           y = m @ w_down + b_down
+
+Each backward runs its forward's lines bottom to top; the linear layers' and the
+activations' own pairs (linear.py, activations.py) do the products and the pointwise
+derivative. Without biases (ModelConfig.bias False) dp has no b_* leaves.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.mlp import gate_up_weights
+from manual_grads.activations import activation_bwd, activation_fwd
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+
+
+class FeedForwardRes(NamedTuple):
+    inp: LinearRes  # x (..., D), w_in (D, F)
+    act: NamedTuple  # (..., F): the activation's residual (manual_grads/activations.py)
+    out: LinearRes  # act(h) (..., F), w_out (F, D)
+
+
+class GatedFeedForwardRes(NamedTuple):
+    inp: LinearRes  # x (..., D), [w_gate | w_up] (D, 2F)
+    act: NamedTuple  # (..., F): the gate's activation's residual
+    a: jax.Array  # (..., F) act(gate), float32 or wider
+    up: jax.Array  # (..., F) x @ w_up + b_up
+    out: LinearRes  # act(gate) * up (..., F), w_down (F, D)
+
+
+def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
+    """p = {w_in (D, F), b_in (F,), w_out (F, D), b_out (D,)}; x (..., D) -> y (..., D).
+    The products run in ``compute_dtype``, the activation in float32 or wider. A gated p
+    (w_gate, w_up, w_down) runs gated_feed_forward_fwd."""
+    if "w_gate" in p:
+        return gated_feed_forward_fwd(p, x, activation_name, compute_dtype)
+    h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype)  # (..., F)
+    a, act_res = activation_fwd(activation_name, h)  # (..., F)
+    y, out_res = linear_fwd(_lin(p, "out"), a, compute_dtype)  # (..., D)
+    return y, FeedForwardRes(inp_res, act_res, out_res)
+
+
+def feed_forward_bwd(res, dy):
+    """dy (..., D) -> (dp with p's keys, dx (..., D))."""
+    if isinstance(res, GatedFeedForwardRes):
+        return gated_feed_forward_bwd(res, dy)
+    d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
+    dh = activation_bwd(res.act, da)  # a = act(h)
+    d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
+    dp = {"w_in": d_in["w"], "w_out": d_out["w"]}
+    if "b" in d_in:  # the layer has biases (ModelConfig.bias)
+        dp.update(b_in=d_in["b"], b_out=d_out["b"])
+    return dp, dx
+
+
+def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
+    """p = {w_gate, w_up (D, F), w_down (F, D), b_gate, b_up (F,), b_down (D,)}; x (..., D) ->
+    y = (act(x @ w_gate + b_gate) * (x @ w_up + b_up)) @ w_down + b_down (..., D)."""
+    w, b = gate_up_weights(p)  # (D, 2F), (2F,) or None
+    gu, inp_res = linear_fwd({"w": w} if b is None else {"w": w, "b": b}, x, compute_dtype)  # (..., 2F)
+    gate, up = jnp.split(gu, 2, axis=-1)  # (..., F) each
+    a, act_res = activation_fwd(activation_name, gate)  # (..., F)
+    y, out_res = linear_fwd(_lin(p, "down"), a * up, compute_dtype)  # (..., D): m = a * up
+    return y, GatedFeedForwardRes(inp_res, act_res, a, up, out_res)
+
+
+def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
+    """dy (..., D) -> ({w_gate, w_up, w_down, b_gate?, b_up?, b_down?}, dx (..., D))."""
+    d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
+    da, dup = dm * res.up, dm * res.a  # m = a * up
+    dgate = activation_bwd(res.act, da)  # a = act(gate)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(gu)  (..., 2F)
+    d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
+    dw_gate, dw_up = jnp.split(d_in["w"], 2, axis=1)  # w = [w_gate | w_up] (gate_up_weights), (D, F) each
+    dp = {"w_gate": dw_gate, "w_up": dw_up, "w_down": d_out["w"]}
+    if "b" in d_in:  # the layer has biases (ModelConfig.bias)
+        db_gate, db_up = jnp.split(d_in["b"], 2)  # b = [b_gate | b_up]
+        dp.update(b_gate=db_gate, b_up=db_up, b_down=d_out["b"])
+    return dp, dx
+
+
+def _lin(p, name):
+    """The feed-forward's w_<name>, b_<name> as a linear layer's {"w", "b"?}."""
+    return {"w": p["w_" + name], "b": p["b_" + name]} if "b_" + name in p else {"w": p["w_" + name]}
