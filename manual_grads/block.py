@@ -27,10 +27,9 @@ import jax.numpy as jnp
 
 from jaxformer.model.block import gate_up_weights
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, sub_key
+from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, sub_key
 from manual_grads.activations import activation_bwd, activation_fwd
-from manual_grads.attention import AttentionRes
-from manual_grads.blockwise import BlockwiseAttentionRes, any_attention_bwd, any_attention_fwd
+from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
@@ -133,7 +132,7 @@ def _lin(p, name):
 
 class PreBlockRes(NamedTuple):
     ln1: LayerNormRes | RMSNormRes  # of x (B, T, D)
-    attn: AttentionRes | BlockwiseAttentionRes  # of ln1(x)
+    attn: AttentionRes  # of ln1(x)
     ln2: LayerNormRes | RMSNormRes  # of x1 = x + attn(ln1(x)) (B, T, D)
     ffn: FeedForwardRes | GatedFeedForwardRes  # of ln2(x1)
     drop_attn: DropoutRes | None = None  # the attention branch's dropout key; None: no dropout
@@ -141,7 +140,7 @@ class PreBlockRes(NamedTuple):
 
 
 class PostBlockRes(NamedTuple):
-    attn: AttentionRes | BlockwiseAttentionRes  # of x (B, T, D)
+    attn: AttentionRes  # of x (B, T, D)
     ln1: LayerNormRes | RMSNormRes  # of x + attn(x) (B, T, D)
     ffn: FeedForwardRes | GatedFeedForwardRes  # of x1 = ln1(x + attn(x))
     ln2: LayerNormRes | RMSNormRes  # of x1 + ffn(x1) (B, T, D)
@@ -160,7 +159,7 @@ def block_fwd(p, x, config: ModelConfig, tap=None, key=None):
 
 def _branch_keys(config: ModelConfig, key):
     """(attention probabilities', attention branch's, feed-forward branch's) dropout keys."""
-    if key is None or not config.dropout:
+    if not active(config.dropout, key):
         return None, None, None
     return sub_key(key, ATTN_PROBS), sub_key(key, ATTN_OUT), sub_key(key, FFN_OUT)
 
@@ -177,7 +176,7 @@ def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
     h1, ln1_res = norm_fwd(p["ln1"], x, config)  # (B, T, D)
     tap_forward(tap, "ln1", x, h1, p["ln1"])
-    a, attn_res = any_attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
+    a, attn_res = attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
     a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
     tap_forward(tap, "attn", h1, a, p["attn"])
     x1 = x + a  # (B, T, D)
@@ -201,7 +200,7 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     dx1 = dy + dx1_branch
     tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
     # x1 = x + drop(attn(ln1(x)))
-    d_attn, dh1 = any_attention_bwd(res.attn, dropout_bwd(res.drop_attn, dx1))
+    d_attn, dh1 = attention_bwd(res.attn, dropout_bwd(res.drop_attn, dx1))
     tap_backward(tap, "attn", dx1, d_attn, dh1)
     d_ln1, dx_branch = norm_bwd(res.ln1, dh1)
     tap_backward(tap, "ln1", dh1, d_ln1, dx_branch)
@@ -213,7 +212,7 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
 def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     act, cd, rate = config.activation, config.compute_dtype, config.dropout
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
-    a, attn_res = any_attention_fwd(p["attn"], x, config, k_probs)  # (B, T, D)
+    a, attn_res = attention_fwd(p["attn"], x, config, k_probs)  # (B, T, D)
     a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
     tap_forward(tap, "attn", x, a, p["attn"])
     s1 = x + a  # (B, T, D)
@@ -241,7 +240,7 @@ def post_block_bwd(res: PostBlockRes, dy, tap=None):
     # x1 = ln1(x + drop(attn(x)))
     d_ln1, ds1 = norm_bwd(res.ln1, dx1)
     tap_backward(tap, "ln1", dx1, d_ln1, ds1)
-    d_attn, dx_branch = any_attention_bwd(res.attn, dropout_bwd(res.drop_attn, ds1))
+    d_attn, dx_branch = attention_bwd(res.attn, dropout_bwd(res.drop_attn, ds1))
     tap_backward(tap, "attn", ds1, d_attn, dx_branch)
     dx = ds1 + dx_branch
     tap_backward(tap, "attn residual", dx_branch, None, dx)

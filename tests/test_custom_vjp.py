@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 import jaxformer
 import manual_grads
 from jaxformer.model import layers
-from jaxformer.model.config import PRESETS
+from jaxformer.model.config import PRESETS, ModelConfig
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
 from helpers import make_params
@@ -90,12 +90,13 @@ def test_mixing_manual_and_automatic_layers():
     """A pre-LN sublayer whose layer norm is differentiated by jax.grad and whose
     attention runs the manual rule: the same gradient as all-automatic."""
     p = {"ln": ln_params(), "attn": attn_params()}
+    config = ModelConfig(d_model=X.shape[-1], n_heads=H)
 
     def mixed(p, x):
-        return jnp.sum(jnp.sin(x + cv.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), H, True)))
+        return jnp.sum(jnp.sin(x + cv.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), config)))
 
     def auto(p, x):
-        return jnp.sum(jnp.sin(x + layers.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), H, True)))
+        return jnp.sum(jnp.sin(x + layers.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), config)))
 
     grads = jax.jit(jax.grad(mixed, argnums=(0, 1)))(p, X)
     assert_trees_close(jax.jit(jax.grad(auto, argnums=(0, 1)))(p, X), grads, rtol=1e-10)
