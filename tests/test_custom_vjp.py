@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 import jaxformer
 import manual_grads
 from jaxformer.model import layers
-from jaxformer.model.config import PRESETS, ModelConfig
+from jaxformer.model.config import PRESETS
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
 from helpers import make_params
@@ -47,8 +47,11 @@ LAYERS = [
     *[(name, cv.ACTIVATION_FNS[name], layers.ACTIVATION_FNS[name], (X,), ())
       for name in layers.ACTIVATION_FNS],
     ("layer_norm", cv.layer_norm, layers.layer_norm, (ln_params(), X), (1e-5,)),
-    ("attention", cv.attention, layers.attention, (attn_params(), X), (H, True)),
-    ("attention_bidirectional", cv.attention, layers.attention, (attn_params(), X), (H, False)),
+    ("attention", cv.attention, layers.attention, (attn_params(), X), (CONFIG,)),
+    ("attention_bidirectional", cv.attention, layers.attention, (attn_params(), X),
+     (CONFIG.replace(causal=False),)),
+    ("attention_blockwise", cv.attention, layers.attention, (attn_params(), X),
+     (CONFIG.replace(attention_impl="blockwise", attention_block=2),)),
     ("feed_forward", cv.feed_forward, layers.feed_forward, (ffn_params(), X), ("gelu",)),
     ("block_pre", cv.block, layers.block, (BLOCK, X), (CONFIG,)),
     ("block_post", cv.block, layers.block, (BLOCK, X), (CONFIG.replace(norm="post"),)),
@@ -90,7 +93,7 @@ def test_mixing_manual_and_automatic_layers():
     """A pre-LN sublayer whose layer norm is differentiated by jax.grad and whose
     attention runs the manual rule: the same gradient as all-automatic."""
     p = {"ln": ln_params(), "attn": attn_params()}
-    config = ModelConfig(d_model=X.shape[-1], n_heads=H)
+    config = CONFIG
 
     def mixed(p, x):
         return jnp.sum(jnp.sin(x + cv.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), config)))
