@@ -2,8 +2,8 @@
 
 Each function here is a drop-in replacement for the ``jaxformer.model.layers``
 function of the same name and signature: same output, but JAX's ``grad`` runs the
-hand-derived backward. Static arguments (eps, n_heads, causal, block, chunk,
-compute_dtype, names, config) are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
+hand-derived backward. Static arguments (eps, chunk, compute_dtype, names, config)
+are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
 ``None`` (zero) cotangents. Mixing is free: any of these layers can sit in a
 model whose other layers JAX's ``grad`` differentiates itself.
 
