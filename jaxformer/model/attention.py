@@ -24,9 +24,7 @@ from typing import Callable, NamedTuple
 import jax.numpy as jnp
 
 from jaxformer.model.blockwise import blockwise
-from jaxformer.model.cores import (AttentionSpec, attention_probs, attention_scores,  # noqa: F401
-                                   causal_mask, check_cudnn, cudnn, cudnn_core, flash, full,
-                                   masked_softmax, repeat_kv)
+from jaxformer.model.cores import AttentionSpec, cudnn, cudnn_core, flash, full, repeat_kv  # noqa: F401
 from jaxformer.model.linear import linear
 from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.rotary import apply_rope, rope_base, rope_tables

@@ -59,11 +59,6 @@ def repeat_kv(x, groups):
     return x if groups == 1 else jnp.repeat(x, groups, axis=1)
 
 
-def causal_mask(T):
-    """(T, T) bool, True where query t may attend to key s (s <= t)."""
-    return jnp.tril(jnp.ones((T, T), dtype=bool))
-
-
 def attention_scores(q, k, compute_dtype=None):
     """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> q k^T / sqrt(Dh) (B, H, Tq, Tk): the product in
     ``compute_dtype``, the scores in float32 or wider."""

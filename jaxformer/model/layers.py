@@ -12,7 +12,7 @@ from jaxformer.model.attention import (CORES, Core, attention, attention_out, at
                                        attention_spec, core_kv, merge_heads, merge_qkv, qkv_heads,
                                        qkv_weights, rotate_qk, split_heads, split_qkv)
 from jaxformer.model.cores import (AttentionSpec, attention_probs, attention_scores,  # noqa: F401
-                                   causal_mask, masked_softmax, repeat_kv)
+                                   masked_softmax, repeat_kv)
 from jaxformer.model.block import (BLOCK_LAYERS, BlockLayers, block, compose_block,  # noqa: F401
                                    feed_forward, gate_up_weights, gated_feed_forward, pick_norm,
                                    remat_block)
