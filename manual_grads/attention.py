@@ -1,36 +1,52 @@
-"""Multi-head scaled dot-product attention with q/k/v/out projections.
+"""Multi-head attention by hand: one forward / backward pair around whichever core.
 
-Forward, per head h (columns h*Dh:(h+1)*Dh of the projections):
+Forward (jaxformer/model/attention.py's ``attention``):
     q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     q, k = rope(qk_norm(q), qk_norm(k))                    only where those options are on
-    k, v = repeat_kv(k, G), repeat_kv(v, G)                (B, H, T, Dh), G = H / Hkv (grouped-query)
-    S = q k^T / sqrt(Dh)                                   (B, H, T, T), future masked if causal
+    k, v = repeat_kv(k, G), repeat_kv(v, G)                (B, H, T, Dh), G = H / Hkv: cores that
+                                                           do not read grouped heads (``core_kv``)
+    O = core(q, k, v, spec, key)                           (B, H, T, Dh)
+    y = merge_heads(O) @ wo + bo                           (B, T, D)
+The backward undoes it bottom to top; a key/value head read by G query heads gets the sum
+of their gradients (``sum_groups`` undoes ``repeat_kv``; a no-op for a grouped core, whose
+backward already returns Hkv heads). With bias=False there are no b* leaves.
+
+Each core has its pair ``core_fwd(q, k, v, spec, key) -> (O, res)``, ``core_bwd(res, dO) ->
+(dq, dk, dv)``, named by attention_impl in ``MANUAL_CORES``:
+    full       the probabilities P (B, H, T, T) kept (below)
+    blockwise  FlashAttention-2's backward over blocks, keeping O and lse (blockwise.py)
+    pallas     the Pallas kernels' pair (jaxformer.kernels.pallas flash_core_fwd / _bwd)
+cudnn has none (cuDNN's kernel is differentiated by JAX's grad only) and is refused.
+
+The full core, per head:
+    S = q k^T / sqrt(Dh)                                   (B, H, T, T), masked by spec
     P = softmax(S)                                         (B, H, T, T)
-    Pd = drop(P)                                           (B, H, T, T), only with a dropout key
-    y = merge_heads(Pd v) @ wo + bo                        (B, T, D)
-With bias=False there are no b* leaves and no bias gradients. A key/value head read by
-G query heads gets the sum of their gradients (``sum_groups`` undoes ``repeat_kv``). The dropout mask is not
-kept: the backward redraws it from the key (manual_grads/dropout.py).
+    Pd = drop(P)                                           only with a dropout key
+    O = Pd v
+The dropout mask is not kept: the backward redraws it from the key (manual_grads/dropout.py).
 
 Mixed precision: x, q, k, v are kept in the compute dtype (the matmul inputs the
 forward used), the probabilities in float32; the backward's products run in the
-dtype of q with float32 accumulation.
+compute dtype with float32 accumulation.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.attention import (attention_probs, merge_heads, merge_qkv, qkv_heads,
-                                       qkv_weights, repeat_kv, split_heads)
+from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
+from jaxformer.model.attention import (CORES, attention_spec, core_kv, merge_heads, merge_qkv,
+                                       qkv_heads, qkv_weights, split_heads)
+from jaxformer.model.cores import AttentionSpec, attention_probs
 from jaxformer.model.precision import cast, matmul
-from jaxformer.model.rotary import rope_tables
+from jaxformer.model.rotary import rope_base, rope_tables
+from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
-from manual_grads.linear import LinearRes, backward_dtype, linear_bwd, linear_fwd
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.rotary import RopeRes, rope_bwd, rope_fwd
 
@@ -104,11 +120,11 @@ class HeadsRes(NamedTuple):
     rotate: RotateQKRes  # QK-norm's and rotary positions' (None fields where off)
 
 
-def heads_fwd(p, x, n_heads, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
+def heads_fwd(p, x, config):
     """The model's ``attention_qkv``: x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh)):
-    the projections, then QK-norm and rotary positions where they are on."""
-    (q, k, v), qkv_res = qkv_fwd(p, x, n_heads, compute_dtype, n_kv_heads)
-    (q, k), rot_res = rotate_qk_fwd(p, q, k, norm_eps, rope_theta)
+    the projections, then QK-norm and rotary positions where config turns them on."""
+    (q, k, v), qkv_res = qkv_fwd(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
+    (q, k), rot_res = rotate_qk_fwd(p, q, k, config.ln_eps, rope_base(config))
     return (q, k, v), HeadsRes(qkv_res, rot_res)
 
 
@@ -121,53 +137,32 @@ def heads_bwd(res: HeadsRes, dq, dk, dv):
 
 def sum_groups(dx, n_kv_heads):
     """Undoes ``x = repeat_kv(x, G)``: (B, Hkv * G, T, Dh) -> (B, Hkv, T, Dh), each key/value
-    head the sum of the G query heads' gradients that read it."""
+    head the sum of the G query heads' gradients that read it (dx as it is with Hkv heads)."""
     B, H, T, Dh = dx.shape
     return dx if H == n_kv_heads else dx.reshape(B, n_kv_heads, H // n_kv_heads, T, Dh).sum(axis=2)
 
 
-def head_options(config) -> dict:
-    """heads_fwd's keyword arguments a ModelConfig sets (model.attention.attention_options')."""
-    return dict(n_kv_heads=config.kv_heads, norm_eps=config.ln_eps,
-                rope_theta=config.rope_theta if config.positions == "rope" else 0.0)
+# ----------------------------------------------------------------------------
+# the full core: P = softmax(q k^T / sqrt(Dh)) kept whole
 
 
-class AttentionRes(NamedTuple):
-    heads: HeadsRes  # x (B, T, D), wq, wk, wv; QK-norm's and rotary positions'
+class FullCoreRes(NamedTuple):
     q: jax.Array  # (B, H, T, Dh) in the compute dtype, as are k and v
-    k: jax.Array  # (B, Hkv, T, Dh), before repeat_kv
-    v: jax.Array  # (B, Hkv, T, Dh)
+    k: jax.Array  # (B, H, T, Dh), as the core read it (repeated for grouped-query attention)
+    v: jax.Array  # (B, H, T, Dh)
     probs: jax.Array  # (B, H, T, T) softmax of the scores (float32 or wider); 0 where masked; undropped
-    out: LinearRes  # the output projection's: x = merge_heads(Pd @ v) (B, T, D), w = wo (D, D)
-    drop: DropoutRes | None = None  # the probabilities' dropout key and rate; None: no dropout
+    drop: DropoutRes | None  # the probabilities' dropout key and rate; None: no dropout
+    spec: AttentionSpec  # static: the products' dtype
 
 
-def _proj(p, name):
-    return {"w": p["w" + name], "b": p["b" + name]} if "b" + name in p else {"w": p["w" + name]}
-
-
-def with_biases(dp, d_out):
-    """The attention's gradient dict: dp (q, k, v) plus wo, and bo when the layer has biases."""
-    dp = {**dp, "wo": d_out["w"]}
-    if "b" in d_out:
-        dp["bo"] = d_out["b"]
-    return dp
-
-
-def attention_fwd(p, x, n_heads, causal, compute_dtype=None, dropout_rate=0.0, key=None,
-                  n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D).
-    With a ``key`` the probabilities go through dropout at ``dropout_rate``;
-    n_kv_heads, norm_eps, rope_theta: the modern block's (``heads_fwd``)."""
-    cd = compute_dtype
-    (q, k, v), heads_res = heads_fwd(p, x, n_heads, cd, n_kv_heads, norm_eps, rope_theta)
-    G = n_heads // k.shape[1]
-    probs = attention_probs(q, repeat_kv(k, G), causal, cd)  # (B, H, T, T)
-    dropped, drop_res = dropout_fwd(probs, dropout_rate, key)  # (B, H, T, T)
-    att = matmul(dropped, repeat_kv(v, G), cd)  # (B, H, T, Dh)
-    y, out_res = linear_fwd(_proj(p, "o"), merge_heads(att), cd)  # (B, T, D)
+def full_core_fwd(q, k, v, spec: AttentionSpec, key=None):
+    """q, k, v (B, H, T, Dh) -> (O (B, H, T, Dh), res): the model's ``full`` core."""
+    cd = spec.compute_dtype
+    probs = attention_probs(q, k, spec)  # (B, H, T, T)
+    dropped, drop_res = dropout_fwd(probs, spec.dropout, key)  # (B, H, T, T)
+    out = matmul(dropped, v, cd)  # (B, H, T, Dh)
     q, k, v = (cast(a, cd) for a in (q, k, v))  # what the products read
-    return y, AttentionRes(heads_res, q, k, v, probs, out_res, drop_res)
+    return out, FullCoreRes(q, k, v, probs, drop_res, spec)
 
 
 def softmax_bwd(probs, dprobs):
@@ -177,19 +172,14 @@ def softmax_bwd(probs, dprobs):
     return probs * (dprobs - jnp.sum(dprobs * probs, axis=-1, keepdims=True))
 
 
-def attention_bwd(res: AttentionRes, dy):
-    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
-    heads_res, q, k, v, probs, out_res, drop_res = res
-    H, Hkv, Dh = q.shape[1], k.shape[1], q.shape[-1]
-    k, v = repeat_kv(k, H // Hkv), repeat_kv(v, H // Hkv)  # (B, H, T, Dh): what the core read
-    cd = backward_dtype(q, out_res.w)
-    # y = merge_heads(Pd @ v) @ wo + bo
-    d_out, datt = linear_bwd(out_res, dy)  # datt (B, T, D)
-    datt = split_heads(datt, H)  # (B, H, T, Dh)
-    # att = Pd @ v
+def full_core_bwd(res: FullCoreRes, dout):
+    """dO (B, H, T, Dh) -> (dq, dk, dv) (B, H, T, Dh)."""
+    q, k, v, probs, drop_res, spec = res
+    cd, Dh = spec.compute_dtype, q.shape[-1]
+    # O = Pd @ v
     dropped = dropout_bwd(drop_res, probs)  # (B, H, T, T): Pd, the mask redrawn from the key
-    dpd = matmul(datt, jnp.swapaxes(v, -1, -2), cd)  # (B, H, T, T)
-    dv = matmul(jnp.swapaxes(dropped, -1, -2), datt, cd)  # (B, H, T, Dh)
+    dpd = matmul(dout, jnp.swapaxes(v, -1, -2), cd)  # (B, H, T, T)
+    dv = matmul(jnp.swapaxes(dropped, -1, -2), dout, cd)  # (B, H, T, Dh)
     # Pd = drop(probs)
     dprobs = dropout_bwd(drop_res, dpd)  # (B, H, T, T)
     # probs = softmax(S), S = q k^T / sqrt(Dh): dS = softmax_bwd(probs, dprobs) / sqrt(Dh),
@@ -197,8 +187,74 @@ def attention_bwd(res: AttentionRes, dy):
     dsm = softmax_bwd(probs, dprobs)  # (B, H, T, T): sqrt(Dh) * dS
     dq = matmul(dsm, k, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
     dk = matmul(jnp.swapaxes(dsm, -1, -2), q, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
-    # k, v = repeat_kv(k, G), repeat_kv(v, G)
+    return dq, dk, dv
+
+
+def flash_fwd(q, k, v, spec: AttentionSpec, key=None):
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O, FlashRes): the model's ``flash`` core,
+    the Pallas forward kernel keeping O and lse (no dropout)."""
+    return flash_core_fwd(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype)
+
+
+# ----------------------------------------------------------------------------
+# the layer: projections around whichever core
+
+
+class ManualCore(NamedTuple):
+    fwd: Callable  # (q, k, v, spec, key=None) -> (O (B, H, T, Dh), res)
+    bwd: Callable  # (res, dO) -> (dq, dk, dv), k's and v's heads as fwd read them
+    res: type  # fwd's residual type: how attention_bwd finds bwd
+
+
+# The cores with a hand-derived backward, by attention_impl (every one of CORES but cudnn).
+MANUAL_CORES = {"full": ManualCore(full_core_fwd, full_core_bwd, FullCoreRes),
+                "blockwise": ManualCore(blockwise_core_fwd, blockwise_core_bwd, BlockwiseCoreRes),
+                "pallas": ManualCore(flash_fwd, flash_core_bwd, FlashRes)}
+
+CUDNN_REFUSED = ("attention_impl 'cudnn' has no hand-derived backward (cuDNN's kernel is "
+                 "differentiated by JAX's grad only): the manual gradient source cannot run "
+                 "it; use --grads auto, or attention_impl 'pallas' for a hand-written "
+                 "flash-attention backward")
+
+
+class AttentionRes(NamedTuple):
+    heads: HeadsRes  # x (B, T, D), wq, wk, wv; QK-norm's and rotary positions'
+    core: FullCoreRes | BlockwiseCoreRes | FlashRes  # the core's; only full's keeps the probabilities
+    out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, D), w = wo (D, D)
+
+
+def _proj(p, name):
+    return {"w": p["w" + name], "b": p["b" + name]} if "b" + name in p else {"w": p["w" + name]}
+
+
+def attention_fwd(p, x, config, key=None):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D),
+    around the core config.attention_impl names ("cudnn": ValueError, no manual backward).
+    ``key`` (full, blockwise): the probabilities' dropout key."""
+    if config.attention_impl not in MANUAL_CORES:
+        raise ValueError(CUDNN_REFUSED)
+    core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
+    (q, k, v), heads_res = heads_fwd(p, x, config)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
+    o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key)  # (B, H, T, Dh)
+    y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o), config.compute_dtype)  # (B, T, D)
+    return y, AttentionRes(heads_res, core_res, out_res)
+
+
+def attention_bwd(res: AttentionRes, dy):
+    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
+    heads_res, core_res, out_res = res
+    core_bwd = next(c.bwd for c in MANUAL_CORES.values() if isinstance(core_res, c.res))
+    H, Dh = core_res.q.shape[-3], core_res.q.shape[-1]  # every core keeps q as (..., H, T or K, Dh)
+    Hkv = heads_res.qkv.wk.shape[1] // Dh
+    # y = merge_heads(O) @ wo + bo
+    d_out, do = linear_bwd(out_res, dy)  # do (B, T, D)
+    # O = core(q, k, v)
+    dq, dk, dv = core_bwd(core_res, split_heads(do, H))  # dq (B, H, T, Dh); dk, dv with the core's heads
+    # k, v = repeat_kv(k, G), repeat_kv(v, G) (cores that do not read grouped heads)
     dk, dv = sum_groups(dk, Hkv), sum_groups(dv, Hkv)  # (B, Hkv, T, Dh)
     # q, k, v = rotate_qk(split_qkv(x @ [wq | wk | wv] + [bq | bk | bv]))
     dp, dx = heads_bwd(heads_res, dq, dk, dv)  # dx (B, T, D)
-    return with_biases(dp, d_out), dx
+    dp["wo"] = d_out["w"]
+    if "b" in d_out:
+        dp["bo"] = d_out["b"]
+    return dp, dx

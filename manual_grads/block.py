@@ -24,9 +24,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, sub_key
-from manual_grads.attention import AttentionRes
-from manual_grads.blockwise import BlockwiseAttentionRes, any_attention_bwd, any_attention_fwd
+from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, sub_key
+from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
@@ -56,7 +55,7 @@ def norm_bwd(res, dy):
 
 class PreBlockRes(NamedTuple):
     ln1: LayerNormRes | RMSNormRes  # of x (B, T, D)
-    attn: AttentionRes | BlockwiseAttentionRes  # of ln1(x)
+    attn: AttentionRes  # of ln1(x)
     ln2: LayerNormRes | RMSNormRes  # of x1 = x + attn(ln1(x)) (B, T, D)
     ffn: FeedForwardRes | GatedFeedForwardRes  # of ln2(x1)
     drop_attn: DropoutRes | None = None  # the attention branch's dropout key; None: no dropout
@@ -64,7 +63,7 @@ class PreBlockRes(NamedTuple):
 
 
 class PostBlockRes(NamedTuple):
-    attn: AttentionRes | BlockwiseAttentionRes  # of x (B, T, D)
+    attn: AttentionRes  # of x (B, T, D)
     ln1: LayerNormRes | RMSNormRes  # of x + attn(x) (B, T, D)
     ffn: FeedForwardRes | GatedFeedForwardRes  # of x1 = ln1(x + attn(x))
     ln2: LayerNormRes | RMSNormRes  # of x1 + ffn(x1) (B, T, D)
@@ -83,7 +82,7 @@ def block_fwd(p, x, config: ModelConfig, tap=None, key=None):
 
 def _branch_keys(config: ModelConfig, key):
     """(attention probabilities', attention branch's, feed-forward branch's) dropout keys."""
-    if key is None or not config.dropout:
+    if not active(config.dropout, key):
         return None, None, None
     return sub_key(key, ATTN_PROBS), sub_key(key, ATTN_OUT), sub_key(key, FFN_OUT)
 
@@ -100,7 +99,7 @@ def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
     h1, ln1_res = norm_fwd(p["ln1"], x, config)  # (B, T, D)
     tap_forward(tap, "ln1", x, h1, p["ln1"])
-    a, attn_res = any_attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
+    a, attn_res = attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
     a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
     tap_forward(tap, "attn", h1, a, p["attn"])
     x1 = x + a  # (B, T, D)
@@ -124,7 +123,7 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     dx1 = dy + dx1_branch
     tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
     # x1 = x + drop(attn(ln1(x)))
-    d_attn, dh1 = any_attention_bwd(res.attn, dropout_bwd(res.drop_attn, dx1))
+    d_attn, dh1 = attention_bwd(res.attn, dropout_bwd(res.drop_attn, dx1))
     tap_backward(tap, "attn", dx1, d_attn, dh1)
     d_ln1, dx_branch = norm_bwd(res.ln1, dh1)
     tap_backward(tap, "ln1", dh1, d_ln1, dx_branch)
@@ -136,7 +135,7 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
 def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     act, cd, rate = config.activation, config.compute_dtype, config.dropout
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
-    a, attn_res = any_attention_fwd(p["attn"], x, config, k_probs)  # (B, T, D)
+    a, attn_res = attention_fwd(p["attn"], x, config, k_probs)  # (B, T, D)
     a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
     tap_forward(tap, "attn", x, a, p["attn"])
     s1 = x + a  # (B, T, D)
@@ -164,7 +163,7 @@ def post_block_bwd(res: PostBlockRes, dy, tap=None):
     # x1 = ln1(x + drop(attn(x)))
     d_ln1, ds1 = norm_bwd(res.ln1, dx1)
     tap_backward(tap, "ln1", dx1, d_ln1, ds1)
-    d_attn, dx_branch = any_attention_bwd(res.attn, dropout_bwd(res.drop_attn, ds1))
+    d_attn, dx_branch = attention_bwd(res.attn, dropout_bwd(res.drop_attn, ds1))
     tap_backward(tap, "attn", ds1, d_attn, dx_branch)
     dx = ds1 + dx_branch
     tap_backward(tap, "attn residual", dx_branch, None, dx)

@@ -2,8 +2,8 @@
 
 Each function here is a drop-in replacement for the ``jaxformer.model.layers``
 function of the same name and signature: same output, but JAX's ``grad`` runs the
-hand-derived backward. Static arguments (eps, n_heads, causal, block, chunk,
-compute_dtype, names, config) are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
+hand-derived backward. Static arguments (eps, chunk, compute_dtype, names, config)
+are ``nondiff_argnums``; integer token ids and targets, and the loss mask, get
 ``None`` (zero) cotangents. Mixing is free: any of these layers can sit in a
 model whose other layers JAX's ``grad`` differentiates itself.
 
@@ -23,14 +23,12 @@ from jaxformer.model.transformer import ModelLayers
 from manual_grads import activations as _act
 from manual_grads import attention as _attn
 from manual_grads import block as _block
-from manual_grads import blockwise as _bw
 from manual_grads import chunked_loss as _chunked
 from manual_grads import embedding as _emb
 from manual_grads import layer_norm as _ln
 from manual_grads import linear as _lin
 from manual_grads import losses as _loss
 from manual_grads import mlp as _mlp
-from manual_grads import pallas_attention as _pallas
 from manual_grads.model import embed_params
 
 
@@ -96,49 +94,21 @@ _block_rule = _register(lambda p, x, key, config: _block.block_fwd(p, x, config,
 def block(p, x, config: ModelConfig, key=None):
     """One block, the hand-derived block_bwd its rule; ``key``: the layer's dropout key."""
     return _block_rule(p, x, key, config)
-_attention = _register(
-    lambda p, x, n_heads, causal, cd, n_kv, eps, theta: _attn.attention_fwd(
-        p, x, n_heads, causal, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),
-    _attn.attention_bwd, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+_attention = _register(lambda p, x, key, config: _attn.attention_fwd(p, x, config, key),
+                       lambda res, dy: (*_attn.attention_bwd(res, dy), None), nondiff_argnums=(3,))
 _feed_forward = _register(_mlp.feed_forward_fwd, _mlp.feed_forward_bwd, nondiff_argnums=(2, 3))
-_blockwise_attention = _register(
-    lambda p, x, n_heads, causal, block, cd, n_kv, eps, theta: _bw.blockwise_attention_fwd(
-        p, x, n_heads, causal, block, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),
-    _bw.blockwise_attention_bwd, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
 
 
-# compute_dtype and the modern block's options are static too: these wrappers pass them,
-# with the model's defaults, to the rules above
-
-
-def attention(p, x, n_heads, causal, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5, rope_theta=0.0):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> (B, T, D)."""
-    return _attention(p, x, n_heads, causal, compute_dtype, n_kv_heads, norm_eps, rope_theta)
+def attention(p, x, config: ModelConfig, key=None):
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> (B, T, D), around
+    the core config.attention_impl names (full, blockwise or pallas: those with a hand-derived
+    backward); ``key``: the probabilities' dropout key."""
+    return _attention(p, x, key, config)
 
 
 def feed_forward(p, x, activation_name, compute_dtype=None):
     """p = {w_in, b_in, w_out, b_out} or gated {w_gate, w_up, w_down, b_*}; x (..., D) -> (..., D)."""
     return _feed_forward(p, x, activation_name, compute_dtype)
-
-
-def blockwise_attention(p, x, n_heads, causal, block, compute_dtype=None, n_kv_heads=0, norm_eps=1e-5,
-                        rope_theta=0.0):
-    """attention(p, x, n_heads, causal, compute_dtype) in blocks of ``block`` positions."""
-    return _blockwise_attention(p, x, n_heads, causal, block, compute_dtype, n_kv_heads, norm_eps,
-                                rope_theta)
-
-
-_pallas_attention = _register(
-    lambda p, x, n_heads, causal, bq, bk, cd, n_kv, eps, theta: _pallas.pallas_attention_fwd(
-        p, x, n_heads, causal, bq, bk, cd, n_kv_heads=n_kv, norm_eps=eps, rope_theta=theta),
-    _pallas.pallas_attention_bwd, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
-
-
-def pallas_attention(p, x, n_heads, causal, block_q=0, block_k=0, compute_dtype=None, n_kv_heads=0,
-                     norm_eps=1e-5, rope_theta=0.0):
-    """attention(p, x, n_heads, causal, compute_dtype) with the Pallas flash-attention core."""
-    return _pallas_attention(p, x, n_heads, causal, block_q, block_k, compute_dtype, n_kv_heads,
-                             norm_eps, rope_theta)
 
 
 # remat "block": the rule keeps (p, x, key) and recomputes the block's forward in its backward

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import jax
 
-from jaxformer.model.dropout import dropout
+from jaxformer.model.dropout import active, dropout
 
 
 class DropoutRes(NamedTuple):
@@ -20,8 +20,8 @@ class DropoutRes(NamedTuple):
 
 
 def dropout_fwd(x, rate, key):
-    """x (...) -> (y (...), DropoutRes or None when key is None or rate is 0)."""
-    if key is None or not rate:
+    """x (...) -> (y (...), DropoutRes or None when dropout is off: ``active(rate, key)``)."""
+    if not active(rate, key):
         return x, None
     return dropout(x, rate, key), DropoutRes(key, rate)
 

@@ -5,6 +5,7 @@ import pytest
 from helpers import Layer, assert_layer_matches_vjp, attention_params
 
 from jaxformer.model.attention import attention
+from jaxformer.model.config import ModelConfig
 from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
 
 ATTENTION = Layer(attention_fwd, attention_bwd, attention)
@@ -12,7 +13,8 @@ ATTENTION = Layer(attention_fwd, attention_bwd, attention)
 
 def check(B, T, D, H, causal, jit, seed=0):
     p, x, dy = attention_params(seed, B, T, D)
-    (_, (dp, _)), _ = assert_layer_matches_vjp(ATTENTION, (p, x), dy, static=(H, causal), jit=jit)
+    (_, (dp, _)), _ = assert_layer_matches_vjp(ATTENTION, (p, x), dy, static=(ModelConfig(d_model=D, n_heads=H, causal=causal),),
+                                                jit=jit)
     return dp
 
 

@@ -8,16 +8,26 @@ import numpy as np
 import pytest
 from helpers import Layer, assert_layer_matches_vjp, attention_params, layer_and_vjp, vjp_of_forward
 
+from jaxformer.model.attention import attention
 from jaxformer.model.blockwise import blockwise_attention_core
-from jaxformer.model.attention import attention, attention_probs, blockwise_attention
-from manual_grads.blockwise import (BlockwiseCoreRes, CausalBlockwiseCoreRes, blockwise_attention_bwd,
-                                    blockwise_attention_fwd, blockwise_core_bwd, blockwise_core_fwd)
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.cores import AttentionSpec, attention_probs
+from manual_grads.attention import attention_bwd, attention_fwd
+from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.check import assert_trees_close, compare_trees
 
 D, H = 8, 2
-# the manual blockwise pair against jax.vjp of the full layer (the block size aside)
-BLOCKWISE = Layer(blockwise_attention_fwd, blockwise_attention_bwd,
-                  lambda p, x, H, causal, block: attention(p, x, H, causal))
+# the manual layer around the blockwise core against jax.vjp of the full layer
+BLOCKWISE = Layer(lambda p, x, config: attention_fwd(p, x, blockwise(config)), attention_bwd, attention)
+
+
+def blockwise(config):
+    return config.replace(attention_impl="blockwise")
+
+
+def layer(causal, block):
+    """The full layer's config (H heads of width D / H); blockwise(it) runs in blocks of ``block``."""
+    return ModelConfig(d_model=D, n_heads=H, causal=causal, attention_block=block)
 
 
 # (B, T, block, causal): T = 1, T < block, T a multiple of the block, T not a multiple
@@ -26,8 +36,9 @@ BLOCKWISE = Layer(blockwise_attention_fwd, blockwise_attention_bwd,
 ])
 def test_blockwise_layer_matches_full(B, T, block, causal):
     p, x, dy = attention_params(0, B, T, D)
-    _, (y_ref, _) = assert_layer_matches_vjp(BLOCKWISE, (p, x), dy, static=(H, causal, block))
-    np.testing.assert_allclose(blockwise_attention(p, x, H, causal, block), y_ref, rtol=1e-13, atol=1e-13)
+    config = layer(causal, block)
+    _, (y_ref, _) = assert_layer_matches_vjp(BLOCKWISE, (p, x), dy, static=(config,))
+    np.testing.assert_allclose(attention(p, x, blockwise(config)), y_ref, rtol=1e-13, atol=1e-13)
 
 
 def test_float32_within_tolerance():
@@ -37,9 +48,9 @@ def test_float32_within_tolerance():
     invariant: in float32 both layers give round-off near the comparison's floor.)"""
     p, x, dy = (jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), t)
                 for t in attention_params(1, 2, 13, D))
-    (y, grads), (_, grads_full32) = layer_and_vjp(BLOCKWISE, (p, x), dy, static=(H, True, 4))
+    (y, grads), (_, grads_full32) = layer_and_vjp(BLOCKWISE, (p, x), dy, static=(layer(True, 4),))
     to64 = lambda t: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), t)  # noqa: E731
-    y_ref, grads_ref = vjp_of_forward(BLOCKWISE, (to64(p), to64(x)), to64(dy), static=(H, True, 4))
+    y_ref, grads_ref = vjp_of_forward(BLOCKWISE, (to64(p), to64(x)), to64(dy), static=(layer(True, 4),))
     assert y.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     full32 = {r.path: r.rel for r in compare_trees(grads_ref, grads_full32)}
@@ -55,15 +66,15 @@ def _qkv(seed, T):
 def test_residuals_keep_lse_not_probabilities():
     """The core keeps q, k, v, O in blocks and the row log-sum-exp; no (T, T) array."""
     q, k, v = _qkv(2, 13)
-    out, res = blockwise_core_fwd(q, k, v, True, 4)
-    assert isinstance(res, CausalBlockwiseCoreRes)
+    out, res = blockwise_core_fwd(q, k, v, AttentionSpec(causal=True, block=4))
+    assert res.spec.causal and res.key is None
     assert res.q.shape == (4, 2, 2, 4, 3) and res.lse.shape == (4, 2, 2, 4)
     scores = (q @ jnp.swapaxes(k, -1, -2)) / np.sqrt(3) + jnp.log(jnp.tril(jnp.ones((13, 13))))
     lse_ref = jax.nn.logsumexp(scores, axis=-1)  # (2, 2, 13)
     np.testing.assert_allclose(res.lse.transpose(1, 2, 0, 3).reshape(2, 2, 16)[..., :13], lse_ref,
                                rtol=1e-13, atol=1e-13)
-    _, res = blockwise_core_fwd(q, k, v, False, 4)
-    assert type(res) is BlockwiseCoreRes
+    _, res = blockwise_core_fwd(q, k, v, AttentionSpec(causal=False, block=4))
+    assert type(res) is BlockwiseCoreRes and not res.spec.causal
 
 
 def test_causal_blocks_above_the_diagonal_are_skipped():
@@ -71,13 +82,14 @@ def test_causal_blocks_above_the_diagonal_are_skipped():
     masked, 0 * NaN = NaN), the earlier query blocks' outputs, and their dq, would be NaN."""
     q, k, v = _qkv(3, 12)
     k, v = k.at[:, :, 8:].set(jnp.nan), v.at[:, :, 8:].set(jnp.nan)
-    out, res = jax.jit(blockwise_core_fwd, static_argnums=(3, 4))(q, k, v, True, 4)
+    spec = AttentionSpec(causal=True, block=4)
+    out, res = jax.jit(blockwise_core_fwd, static_argnums=3)(q, k, v, spec)
     assert np.all(np.isfinite(out[:, :, :8])) and np.all(np.isnan(out[:, :, 8:]))
     dq, dk, dv = jax.jit(blockwise_core_bwd)(res, jnp.ones_like(out).at[:, :, 8:].set(0.0))
     assert np.all(np.isfinite(dq[:, :, :8]))  # dq_i for i < 2 reads no pair (i, 2)
-    ref = attention_probs(q[:, :, :8], k[:, :, :8], True) @ v[:, :, :8]
+    ref = attention_probs(q[:, :, :8], k[:, :, :8], spec) @ v[:, :, :8]
     np.testing.assert_allclose(out[:, :, :8], ref, rtol=1e-13, atol=1e-13)
-    out_auto, _ = blockwise_attention_core(q, k, v, True, 4)
+    out_auto, _ = blockwise_attention_core(q, k, v, spec)
     assert np.all(np.isfinite(out_auto[:, :, :8]))
 
 
@@ -88,8 +100,8 @@ def test_custom_vjp_blockwise_attention_runs_the_manual_rule():
 
     @jax.jit
     def grads(p, x, dy):
-        _, vjp = jax.vjp(lambda p, x: custom_vjp.blockwise_attention(p, x, H, True, 4), p, x)
+        _, vjp = jax.vjp(lambda p, x: custom_vjp.attention(p, x, blockwise(layer(True, 4))), p, x)
         return vjp(dy)
 
-    _, grads_ref = vjp_of_forward(BLOCKWISE, (p, x), dy, static=(H, True, 4))
+    _, grads_ref = vjp_of_forward(BLOCKWISE, (p, x), dy, static=(layer(True, 4),))
     assert_trees_close(grads_ref, grads(p, x, dy), rtol=1e-10)

@@ -47,8 +47,11 @@ LAYERS = [
     *[(name, cv.ACTIVATION_FNS[name], layers.ACTIVATION_FNS[name], (X,), ())
       for name in layers.ACTIVATION_FNS],
     ("layer_norm", cv.layer_norm, layers.layer_norm, (ln_params(), X), (1e-5,)),
-    ("attention", cv.attention, layers.attention, (attn_params(), X), (H, True)),
-    ("attention_bidirectional", cv.attention, layers.attention, (attn_params(), X), (H, False)),
+    ("attention", cv.attention, layers.attention, (attn_params(), X), (CONFIG,)),
+    ("attention_bidirectional", cv.attention, layers.attention, (attn_params(), X),
+     (CONFIG.replace(causal=False),)),
+    ("attention_blockwise", cv.attention, layers.attention, (attn_params(), X),
+     (CONFIG.replace(attention_impl="blockwise", attention_block=2),)),
     ("feed_forward", cv.feed_forward, layers.feed_forward, (ffn_params(), X), ("gelu",)),
     ("block_pre", cv.block, layers.block, (BLOCK, X), (CONFIG,)),
     ("block_post", cv.block, layers.block, (BLOCK, X), (CONFIG.replace(norm="post"),)),
@@ -90,12 +93,13 @@ def test_mixing_manual_and_automatic_layers():
     """A pre-LN sublayer whose layer norm is differentiated by jax.grad and whose
     attention runs the manual rule: the same gradient as all-automatic."""
     p = {"ln": ln_params(), "attn": attn_params()}
+    config = CONFIG
 
     def mixed(p, x):
-        return jnp.sum(jnp.sin(x + cv.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), H, True)))
+        return jnp.sum(jnp.sin(x + cv.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), config)))
 
     def auto(p, x):
-        return jnp.sum(jnp.sin(x + layers.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), H, True)))
+        return jnp.sum(jnp.sin(x + layers.attention(p["attn"], layers.layer_norm(p["ln"], x, 1e-5), config)))
 
     grads = jax.jit(jax.grad(mixed, argnums=(0, 1)))(p, X)
     assert_trees_close(jax.jit(jax.grad(auto, argnums=(0, 1)))(p, X), grads, rtol=1e-10)

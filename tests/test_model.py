@@ -199,7 +199,7 @@ def test_attention_heads_use_their_column_blocks():
     p = {k: jnp.asarray(rng.normal(size=(D, D) if k[0] == "w" else (D,))) for k in
          ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo")}
     x = jnp.asarray(rng.normal(size=(B, T, D)))
-    out = layers.attention(p, x, H, causal=True)
+    out = layers.attention(p, x, ModelConfig(d_model=D, n_heads=H, causal=True))
     heads = []
     for h in range(H):
         cols = slice(h * Dh, (h + 1) * Dh)

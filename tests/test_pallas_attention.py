@@ -1,5 +1,5 @@
-"""attention_impl "pallas": the flash-attention kernels (jaxformer/model/pallas_attention.py,
-pallas_backward.py) run in interpret mode on CPU and equal the full layer in float64,
+"""attention_impl "pallas": the flash-attention kernels (jaxformer/kernels/pallas/forward.py,
+backward.py) run in interpret mode on CPU and equal the full layer in float64,
 forward and gradients, to 1e-10, grouped-query k, v (G = 1, 2, H) against repeated ones,
 and with the GPU's and TPU's own tiles; the whole model's manual and autodiff gradients
 with them equal the full model's; bfloat16 stays within autodiff's error; the kernel
@@ -23,20 +23,20 @@ from jaxformer.kernels.pallas import forward as pa
 from jaxformer.kernels.pallas import backward as pb
 from jaxformer.kernels.pallas import entry as pe
 from jaxformer.kernels.pallas import tiling as pt
-from jaxformer.model.attention import attention, attention_probs, blockwise_attention, pallas_attention
+from jaxformer.model.attention import attention
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.precision import matmul
+from jaxformer.model.cores import AttentionSpec, full
 from jaxformer.tools.compare import grads as compare
 from manual_grads import custom_vjp as cv
 from manual_grads.check import assert_trees_close
-from manual_grads.pallas_attention import pallas_attention_bwd, pallas_attention_fwd
+from manual_grads.attention import attention_bwd, attention_fwd
 
 D, H, T = 16, 2, 37  # Dh = 8; T = 37 is a multiple of neither block below
 BLOCKS = (16, 8)  # (block_q, block_k): 3 query blocks, 5 key blocks, both last ones padded
 
 
 def full_core(q, k, v, causal):
-    return matmul(attention_probs(q, k, causal), v)
+    return full(q, k, v, AttentionSpec(causal=causal))
 
 
 def qkv_do(seed, T, B=2, Dh=8):
@@ -261,19 +261,22 @@ def test_forward_and_backward_compile_for_a_tpu():
 # ---------------------------------------------------------------------------- the layer
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def layer_vjp(p, x, dy, layer):
-    y, vjp = jax.vjp(lambda p, x: layer(p, x, H, True), p, x)
+LAYER = ModelConfig(d_model=D, n_heads=H)  # the full core; causal
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def layer_vjp(p, x, dy, layer, config=LAYER):
+    y, vjp = jax.vjp(lambda p, x: layer(p, x, config), p, x)
     return y, vjp(dy)
 
 
 def test_custom_vjp_drop_in_equals_the_full_layer():
-    """manual_grads.custom_vjp.pallas_attention: JAX's grad through it runs the manual
-    backward; output and gradients equal the full layer's."""
+    """manual_grads.custom_vjp.attention with the pallas core: JAX's grad through it runs the
+    manual backward; output and gradients equal the full layer's."""
     p, x, dy = make(2, 2, T, D)
     y_ref, grads_ref = layer_vjp(p, x, dy, attention)
-    y, grads = layer_vjp(p, x, dy, functools.partial(cv.pallas_attention, block_q=BLOCKS[0],
-                                                     block_k=BLOCKS[1]))
+    pallas = LAYER.replace(attention_impl="pallas", pallas_block_q=BLOCKS[0], pallas_block_k=BLOCKS[1])
+    y, grads = layer_vjp(p, x, dy, cv.attention, pallas)
     np.testing.assert_allclose(y, y_ref, rtol=1e-13, atol=1e-13)
     assert_trees_close(grads_ref, grads, rtol=1e-10)
 
@@ -309,16 +312,12 @@ def f32(tree):
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def layer_vjp_in(p, x, dy, layer, compute_dtype):
-    y, vjp = jax.vjp(lambda p, x: layer(p, x, H, True, compute_dtype=compute_dtype), p, x)
-    return y, vjp(dy)
-
-
 @jax.jit
 def pallas_manual_bf16(p, x, dy):
-    y, res = pallas_attention_fwd(p, x, H, True, 8, 8, "bfloat16")
-    return y, pallas_attention_bwd(res, dy)
+    config = LAYER.replace(attention_impl="pallas", pallas_block_q=8, pallas_block_k=8,
+                           compute_dtype="bfloat16")
+    y, res = attention_fwd(p, x, config)
+    return y, attention_bwd(res, dy)
 
 
 def kernel_dots(jaxpr):
@@ -340,8 +339,9 @@ def test_bfloat16_manual_error_is_within_autodiff_error():
     its error is round-off measured against the floor; the full layer's autodiff, whose
     dS rows sum to 0 more exactly, puts it up to 2 times closer.)"""
     p, x, dy = f32(make(4, 2, 21, D))
-    _, ref = layer_vjp_in(p, x, dy, attention, None)
-    y_a, grads_a = layer_vjp_in(p, x, dy, functools.partial(blockwise_attention, block=8), "bfloat16")
+    _, ref = layer_vjp(p, x, dy, attention)
+    blockwise = LAYER.replace(attention_impl="blockwise", attention_block=8, compute_dtype="bfloat16")
+    y_a, grads_a = layer_vjp(p, x, dy, attention, blockwise)
     y_m, grads_m = pallas_manual_bf16(p, x, dy)
     assert {g.dtype for g in jax.tree_util.tree_leaves(grads_m)} == {jnp.dtype("float32")}
     err_m, err_a = leaf_rels(ref, grads_m), leaf_rels(ref, grads_a)

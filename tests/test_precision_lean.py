@@ -17,10 +17,10 @@ from jaxformer.training import diagnose
 from jaxformer.model.blockwise import blockwise_attention_core
 from jaxformer.model.chunked_loss import chunked_head_loss
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.transformer import forward
 from manual_grads import attention as _attn
-from manual_grads import blockwise as _bw
 from manual_grads import custom_vjp as cv
 from manual_grads import mlp as _mlp
 from manual_grads.blockwise import blockwise_core_bwd, blockwise_core_fwd
@@ -74,10 +74,10 @@ def test_blockwise_core_products_read_bfloat16_and_accumulate_float32(causal):
     q, k, v, dout = qkv()
 
     def forward(q, k, v):
-        return blockwise_attention_core(q, k, v, causal, 4, "bfloat16")
+        return blockwise_attention_core(q, k, v, AttentionSpec(causal, "bfloat16", block=4))
 
     def manual(q, k, v, dout):
-        _, res = blockwise_core_fwd(q, k, v, causal, 4, "bfloat16")
+        _, res = blockwise_core_fwd(q, k, v, AttentionSpec(causal, "bfloat16", block=4))
         return blockwise_core_bwd(res, dout)
 
     assert_bf16_in_f32_out(forward, q, k, v, at_least=2)  # q k^T, P v
@@ -109,7 +109,7 @@ def test_without_compute_dtype_the_core_is_unchanged_by_float32():
     q, k, v, dout = qkv(seed=2)
 
     def manual(q, k, v, dout, cd):
-        out, res = blockwise_core_fwd(q, k, v, True, 4, cd)
+        out, res = blockwise_core_fwd(q, k, v, AttentionSpec(True, cd, block=4))
         return out, blockwise_core_bwd(res, dout)
 
     for a, b in zip(jax.tree_util.tree_leaves(manual(q, k, v, dout, None)),
@@ -167,19 +167,21 @@ def test_custom_vjp_layers_take_compute_dtype_as_a_static_argument(layer):
     the bfloat16 forward: the same cotangents as calling the pair directly."""
     params = f32_tree(init_params(jax.random.PRNGKey(0), BASE, jnp.float32)["blocks"])
     x = qkv(seed=3, shape=(B, T, 16))[0]
+    attn = BASE.replace(compute_dtype="bfloat16")
     fwd, bwd, p, static = {
-        "attention": (_attn.attention_fwd, _attn.attention_bwd, "attn", (2, True)),
-        "feed_forward": (_mlp.feed_forward_fwd, _mlp.feed_forward_bwd, "ffn", ("gelu",)),
-        "blockwise_attention": (_bw.blockwise_attention_fwd, _bw.blockwise_attention_bwd, "attn",
-                                (2, True, 4)),
+        "attention": (_attn.attention_fwd, _attn.attention_bwd, "attn", (attn,)),
+        "feed_forward": (_mlp.feed_forward_fwd, _mlp.feed_forward_bwd, "ffn", ("gelu", "bfloat16")),
+        "blockwise_attention": (_attn.attention_fwd, _attn.attention_bwd, "attn",
+                                (attn.replace(attention_impl="blockwise", attention_block=4),)),
     }[layer]
+    cv_layer = cv.feed_forward if layer == "feed_forward" else cv.attention
     p = jax.tree_util.tree_map(lambda a: a[0], params[p])
-    y, vjp = jax.vjp(lambda p, x: getattr(cv, layer)(p, x, *static, "bfloat16"), p, x)
-    y_m, res = fwd(p, x, *static, "bfloat16")
+    y, vjp = jax.vjp(lambda p, x: cv_layer(p, x, *static), p, x)
+    y_m, res = fwd(p, x, *static)
     np.testing.assert_array_equal(y, y_m)
     for a, b in zip(jax.tree_util.tree_leaves(vjp(y)), jax.tree_util.tree_leaves(bwd(res, y))):
         np.testing.assert_array_equal(a, b)
-    assert "bf16" in str(jax.make_jaxpr(lambda p, x: getattr(cv, layer)(p, x, *static, "bfloat16"))(p, x))
+    assert "bf16" in str(jax.make_jaxpr(lambda p, x: cv_layer(p, x, *static))(p, x))
 
 
 def test_custom_vjp_chunked_loss_takes_compute_dtype():

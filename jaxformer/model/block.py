@@ -22,9 +22,9 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from jaxformer.model.attention import attention, attention_options
+from jaxformer.model.attention import attention
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, dropout, sub_key
+from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, dropout, sub_key
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
 from jaxformer.model.rms_norm import rms_norm
@@ -45,11 +45,9 @@ def pick_norm(layers, config: ModelConfig) -> Callable:
 
 
 def model_attention(p, x, config: ModelConfig, key=None):
-    """The attention config.attention_impl names (full, blockwise, pallas, cudnn), with no aux: (y, None).
+    """attention with the core config.attention_impl names, and no aux: (y, None).
     ``key``: the probabilities' dropout key (None: no dropout)."""
-    y = attention(p, x, config.n_heads, config.causal, config.compute_dtype, **attention_options(config),
-                  key=key)
-    return y, None
+    return attention(p, x, config, key), None
 
 
 def model_feed_forward(p, x, config: ModelConfig):
@@ -67,7 +65,7 @@ def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS,
     attn, ffn = layers.attention, layers.feed_forward
     ln = pick_norm(layers, config)
     eps, rate = config.ln_eps, config.dropout
-    if key is None or not rate:
+    if not active(rate, key):
         key = None
         attn_args = ()
     else:

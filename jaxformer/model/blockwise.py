@@ -7,7 +7,8 @@ q, k and v are padded to Tp and cut into N blocks of K positions. For each query
 block i, an online softmax runs over the key blocks j: it keeps the row max m,
 the row sum l of exp(s - m) and the unnormalized output acc, rescaling them as
 each block raises the max. With ``causal`` the key blocks above the diagonal
-(j > i) are skipped by a ``lax.cond``, never computed; padded keys are masked.
+(j > i) are skipped by a ``lax.cond``, never computed; padded keys are masked, and so
+is every pair the spec refuses (``AttentionSpec.allowed``).
 The forward returns the output and the row log-sum-exp lse = m + log(l), all the
 backward (manual_grads/blockwise.py) needs to recompute any block of
 probabilities as exp(s - lse).
@@ -16,7 +17,7 @@ These pieces are the single definition of the blockwise math: the manual
 backward loops over the same blocks with ``block_scores`` and ``if_visible``.
 Softmax statistics are kept in at least float32 (``stats_dtype``).
 
-Precision (``compute_dtype``, ModelConfig's): the two products of each block pair,
+Precision (spec.compute_dtype, ModelConfig's): the two products of each block pair,
 q_i k_j^T and P_ij v_j, read their inputs in the compute dtype and accumulate in
 float32 or wider (``matmul``); m, l, acc, the output and lse stay in stats_dtype.
 """
@@ -28,7 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.dropout import block_pair_key, dropout
+from jaxformer.model.cores import AttentionSpec
+from jaxformer.model.dropout import active, block_pair_key, dropout
 from jaxformer.model.precision import matmul, stats_dtype
 
 
@@ -59,26 +61,27 @@ def block_size(T: int, block: int) -> int:
     return min(block, T)
 
 
-def if_visible(i, j, causal: bool, update, carry):
+def if_visible(i, j, spec: AttentionSpec, update, carry):
     """update(carry) when query block i sees any of key block j (always, or j <= i when
     causal), else carry unchanged: a causal block above the diagonal is never computed."""
-    if not causal:
+    if not spec.causal:
         return update(carry)
     return jax.lax.cond(j <= i, update, lambda c: c, carry)
 
 
-def block_scores(q_i, k_j, i, j, T: int, causal: bool, compute_dtype=None):
+def block_scores(q_i, k_j, i, j, T: int, spec: AttentionSpec):
     """q_i, k_j (B, H, K, Dh) -> s (B, H, K, K) = q_i k_j^T / sqrt(Dh) in stats_dtype,
-    -inf where the key is padding (position >= T) or, if causal, in the future.
-    The product runs in ``compute_dtype``."""
+    -inf where the key is padding (position >= T) or spec.allowed refuses the pair (causal:
+    the future). The product runs in spec.compute_dtype."""
     K, Dh = q_i.shape[-2], q_i.shape[-1]
     f = stats_dtype(q_i.dtype)
-    s = matmul(q_i, jnp.swapaxes(k_j, -1, -2), compute_dtype).astype(f) / math.sqrt(Dh)  # (B, H, K, K)
+    s = matmul(q_i, jnp.swapaxes(k_j, -1, -2), spec.compute_dtype).astype(f) / math.sqrt(Dh)  # (B, H, K, K)
     q_pos = i * K + jnp.arange(K)[:, None]  # (K, 1)
     k_pos = j * K + jnp.arange(K)[None, :]  # (1, K)
     allowed = k_pos < T
-    if causal:
-        allowed = allowed & (k_pos <= q_pos)  # (K, K)
+    rule = spec.allowed(q_pos, k_pos)
+    if rule is not None:
+        allowed = allowed & rule  # (K, K)
     return jnp.where(allowed, s, -jnp.inf)
 
 
@@ -104,12 +107,12 @@ def online_softmax_step(carry, s, v_j, compute_dtype=None, drop=None):
 
 def pair_dropout(rate, key, i, j):
     """The (rate, key) of block pair (i, j)'s probabilities mask, or None (no dropout)."""
-    if key is None or (isinstance(rate, (int, float)) and not rate):
+    if not active(rate, key):
         return None
     return rate, block_pair_key(key, i, j)
 
 
-def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None, rate=0.0, key=None):
+def _query_block(q_i, i, kb, vb, T: int, spec: AttentionSpec, key=None):
     """One query block i against every visible key block: (out_i (B, H, K, Dh), lse_i (B, H, K))."""
     f = stats_dtype(q_i.dtype)
     shape = q_i.shape[:-1]  # (B, H, K)
@@ -119,32 +122,37 @@ def _query_block(q_i, i, kb, vb, T: int, causal: bool, compute_dtype=None, rate=
         k_j, v_j, j = xs
 
         def update(c):
-            s = block_scores(q_i, k_j, i, j, T, causal, compute_dtype)  # (B, H, K, K)
-            return online_softmax_step(c, s, v_j, compute_dtype, pair_dropout(rate, key, i, j))
+            s = block_scores(q_i, k_j, i, j, T, spec)  # (B, H, K, K)
+            return online_softmax_step(c, s, v_j, spec.compute_dtype, pair_dropout(spec.dropout, key, i, j))
 
-        return if_visible(i, j, causal, update, carry), None
+        return if_visible(i, j, spec, update, carry), None
 
     (m, l, acc), _ = jax.lax.scan(key_step, init, (kb, vb, jnp.arange(kb.shape[0])))
     return (acc / l[..., None]).astype(q_i.dtype), m + jnp.log(l)
 
 
-def blockwise_attention_core(q, k, v, causal: bool, block: int, compute_dtype=None,
-                             dropout_rate=0.0, key=None):
+def blockwise_attention_core(q, k, v, spec: AttentionSpec, key=None):
     """q, k, v (B, H, T, Dh) -> (out (B, H, T, Dh), lse (B, H, T) in stats_dtype).
 
-    out = softmax(q k^T / sqrt(Dh)) v (future masked if causal), computed K query
-    rows and K keys at a time; lse is each row's log-sum-exp of the scores. The
-    products run in ``compute_dtype`` (None: the inputs' own dtype). With a ``key`` the
-    probabilities go through dropout, block pair (i, j)'s mask drawn from
-    block_pair_key(key, i, j); lse stays that of the undropped scores.
+    out = softmax(q k^T / sqrt(Dh)) v (the pairs spec.allowed refuses masked), computed
+    K = spec.block query rows and K keys at a time; lse is each row's log-sum-exp of the
+    scores. The products run in spec.compute_dtype (None: the inputs' own dtype). With a
+    ``key`` the probabilities go through dropout at spec.dropout, block pair (i, j)'s mask
+    drawn from block_pair_key(key, i, j); lse stays that of the undropped scores.
     """
     T = q.shape[2]
-    K = block_size(T, block)
+    K = block_size(T, spec.block)
     qb, kb, vb = to_blocks(q, K), to_blocks(k, K), to_blocks(v, K)  # (N, B, H, K, Dh)
 
     def query_step(_, xs):
         q_i, i = xs
-        return None, _query_block(q_i, i, kb, vb, T, causal, compute_dtype, dropout_rate, key)
+        return None, _query_block(q_i, i, kb, vb, T, spec, key)
 
     _, (ob, lseb) = jax.lax.scan(query_step, None, (qb, jnp.arange(qb.shape[0])))
     return from_blocks(ob, T), from_blocks(lseb, T)
+
+
+def blockwise(q, k, v, spec: AttentionSpec, key=None):
+    """The blockwise core: q, k, v (B, H, T, Dh) -> out (B, H, T, Dh), blockwise_attention_core's
+    output without its lse."""
+    return blockwise_attention_core(q, k, v, spec, key)[0]

@@ -28,18 +28,19 @@ def keep_mask(key, rate, shape):
     return jax.random.uniform(key, shape, jnp.float32) >= jnp.asarray(rate, jnp.float32)
 
 
+def active(rate, key) -> bool:
+    """Whether dropout at ``rate`` with ``key`` drops anything: a key, and a rate other than
+    0 (a traced rate counts as on). The one rule every dropout site asks."""
+    return key is not None and not (isinstance(rate, (int, float)) and not rate)
+
+
 def dropout(x, rate, key):
-    """x * keep / (1 - rate); x itself when key is None or rate is 0 (rate may be a traced
+    """x * keep / (1 - rate); x itself when not ``active(rate, key)`` (rate may be a traced
     array: the hand-derived backward keeps it in its residuals)."""
-    if key is None or (isinstance(rate, (int, float)) and not rate):
+    if not active(rate, key):
         return x
     keep = keep_mask(key, rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
-
-
-def active(config, key) -> bool:
-    """Whether a forward with ``key`` drops anything."""
-    return key is not None and bool(config.dropout)
 
 
 def layer_key(key, l):

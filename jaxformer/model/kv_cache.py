@@ -10,19 +10,21 @@ writes their keys and values; a prefill is t = S at start 0 (padding past the
 prompt is harmless: later slots are masked, and decoding overwrites them).
 
 The block is block.py's ``compose_block`` with ``attention_cached`` as its attention
-(the same fused q|k|v product ``qkv_heads`` as training, then the scores against the
-whole cache); the other pieces are the model's, under the same precision policy: every
-product runs in config.compute_dtype through ``matmul`` / ``linear``, the softmax in
-float32 or wider.
+(the same ``attention_qkv`` as training, then the full core's probabilities against the
+whole cache, ``attention_probs`` with the training spec's mask rule); the other pieces are
+the model's, under the same precision policy: every product runs in config.compute_dtype
+through ``matmul`` / ``linear``, the softmax in float32 or wider.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.attention import (attention_scores, masked_softmax, merge_heads, qkv_heads,
-                                       repeat_kv, rotate_qk)
+from jaxformer.model.attention import attention_out, attention_qkv, attention_spec
+from jaxformer.model.cores import attention_probs, repeat_kv
 from jaxformer.model.block import BLOCK_LAYERS, compose_block, pick_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
@@ -45,20 +47,16 @@ def attention_cached(p, x, cache_k, cache_v, start, config: ModelConfig):
     then query i attends to slots <= start + i. Returns out (B, t, D) and the updated
     cache_k, cache_v. Products in config.compute_dtype.
     """
-    cd, H = config.compute_dtype, config.n_heads
-    q, k, v = qkv_heads(p, x, H, cd, config.kv_heads)  # q (B, H, t, Dh), k, v (B, Hkv, t, Dh): one product
+    cd = config.compute_dtype
     zero, start = jnp.int32(0), jnp.asarray(start, jnp.int32)
-    rope_theta = config.rope_theta if config.positions == "rope" else 0.0
-    q, k = rotate_qk(p, q, k, config.ln_eps, rope_theta, start)
+    q, k, v = attention_qkv(p, x, config, start)  # q (B, H, t, Dh), k, v (B, Hkv, t, Dh): one product
     at = (zero, zero, start, zero)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), at)
     cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), at)
-    G = H // config.kv_heads
-    scores = attention_scores(q, repeat_kv(cache_k, G), cd)  # (B, H, t, S)
-    t, S = x.shape[1], cache_k.shape[2]
-    mask = jnp.arange(S)[None, :] <= start + jnp.arange(t)[:, None]  # (t, S)
-    probs = masked_softmax(scores, mask)  # (B, H, t, S)
-    out = linear(merge_heads(matmul(probs, repeat_kv(cache_v, G), cd)), p["wo"], p.get("bo"), cd)  # (B, t, D)
+    G = config.n_heads // config.kv_heads
+    spec = dataclasses.replace(attention_spec(config), causal=True)  # slots past start + i are empty
+    probs = attention_probs(q, repeat_kv(cache_k, G), spec, start)  # (B, H, t, S)
+    out = attention_out(p, matmul(probs, repeat_kv(cache_v, G), cd), cd)  # (B, t, D)
     return out, cache_k, cache_v
 
 

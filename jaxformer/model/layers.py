@@ -8,11 +8,11 @@ hand-derived one.
 
 from jaxformer.model.activations import (ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C,  # noqa: F401
                                          activation, gelu, gelu_tanh, relu, relu2, silu, tanh)
-from jaxformer.model.attention import (attention, attention_options, attention_probs,  # noqa: F401
-                                       attention_scores, blockwise_attention, causal_mask,
-                                       attention_qkv, cudnn_attention, masked_softmax, merge_heads,
-                                       merge_qkv, pallas_attention, qkv_heads, qkv_weights,
-                                       repeat_kv, rotate_qk, split_heads, split_qkv)
+from jaxformer.model.attention import (CORES, Core, attention, attention_out, attention_qkv,  # noqa: F401
+                                       attention_spec, core_kv, merge_heads, merge_qkv, qkv_heads,
+                                       qkv_weights, rotate_qk, split_heads, split_qkv)
+from jaxformer.model.cores import (AttentionSpec, attention_probs, attention_scores,  # noqa: F401
+                                   masked_softmax, repeat_kv)
 from jaxformer.model.block import (BLOCK_LAYERS, BlockLayers, block, compose_block,  # noqa: F401
                                    pick_norm, remat_block)
 from jaxformer.model.embedding import (embed, positions, sinusoidal_positions,  # noqa: F401
@@ -23,4 +23,4 @@ from jaxformer.model.losses import cross_entropy  # noqa: F401
 from jaxformer.model.mlp import feed_forward, gate_up_weights, gated_feed_forward  # noqa: F401
 from jaxformer.model.precision import cast, matmul, stats_dtype, upcast  # noqa: F401
 from jaxformer.model.rms_norm import rms_norm, rms_norm_stats  # noqa: F401
-from jaxformer.model.rotary import apply_rope, rope_tables, rotate_half  # noqa: F401
+from jaxformer.model.rotary import apply_rope, rope_base, rope_tables, rotate_half  # noqa: F401

@@ -17,6 +17,12 @@ import jax.numpy as jnp
 from jaxformer.model.precision import stats_dtype
 
 
+def rope_base(config) -> float:
+    """The rotary base a ModelConfig sets: rope_theta with positions "rope", else 0 (no
+    rotary positions)."""
+    return config.rope_theta if config.positions == "rope" else 0.0
+
+
 def rope_tables(positions, head_dim, theta, dtype=jnp.float32):
     """positions int (T,) -> cos, sin (T, Dh) in stats_dtype(dtype): angle t * theta^(-2i/Dh)
     at features i and i + Dh/2 (i < Dh/2)."""

@@ -24,7 +24,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import manual_grads
 from jaxformer.data.batching import random_batch

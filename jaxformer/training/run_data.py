@@ -8,7 +8,6 @@ import functools
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
 
 from jaxformer import data
 from jaxformer.checkpoints import checkpoint

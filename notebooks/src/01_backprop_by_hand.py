@@ -156,6 +156,7 @@ assert check(lambda p, x: layer_norm_fwd(p, x, 1e-5), layer_norm_bwd,
 # whose $\bar x$ adds the three paths, because $q$, $k$ and $v$ all read $x$.
 
 # %%
+from jaxformer.model.config import ModelConfig
 from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
 
 show(softmax_bwd)
@@ -166,9 +167,10 @@ assert check(lambda s: (softmax(s), softmax(s)), lambda P, dP: (softmax_bwd(P, d
 
 print("--- attention, causal, 2 heads")
 D, H = 8, 2
+config = ModelConfig(d_model=D, n_heads=H)  # what the layer reads: heads, causal, the core ("full")
 p = {f"{w}{n}": rand(D, D) if w == "w" else rand(D) for n in "qkvo" for w in "wb"}
-assert check(lambda p, x: attention_fwd(p, x, H, True), attention_bwd,
-             lambda p, x: layers.attention(p, x, H, True), (p, rand(2, 5, D)), rand(2, 5, D))
+assert check(lambda p, x: attention_fwd(p, x, config), attention_bwd,
+             lambda p, x: layers.attention(p, x, config), (p, rand(2, 5, D)), rand(2, 5, D))
 
 # %% [markdown]
 # What the softmax backward does, seen on one head: the probabilities $P$ (lower
@@ -180,10 +182,10 @@ assert check(lambda p, x: attention_fwd(p, x, H, True), attention_bwd,
 T = 8
 p_soft = {k: 0.3 * v for k, v in p.items()}  # smaller weights: scores of order 1, a softer softmax
 x, dy = rand(1, T, D), rand(1, T, D)
-y, res = attention_fwd(p_soft, x, H, True)
-P = res.probs[0, 0]  # (T, T) head 0
+y, res = attention_fwd(p_soft, x, config)
+P = res.core.probs[0, 0]  # (T, T) head 0: the full core keeps the probabilities
 datt = layers.split_heads(dy @ p_soft["wo"].T, H)  # undoes y = merge_heads(P v) @ wo + bo
-dP = (datt @ jnp.swapaxes(res.v, -1, -2))[0, 0]  # (T, T)
+dP = (datt @ jnp.swapaxes(res.core.v, -1, -2))[0, 0]  # (T, T)
 dS = softmax_bwd(P, dP)
 print(f"dS where masked: max |dS| = {float(jnp.max(jnp.abs(jnp.triu(dS, 1)))):.1e}")
 print(f"row sums of dS:  max |sum| = {float(jnp.max(jnp.abs(dS.sum(-1)))):.1e}")
@@ -216,15 +218,17 @@ plt.show()
 # $\bar K_j \mathrel{+}= \bar S_{ij}^\top Q_i/\sqrt{d_h}$. Memory falls from $O(T^2)$ to $O(T)$ per head.
 
 # %%
-from manual_grads.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, pair_bwd
+from manual_grads.blockwise import pair_bwd
 
 show(pair_bwd)
 T, block = 13, 4  # 13 positions: 4 blocks of 4, the last one padded
 x, dy = rand(2, T, D), rand(2, T, D)
 for causal in (True, False):
     print("--- blockwise against full attention,", "causal" if causal else "bidirectional")
-    assert check(lambda p, x: blockwise_attention_fwd(p, x, H, causal, block),
-                 blockwise_attention_bwd, lambda p, x: layers.attention(p, x, H, causal), (p, x), dy)
+    full = config.replace(causal=causal)
+    blockwise = full.replace(attention_impl="blockwise", attention_block=block)
+    assert check(lambda p, x: attention_fwd(p, x, blockwise), attention_bwd,
+                 lambda p, x: layers.attention(p, x, full), (p, x), dy)
 
 # %% [markdown]
 # ## Grouped-query attention
@@ -260,9 +264,10 @@ for Hkv in (2, 1):
     print(f"--- causal, H = {H} query heads over Hkv = {Hkv} key/value heads (G = {H // Hkv})")
     p = {"wq": rand(D, D), "wk": rand(D, Hkv * Dh), "wv": rand(D, Hkv * Dh), "wo": rand(D, D),
          "q_norm": {"scale": rand(Dh)}, "k_norm": {"scale": rand(Dh)}}
-    opts = dict(n_kv_heads=Hkv, norm_eps=1e-6, rope_theta=10000.0)
-    assert check(lambda p, x: attention_fwd(p, x, H, True, **opts), attention_bwd,
-                 lambda p, x: layers.attention(p, x, H, True, **opts), (p, x), dy)
+    gqa = ModelConfig(d_model=D, n_heads=H, n_kv_heads=Hkv, qk_norm=True, ln_eps=1e-6,
+                      positions="rope", rope_theta=10000.0)
+    assert check(lambda p, x: attention_fwd(p, x, gqa), attention_bwd,
+                 lambda p, x: layers.attention(p, x, gqa), (p, x), dy)
 
 # %% [markdown]
 # What it saves: decoding keeps every past token's keys and values, and the cache holds

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, SingleDeviceSharding
 
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ATTENTION_IMPLS, ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.tools.aot.report import describe
 from jaxformer.tools.aot.targets import TARGETS, Target, cudnn_problem, missing, target_devices
@@ -48,7 +48,7 @@ from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_s
 from jaxformer.training.step import grad_source, init_state, make_train_step
 from jaxformer.training.memory_plan import MemoryPlan as Memory  # XLA's plan, bytes per device
 
-ATTENTIONS = ("full", "blockwise", "pallas", "cudnn")
+ATTENTIONS = ATTENTION_IMPLS
 GRADS = ("manual", "auto")
 DTYPES = ("float32", "bfloat16")  # the compute dtype; params stay float32
 MESH = (2, 2)  # (data, fsdp) of the mesh variants: a v5e:2x2 topology's four chips

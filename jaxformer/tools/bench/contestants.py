@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxformer.tools.bench.select import Spec
 from jaxformer.training.memory_plan import MemoryPlan

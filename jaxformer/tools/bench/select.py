@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-ATTENTION_CHOICES = ("full", "blockwise", "pallas", "cudnn")
-MANUAL_IMPLS = ("full", "blockwise", "pallas")  # attention with a hand-derived backward
+from jaxformer.model.config import ATTENTION_IMPLS as ATTENTION_CHOICES
+from manual_grads.attention import MANUAL_CORES
+
+MANUAL_IMPLS = tuple(MANUAL_CORES)  # attention with a hand-derived backward
 AUTO_IMPLS = ("full", "cudnn")  # attention jax.grad differentiates (cudnn: autodiff only)
 TORCH_KINDS = ("torch_eager", "torch_compile")
 LOW_PRECISION = ("bfloat16", "float16")  # what cuDNN's fused attention reads

@@ -29,12 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.model.attention import attention_probs, check_cudnn, repeat_kv
-from jaxformer.model.attention import cudnn_core as model_cudnn_core
 from jaxformer.model.config import ModelConfig, get_preset
-from jaxformer.kernels.pallas import flash_attention
+from jaxformer.model.cores import AttentionSpec, cudnn, flash, full, repeat_kv
 from jaxformer.model.params import init_params
-from jaxformer.model.precision import matmul
 from jaxformer.tools.bench import run as bench
 from jaxformer.tools.compare import grads as compare
 from jaxformer.tools.bench.contestants import error_line
@@ -116,23 +113,21 @@ def kernel_shape(platform: str, quick: bool) -> KernelShape:
 
 
 def full_core(q, k, v, compute_dtype=None):
-    """The full attention layer's core (model/attention.py): probs (B, H, T, T), then probs v."""
+    """The model's ``full`` core (model/cores.py), causal, k and v repeated to q's heads."""
     G = q.shape[1] // k.shape[1]
-    probs = attention_probs(q, repeat_kv(k, G), True, compute_dtype)
-    return matmul(probs, repeat_kv(v, G), compute_dtype).astype(q.dtype)
+    spec = AttentionSpec(causal=True, compute_dtype=compute_dtype)
+    return full(q, repeat_kv(k, G), repeat_kv(v, G), spec).astype(q.dtype)
 
 
 def pallas_core(q, k, v, compute_dtype=None, block_q=0, block_k=0):
-    """The Pallas kernels: flash_attention's forward, its backward kernels under jax.vjp."""
-    return flash_attention(q, k, v, True, block_q, block_k, compute_dtype)
+    """The model's ``flash`` core: the Pallas forward kernel, its backward kernels under jax.vjp."""
+    return flash(q, k, v, AttentionSpec(causal=True, compute_dtype=compute_dtype, block_q=block_q,
+                                        block_k=block_k))
 
 
 def cudnn_core(q, k, v, compute_dtype="bfloat16"):
-    """attention_impl "cudnn"'s core, the model's own (model/attention.py cudnn_core, as
-    cudnn_attention calls it), in (B, H, T, Dh)."""
-    check_cudnn(compute_dtype)
-    q, k, v = (jnp.swapaxes(a, 1, 2).astype(compute_dtype) for a in (q, k, v))  # (B, T, H, Dh)
-    return jnp.swapaxes(model_cudnn_core(q, k, v, True), 1, 2).astype(jnp.float32)
+    """The model's ``cudnn`` core (attention_impl "cudnn"), causal, its output in float32."""
+    return cudnn(q, k, v, AttentionSpec(causal=True, compute_dtype=compute_dtype)).astype(jnp.float32)
 
 
 def core_vjp(core, q, k, v, do):

@@ -1,0 +1,156 @@
+"""Attention cores: out = softmax(q k^T / sqrt(Dh)) v, and the one description they share.
+
+A core is ``core(q, k, v, spec, key=None) -> out``: q (B, H, T, Dh), k and v (B, H, T, Dh)
+or, for a core that reads grouped heads, (B, Hkv, T, Dh); out (B, H, T, Dh). It knows
+nothing of projections, QK-norm or rotary positions (attention.py writes those once,
+around whichever core). ``spec`` (an AttentionSpec) is everything else a core reads:
+the mask rule, the products' dtype, the tiles, the probabilities' dropout rate; ``key``
+(full, blockwise) is the dropout key, None for no dropout.
+
+The cores: ``full`` (the (B, H, T, T) probabilities, here), ``blockwise`` (an online
+softmax over key blocks, blockwise.py), ``flash`` (the same as Pallas kernels,
+jaxformer/kernels/pallas) and ``cudnn`` (cuDNN's fused attention, here). attention.py's
+``CORES`` names them by ModelConfig.attention_impl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.kernels.pallas import flash_attention
+from jaxformer.kernels.refused import refused
+from jaxformer.model.dropout import dropout
+from jaxformer.model.precision import matmul, upcast
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What a core reads besides q, k and v. Frozen and hashable: a jit static argument, and a
+    static pytree node (no leaves), so a residual may carry it through scans and custom rules.
+
+    A new masking rule (a sliding window, segment ids) is a field here and a line in
+    ``allowed``; a logit transform (a softcap) is a field here and a line where the cores make
+    their scores (``attention_scores``; ``block_scores`` in blockwise.py; the manual backwards
+    undo it beside the softmax's). docs/design.md, "Attention", walks through one."""
+
+    causal: bool = True  # query t reads keys s <= t only
+    compute_dtype: str | None = None  # the products' inputs (ModelConfig.compute_dtype); None: q's own
+    block: int = 128  # blockwise: query and key block size
+    block_q: int = 0  # flash: query block size (0: the device's)
+    block_k: int = 0  # flash: key block size (0: the device's)
+    dropout: float = 0.0  # the probabilities' dropout rate, with a key (full, blockwise)
+
+    def allowed(self, q_pos, k_pos):
+        """Whether the query at position q_pos may read the key at k_pos (int arrays that
+        broadcast, e.g. (Tq, 1) and (1, Tk)): a bool array, or None when every pair may."""
+        if not self.causal:
+            return None
+        return k_pos <= q_pos
+
+
+def repeat_kv(x, groups):
+    """(B, Hkv, T, Dh) -> (B, Hkv * G, T, Dh): head h of the result is head h // G of x."""
+    return x if groups == 1 else jnp.repeat(x, groups, axis=1)
+
+
+def attention_scores(q, k, compute_dtype=None):
+    """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> q k^T / sqrt(Dh) (B, H, Tq, Tk): the product in
+    ``compute_dtype``, the scores in float32 or wider."""
+    return upcast(matmul(q, jnp.swapaxes(k, -1, -2), compute_dtype)) / math.sqrt(q.shape[-1])
+
+
+def masked_softmax(scores, mask=None):
+    """softmax over the last axis of scores (..., Tk) where mask (broadcast; None: all) is
+    True: masked scores get the dtype's minimum, and the row max (no gradient) is subtracted."""
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    e = jnp.exp(scores)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def attention_probs(q, k, spec: AttentionSpec, start=0):
+    """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, Tq, Tk), the
+    pairs spec.allowed refuses masked; query i sits at position start + i, key s at s (a
+    decoder's cache: start > 0). q k^T runs in spec.compute_dtype, the softmax in float32
+    or wider."""
+    scores = attention_scores(q, k, spec.compute_dtype)  # (B, H, Tq, Tk)
+    q_pos = start + jnp.arange(q.shape[-2])[:, None]  # (Tq, 1)
+    return masked_softmax(scores, spec.allowed(q_pos, jnp.arange(k.shape[-2])[None, :]))
+
+
+def full(q, k, v, spec: AttentionSpec, key=None):
+    """q, k, v (B, H, T, Dh) -> drop(softmax(q k^T / sqrt(Dh))) v (B, H, T, Dh), the (B, H, T, T)
+    probabilities formed whole; ``key``: their dropout at spec.dropout."""
+    probs = dropout(attention_probs(q, k, spec), spec.dropout, key)  # (B, H, T, T)
+    return matmul(probs, v, spec.compute_dtype)
+
+
+def flash(q, k, v, spec: AttentionSpec, key=None):
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, T, Dh): the Pallas kernels
+    (jaxformer.kernels.pallas.flash_attention, its backward the hand-written kernels), tiles
+    spec.block_q x spec.block_k. No dropout (ModelConfig refuses it)."""
+    return flash_attention(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype)
+
+
+# ----------------------------------------------------------------------------
+# cuDNN's fused attention
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def check_cudnn(products_dtype) -> None:
+    """Raise ValueError where cuDNN's fused attention cannot take the products: a dtype
+    other than bfloat16 / float16. The device is not checked here: the program runs cuDNN
+    where it is lowered for cuda (``cudnn_core``), so a CPU process may export it."""
+    if jnp.dtype(products_dtype).name not in CUDNN_DTYPES:
+        raise ValueError(f"attention_impl 'cudnn' needs bfloat16 or float16 products, not "
+                         f"{jnp.dtype(products_dtype).name}: set compute_dtype='bfloat16'")
+
+
+def cudnn(q, k, v, spec: AttentionSpec, key=None):
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, T, Dh): jax.nn.dot_product_attention's
+    cuDNN implementation (lowered for cuda only, bfloat16 or float16 products; JAX's grad
+    only). No dropout (ModelConfig refuses it)."""
+    dtype = jnp.dtype(spec.compute_dtype or q.dtype)
+    check_cudnn(dtype)
+    q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
+    return jnp.swapaxes(cudnn_core(q, k, v, spec.causal), 1, 2)  # (B, H, T, Dh)
+
+
+OFF_GPU = ("attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); the program "
+           "is lowered for {platform}: use 'pallas', 'blockwise' or 'full'")
+
+
+def cudnn_core(q, k, v, causal):
+    """q (B, T, H, Dh), k, v (B, T, Hkv, Dh) -> (B, T, H, Dh): cuDNN's attention where the
+    program is lowered for cuda; lowered for any other platform (or run off a GPU), a
+    ValueError naming it. Both branches are traced, so a CPU process can export the cuda
+    program; JAX's cuDNN wrapper asks the CUDA plugin for cuDNN's version while tracing,
+    and a process without the plugin gets that error at the cuda lowering, not before."""
+    def on_cuda(q, k, v):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a shape cuDNN refuses
+            hint = (" (JAX reads cuDNN's version from its CUDA plugin while tracing: pip install "
+                    "'jaxformer[cuda]')") if isinstance(error, RuntimeError) else ""
+            return _refused(q, f"attention_impl 'cudnn' cannot be lowered for cuda here: {error}{hint}")
+
+    return jax.lax.platform_dependent(q, k, v, cuda=on_cuda, default=lambda q, k, v: _refused(q, OFF_GPU))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _refused(like, message: str):
+    """refused.refused of ``like``'s shape and dtype (ValueError), differentiable: its
+    cotangent is another such stand-in, so jax.grad traces the cuda program's other branch."""
+    return refused(like, ValueError, message)
+
+
+_refused.defvjp(lambda like, message: (_refused(like, message), None),
+                lambda message, _, g: (_refused(g, message),))
