@@ -18,7 +18,7 @@ Each core has its pair ``core_fwd(q, k, v, spec, key) -> (O, res)``, ``core_bwd(
     pallas     the Pallas kernels' pair (jaxformer.kernels.pallas flash_core_fwd / _bwd)
 cudnn has none (cuDNN's kernel is differentiated by JAX's grad only) and is refused.
 
-The full core, per head:
+The full core, per head (k and v repeated to the H query heads inside it, kept with Hkv):
     S = q k^T / sqrt(Dh)                                   (B, H, T, T), masked by spec
     P = softmax(S)                                         (B, H, T, T)
     Pd = drop(P)                                           only with a dropout key
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
 from jaxformer.model.attention import (CORES, attention_spec, core_kv, merge_heads, merge_qkv,
                                        qkv_heads, qkv_weights, split_heads)
-from jaxformer.model.cores import AttentionSpec, attention_probs
+from jaxformer.model.cores import AttentionSpec, attention_probs, repeat_kv
 from jaxformer.model.precision import cast, matmul
 from jaxformer.model.rotary import rope_base, rope_tables
 from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
@@ -148,19 +148,19 @@ def sum_groups(dx, n_kv_heads):
 
 class FullCoreRes(NamedTuple):
     q: jax.Array  # (B, H, T, Dh) in the compute dtype, as are k and v
-    k: jax.Array  # (B, H, T, Dh), as the core read it (repeated for grouped-query attention)
-    v: jax.Array  # (B, H, T, Dh)
+    k: jax.Array  # (B, Hkv, T, Dh), before repeat_kv: the G query heads of a group share it
+    v: jax.Array  # (B, Hkv, T, Dh)
     probs: jax.Array  # (B, H, T, T) softmax of the scores (float32 or wider); 0 where masked; undropped
     drop: DropoutRes | None  # the probabilities' dropout key and rate; None: no dropout
     spec: AttentionSpec  # static: the products' dtype
 
 
 def full_core_fwd(q, k, v, spec: AttentionSpec, key=None):
-    """q, k, v (B, H, T, Dh) -> (O (B, H, T, Dh), res): the model's ``full`` core."""
-    cd = spec.compute_dtype
-    probs = attention_probs(q, k, spec)  # (B, H, T, T)
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O (B, H, T, Dh), res): the model's ``full`` core."""
+    cd, G = spec.compute_dtype, q.shape[1] // k.shape[1]
+    probs = attention_probs(q, repeat_kv(k, G), spec)  # (B, H, T, T)
     dropped, drop_res = dropout_fwd(probs, spec.dropout, key)  # (B, H, T, T)
-    out = matmul(dropped, v, cd)  # (B, H, T, Dh)
+    out = matmul(dropped, repeat_kv(v, G), cd)  # (B, H, T, Dh)
     q, k, v = (cast(a, cd) for a in (q, k, v))  # what the products read
     return out, FullCoreRes(q, k, v, probs, drop_res, spec)
 
@@ -173,9 +173,11 @@ def softmax_bwd(probs, dprobs):
 
 
 def full_core_bwd(res: FullCoreRes, dout):
-    """dO (B, H, T, Dh) -> (dq, dk, dv) (B, H, T, Dh)."""
+    """dO (B, H, T, Dh) -> (dq (B, H, T, Dh), dk, dv (B, Hkv, T, Dh))."""
     q, k, v, probs, drop_res, spec = res
-    cd, Dh = spec.compute_dtype, q.shape[-1]
+    cd, Dh, Hkv = spec.compute_dtype, q.shape[-1], k.shape[1]
+    G = q.shape[1] // Hkv
+    k, v = repeat_kv(k, G), repeat_kv(v, G)  # (B, H, T, Dh): what the products read
     # O = Pd @ v
     dropped = dropout_bwd(drop_res, probs)  # (B, H, T, T): Pd, the mask redrawn from the key
     dpd = matmul(dout, jnp.swapaxes(v, -1, -2), cd)  # (B, H, T, T)
@@ -187,7 +189,8 @@ def full_core_bwd(res: FullCoreRes, dout):
     dsm = softmax_bwd(probs, dprobs)  # (B, H, T, T): sqrt(Dh) * dS
     dq = matmul(dsm, k, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
     dk = matmul(jnp.swapaxes(dsm, -1, -2), q, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
-    return dq, dk, dv
+    # k, v = repeat_kv(k, G), repeat_kv(v, G)
+    return dq, sum_groups(dk, Hkv), sum_groups(dv, Hkv)
 
 
 def flash_fwd(q, k, v, spec: AttentionSpec, key=None):

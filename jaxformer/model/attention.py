@@ -14,7 +14,7 @@ The modern block's options act on q and k between the projections and the core: 
 (an RMS norm over each head's q and k, params q_norm and k_norm), then rotary positions
 (rotary.py). Grouped-query attention (n_kv_heads < n_heads) gives k and v Hkv = n_kv_heads
 heads, wk and wv (D, Hkv * Dh); query head h reads key/value head h // G, G = H // Hkv
-(Hugging Face's ``repeat_kv``). A core that reads grouped heads (flash, cudnn) gets the Hkv
+(Hugging Face's ``repeat_kv``). A core that reads grouped heads (full, flash, cudnn) gets the Hkv
 heads as they are; the others get k and v repeated G times (``core_kv``)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Core(NamedTuple):
 
 
 # The cores by ModelConfig.attention_impl (config.ATTENTION_IMPLS, in the same order).
-CORES = {"full": Core(full, False), "blockwise": Core(blockwise, False), "pallas": Core(flash, True),
+CORES = {"full": Core(full, True), "blockwise": Core(blockwise, False), "pallas": Core(flash, True),
          "cudnn": Core(cudnn, True)}
 
 

@@ -86,10 +86,12 @@ def attention_probs(q, k, spec: AttentionSpec, start=0):
 
 
 def full(q, k, v, spec: AttentionSpec, key=None):
-    """q, k, v (B, H, T, Dh) -> drop(softmax(q k^T / sqrt(Dh))) v (B, H, T, Dh), the (B, H, T, T)
-    probabilities formed whole; ``key``: their dropout at spec.dropout."""
-    probs = dropout(attention_probs(q, k, spec), spec.dropout, key)  # (B, H, T, T)
-    return matmul(probs, v, spec.compute_dtype)
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> drop(softmax(q k^T / sqrt(Dh))) v (B, H, T, Dh),
+    the (B, H, T, T) probabilities formed whole, k and v repeated to the H query heads here
+    (so that a residual keeps their Hkv heads); ``key``: the probabilities' dropout at spec.dropout."""
+    G = q.shape[1] // k.shape[1]
+    probs = dropout(attention_probs(q, repeat_kv(k, G), spec), spec.dropout, key)  # (B, H, T, T)
+    return matmul(probs, repeat_kv(v, G), spec.compute_dtype)
 
 
 def flash(q, k, v, spec: AttentionSpec, key=None):
