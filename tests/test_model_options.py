@@ -13,13 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LEAN_CASES, LEAN_FIELDS, assert_bfloat16_within_autodiff, make_batch, make_params
+from helpers import LEAN_CASES, LEAN_FIELDS, assert_bfloat16_within_autodiff, assert_sources_agree
 
 import jaxformer
-import manual_grads
 from jaxformer.model.config import PRESETS, ModelConfig
-from manual_grads import custom_vjp
-from manual_grads.check import assert_trees_close
 
 NEW = {"tie_embeddings": (False, True), "bias": (True, False), "head_bias": (True, False),
        "dropout": (0.0, 0.2)}
@@ -50,26 +47,13 @@ def test_cases_cover_every_pair():
         assert seen == set(itertools.product(fields[a], fields[b])), (a, b)
 
 
-def _three(params, batch, config, key):
-    return (jax.value_and_grad(jaxformer.loss_fn)(params, batch, config, key=key),
-            manual_grads.value_and_grad(params, batch, config, key=key),
-            jax.value_and_grad(custom_vjp.loss_fn)(params, batch, config, key=key))
-
-
-THREE = jax.jit(_three, static_argnums=2)
-
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[
     f"tie{int(c.tie_embeddings)}-bias{int(c.bias)}-hb{int(c.head_bias)}-drop{c.dropout}-"
     f"{c.attention_impl}-chunk{c.loss_chunk}-{c.remat}-{c.norm}" for c, *_ in CASES])
 def test_options_manual_equals_autodiff_float64(case):
     config, B, T, mask = CASES[case]
-    params, batch = make_params(config, jnp.float64), make_batch(config, B, T, mask)
-    (loss_ref, ref), *others = THREE(params, batch, config, KEY)
-    for name, (loss, grads) in zip(("manual", "custom_vjp"), others):
-        np.testing.assert_allclose(loss, loss_ref, rtol=1e-12, atol=1e-12, err_msg=name)
-        assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params), name
-        assert_trees_close(ref, grads)  # 1e-10 per leaf in float64
+    params, batch, loss_ref = assert_sources_agree(config, B, T, mask, KEY)
     if config.dropout:  # the key matters: a different key draws other masks
         other = jaxformer.loss_fn(params, batch, config, key=jax.random.PRNGKey(8))
         assert float(other) != float(loss_ref)

@@ -14,14 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bfloat16_within_autodiff, make_batch, make_params
+from helpers import assert_bfloat16_within_autodiff, assert_sources_agree, make_batch, make_params
 
 import jaxformer
-import manual_grads
 from jaxformer.model.config import PRESETS, ModelConfig
 from jaxformer.model.kv_cache import init_cache
-from manual_grads import custom_vjp
-from manual_grads.check import assert_trees_close
 
 FIELDS = {
     # the modern block's
@@ -89,14 +86,6 @@ def test_rows_cover_every_pair():
         assert seen == wanted, (a, b)
 
 
-def _three(params, batch, config, key):
-    return (jax.value_and_grad(jaxformer.loss_fn)(params, batch, config, key=key),
-            manual_grads.value_and_grad(params, batch, config, key=key),
-            jax.value_and_grad(custom_vjp.loss_fn)(params, batch, config, key=key))
-
-
-THREE = jax.jit(_three, static_argnums=2)
-
 
 def _case_id(config):
     return (f"{config.norm_type}{'' if config.norm_scale else '-noscale'}-{config.positions}-{config.mlp}-"
@@ -109,12 +98,7 @@ def _case_id(config):
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c, *_ in CASES])
 def test_modern_options_manual_equals_autodiff_float64(case):
     config, B, T, mask = CASES[case]
-    params, batch = make_params(config, jnp.float64), make_batch(config, B, T, mask)
-    (loss_ref, ref), *others = THREE(params, batch, config, KEY)
-    for name, (loss, grads) in zip(("manual", "custom_vjp"), others):
-        np.testing.assert_allclose(loss, loss_ref, rtol=1e-12, atol=1e-12, err_msg=name)
-        assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params), name
-        assert_trees_close(ref, grads)  # 1e-10 per leaf in float64
+    params, batch, loss_ref = assert_sources_agree(config, B, T, mask, KEY)
 
 
 # ---------------------------------------------------------------------------- the params

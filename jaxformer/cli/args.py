@@ -33,26 +33,22 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def int_at_least(minimum: int, words: str) -> Callable[[str], int]:
+    """argparse type: an integer >= minimum; ``words`` names that range in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {words}, got {text!r}")
+        return value
+
+    return parse
 
 
-def nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+positive_int = int_at_least(1, "a positive integer")  # argparse type: an integer >= 1
+nonneg_int = int_at_least(0, "an integer >= 0")  # argparse type: an integer >= 0
 
 
 def number(kind: type) -> Callable[[str], int | float]:

@@ -16,6 +16,7 @@ a number, an integer is a Python or numpy integer, and a number must be finite.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -89,3 +90,13 @@ def check_bool(name: str, value, *, note: str = "") -> bool:
     if not isinstance(value, (bool, np.bool_)):
         refuse(name, "True or False", value, note)
     return bool(value)
+
+
+def check_keys(what: str, d, cls, name_known: bool = False) -> None:
+    """ValueError naming every key of ``d`` that is no field of the dataclass ``cls``
+    ("unknown {what}: a, b"), and the known fields too where ``name_known``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        known = f"; known: {', '.join(sorted(names))}" if name_known else ""
+        raise ValueError(f"unknown {what}: {', '.join(unknown)}{known}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from jaxformer.model.checks import check_bool, check_choice, check_int, check_number
+from jaxformer.model.checks import check_bool, check_choice, check_int, check_keys, check_number
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
 NORMS = ("pre", "post")
@@ -84,10 +84,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        check_keys("ModelConfig field(s)", d, cls)
         return cls(**d)
 
     def replace(self, **changes) -> "ModelConfig":

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from jaxformer.model.checks import check_keys
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
 from jaxformer.model.validate import check_precision
 from jaxformer.observe.words import plural
@@ -106,11 +107,7 @@ class TrainSettings:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainSettings":
         """The settings of ``d``; a key that names no field is refused by name."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown train settings key(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(names))}")
+        check_keys("train settings key(s)", d, cls, name_known=True)
         return cls(**d)
 
     def replace(self, **changes) -> "TrainSettings":
