@@ -152,13 +152,19 @@ def plot(report: dict, path) -> None:
     plt.close(fig)
 
 
-def write_reports(report: dict, out: str | os.PathLike) -> dict:
-    """report.json, report.md and bench.png in ``out`` (created); returns their paths."""
+def write_files(report: dict, out: str | os.PathLike, markdown, png, png_name: str) -> dict:
+    """report.json, report.md (``markdown(report)``) and the plot (``png(report, path)``,
+    named ``png_name``) in ``out`` (created); returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     safe = json_safe(report, non_finite="null")  # a missing number: "-" in the tables
-    paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "bench.png"}
+    paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / png_name}
     write_json(paths["json"], safe)
-    paths["markdown"].write_text(format_markdown(safe))
-    plot(safe, paths["png"])
+    paths["markdown"].write_text(markdown(safe))
+    png(safe, paths["png"])
     return paths
+
+
+def write_reports(report: dict, out: str | os.PathLike) -> dict:
+    """report.json, report.md and bench.png in ``out`` (created); returns their paths."""
+    return write_files(report, out, format_markdown, plot, "bench.png")

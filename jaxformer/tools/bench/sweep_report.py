@@ -5,11 +5,9 @@ ratio to the fastest, per shape, one line per contestant); see tools/bench/sweep
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from jaxformer.observe.jsonsafe import json_safe, write_json
 from jaxformer.observe.words import plural
-from jaxformer.tools.bench.report import LABELS
+from jaxformer.tools.bench.report import LABELS, write_files
 
 
 def ran_contestants(sweep: dict) -> list[str]:
@@ -100,11 +98,4 @@ def plot_sweep(sweep: dict, path) -> None:
 
 def write_sweep_reports(sweep: dict, out: str | os.PathLike) -> dict:
     """report.json, report.md and bench_sweep.png in ``out`` (created); returns their paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    safe = json_safe(sweep, non_finite="null")  # a missing number: "-" in the tables
-    paths = {"json": out / "report.json", "markdown": out / "report.md", "png": out / "bench_sweep.png"}
-    write_json(paths["json"], safe)
-    paths["markdown"].write_text(format_sweep_markdown(safe))
-    plot_sweep(safe, paths["png"])
-    return paths
+    return write_files(sweep, out, format_sweep_markdown, plot_sweep, "bench_sweep.png")
