@@ -43,7 +43,7 @@ from jaxformer.model.attention import (CORES, attention_spec, core_kv, merge_hea
                                        qkv_heads, qkv_weights, split_heads)
 from jaxformer.model.cores import AttentionSpec, attention_probs, repeat_kv
 from jaxformer.model.precision import cast, matmul
-from jaxformer.model.rotary import rope_base, rope_tables
+from jaxformer.model.rotary import rope_spec, rope_tables
 from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
@@ -89,16 +89,16 @@ class RotateQKRes(NamedTuple):
     rope: RopeRes | None  # the cos, sin tables (T, Dh)
 
 
-def rotate_qk_fwd(p, q, k, norm_eps, rope_theta):
+def rotate_qk_fwd(p, q, k, norm_eps, rope):
     """q (B, H, T, Dh), k (B, Hkv, T, Dh) -> (q, k), res: the model's ``rotate_qk``: an RMS
     norm over each head's width where p has q_norm and k_norm, then rotary positions
-    where rope_theta > 0."""
+    where ``rope`` (a RopeSpec or a base theta) is given: the model's own tables."""
     q_res = k_res = rope_res = None
     if "q_norm" in p:
         q, q_res = rms_norm_fwd(p["q_norm"], q, norm_eps)
         k, k_res = rms_norm_fwd(p["k_norm"], k, norm_eps)
-    if rope_theta:
-        cos, sin = rope_tables(jnp.arange(q.shape[-2]), q.shape[-1], rope_theta, q.dtype)  # (T, Dh)
+    if rope:
+        cos, sin = rope_tables(jnp.arange(q.shape[-2]), q.shape[-1], rope, q.dtype)  # (T, Dh)
         q, rope_res = rope_fwd(q, cos, sin)
         k, _ = rope_fwd(k, cos, sin)
     return (q, k), RotateQKRes(q_res, k_res, rope_res)
@@ -124,7 +124,7 @@ def heads_fwd(p, x, config):
     """The model's ``attention_qkv``: x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh)):
     the projections, then QK-norm and rotary positions where config turns them on."""
     (q, k, v), qkv_res = qkv_fwd(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    (q, k), rot_res = rotate_qk_fwd(p, q, k, config.ln_eps, rope_base(config))
+    (q, k), rot_res = rotate_qk_fwd(p, q, k, config.ln_eps, rope_spec(config))
     return (q, k, v), HeadsRes(qkv_res, rot_res)
 
 

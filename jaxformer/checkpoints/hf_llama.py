@@ -19,6 +19,7 @@ are skipped.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -82,23 +83,75 @@ FIXED = {"norm": "pre", "norm_type": "rms", "norm_scale": True, "positions": "ro
          "causal": True, "qk_norm": False, "embed_scale": False, "head_bias": False}
 
 
-def rope_theta_from_hf(hf: dict) -> float:
-    """The rotary base of a Llama config.json: transformers 5's ``rope_parameters``
-    {"rope_type", "rope_theta"} or the older top-level ``rope_theta`` and ``rope_scaling``.
-    Any rope type but "default" (llama3, linear, dynamic, yarn, ...) is refused by name."""
-    theta = hf.get("rope_theta", 10000.0)
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(key)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            raise HFFormatError(f"config.json: {key} {rope!r} is not a dict")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise HFFormatError(f"config.json: {key} rope_type {kind!r} is not supported "
-                                f"(only 'default' rotary positions)")
-        theta = rope.get("rope_theta", theta)
-    return float(theta)
+# rope_type <-> ModelConfig.rope_scaling, and the numbers each scaling rule reads:
+# (rope_parameters key, ModelConfig field, default where transformers has one)
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+ROPE_NUMBERS = {
+    "linear": (("factor", "rope_factor", None),),
+    "llama3": (("factor", "rope_factor", None), ("low_freq_factor", "rope_low_freq_factor", None),
+               ("high_freq_factor", "rope_high_freq_factor", None)),
+    "yarn": (("factor", "rope_factor", None), ("beta_fast", "rope_beta_fast", 32.0),
+             ("beta_slow", "rope_beta_slow", 1.0)),
+}
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_from_hf(hf: dict) -> dict:
+    """The rotary fields (rope_theta, rope_scaling, rope_*) of a Llama config.json: the older
+    ``rope_scaling`` {"rope_type" | "type", "factor", ...} with a top-level ``rope_theta``, or
+    transformers 5's ``rope_parameters`` {"rope_type", "rope_theta", ...} (rope_scaling first,
+    as transformers reads them). A rope type other than default, linear, llama3 and yarn is
+    refused by name."""
+    key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters"
+    rope = hf.get(key) or {}
+    if not isinstance(rope, dict):
+        raise HFFormatError(f"config.json: {key} {rope!r} is not a dict")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HFFormatError(f"config.json: {key} rope_type {kind!r} is not supported "
+                            f"(supported: {', '.join(ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFFormatError(f"config.json: partial_rotary_factor {rope.get('partial_rotary_factor')!r} "
+                            "is not supported (every feature of a head is rotated here)")
+    fields = {"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+              "rope_scaling": ROPE_TYPES[kind]}
+    if kind in ("llama3", "yarn"):
+        fields["rope_original_max_len"] = (hf.get("original_max_position_embeddings")
+                                           or rope.get("original_max_position_embeddings")
+                                           or hf.get("max_position_embeddings", 2048))
+    if kind == "yarn" and rope.get("factor") is None:  # transformers: the ratio of the two lengths
+        rope = {**rope, "factor": hf.get("max_position_embeddings", 2048) / fields["rope_original_max_len"]}
+    for name, field, default in ROPE_NUMBERS.get(kind, ()):
+        value = rope.get(name) or default
+        if value is None:
+            raise HFFormatError(f"config.json: {key} rope_type {kind!r} needs {name!r}")
+        fields[field] = value
+    if kind == "yarn":
+        fields["rope_truncate"] = rope.get("truncate", True)
+        fields["rope_attention_factor"] = rope.get("attention_factor") or 0.0
+        if not rope.get("attention_factor") and rope.get("mscale") and rope.get("mscale_all_dim"):
+            fields["rope_attention_factor"] = (yarn_mscale(fields["rope_factor"], rope["mscale"])
+                                               / yarn_mscale(fields["rope_factor"], rope["mscale_all_dim"]))
+    return fields
+
+
+def rope_to_hf(config: ModelConfig) -> dict:
+    """config.json's rotary keys for ``config``: both spellings (transformers 5 reads
+    rope_parameters, 4.x rope_theta and rope_scaling)."""
+    kind = {ours: theirs for theirs, ours in ROPE_TYPES.items()}[config.rope_scaling]
+    scaling = {"rope_type": kind}
+    scaling.update({name: getattr(config, field) for name, field, _ in ROPE_NUMBERS.get(kind, ())})
+    if kind in ("llama3", "yarn"):
+        scaling["original_max_position_embeddings"] = config.rope_original_max_len
+    if kind == "yarn":
+        scaling["truncate"] = config.rope_truncate
+        if config.rope_attention_factor:
+            scaling["attention_factor"] = config.rope_attention_factor
+    return {"rope_theta": config.rope_theta, "rope_scaling": None if kind == "default" else scaling,
+            "rope_parameters": {**scaling, "rope_theta": config.rope_theta}}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -123,7 +176,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
                                 f"num_attention_heads ({D} / {H}); only that head width is supported")
         n_kv = hf.get("num_key_value_heads") or H
         return ModelConfig(**fields_in(KEYS, hf), **FIXED, n_kv_heads=0 if n_kv == H else n_kv,
-                           rope_theta=rope_theta_from_hf(hf), bias=attention_bias)
+                           **rope_from_hf(hf), bias=attention_bias)
     except HFFormatError:
         raise
     except KeyError as e:
@@ -138,12 +191,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     if config.activation not in ACTIVATIONS_OUT:
         raise ValueError(f"a Hugging Face Llama needs ModelConfig.activation one of "
                          f"{', '.join(ACTIVATIONS_OUT)}, this model has {config.activation!r}")
-    theta = config.rope_theta
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **keys_out(KEYS, config),
-            "num_key_value_heads": config.kv_heads, "head_dim": config.d_head,
-            # both spellings: transformers 5 reads rope_parameters, 4.x rope_theta / rope_scaling
-            "rope_theta": theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "num_key_value_heads": config.kv_heads, "head_dim": config.d_head, **rope_to_hf(config),
             "attention_bias": config.bias, "mlp_bias": config.bias, "attention_dropout": 0.0,
             "dtype": "float32", "torch_dtype": "float32"}
 

@@ -27,7 +27,7 @@ from jaxformer.model.blockwise import blockwise
 from jaxformer.model.cores import AttentionSpec, cudnn, cudnn_core, flash, full, repeat_kv  # noqa: F401
 from jaxformer.model.linear import linear
 from jaxformer.model.rms_norm import rms_norm
-from jaxformer.model.rotary import apply_rope, rope_base, rope_tables
+from jaxformer.model.rotary import apply_rope, rope_spec, rope_tables
 
 
 class Core(NamedTuple):
@@ -95,14 +95,14 @@ def qkv_heads(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
     return split_qkv(linear(x, w, b, compute_dtype), n_heads, n_kv_heads)
 
 
-def rotate_qk(p, q, k, norm_eps, rope_theta, start=0):
+def rotate_qk(p, q, k, norm_eps, rope, start=0):
     """QK-norm then rotary positions on q (B, H, T, Dh) and k (B, Hkv, T, Dh): an RMS norm
-    over each head's width where p has q_norm (and k_norm); rope_theta > 0 rotates position
-    start + t. Neither option: q and k as they are."""
+    over each head's width where p has q_norm (and k_norm); ``rope`` (a RopeSpec or a base
+    theta; None or 0: none) rotates position start + t. Neither option: q and k as they are."""
     if "q_norm" in p:
         q, k = rms_norm(p["q_norm"], q, norm_eps), rms_norm(p["k_norm"], k, norm_eps)
-    if rope_theta:
-        cos, sin = rope_tables(start + jnp.arange(q.shape[-2]), q.shape[-1], rope_theta, q.dtype)
+    if rope:
+        cos, sin = rope_tables(start + jnp.arange(q.shape[-2]), q.shape[-1], rope, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (T, Dh) tables
     return q, k
 
@@ -112,7 +112,7 @@ def attention_qkv(p, x, config, start=0):
     projections, then QK-norm and rotary positions (``rotate_qk``) where config turns them
     on; ``start``: the position of x's first token (a decoder's cache)."""
     q, k, v = qkv_heads(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    q, k = rotate_qk(p, q, k, config.ln_eps, rope_base(config), start)
+    q, k = rotate_qk(p, q, k, config.ln_eps, rope_spec(config), start)
     return q, k, v
 
 

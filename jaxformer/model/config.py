@@ -19,6 +19,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
 NORMS = ("pre", "post")
 NORM_TYPES = ("layer", "rms")
 POSITIONS = ("learned", "sinusoidal", "rope")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # transformers' rope_type names ("none": its "default")
 MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
@@ -60,6 +61,19 @@ class ModelConfig:
     norm_type: str = "layer"  # layer: LayerNorm (scale, bias); rms: RMSNorm (scale only, no mean)
     norm_scale: bool = True  # False: RMS norms without a learnable scale (norm_type "rms" only)
     rope_theta: float = 10000.0  # positions "rope": the rotation's base (Llama 3: 500000)
+    # rotary scaling (rotary.py; transformers' rope_type and its numbers): none | linear (every
+    # frequency / rope_factor) | llama3 (Llama 3.1's: low frequencies / rope_factor, high ones kept,
+    # a smooth blend between) | yarn (a ramp between interpolated and kept frequencies over the
+    # dims, cos and sin scaled by the attention factor)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # linear, llama3, yarn: how many times the pretrained context is stretched
+    rope_original_max_len: int = 0  # llama3, yarn: the pretrained context (original_max_position_embeddings)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / this are divided by rope_factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / this are kept
+    rope_beta_fast: float = 32.0  # yarn: rotations (over the original context) where the ramp keeps a dim
+    rope_beta_slow: float = 1.0  # yarn: rotations where the ramp interpolates a dim fully
+    rope_attention_factor: float = 0.0  # yarn: cos and sin times this; 0: 0.1 ln(rope_factor) + 1
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole dims (floor, ceil)
     mlp: str = "plain"  # plain: act(x w_in) w_out; gated: (act(x w_gate) * (x w_up)) w_down (SwiGLU with silu)
     n_kv_heads: int = 0  # key/value heads (grouped-query attention; 1: multi-query); 0: n_heads
     qk_norm: bool = False  # an RMS norm over each head's q and k (own scales), before rotary positions
@@ -139,6 +153,16 @@ FIELD_RULES: dict[str, Rule] = {
     "norm_type": Rule("choice", choices=NORM_TYPES),
     "norm_scale": BOOL,
     "rope_theta": Rule("number", low=1, low_open=True),
+    "rope_scaling": Rule("choice", choices=ROPE_SCALINGS, note="'dynamic' is not implemented for "
+                         "training: its frequencies change with the sequence's length"),
+    "rope_factor": Rule("number", low=1),
+    "rope_original_max_len": NON_NEGATIVE._replace(note="0: unset; llama3 and yarn need it"),
+    "rope_low_freq_factor": Rule("number", low=0, low_open=True),
+    "rope_high_freq_factor": Rule("number", low=0, low_open=True),
+    "rope_beta_fast": Rule("number", low=0, low_open=True),
+    "rope_beta_slow": Rule("number", low=0, low_open=True),
+    "rope_attention_factor": Rule("number", low=0, note="0: yarn's 0.1 ln(rope_factor) + 1"),
+    "rope_truncate": BOOL,
     "mlp": Rule("choice", choices=MLPS),
     "n_kv_heads": NON_NEGATIVE._replace(note="0: n_heads"),
     "qk_norm": BOOL,
@@ -165,6 +189,18 @@ def rope_needs_even_heads(c: ModelConfig) -> None:
                          f"({c.d_model}) / n_heads ({c.n_heads}) is {c.d_head}")
 
 
+def rope_scaling_needs_rope(c: ModelConfig) -> None:
+    if c.rope_scaling != "none" and c.positions != "rope":
+        raise ValueError(f"ModelConfig.rope_scaling {c.rope_scaling!r} needs positions 'rope', "
+                         f"got positions {c.positions!r}")
+    if c.rope_scaling in ("llama3", "yarn") and not c.rope_original_max_len:
+        raise ValueError(f"ModelConfig.rope_scaling {c.rope_scaling!r} needs rope_original_max_len "
+                         "(the pretrained context length), got 0")
+    if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
+        raise ValueError(f"ModelConfig.rope_high_freq_factor ({c.rope_high_freq_factor}) must be greater "
+                         f"than rope_low_freq_factor ({c.rope_low_freq_factor}) with rope_scaling 'llama3'")
+
+
 def unscaled_norm_is_rms(c: ModelConfig) -> None:
     if not c.norm_scale and c.norm_type != "rms":
         raise ValueError("ModelConfig.norm_scale False (no learnable scale) needs norm_type 'rms', "
@@ -186,7 +222,7 @@ def cudnn_reads_half_precision(c: ModelConfig) -> None:
 
 
 CROSS_FIELD_RULES = (heads_divide_width, kv_heads_divide_heads, rope_needs_even_heads, unscaled_norm_is_rms,
-                     fused_attention_has_no_dropout, cudnn_reads_half_precision)
+                     fused_attention_has_no_dropout, cudnn_reads_half_precision, rope_scaling_needs_rope)
 
 
 # The three systems this project grew from, plus a tiny model for tests.

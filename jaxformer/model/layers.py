@@ -23,4 +23,4 @@ from jaxformer.model.losses import cross_entropy  # noqa: F401
 from jaxformer.model.mlp import feed_forward, gate_up_weights, gated_feed_forward  # noqa: F401
 from jaxformer.model.precision import cast, matmul, stats_dtype, upcast  # noqa: F401
 from jaxformer.model.rms_norm import rms_norm, rms_norm_stats  # noqa: F401
-from jaxformer.model.rotary import apply_rope, rope_base, rope_tables, rotate_half  # noqa: F401
+from jaxformer.model.rotary import RopeSpec, apply_rope, rope_base, rope_spec, rope_tables, rotate_half  # noqa: F401
