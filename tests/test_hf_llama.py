@@ -29,6 +29,7 @@ from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf
 from jaxformer.checkpoints.hf_llama import params_from_hf  # noqa: E402
 from jaxformer.model.config import PRESETS  # noqa: E402
 from manual_grads.check import assert_trees_close  # noqa: E402
+from test_rope_scaling import transformers_rope  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 V, D, H, L, F, S = 64, 16, 4, 2, 24, 32
@@ -66,10 +67,13 @@ def float64_llama(folder):
 
     def rotary(self, x, position_ids):
         dim, theta = 2 * self.inv_freq.shape[0], self.config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        inv_freq, scale = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim), 1.0
+        if self.rope_type != "default":  # transformers' own rule (llama3, linear, yarn) in float64
+            inv_freq, scale = transformers_rope(self.config)
+            inv_freq = torch.from_numpy(inv_freq)
         angle = position_ids[..., None].double() * inv_freq
         angle = torch.cat((angle, angle), dim=-1)
-        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        return (angle.cos() * scale).to(x.dtype), (angle.sin() * scale).to(x.dtype)
 
     model = transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").double().eval()
     for module in model.modules():
@@ -196,10 +200,10 @@ def test_bad_folders_are_one_named_line(saved, tmp_path):
     _, folder = saved
     cases = [
         (dict(config={"model_type": "mistral"}), "model_type 'mistral' is not supported.*gpt2, llama"),
-        (dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}),
-         "rope_type 'llama3' is not supported"),
-        (dict(config={"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}),
-         "rope_scaling rope_type 'linear'"),
+        (dict(config={"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}}),
+         "rope_parameters rope_type 'dynamic' is not supported"),
+        (dict(config={"rope_parameters": None, "rope_scaling": {"type": "longrope", "factor": 2.0}}),
+         "rope_scaling rope_type 'longrope'"),
         (dict(config={"head_dim": 8}), "head_dim 8 is not hidden_size / num_attention_heads"),
         (dict(config={"attention_bias": True, "mlp_bias": False}), "attention_bias True with mlp_bias False"),
         (dict(tensors=lambda t: {k: v for k, v in t.items() if "layers.1.mlp.up_proj.weight" not in k}),
@@ -277,3 +281,66 @@ def test_compare_grads_on_imported_llama(byte_llama, tmp_path, capsys):
     assert run_cli("compare-grads", "--init-from", byte_llama, "--batch-size", 2, "--seq-len", 16,
                    "--repeats", 1, "--out", tmp_path / "cmp") == 0
     assert "hf:" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- rotary scaling (llama3, linear, yarn)
+
+# Dh 16 at base 100 over an original context of 16, sequences of 32: every band of each rule
+# (kept, blended, divided) holds some of the 8 frequencies.
+SCALED = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 100.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 2.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "rope_theta": 100.0, "factor": 2.5},
+    "yarn": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0, "beta_fast": 8.0, "beta_slow": 0.5,
+             "original_max_position_embeddings": 16},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SCALED))
+def scaled(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rope-" + request.param)
+    cfg = llama_config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       rope_parameters=dict(SCALED[request.param]))
+    random_llama(cfg, seed=5).save_pretrained(folder)
+    return float64_llama(folder), folder
+
+
+def long_batch(seed):
+    rng = np.random.default_rng(seed)
+    return {"inputs": jnp.asarray(rng.integers(0, V, (2, S)), jnp.int32),
+            "targets": jnp.asarray(rng.integers(0, V, (2, S)), jnp.int32)}
+
+
+def test_scaled_rope_imports_with_transformers_logits_and_grads(scaled):
+    model, folder = scaled
+    params, config = read_hf(folder, np.float64)
+    kind = model.config.rope_parameters["rope_type"]
+    assert config.rope_scaling == kind and config.rope_factor == SCALED[kind]["factor"]
+    b = long_batch(0)
+    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
+    print(f"\n{kind}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
+    assert_logits_equal(ours, ref)
+    unscaled = np.asarray(jaxformer.forward(params, b["inputs"], config.replace(rope_scaling="none")))
+    assert not np.allclose(unscaled, ref, rtol=1e-3)  # the rule matters at these positions
+    ref_loss, ref_grads = torch_reference(model, config, b)
+    for source, grad_fn in [("jax.grad", jax.value_and_grad(jaxformer.loss_fn)),
+                            ("manual", manual_grads.value_and_grad)]:
+        loss, grads = grad_fn(params, b, config)
+        np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-12)
+        rows = assert_trees_close(ref_grads, grads)  # 1e-10 per leaf
+        worst = max(rows, key=lambda r: r.rel)
+        print(f"{kind} {source}: worst leaf {worst.path} relative {worst.rel:.1e}")
+
+
+def test_scaled_rope_export_reloads_in_transformers(scaled, tmp_path):
+    model, folder = scaled
+    params, config = read_hf(folder, np.float64)
+    out, kind = write_hf(tmp_path / "out", params, config)
+    back = float64_llama(out)
+    want, got = model.config.rope_parameters, back.config.rope_parameters
+    assert {k: got[k] for k in want} == want  # every key the source has, with its value
+    assert {k: got[k] for k in set(got) - set(want)} in ({}, {"truncate": True})  # yarn's default, written
+    again, config2 = read_hf(out, np.float64)
+    assert config2 == config
+    b = long_batch(1)
+    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), torch_logits(back, b["inputs"]))

@@ -4,7 +4,7 @@ in float64: manual_grads.value_and_grad, jax.grad of the configured model and ja
 custom_vjp model agree to 1e-10 per leaf (dropout with one key), over a pairwise covering set
 that ``covering_rows`` builds greedily: every pair of values of any two fields below appears
 in some model, except the pairs the config refuses (dropout with the Pallas kernel, no norm
-scale with layer norm); test_rows_cover_every_pair checks it. Then the params each option
+scale with layer norm, rotary scaling without rotary positions); test_rows_cover_every_pair checks it. Then the params each option
 makes, the bfloat16 rule, the errors, what grouped-query attention means and what it saves in
 the key/value cache."""
 
@@ -29,6 +29,8 @@ FIELDS = {
     "activation": ("gelu", "silu", "relu2"),
     "n_kv_heads": (0, 2, 1),  # of 4 query heads: as many, groups of two, one (multi-query)
     "qk_norm": (False, True),
+    "rope_scaling": ("none", "llama3", "yarn"),  # rotary scaling with BASE's rope_* numbers (linear,
+    # every frequency divided alike: test_rope_scaling.py)
     # the older ones
     "attention_impl": ("full", "blockwise", "pallas"),
     "loss_chunk": (0, 5),
@@ -39,9 +41,12 @@ FIELDS = {
     "bias": (True, False),
     "dropout": (0.0, 0.2),
 }
-REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("norm_scale", False), ("norm_type", "layer"))}
+REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("norm_scale", False), ("norm_type", "layer")),
+           *((("positions", p), ("rope_scaling", s)) for p in ("learned", "sinusoidal")
+             for s in ("llama3", "yarn"))}
 BASE = ModelConfig(vocab_size=29, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=16,
-                   attention_block=4, pallas_block_q=8, pallas_block_k=8)
+                   attention_block=4, pallas_block_q=8, pallas_block_k=8,
+                   rope_factor=3.0, rope_original_max_len=4, rope_beta_fast=8.0, rope_beta_slow=0.5)
 SHAPES = [(2, 13, "mostly_zero"), (2, 7, None), (3, 5, "bool")]
 KEY = jax.random.PRNGKey(7)
 
@@ -79,7 +84,7 @@ CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 16  # a covering set, not the product (2^10 * 3^4 models)
+    assert len(ROWS) <= 18  # a covering set, not the product (2^10 * 3^5 models)
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
@@ -92,7 +97,8 @@ def _case_id(config):
             f"{config.activation}-kv{config.kv_heads}{'-qkn' if config.qk_norm else ''}-"
             f"{config.attention_impl}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
             f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
-            f"{'' if config.bias else '-nobias'}-drop{config.dropout}")
+            f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
+            f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}")
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c, *_ in CASES])

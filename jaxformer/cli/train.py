@@ -153,7 +153,10 @@ def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_give
 # ModelConfig fields an imported model fixes (its params' tree and shapes, its function)
 SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activation", "norm",
                 "positions", "causal", "ln_eps", "tie_embeddings", "bias", "head_bias", "embed_scale",
-                "norm_type", "norm_scale", "rope_theta", "mlp", "n_kv_heads", "qk_norm")
+                "norm_type", "norm_scale", "rope_theta", "mlp", "n_kv_heads", "qk_norm",
+                "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor",
+                "rope_truncate")
 
 
 def run(args: argparse.Namespace) -> int:
