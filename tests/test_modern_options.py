@@ -29,6 +29,12 @@ FIELDS = {
     "activation": ("gelu", "silu", "relu2"),
     "n_kv_heads": (0, 2, 1),  # of 4 query heads: as many, groups of two, one (multi-query)
     "qk_norm": (False, True),
+    "head_dim": (0, 6),  # 0: D / H = 4; 6: wider heads, wq (D, 24), wo (24, D)
+    # None: as bias; True (with bias False, the one bias value that makes it differ): that layer's
+    # biases alone, e.g. Qwen 2.5's q, k, v biases without bo or the MLP's
+    "qkv_bias": (None, True),
+    "out_bias": (None, True),
+    "mlp_bias": (None, True),
     # the older ones
     "attention_impl": ("full", "blockwise", "pallas"),
     "loss_chunk": (0, 5),
@@ -40,6 +46,9 @@ FIELDS = {
     "dropout": (0.0, 0.2),
 }
 REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("norm_scale", False), ("norm_type", "layer"))}
+# a bias field equal to bias is the config with None there (ModelConfig keeps one of them):
+# the pair is the row with None, already covered
+SAME_AS_NONE = {(("bias", True), (name, True)) for name in ("qkv_bias", "out_bias", "mlp_bias")}
 BASE = ModelConfig(vocab_size=29, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=16,
                    attention_block=4, pallas_block_q=8, pallas_block_k=8)
 SHAPES = [(2, 13, "mostly_zero"), (2, 7, None), (3, 5, "bool")]
@@ -51,7 +60,7 @@ def _pair(a, b):
 
 
 def allowed(a, b) -> bool:
-    return _pair(a, b) not in REFUSED
+    return _pair(a, b) not in REFUSED | SAME_AS_NONE
 
 
 def covering_rows():
