@@ -23,6 +23,7 @@ MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_types (checkpoints/hf.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases bq bk bv on the q, k, v projections; None: as bias
     out_bias: bool | None = None  # the attention output projection's bias bo; None: as bias
     mlp_bias: bool | None = None  # the feed-forward layer's b_* biases; None: as bias
+    family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
         for name, rule in FIELD_RULES.items():
@@ -169,6 +171,7 @@ FIELD_RULES: dict[str, Rule] = {
     "qkv_bias": FOLLOWS_BIAS,
     "out_bias": FOLLOWS_BIAS,
     "mlp_bias": FOLLOWS_BIAS,
+    "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 
 
