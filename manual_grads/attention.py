@@ -6,10 +6,12 @@ Forward (jaxformer/model/attention.py's ``attention``):
     k, v = repeat_kv(k, G), repeat_kv(v, G)                (B, H, T, Dh), G = H / Hkv: cores that
                                                            do not read grouped heads (``core_kv``)
     O = core(q, k, v, spec, key)                           (B, H, T, Dh)
-    y = merge_heads(O) @ wo + bo                           (B, T, D)
+    y = merge_heads(O) @ wo + bo                           (B, T, H Dh) @ (H Dh, D)
 The backward undoes it bottom to top; a key/value head read by G query heads gets the sum
 of their gradients (``sum_groups`` undoes ``repeat_kv``; a no-op for a grouped core, whose
-backward already returns Hkv heads). With bias=False there are no b* leaves.
+backward already returns Hkv heads). Dh is config.d_head (head_dim, or D / H): every width
+below is read from the weights' shapes. The b* leaves are there or not as the params have them
+(ModelConfig.linear_biases: bq bk bv and bo apart).
 
 Each core has its pair ``core_fwd(q, k, v, spec, key) -> (O, res)``, ``core_bwd(res, dO) ->
 (dq, dk, dv)``, named by attention_impl in ``MANUAL_CORES``:
@@ -53,10 +55,10 @@ from manual_grads.rotary import RopeRes, rope_bwd, rope_fwd
 
 class QKVRes(NamedTuple):
     x: jax.Array  # (B, T, D) the input of the q, k, v projections, in the compute dtype
-    wq: jax.Array  # (D, D)
+    wq: jax.Array  # (D, H Dh)
     wk: jax.Array  # (D, Hkv * Dh)
     wv: jax.Array  # (D, Hkv * Dh)
-    b: jax.Array | None = None  # (D + 2 Hkv Dh,) [bq | bk | bv], None without biases
+    b: jax.Array | None = None  # ((H + 2 Hkv) Dh,) [bq | bk | bv], None without q, k, v biases
 
 
 def qkv_fwd(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
@@ -68,13 +70,13 @@ def qkv_fwd(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
 def qkv_bwd(res: QKVRes, dq, dk, dv):
     """dq (B, H, T, Dh), dk, dv (B, Hkv, T, Dh) -> ({wq, bq, wk, bk, wv, bv}, dx (B, T, D)).
     Undoes ``q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])`` as one linear
-    layer of width D + 2 Hkv Dh: one product for the three weight gradients over the B*T
+    layer of width (H + 2 Hkv) Dh: one product for the three weight gradients over the B*T
     rows, one for dx; the gradients are then cut back into the three projections' leaves."""
     x, wq, wk, wv, b = res
-    w = jnp.concatenate([wq, wk, wv], axis=1)  # (D, D + 2 Hkv Dh)
+    w = jnp.concatenate([wq, wk, wv], axis=1)  # (D, (H + 2 Hkv) Dh)
     d, dx = linear_bwd(LinearRes(x, w, b), merge_qkv(dq, dk, dv))  # dx (B, T, D)
     cuts = [wq.shape[1], wq.shape[1] + wk.shape[1]]
-    dw = jnp.split(d["w"], cuts, axis=1)  # (D, D), (D, Hkv Dh), (D, Hkv Dh)
+    dw = jnp.split(d["w"], cuts, axis=1)  # (D, H Dh), (D, Hkv Dh), (D, Hkv Dh)
     dp = {"wq": dw[0], "wk": dw[1], "wv": dw[2]}
     if b is not None:
         db = jnp.split(d["b"], cuts)
@@ -223,7 +225,7 @@ CUDNN_REFUSED = ("attention_impl 'cudnn' has no hand-derived backward (cuDNN's k
 class AttentionRes(NamedTuple):
     heads: HeadsRes  # x (B, T, D), wq, wk, wv; QK-norm's and rotary positions'
     core: FullCoreRes | BlockwiseCoreRes | FlashRes  # the core's; only full's keeps the probabilities
-    out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, D), w = wo (D, D)
+    out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, H Dh), w = wo (H Dh, D)
 
 
 def _proj(p, name):
@@ -250,7 +252,7 @@ def attention_bwd(res: AttentionRes, dy):
     H, Dh = core_res.q.shape[-3], core_res.q.shape[-1]  # every core keeps q as (..., H, T or K, Dh)
     Hkv = heads_res.qkv.wk.shape[1] // Dh
     # y = merge_heads(O) @ wo + bo
-    d_out, do = linear_bwd(out_res, dy)  # do (B, T, D)
+    d_out, do = linear_bwd(out_res, dy)  # do (B, T, H Dh)
     # O = core(q, k, v)
     dq, dk, dv = core_bwd(core_res, split_heads(do, H))  # dq (B, H, T, Dh); dk, dv with the core's heads
     # k, v = repeat_kv(k, G), repeat_kv(v, G) (cores that do not read grouped heads)

@@ -109,6 +109,19 @@ def _safetensors_header(path, f) -> dict:
     return header
 
 
+def _shards(path) -> list[str]:
+    """The shard files a model.safetensors.index.json names in its ``weight_map``; one line
+    naming the file (and the key) when it is not JSON or has no such map."""
+    try:
+        index = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFFormatError(f"{path} is not valid JSON: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HFFormatError(f"{path}: weight_map (tensor name -> shard file) is missing or not an object")
+    return sorted(set(weight_map.values()))
+
+
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
           "I8": "i1", "U8": "u1", "BOOL": "?"}
 
@@ -120,7 +133,7 @@ def read_tensors(folder) -> dict[str, np.ndarray]:
     if (folder / SAFETENSORS).exists():
         return load_safetensors(folder / SAFETENSORS)
     if (folder / SAFETENSORS_INDEX).exists():
-        shards = sorted(set(json.loads((folder / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+        shards = _shards(folder / SAFETENSORS_INDEX)
         tensors = {}
         for shard in shards:
             if not (folder / shard).exists():
@@ -133,6 +146,12 @@ def read_tensors(folder) -> dict[str, np.ndarray]:
         except ImportError:
             raise HFFormatError(f"{folder / TORCH_BIN} needs torch to read (pip install torch), "
                                 f"or convert it to {SAFETENSORS}") from None
-        state = torch.load(folder / TORCH_BIN, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(folder / TORCH_BIN, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch's unpickling, zip and EOF errors: one line, named
+            raise HFFormatError(f"{folder / TORCH_BIN} cannot be read by torch.load ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise HFFormatError(f"{folder / TORCH_BIN} does not hold a state dict of tensors")
         return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
     raise HFFormatError(f"{folder} has neither {SAFETENSORS}, {SAFETENSORS_INDEX} nor {TORCH_BIN}")

@@ -1,16 +1,22 @@
-"""Hugging Face Llama folders (``LlamaForCausalLM``) in and out: config.json + safetensors
-(one file or sharded), or ``pytorch_model.bin`` read with torch.
+"""Hugging Face Llama-shaped folders in and out: ``LlamaForCausalLM`` and the families that
+differ from it only in biases, QK-norm and the head width (FAMILIES: ``MistralForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); config.json + safetensors (one file or
+sharded), or ``pytorch_model.bin`` read with torch.
 
     read_hf_llama(folder, dtype) -> (params, ModelConfig)
-    write_hf_llama(folder, params, config)     a folder LlamaForCausalLM.from_pretrained loads
+    write_hf_llama(folder, params, config)     a folder the family's class from_pretrained loads
 
 The mapping is written once, as tables read in both directions (hf_table.py): TENSORS
 (HF name, our leaf, shape, transform: nn.Linear stores (out, in), our ``x @ w`` reads
 (in, out), so every projection and the untied lm_head are transposed; a tied head is not
 stored) and KEYS (config.json key, ModelConfig field); FIXED is what every Llama is.
 
-With ``attention_bias`` and ``mlp_bias`` (both or neither: ModelConfig.bias covers both) the
-projections' ``.bias`` map to bq bk bv bo and b_gate b_up b_down. The rotary layout is the
+The projections' ``.bias`` map to bq bk bv, bo and b_gate b_up b_down where the family has
+them (ModelConfig.linear_biases): Llama's ``attention_bias`` (q, k, v and o) and ``mlp_bias``;
+Qwen 2.5's q, k, v always and nothing else; Qwen 3's ``attention_bias``; Mistral none.
+``head_dim`` (Qwen 3: 128 whatever the width) is ModelConfig.head_dim; Qwen 3's per-head
+``q_norm`` and ``k_norm`` are ModelConfig.qk_norm. Sliding-window attention is refused by
+its key. The ModelConfig remembers the family (``family``), which export writes. The rotary layout is the
 one transformers stores (rotate-half: feature i pairs with i + Dh/2, rotary.py), so q_proj
 and k_proj load with no permutation. ``rotary_emb.inv_freq`` buffers some older files carry
 are skipped.
@@ -21,13 +27,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError,
                                             read_config_json, read_tensors)
-from jaxformer.checkpoints.hf_table import Key, Tensor, check_fixed, fields_in, keys_out, params_in, params_out
-from jaxformer.model.config import ModelConfig
+from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
+                                            params_out, read_flag)
+from jaxformer.model.checks import is_int
+from jaxformer.model.config import LinearBiases, ModelConfig
 
 # hidden_act -> activation of the gated MLP (silu: SwiGLU; the gelus: GeGLU)
 ACTIVATIONS_IN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -38,20 +47,27 @@ BUFFERS = (".rotary_emb.inv_freq",)
 HEAD = "lm_head.weight"
 
 
+def _q(c):
+    return c.n_heads * c.d_head
+
+
 def _kv(c):
     return c.kv_heads * c.d_head
 
 
-# the projections: (HF group.name, our group and suffix (w + suffix, b + suffix), HF (out, in))
+_QKV, _OUT, _MLP = (lambda c: c.linear_biases.qkv), (lambda c: c.linear_biases.out), (lambda c: c.linear_biases.mlp)
+# the projections: (HF group.name, our group and suffix (w + suffix, b + suffix), HF (out, in),
+# whether the config has its bias)
 LINEARS = (
-    ("self_attn.q_proj", "attn", "q", lambda c: (c.d_model, c.d_model)),
-    ("self_attn.k_proj", "attn", "k", lambda c: (_kv(c), c.d_model)),
-    ("self_attn.v_proj", "attn", "v", lambda c: (_kv(c), c.d_model)),
-    ("self_attn.o_proj", "attn", "o", lambda c: (c.d_model, c.d_model)),
-    ("mlp.gate_proj", "ffn", "_gate", lambda c: (c.d_ff, c.d_model)),
-    ("mlp.up_proj", "ffn", "_up", lambda c: (c.d_ff, c.d_model)),
-    ("mlp.down_proj", "ffn", "_down", lambda c: (c.d_model, c.d_ff)),
+    ("self_attn.q_proj", "attn", "q", lambda c: (_q(c), c.d_model), _QKV),
+    ("self_attn.k_proj", "attn", "k", lambda c: (_kv(c), c.d_model), _QKV),
+    ("self_attn.v_proj", "attn", "v", lambda c: (_kv(c), c.d_model), _QKV),
+    ("self_attn.o_proj", "attn", "o", lambda c: (c.d_model, _q(c)), _OUT),
+    ("mlp.gate_proj", "ffn", "_gate", lambda c: (c.d_ff, c.d_model), _MLP),
+    ("mlp.up_proj", "ffn", "_up", lambda c: (c.d_ff, c.d_model), _MLP),
+    ("mlp.down_proj", "ffn", "_down", lambda c: (c.d_model, c.d_ff), _MLP),
 )
+_DH = lambda c: (c.d_head,)  # noqa: E731
 _LAYER = "model.layers.{l}."
 _D = lambda c: (c.d_model,)  # noqa: E731
 # The mapping of the module docstring, read in both directions (hf_table.py); shapes of one
@@ -61,9 +77,11 @@ TENSORS = (
     Tensor(_LAYER + "input_layernorm.weight", ("blocks.ln1.scale",), _D),
     Tensor(_LAYER + "post_attention_layernorm.weight", ("blocks.ln2.scale",), _D),
     *(Tensor(f"{_LAYER}{name}.weight", (f"blocks.{group}.w{suffix}",), shape, transpose=True)
-      for name, group, suffix, shape in LINEARS),
+      for name, group, suffix, shape, _ in LINEARS),
     *(Tensor(f"{_LAYER}{name}.bias", (f"blocks.{group}.b{suffix}",), lambda c, s=shape: s(c)[:1],
-             when=lambda c: c.bias) for name, group, suffix, shape in LINEARS),
+             when=has) for name, group, suffix, shape, has in LINEARS),
+    Tensor(_LAYER + "self_attn.q_norm.weight", ("blocks.attn.q_norm.scale",), _DH, when=lambda c: c.qk_norm),
+    Tensor(_LAYER + "self_attn.k_norm.weight", ("blocks.attn.k_norm.scale",), _DH, when=lambda c: c.qk_norm),
     Tensor("model.norm.weight", ("ln_f.scale",), _D),
     Tensor(HEAD, ("head.w",), lambda c: (c.vocab_size, c.d_model), transpose=True,
            when=lambda c: not c.tie_embeddings),
@@ -76,11 +94,85 @@ KEYS = (
     Key("intermediate_size", "d_ff"), Key("max_position_embeddings", "max_seq_len", 2048),
     Key("rms_norm_eps", "ln_eps", 1e-6, float),
     Key("hidden_act", "activation", "silu", ACTIVATIONS_IN.__getitem__, ACTIVATIONS_OUT.__getitem__),
-    Key("tie_word_embeddings", "tie_embeddings", False, bool),
+    Key("tie_word_embeddings", "tie_embeddings", False),
 )
-# what every Llama is, which config.json does not record
+# what every Llama-shaped family is, which config.json does not record (qk_norm: by family)
 FIXED = {"norm": "pre", "norm_type": "rms", "norm_scale": True, "positions": "rope", "mlp": "gated",
-         "causal": True, "qk_norm": False, "embed_scale": False, "head_bias": False}
+         "causal": True, "embed_scale": False, "head_bias": False}
+
+
+def _llama_biases(hf: dict) -> LinearBiases:
+    attention = read_flag(hf, "attention_bias")
+    return LinearBiases(attention, attention, read_flag(hf, "mlp_bias"))
+
+
+def _no_sliding_window(hf: dict, max_seq_len: int) -> None:
+    """Qwen's: use_sliding_window true, or a layer_types entry other than full attention, refused."""
+    if read_flag(hf, "use_sliding_window"):
+        raise HFFormatError("config.json: use_sliding_window true is not supported "
+                            "(sliding-window attention is not implemented)")
+    other = [kind for kind in hf.get("layer_types") or () if kind != "full_attention"]
+    if other:
+        raise HFFormatError(f"config.json: layer_types {other[0]!r} is not supported (only "
+                            f"'full_attention': sliding-window attention is not implemented)")
+
+
+def _window_covers_sequence(hf: dict, max_seq_len: int) -> None:
+    """Mistral's: sliding_window null, or a window no shorter than max_position_embeddings."""
+    window = hf.get("sliding_window")
+    if window is not None and not (is_int(window) and window >= max_seq_len):
+        raise HFFormatError(f"config.json: sliding_window {window!r} is shorter than max_position_embeddings "
+                            f"{max_seq_len}: sliding-window attention is not supported (null, or a "
+                            f"window that covers the sequence)")
+
+
+class Family(NamedTuple):
+    name: str  # in messages
+    architecture: str  # config.json's architectures
+    qk_norm: bool  # a per-head RMS norm on q and k (q_norm, k_norm)
+    biases: Callable[[dict], LinearBiases]  # config.json -> which projections have biases
+    windows: Callable[[dict, int], None]  # refuses the sliding windows it has, by key
+    out: Callable[[ModelConfig, LinearBiases], dict]  # its own config.json keys; refuses the biases it lacks
+
+
+def _need(family: str, biases: LinearBiases, want: LinearBiases, why: str) -> None:
+    for name, have, need in zip(("qkv_bias", "out_bias", "mlp_bias"), biases, want):
+        if have != need:
+            raise ValueError(f"a Hugging Face {family} needs ModelConfig.{name} = {need!r} ({why}), "
+                             f"this model has {have!r}")
+
+
+def _llama_out(c, b):
+    _need("Llama", b, b._replace(out=b.qkv), "attention_bias covers q, k, v and o")
+    return {"attention_bias": b.qkv, "mlp_bias": b.mlp}
+
+
+def _mistral_out(c, b):
+    _need("Mistral", b, LinearBiases(False, False, False), "it has no biases")
+    return {"sliding_window": None}
+
+
+def _qwen2_out(c, b):
+    _need("Qwen2", b, LinearBiases(True, False, False), "q, k, v biases only")
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.n_layers}
+
+
+def _qwen3_out(c, b):
+    _need("Qwen3", b, LinearBiases(b.qkv, b.qkv, False), "attention_bias covers q, k, v and o; no MLP bias")
+    return {"attention_bias": b.qkv, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": c.n_layers}
+
+
+FAMILIES = {
+    "llama": Family("Llama", "LlamaForCausalLM", False, _llama_biases, lambda hf, s: None, _llama_out),
+    "mistral": Family("Mistral", "MistralForCausalLM", False, lambda hf: LinearBiases(False, False, False),
+                      _window_covers_sequence, _mistral_out),
+    "qwen2": Family("Qwen2", "Qwen2ForCausalLM", False, lambda hf: LinearBiases(True, False, False),
+                    _no_sliding_window, _qwen2_out),
+    "qwen3": Family("Qwen3", "Qwen3ForCausalLM", True,
+                    lambda hf: LinearBiases(read_flag(hf, "attention_bias"), read_flag(hf, "attention_bias"), False),
+                    _no_sliding_window, _qwen3_out),
+}
 
 
 # rope_type <-> ModelConfig.rope_scaling, and the numbers each scaling rule reads:
@@ -155,58 +247,85 @@ def rope_to_hf(config: ModelConfig) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """The ModelConfig of a Llama config.json (a dict); HFFormatError naming what has no
-    equivalent here."""
-    if hf.get("model_type") != "llama":
-        raise HFFormatError(f"config.json: model_type {hf.get('model_type')!r} is not 'llama'")
+    """The ModelConfig of a Llama-shaped config.json (a dict; model_type one of FAMILIES);
+    HFFormatError naming the key that has no equivalent here or a value of the wrong type."""
+    kind = hf.get("model_type")
+    if kind not in FAMILIES:
+        raise HFFormatError(f"config.json: model_type {kind!r} is not one of {', '.join(FAMILIES)}")
+    family = FAMILIES[kind]
     act = hf.get("hidden_act", "silu")
     if act not in ACTIVATIONS_IN:
         raise HFFormatError(f"config.json: hidden_act {act!r} is not one of {', '.join(ACTIVATIONS_IN)}")
-    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if attention_bias != mlp_bias:
-        raise HFFormatError(f"config.json: attention_bias {attention_bias} with mlp_bias {mlp_bias} is not "
-                            f"supported (ModelConfig.bias covers both: they must be equal)")
     try:
-        D, H = hf["hidden_size"], hf["num_attention_heads"]
-        if not isinstance(H, int) or H < 1:
-            raise HFFormatError(f"config.json: num_attention_heads must be a positive integer, got {H!r}")
-        head_dim = hf.get("head_dim") or D // H
-        if D % H or head_dim != D // H:
-            raise HFFormatError(f"config.json: head_dim {head_dim} is not hidden_size / "
-                                f"num_attention_heads ({D} / {H}); only that head width is supported")
-        n_kv = hf.get("num_key_value_heads") or H
-        return ModelConfig(**fields_in(KEYS, hf), **FIXED, n_kv_heads=0 if n_kv == H else n_kv,
-                           **rope_from_hf(hf), bias=attention_bias)
+        fields = fields_in(KEYS, hf)
+        D, H = fields["d_model"], fields["n_heads"]
+        family.windows(hf, fields["max_seq_len"])
+        head_dim = _count(hf, "head_dim", D // H)
+        n_kv = _count(hf, "num_key_value_heads", H)
+        qkv, out, mlp = family.biases(hf)
+        rope = rope_from_hf(hf)
     except HFFormatError:
         raise
     except KeyError as e:
         raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+    except (TypeError, ValueError) as e:
+        raise HFFormatError(f"config.json: rope_theta or rope_parameters cannot be read ({e})") from None
+    try:
+        return ModelConfig(**fields, **FIXED, qk_norm=family.qk_norm, family=kind,
+                           head_dim=0 if D % H == 0 and head_dim == D // H else head_dim,
+                           n_kv_heads=0 if n_kv == H else n_kv, **rope,
+                           bias=qkv, qkv_bias=qkv, out_bias=out, mlp_bias=mlp)
+    except ValueError as e:
         raise HFFormatError(f"config.json: {e}") from None
 
 
+def _count(hf: dict, key: str, default: int) -> int:
+    """config.json's positive integer ``key`` (null or absent: ``default``); one line naming it otherwise."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not is_int(value) or value < 1:
+        raise HFFormatError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def config_to_hf(config: ModelConfig) -> dict:
-    """config.json for ``config``; ValueError naming the option a Llama cannot have."""
-    check_fixed(FIXED, config, "Llama")
+    """config.json of ``config`` as its family (config.family, or Llama); ValueError naming the
+    option the family cannot hold."""
+    family = FAMILIES[config.family if config.family in FAMILIES else "llama"]
+    check_fixed({**FIXED, "qk_norm": family.qk_norm}, config, family.name)
     if config.activation not in ACTIVATIONS_OUT:
-        raise ValueError(f"a Hugging Face Llama needs ModelConfig.activation one of "
+        raise ValueError(f"a Hugging Face {family.name} needs ModelConfig.activation one of "
                          f"{', '.join(ACTIVATIONS_OUT)}, this model has {config.activation!r}")
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **keys_out(KEYS, config),
-            "num_key_value_heads": config.kv_heads, "head_dim": config.d_head, **rope_to_hf(config),
-            "attention_bias": config.bias, "mlp_bias": config.bias, "attention_dropout": 0.0,
-            "dtype": "float32", "torch_dtype": "float32"}
+    own = family.out(config, config.linear_biases)
+    return {"model_type": config.family or "llama", "architectures": [family.architecture], **keys_out(KEYS, config),
+            "num_key_value_heads": config.kv_heads, "head_dim": config.d_head,
+            **rope_to_hf(config),
+            **own, "attention_dropout": 0.0, "dtype": "float32", "torch_dtype": "float32"}
 
 
 def read_hf_llama(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
-    """(params in ``dtype``, ModelConfig) of the Hugging Face Llama in ``folder``."""
+    """(params in ``dtype``, ModelConfig) of the Hugging Face Llama-shaped model in ``folder``."""
     config = config_from_hf(read_config_json(folder))
-    return params_from_hf(read_tensors(folder), config, dtype, str(folder)), config
+    tensors = read_tensors(folder)
+    config = config_of_tensors(config, tensors)
+    return params_from_hf(tensors, config, dtype, str(folder)), config
+
+
+def config_of_tensors(config: ModelConfig, tensors: dict) -> ModelConfig:
+    """``config`` untied where config.json ties the head but the folder stores an lm_head.weight
+    that is not the embedding: transformers then keeps the stored head, untied, and so does this."""
+    head, embed = tensors.get(HEAD), tensors.get("model.embed_tokens.weight")
+    if config.tie_embeddings and head is not None and embed is not None and not (
+            np.shape(head) == np.shape(embed) and np.array_equal(head, embed)):
+        return config.replace(tie_embeddings=False)
+    return config
 
 
 def params_from_hf(tensors: dict, config: ModelConfig, dtype=np.float32, where: str = "tensors") -> dict:
-    """The params pytree of ``config`` from a Llama state dict {HF name: array} (TENSORS);
+    """The params pytree of ``config`` from a Llama-shaped state dict {HF name: array} (TENSORS);
     ``where`` names the source in errors. A tied model's lm_head.weight, if stored, is the
-    embedding's copy: skipped."""
+    embedding's copy (``config_of_tensors`` unties the config where it is not): skipped."""
     raw = {k: v for k, v in tensors.items() if not k.endswith(BUFFERS)}
     if config.tie_embeddings:
         raw.pop(HEAD, None)
@@ -215,7 +334,7 @@ def params_from_hf(tensors: dict, config: ModelConfig, dtype=np.float32, where: 
 
 def write_hf_llama(folder, params, config: ModelConfig) -> Path:
     """Write ``params`` of a Llama-shaped ``config`` as config.json + model.safetensors
-    (float32, the names LlamaForCausalLM.save_pretrained writes)."""
+    (float32, the names the family's save_pretrained writes)."""
     from safetensors.numpy import save_file
     hf = config_to_hf(config)
     folder = Path(folder)

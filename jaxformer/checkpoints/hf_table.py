@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from jaxformer.checkpoints.hf_files import HFFormatError
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import FIELD_RULES, ModelConfig, judge
 
 
 def _always(config: ModelConfig) -> bool:
@@ -110,12 +110,36 @@ def params_out(table, params: dict, config: ModelConfig) -> dict:
 
 def fields_in(keys, hf: dict) -> dict:
     """{ModelConfig field: value} of the config.json dict ``hf``; KeyError for a required
-    key it lacks."""
+    key it lacks; HFFormatError naming the key for a value its field's rule refuses (a
+    string width, a null epsilon): judged as it is in config.json, or after ``to_ours``
+    for a choice (an activation's name). A null where the default is None stays None."""
     fields = {}
     for key in keys:
         value = hf[key.hf] if key.default is REQUIRED else hf.get(key.hf, key.default)
-        fields[key.ours] = key.to_ours(value)
+        if value is None and key.default is None:
+            fields[key.ours] = None
+            continue
+        rule = FIELD_RULES[key.ours]
+        try:
+            if rule.kind != "choice":
+                judge(f"config.json: {key.hf}", value, rule._replace(note=""))
+            fields[key.ours] = key.to_ours(value)
+            if rule.kind == "choice":
+                judge(f"config.json: {key.hf}", fields[key.ours], rule._replace(note=""))
+        except (TypeError, ValueError, KeyError) as e:
+            message = str(e) if isinstance(e, ValueError) else f"config.json: {key.hf} {value!r} cannot be read"
+            raise HFFormatError(message) from None
     return fields
+
+
+def read_flag(hf: dict, key: str, default: bool = False) -> bool:
+    """config.json's true / false ``key`` (null or absent: ``default``); HFFormatError naming it otherwise."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise HFFormatError(f"config.json: {key} must be true or false, got {value!r}")
+    return value
 
 
 def keys_out(keys, config: ModelConfig) -> dict:

@@ -1,5 +1,6 @@
-"""`jaxformer export`: a trained run's params as a Hugging Face folder: GPT-2 for the GPT-2
-options, Llama for the modern block's (checkpoints/hf.py chooses)."""
+"""`jaxformer export`: a trained run's params as a Hugging Face folder: the family the model was
+imported as (Llama, Mistral, Qwen2, Qwen3, GPT-2), else GPT-2 for the GPT-2 options and Llama
+for the modern block's (checkpoints/hf.py chooses)."""
 
 from __future__ import annotations
 
@@ -23,16 +24,20 @@ EPILOG = """examples:
         transformers.GPT2LMHeadModel.from_pretrained("out/gpt2-ft")
   jaxformer export --run runs/llama-ft --hf out/llama-ft
         a run of the modern block (RMS norm, rotary, gated MLP): LlamaForCausalLM
+  jaxformer export --run runs/qwen3-ft --hf out/qwen3-ft
+        a run started from a Qwen3 folder (train --init-from): Qwen3ForCausalLM again
 """
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    e = subparsers.add_parser("export", help="write a run's model as a Hugging Face GPT-2 or Llama folder",
+    e = subparsers.add_parser("export", help="write a run's model as a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2, Qwen3)",
                               description="Write a run's params as a Hugging Face folder: GPT-2 "
                                           "(pre-LN, layer norm, learned positions, biases, no head "
                                           "bias) or, for a model with the modern block's options, "
                                           "Llama (pre-norm RMS norm, rotary positions, gated MLP, "
-                                          "grouped-query attention, no QK-norm, no head bias). "
+                                          "grouped-query attention, no QK-norm, no head bias); "
+                                          "a model imported from a Mistral, Qwen2 or Qwen3 folder "
+                                          "is written as that family. "
                                           "An option the format cannot hold is refused by name.",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("--run", required=True, metavar="DIR", help="run folder")

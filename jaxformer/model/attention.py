@@ -3,10 +3,10 @@
     q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     q, k = rope(qk_norm(q), qk_norm(k))                    ``rotate_qk``, where those options are on
     out = core(q, k, v, spec, key)                         (B, H, T, Dh)
-    y = merge_heads(out) @ wo + bo                         (B, T, D)
+    y = merge_heads(out) @ wo + bo                         (B, T, H Dh) @ (H Dh, D)
 
-Head h uses columns h*Dh:(h+1)*Dh of wq/wk/wv (Dh = D // H); scores are scaled by
-1/sqrt(Dh). The core is the one config.attention_impl names in ``CORES`` (cores.py: full,
+Head h uses columns h*Dh:(h+1)*Dh of wq/wk/wv (Dh = config.d_head: D // H, or head_dim
+where set, so wq is (D, H Dh) and wo (H Dh, D)); scores are scaled by 1/sqrt(Dh). The core is the one config.attention_impl names in ``CORES`` (cores.py: full,
 flash, cudnn; blockwise.py: blockwise), or one passed in; ``spec`` is
 ``attention_spec(config)``, the one place a ModelConfig becomes what a core reads.
 
@@ -49,20 +49,20 @@ def attention_spec(config) -> AttentionSpec:
 
 
 def split_heads(x, n_heads):
-    """(B, T, D) -> (B, H, T, Dh): head h takes features h*Dh:(h+1)*Dh."""
+    """(B, T, H Dh) -> (B, H, T, Dh): head h takes features h*Dh:(h+1)*Dh."""
     B, T, D = x.shape
     return x.reshape(B, T, n_heads, D // n_heads).transpose(0, 2, 1, 3)
 
 
 def merge_heads(x):
-    """(B, H, T, Dh) -> (B, T, D), the inverse of split_heads."""
+    """(B, H, T, Dh) -> (B, T, H Dh), the inverse of split_heads."""
     B, H, T, Dh = x.shape
     return x.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
 
 
 def qkv_weights(p):
-    """The three input projections side by side: w = [wq | wk | wv] (D, 3D), b (3D,)
-    (None without biases, ModelConfig.bias False)."""
+    """The three input projections side by side: w = [wq | wk | wv] (D, (H + 2 Hkv) Dh), b
+    ((H + 2 Hkv) Dh,) (None without q, k, v biases: ModelConfig.linear_biases.qkv False)."""
     b = jnp.concatenate([p["bq"], p["bk"], p["bv"]]) if "bq" in p else None
     return jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1), b
 
@@ -125,12 +125,14 @@ def core_kv(core: Core, q, k, v):
 
 
 def attention_out(p, out, compute_dtype=None):
-    """The output projection: out (B, H, T, Dh) -> merge_heads(out) @ wo + bo (B, T, D)."""
+    """The output projection: out (B, H, T, Dh) -> merge_heads(out) @ wo + bo (B, T, D), wo (H Dh, D);
+    no bo where the config has no output bias."""
     return linear(merge_heads(out), p["wo"], p.get("bo"), compute_dtype)
 
 
 def attention(p, x, config, key=None, core: Core | None = None):
-    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?} (no b* with bias=False);
+    """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?} (bq bk bv, bo present as
+    config.linear_biases says);
     x (B, T, D) -> (B, T, D). ``core``: CORES[config.attention_impl] unless given; ``key``
     (full, blockwise): the probabilities' dropout at config.dropout."""
     core = core or CORES[config.attention_impl]

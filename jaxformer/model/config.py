@@ -24,6 +24,7 @@ MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_types (checkpoints/hf.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,12 @@ class ModelConfig:
     mlp: str = "plain"  # plain: act(x w_in) w_out; gated: (act(x w_gate) * (x w_up)) w_down (SwiGLU with silu)
     n_kv_heads: int = 0  # key/value heads (grouped-query attention; 1: multi-query); 0: n_heads
     qk_norm: bool = False  # an RMS norm over each head's q and k (own scales), before rotary positions
+    # --- head width and biases apart (Qwen, Mistral, Gemma; docs/design.md, "The modern block")
+    head_dim: int = 0  # each head's width Dh; 0: d_model // n_heads (wq (D, H Dh), wo (H Dh, D))
+    qkv_bias: bool | None = None  # biases bq bk bv on the q, k, v projections; None: as bias
+    out_bias: bool | None = None  # the attention output projection's bias bo; None: as bias
+    mlp_bias: bool | None = None  # the feed-forward layer's b_* biases; None: as bias
+    family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
         for name, rule in FIELD_RULES.items():
@@ -86,7 +93,15 @@ class ModelConfig:
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.n_heads
+        """Each head's width Dh: head_dim, or d_model // n_heads when it is 0."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def linear_biases(self) -> "LinearBiases":
+        """Which linear layers have biases: qkv_bias, out_bias, mlp_bias, each following
+        ``bias`` where it is None."""
+        pick = lambda v: self.bias if v is None else v  # noqa: E731
+        return LinearBiases(pick(self.qkv_bias), pick(self.out_bias), pick(self.mlp_bias))
 
     @property
     def kv_heads(self) -> int:
@@ -105,9 +120,16 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+class LinearBiases(NamedTuple):
+    qkv: bool  # bq, bk, bv
+    out: bool  # bo
+    mlp: bool  # b_in, b_out or b_gate, b_up, b_down
+
+
 class Rule(NamedTuple):
     """A field's rule, judged by jaxformer.model.checks: kind "int" (an integer >= low), "number"
-    (a finite number in the range low..high, each end open or closed), "choice" or "bool"."""
+    (a finite number in the range low..high, each end open or closed), "choice", "bool" or
+    "bool or None"."""
 
     kind: str
     low: Any = None
@@ -119,6 +141,7 @@ class Rule(NamedTuple):
 
 
 POSITIVE, NON_NEGATIVE, BOOL = Rule("int", 1), Rule("int", 0), Rule("bool")
+FOLLOWS_BIAS = Rule("bool or None", note="None: as bias")
 
 
 def judge(name: str, value, rule: Rule):
@@ -129,6 +152,8 @@ def judge(name: str, value, rule: Rule):
         return check_number(name, value, rule.low, rule.high, rule.low_open, rule.high_open, note=rule.note)
     if rule.kind == "choice":
         return check_choice(name, value, rule.choices, note=rule.note)
+    if rule.kind == "bool or None":
+        return None if value is None else check_bool(name, value, note=rule.note)
     return check_bool(name, value, note=rule.note)
 
 
@@ -166,6 +191,11 @@ FIELD_RULES: dict[str, Rule] = {
     "mlp": Rule("choice", choices=MLPS),
     "n_kv_heads": NON_NEGATIVE._replace(note="0: n_heads"),
     "qk_norm": BOOL,
+    "head_dim": NON_NEGATIVE._replace(note="0: d_model // n_heads"),
+    "qkv_bias": FOLLOWS_BIAS,
+    "out_bias": FOLLOWS_BIAS,
+    "mlp_bias": FOLLOWS_BIAS,
+    "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 
 
@@ -173,7 +203,7 @@ FIELD_RULES: dict[str, Rule] = {
 
 
 def heads_divide_width(c: ModelConfig) -> None:
-    if c.d_model % c.n_heads:
+    if not c.head_dim and c.d_model % c.n_heads:
         raise ValueError(f"ModelConfig.d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
 
 
@@ -185,8 +215,9 @@ def kv_heads_divide_heads(c: ModelConfig) -> None:
 
 def rope_needs_even_heads(c: ModelConfig) -> None:
     if c.positions == "rope" and c.d_head % 2:
-        raise ValueError(f"ModelConfig.positions 'rope' needs an even head width: d_model "
-                         f"({c.d_model}) / n_heads ({c.n_heads}) is {c.d_head}")
+        width = f"head_dim is {c.head_dim}" if c.head_dim else \
+            f"d_model ({c.d_model}) / n_heads ({c.n_heads}) is {c.d_head}"
+        raise ValueError(f"ModelConfig.positions 'rope' needs an even head width: {width}")
 
 
 def rope_scaling_needs_rope(c: ModelConfig) -> None:
@@ -221,8 +252,16 @@ def cudnn_reads_half_precision(c: ModelConfig) -> None:
                          "set compute_dtype='bfloat16'")
 
 
-CROSS_FIELD_RULES = (heads_divide_width, kv_heads_divide_heads, rope_needs_even_heads, unscaled_norm_is_rms,
-                     fused_attention_has_no_dropout, cudnn_reads_half_precision, rope_scaling_needs_rope)
+def biases_follow_bias(c: ModelConfig) -> None:
+    """qkv_bias, out_bias, mlp_bias: None where they equal bias, so one model has one config."""
+    for name in ("qkv_bias", "out_bias", "mlp_bias"):
+        if getattr(c, name) is not None and getattr(c, name) == c.bias:
+            object.__setattr__(c, name, None)
+
+
+CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads, unscaled_norm_is_rms,
+                     fused_attention_has_no_dropout, cudnn_reads_half_precision,
+                     rope_scaling_needs_rope)
 
 
 # The three systems this project grew from, plus a tiny model for tests.

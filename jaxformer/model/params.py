@@ -6,9 +6,11 @@ scaled down by 1/sqrt(2 * n_layers) so the stream's variance does not grow with
 depth; biases start at zero, layer-norm scales at one. The options of ModelConfig
 leave leaves out: ``bias=False`` every linear and layer-norm bias, ``head_bias=False``
 head.b, ``tie_embeddings`` head.w (the head reads tok_embed); a head with neither leaf
-is no "head" key at all. The modern block's options (docs/design.md, "The modern block"):
+is no "head" key at all; ``qkv_bias``, ``out_bias``, ``mlp_bias`` (None: as ``bias``) keep or drop
+bq bk bv, bo and the feed-forward's b_* apart. The modern block's options (docs/design.md, "The modern block"):
 ``norm_type="rms"`` norms hold only a scale ({} with ``norm_scale=False``); positions
 "rope" have no pos_embed; ``mlp="gated"`` has w_gate, w_up (D, F) and w_down (F, D);
+``head_dim`` sets Dh apart from D / n_heads: wq (D, n_heads * Dh), wo (n_heads * Dh, D);
 ``n_kv_heads`` narrows wk, wv to (D, n_kv_heads * Dh); ``qk_norm`` adds attn.q_norm and
 attn.k_norm, each {"scale": (Dh,)} per layer.
 """
@@ -50,18 +52,22 @@ def _init_params(key, config: ModelConfig, dtype) -> dict:
     params = {"tok_embed": normal((V, D))}
     if config.positions == "learned":
         params["pos_embed"] = normal((S, D))
-    bias = config.bias
-    Dkv = config.kv_heads * config.d_head  # the width of k and v: D unless grouped-query
-    attn = {"wq": normal((L, D, D)), "wk": normal((L, D, Dkv)), "wv": normal((L, D, Dkv)),
-            "wo": normal((L, D, D), out_std)}
+    bias, biases = config.bias, config.linear_biases
+    Dq = config.n_heads * config.d_head  # the width of q: D unless head_dim sets another Dh
+    Dkv = config.kv_heads * config.d_head  # the width of k and v: Dq unless grouped-query
+    attn = {"wq": normal((L, D, Dq)), "wk": normal((L, D, Dkv)), "wv": normal((L, D, Dkv)),
+            "wo": normal((L, Dq, D), out_std)}
     ffn = {"w_in": normal((L, D, F)), "w_out": normal((L, F, D), out_std)}
     if config.mlp == "gated":  # w_gate and w_up from their own key, so the other draws do not move
         gate_up = jax.random.split(jax.random.fold_in(key, 1), 2)
         ffn = {"w_gate": (INIT_STD * jax.random.normal(gate_up[0], (L, D, F))).astype(dtype),
                "w_up": (INIT_STD * jax.random.normal(gate_up[1], (L, D, F))).astype(dtype),
                "w_down": ffn["w_out"]}
-    if bias:
-        attn.update(bq=zeros(L, D), bk=zeros(L, Dkv), bv=zeros(L, Dkv), bo=zeros(L, D))
+    if biases.qkv:
+        attn.update(bq=zeros(L, Dq), bk=zeros(L, Dkv), bv=zeros(L, Dkv))
+    if biases.out:
+        attn.update(bo=zeros(L, D))
+    if biases.mlp:
         if config.mlp == "gated":
             ffn.update(b_gate=zeros(L, F), b_up=zeros(L, F), b_down=zeros(L, D))
         else:

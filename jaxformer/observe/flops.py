@@ -8,8 +8,9 @@ The convention (docs/design.md, "FLOPs and MFU"), per token of a training step
                                weights, the head; no biases, layer norms or
                                embeddings: the embedding is a gather, not a matmul;
                                k and v are Hkv Dh wide with grouped-query attention,
-                               and the gated MLP has 3 D F weights)
-  + 12 * L * T * D             attention scores q k^T and the weighted sum P v,
+                               q and o H Dh wide where head_dim sets Dh apart from
+                               D / H, and the gated MLP has 3 D F weights)
+  + 12 * L * T * D             (H Dh where head_dim is set) attention scores q k^T and the weighted sum P v,
                                forward 2 matmuls * 2 FLOPs * T * D, times 3
   / 2 when causal              a causal model uses only the lower triangle of
                                the scores, so half of the attention term counts
@@ -80,14 +81,15 @@ def matmul_params(config: ModelConfig) -> int:
     Grouped-query attention narrows k and v to Hkv * Dh columns; the gated MLP has three
     weights (w_gate, w_up, w_down) where the plain one has two."""
     D, F, L, V = config.d_model, config.d_ff, config.n_layers, config.vocab_size
-    kv = config.kv_heads * config.d_head
+    q, kv = config.n_heads * config.d_head, config.kv_heads * config.d_head  # D, D unless head_dim or GQA
     ffn = (3 if config.mlp == "gated" else 2) * D * F
-    return L * (2 * D * D + 2 * D * kv + ffn) + D * V
+    return L * (2 * D * q + 2 * D * kv + ffn) + D * V
 
 
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """12 * L * T * D for a bidirectional model, half that when causal."""
-    full = 12 * config.n_layers * seq_len * config.d_model
+    """12 * L * T * H Dh for a bidirectional model (H Dh = D unless head_dim sets Dh), half
+    that when causal."""
+    full = 12 * config.n_layers * seq_len * config.n_heads * config.d_head
     return full // 2 if config.causal else full
 
 

@@ -1,0 +1,293 @@
+"""The Llama-shaped Hugging Face families against transformers itself (float64, nothing
+downloaded): small random ``Qwen2ForCausalLM`` (q, k, v biases only), ``Qwen3ForCausalLM``
+(per-head QK-norm, a head_dim that is not hidden / heads, with and without attention_bias),
+``MistralForCausalLM`` (sliding_window null, a wider head_dim) and a ``LlamaForCausalLM`` with
+attention biases but no MLP bias, saved, imported, and shown equal in logits (1e-10 relative)
+and in gradients (jax.grad and manual vs torch autograd, 1e-10 per leaf); the export writes
+the same family and reloads with the same logits. Then the folders that must not load
+silently wrong: a tied config with its own stored head (transformers keeps the head, untied:
+so does the import), damaged index / bin files and config values of the wrong type, and the
+sliding windows not implemented here, each one line naming the file and key.
+
+As in test_hf_llama.py, transformers computes its RMS norms (the q_norm and k_norm too) and
+rotary tables in float32 whatever the model's dtype: the reference runs them in float64, the
+same formulas with the module's own weight, eps and theta (``float64_model``)."""
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import jaxformer  # noqa: E402
+import manual_grads  # noqa: E402
+from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
+from jaxformer.checkpoints.hf_llama import params_from_hf  # noqa: E402
+from manual_grads.check import assert_trees_close  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+V, D, H, L, F, S = 64, 16, 4, 2, 24, 32
+B, T = 2, 11
+CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+# name: (model_type, config overrides, what the import must make of it: (head_dim, linear_biases, qk_norm))
+VARIANTS = {
+    "qwen2-gqa": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False), (0, (True, False, False), False)),
+    "qwen3-wide-tied": ("qwen3", dict(num_key_value_heads=2, head_dim=6, tie_word_embeddings=True),
+                        (6, (False, False, False), True)),
+    "qwen3-bias-mqa": ("qwen3", dict(num_key_value_heads=1, head_dim=8, attention_bias=True,
+                                     tie_word_embeddings=False), (8, (True, True, False), True)),
+    "mistral-wide": ("mistral", dict(num_key_value_heads=2, head_dim=8, sliding_window=None,
+                                     tie_word_embeddings=False), (8, (False, False, False), False)),
+    "llama-attn-bias": ("llama", dict(num_key_value_heads=2, head_dim=6, attention_bias=True, mlp_bias=False,
+                                      tie_word_embeddings=False), (6, (True, True, False), False)),
+}
+
+
+def hf_config(kind, **overrides):
+    kw = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_attention_heads=H,
+              num_hidden_layers=L, max_position_embeddings=S, rms_norm_eps=1e-5, rope_theta=5000.0,
+              bos_token_id=1, eos_token_id=2)
+    return getattr(transformers, CLASSES[kind][0])(**{**kw, **overrides})
+
+
+def random_model(kind, cfg, seed=0):
+    """The family's model with every leaf random: unit norm scales or zero biases would hide errors."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[kind][1])(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def float64_model(kind, folder):
+    """The family's transformers model from ``folder`` in float64 end to end: SDPA attention,
+    and every RMS norm and the rotary tables (float32 inside transformers) in float64."""
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        dim, theta = 2 * self.inv_freq.shape[0], self.config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angle = position_ids[..., None].double() * inv_freq
+        angle = torch.cat((angle, angle), dim=-1)
+        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+
+    cls = getattr(transformers, CLASSES[kind][1])
+    model = cls.from_pretrained(folder, attn_implementation="sdpa").double().eval()
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = types.MethodType(rms_norm, module)
+        elif name.endswith("RotaryEmbedding"):
+            module.forward = types.MethodType(rotary, module)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def saved(request, tmp_path_factory):
+    kind, overrides, want = VARIANTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    random_model(kind, hf_config(kind, **overrides)).save_pretrained(folder)
+    return kind, float64_model(kind, folder), folder, want
+
+
+def batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"inputs": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
+            "targets": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)}
+
+
+def torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids, np.int64))).logits.numpy()
+
+
+def assert_logits_equal(ours, ref, rtol=1e-10):
+    np.testing.assert_allclose(ours, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+def test_import_matches_transformers_logits(saved):
+    kind, model, folder, (head_dim, biases, qk_norm) = saved
+    params, config = read_hf(folder, np.float64)
+    assert (config.family, config.head_dim, tuple(config.linear_biases), config.qk_norm) == (
+        kind, head_dim, biases, qk_norm)
+    Dh = head_dim or D // H
+    assert params["blocks"]["attn"]["wq"].shape == (L, D, H * Dh)
+    assert params["blocks"]["attn"]["wo"].shape == (L, H * Dh, D)
+    b = batch()
+    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
+    print(f"\n{folder.name}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
+    assert_logits_equal(ours, ref)
+
+
+def torch_reference(model, config, b):
+    """(loss, grads mapped to our tree) of torch autograd through the Hugging Face model."""
+    model.zero_grad()
+    logits = model(torch.tensor(np.asarray(b["inputs"], np.int64))).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V),
+                                             torch.tensor(np.asarray(b["targets"], np.int64)).reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), params_from_hf(grads, config, np.float64, "torch grads")
+
+
+@pytest.mark.parametrize("source", ["jax.grad", "manual"])
+def test_gradients_match_torch_autograd(saved, source):
+    _, model, folder, _ = saved
+    params, config = read_hf(folder, np.float64)
+    b = batch(1)
+    ref_loss, ref = torch_reference(model, config, b)
+    grad_fn = (jax.value_and_grad(jaxformer.loss_fn) if source == "jax.grad"
+               else manual_grads.value_and_grad)
+    loss, grads = grad_fn(params, b, config)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-12)
+    rows = assert_trees_close(ref, grads)  # 1e-10 per leaf; a tied tok_embed holds embedding + head
+    worst = max(rows, key=lambda r: r.rel)
+    print(f"\n{folder.name} {source}: worst leaf {worst.path} relative {worst.rel:.1e}")
+
+
+def test_export_writes_the_family_and_reloads(saved, tmp_path):
+    kind, _, folder, _ = saved
+    params, config = read_hf(folder, np.float64)
+    params = jax.tree_util.tree_map(lambda a: a * 1.01, params)  # a "trained" model
+    assert hf_format(config) == kind
+    out, written = write_hf(tmp_path / "out", params, config)
+    hf = json.loads((out / "config.json").read_text())
+    assert written == hf["model_type"] == kind and hf["architectures"] == [CLASSES[kind][1]]
+    back = float64_model(kind, out)
+    b = batch(2)
+    ref = torch_logits(back, b["inputs"])
+    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), ref, rtol=1e-4)  # float32 file
+    again, config2 = read_hf(out, np.float64)
+    assert config2 == config
+    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), ref)
+
+
+def test_export_refuses_biases_the_family_lacks(saved, tmp_path):
+    kind, _, folder, _ = saved
+    _, config = read_hf(folder, np.float64)
+    wrong = {"qwen2": dict(out_bias=True), "qwen3": dict(mlp_bias=True), "mistral": dict(qkv_bias=True),
+             "llama": dict(out_bias=not config.linear_biases.qkv)}[kind]
+    with pytest.raises(ValueError, match=f"needs ModelConfig.{next(iter(wrong))} = ") as e:
+        write_hf(tmp_path / "x", {}, config.replace(**wrong))
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- folders that must not load wrong
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-tied")
+    random_model("llama", hf_config("llama", num_key_value_heads=2, tie_word_embeddings=True), 4).save_pretrained(folder)
+    return folder
+
+
+def copy_folder(tmp_path, folder, name, config=None, tensors=None):
+    """A copy of ``folder`` as tmp_path/name, config.json and tensors edited."""
+    from safetensors.numpy import load_file, save_file
+    out = tmp_path / name
+    out.mkdir()
+    hf = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**hf, **(config or {})}))
+    t = load_file(str(folder / "model.safetensors"))
+    save_file(tensors(t) if tensors else t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_tied_config_with_its_own_head_loads_as_transformers_does(llama_folder, tmp_path):
+    """transformers keeps a stored lm_head.weight that differs from the embedding, untied
+    (with a warning): the import does the same, and the logits agree."""
+    head = np.random.default_rng(0).normal(size=(V, D)).astype(np.float32)
+    own = copy_folder(tmp_path, llama_folder, "own", tensors=lambda t: {**t, "lm_head.weight": head})
+    params, config = read_hf(own, np.float64)
+    assert not config.tie_embeddings and np.array_equal(params["head"]["w"], head.T)
+    b = batch(3)
+    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)),
+                        torch_logits(float64_model("llama", own), b["inputs"]))
+    same = copy_folder(tmp_path, llama_folder, "same",
+                       tensors=lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"]})
+    params, config = read_hf(same, np.float64)  # the embedding's copy: still tied, the copy skipped
+    assert config.tie_embeddings and "head" not in params
+
+
+def _damaged(tmp_path, folder, name, files):
+    out = copy_folder(tmp_path, folder, name)
+    (out / "model.safetensors").unlink()
+    for file, text in files.items():
+        (out / file).write_bytes(text)
+    return out
+
+
+@pytest.mark.parametrize("name, files, message", [
+    ("no-map", {"model.safetensors.index.json": b'{"metadata": {}}'},
+     r"model.safetensors.index.json: weight_map .* is missing"),
+    ("not-json", {"model.safetensors.index.json": b"{weight_map"},
+     r"model.safetensors.index.json is not valid JSON"),
+    ("bad-bin", {"pytorch_model.bin": b"PK\x03\x04 not a zip at all"},
+     r"pytorch_model.bin cannot be read by torch.load"),
+])
+def test_damaged_weight_files_are_one_named_line(llama_folder, tmp_path, name, files, message):
+    with pytest.raises(HFFormatError, match=message) as e:
+        read_hf(_damaged(tmp_path, llama_folder, name, files), np.float64)
+    assert "\n" not in str(e.value) and name in str(e.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"hidden_size": "32"}, "config.json: hidden_size must be a positive integer, got '32'"),
+    ({"rms_norm_eps": None}, "config.json: rms_norm_eps must be a finite number, got None"),
+    ({"rope_theta": "abc", "rope_parameters": None}, "config.json: rope_theta"),
+    ({"head_dim": "8"}, "config.json: head_dim must be a positive integer, got '8'"),
+    ({"attention_bias": "yes"}, "config.json: attention_bias must be true or false, got 'yes'"),
+    ({"tie_word_embeddings": "false"}, "config.json: tie_word_embeddings must be True or False"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "config.json: use_sliding_window true is not supported"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
+     "config.json: layer_types 'sliding_attention' is not supported"),
+    ({"model_type": "mistral", "sliding_window": 8}, "config.json: sliding_window 8 is shorter than "
+                                                     "max_position_embeddings 32"),
+])
+def test_bad_config_values_are_one_named_line(llama_folder, tmp_path, edit, message):
+    folder = copy_folder(tmp_path, llama_folder, "bad", config=edit)
+    with pytest.raises(HFFormatError, match=message) as e:
+        read_hf(folder, np.float64)
+    assert "\n" not in str(e.value) and str(folder) in str(e.value)
+
+
+def test_mistral_window_that_covers_the_sequence_loads(llama_folder, tmp_path):
+    folder = copy_folder(tmp_path, llama_folder, "w", config={"model_type": "mistral", "sliding_window": S})
+    assert read_hf(folder, np.float64)[1].family == "mistral"
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def run_cli(*argv):
+    from jaxformer.cli.main import main
+    return main([str(a) for a in argv])
+
+
+def test_fine_tune_export_generate_qwen3(corpus, tmp_path, capsys):
+    folder = tmp_path / "qwen3"
+    random_model("qwen3", hf_config("qwen3", vocab_size=256, num_key_value_heads=2, head_dim=6,
+                                    tie_word_embeddings=False), 5).save_pretrained(folder)
+    out = tmp_path / "ft"
+    assert run_cli("train", "--init-from", folder, "--grads", "manual", "--steps", 3, "--seq-len", 16,
+                   "--batch-size", 4, "--corpus", corpus, "--out", out, "--no-progress",
+                   "--eval-every", 0) == 0
+    assert run_cli("export", "--run", out, "--hf", tmp_path / "hf") == 0
+    assert "qwen3" in capsys.readouterr().out
+    params, config = read_hf(tmp_path / "hf", np.float64)
+    assert config == read_hf(folder, np.float64)[1]
+    ids = np.arange(20)[None] % 256
+    ref = torch_logits(float64_model("qwen3", tmp_path / "hf"), ids)
+    assert_logits_equal(np.asarray(jaxformer.forward(params, jnp.asarray(ids, jnp.int32), config)), ref)
+    assert run_cli("generate", "--run", out, "--prompt", "the", "--max-new-tokens", 5) == 0
+    assert capsys.readouterr().out.strip()
