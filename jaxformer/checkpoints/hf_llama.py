@@ -35,7 +35,7 @@ from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatEr
                                             read_config_json, read_tensors)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
                                             params_out, read_flag)
-from jaxformer.model.checks import is_int
+from jaxformer.model.checks import is_int, is_number
 from jaxformer.model.config import LinearBiases, ModelConfig
 
 # hidden_act -> activation of the gated MLP (silu: SwiGLU; the gelus: GeGLU)
@@ -208,8 +208,11 @@ def rope_from_hf(hf: dict) -> dict:
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise HFFormatError(f"config.json: partial_rotary_factor {rope.get('partial_rotary_factor')!r} "
                             "is not supported (every feature of a head is rotated here)")
-    fields = {"rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-              "rope_scaling": ROPE_TYPES[kind]}
+    theta_key = f"{key} rope_theta" if "rope_theta" in rope else "rope_theta"
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not is_number(theta) or not theta > 0:
+        raise HFFormatError(f"config.json: {theta_key} must be a positive number, got {theta!r}")
+    fields = {"rope_theta": theta, "rope_scaling": ROPE_TYPES[kind]}
     if kind in ("llama3", "yarn"):
         fields["rope_original_max_len"] = (hf.get("original_max_position_embeddings")
                                            or rope.get("original_max_position_embeddings")
