@@ -50,6 +50,11 @@ def is_gguf(source) -> bool:
     return Path(source).suffix.lower() == ".gguf" and not Path(source).is_dir()
 
 
+def gguf_has_tokenizer(source) -> bool:
+    """Whether ``source`` is a GGUF file whose metadata holds a tokenizer."""
+    return is_gguf(source) and "tokenizer.ggml.model" in read_gguf_metadata(source)
+
+
 class ModelChat(NamedTuple):
     """What sampling from an imported model needs besides its weights."""
     tokenizer: HFTokenizer
