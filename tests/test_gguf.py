@@ -98,9 +98,14 @@ def test_real_greedy_continuation(real, hf_model):
     assert chat.tokenizer.decode(ours).startswith(" Berlin")
 
 
-def test_generate_chat_answers_paris(real, capsys):
+def test_generate_chat_answers_paris(real, capsys, monkeypatch):
+    """The command, over the module's load of the file (load_model is read_hf and read_chat,
+    proven above; the bad-file case below goes through it)."""
+    from jaxformer.cli import generate
     from jaxformer.cli.main import main
-    path = real[0]
+    path, params, config, chat = real
+    monkeypatch.setattr(generate, "load_model", lambda spec, model=None: (
+        params, config.replace(**(model or {})), chat) if spec == path else pytest.fail(spec))
     code = main(["generate", "--init-from", path, "--chat", "What is the capital of France?",
                  "--max-new-tokens", "10"])
     out = capsys.readouterr().out
