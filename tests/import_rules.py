@@ -32,7 +32,7 @@ MANUAL_IMPORTERS = {"jaxformer.training", "jaxformer.tools", CLI}  # rooms that 
 # Optional heavy dependencies: imported inside the function that needs them, so that
 # importing jaxformer neither needs them installed nor pays their start-up time.
 HEAVY_OPTIONAL = frozenset({"torch", "matplotlib", "tensorboardX", "transformers", "tokenizers", "datasets",
-                            "pyarrow", "safetensors", "huggingface_hub",
+                            "pyarrow", "safetensors", "huggingface_hub", "gguf", "jinja2",
                             "jaxformer.tools.torch_ref.model", "jaxformer.tools.torch_ref.layers"})  # import torch at their top
 
 

