@@ -25,15 +25,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from hf_compare import (D, F, H, L, S, V, assert_grads_match_torch, assert_logits_equal, batch, torch_logits)  # noqa: E402
+
 import jaxformer  # noqa: E402
-import manual_grads  # noqa: E402
 from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
-from jaxformer.checkpoints.hf_llama import params_from_hf  # noqa: E402
-from manual_grads.check import assert_trees_close  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-V, D, H, L, F, S = 64, 16, 4, 2, 24, 32
-B, T = 2, 11
 CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "mistral": ("MistralConfig", "MistralForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
 # name: (model_type, config overrides, what the import must make of it: (head_dim, linear_biases, qk_norm))
@@ -99,19 +96,10 @@ def saved(request, tmp_path_factory):
     return kind, float64_model(kind, folder), folder, want
 
 
-def batch(seed=0):
-    rng = np.random.default_rng(seed)
-    return {"inputs": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
-            "targets": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)}
 
 
-def torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(ids, np.int64))).logits.numpy()
 
 
-def assert_logits_equal(ours, ref, rtol=1e-10):
-    np.testing.assert_allclose(ours, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
 
 
 def test_import_matches_transformers_logits(saved):
@@ -128,30 +116,12 @@ def test_import_matches_transformers_logits(saved):
     assert_logits_equal(ours, ref)
 
 
-def torch_reference(model, config, b):
-    """(loss, grads mapped to our tree) of torch autograd through the Hugging Face model."""
-    model.zero_grad()
-    logits = model(torch.tensor(np.asarray(b["inputs"], np.int64))).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V),
-                                             torch.tensor(np.asarray(b["targets"], np.int64)).reshape(-1))
-    loss.backward()
-    grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.item(), params_from_hf(grads, config, np.float64, "torch grads")
 
 
 @pytest.mark.parametrize("source", ["jax.grad", "manual"])
 def test_gradients_match_torch_autograd(saved, source):
     _, model, folder, _ = saved
-    params, config = read_hf(folder, np.float64)
-    b = batch(1)
-    ref_loss, ref = torch_reference(model, config, b)
-    grad_fn = (jax.value_and_grad(jaxformer.loss_fn) if source == "jax.grad"
-               else manual_grads.value_and_grad)
-    loss, grads = grad_fn(params, b, config)
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-12)
-    rows = assert_trees_close(ref, grads)  # 1e-10 per leaf; a tied tok_embed holds embedding + head
-    worst = max(rows, key=lambda r: r.rel)
-    print(f"\n{folder.name} {source}: worst leaf {worst.path} relative {worst.rel:.1e}")
+    assert_grads_match_torch(model, folder, source)
 
 
 def test_export_writes_the_family_and_reloads(saved, tmp_path):
