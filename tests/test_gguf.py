@@ -10,6 +10,7 @@ GGUF written here with gguf.GGUFWriter (F32 and Q8_0) proves the q/k permutation
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import jax
@@ -155,15 +156,16 @@ def tiny_hf_tensors(seed=0):
     for l in range(c.n_layers):
         shapes[f"model.layers.{l}.input_layernorm.weight"] = (c.d_model,)
         shapes[f"model.layers.{l}.post_attention_layernorm.weight"] = (c.d_model,)
-        for name, _, _, shape in hf_llama.LINEARS:
+        for name, _, _, shape, *_ in hf_llama.LINEARS:
             shapes[f"model.layers.{l}.{name}.weight"] = shape(c)
     return {k: (1 + 0.1 * rng.standard_normal(s) if len(s) == 1 else 0.3 * rng.standard_normal(s))
             .astype(np.float32) for k, s in shapes.items()}
 
 
-def write_tiny(path, tensors, qtype="F32", arch="llama", extra=None):
+def write_tiny(path, tensors, qtype="F32", arch="llama", extra=None, add_meta=None):
     """The tiny Llama as a GGUF file, the way llama.cpp's converter writes it: q and k
-    permuted, matrices quantized to ``qtype``, norms float32."""
+    permuted, matrices quantized to ``qtype``, norms float32; ``add_meta(writer)`` adds
+    more metadata (a tokenizer)."""
     from jaxformer.checkpoints.gguf_file import TENSORS
     c = TINY
     w = gguf.GGUFWriter(str(path), arch)
@@ -176,6 +178,8 @@ def write_tiny(path, tensors, qtype="F32", arch="llama", extra=None):
     w.add_uint32(f"{arch}.vocab_size", c.vocab_size)
     w.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.ln_eps)
+    if add_meta is not None:
+        add_meta(w)
     names = {hf.format(l=l): g.format(l=l) for g, hf in TENSORS.items() for l in range(c.n_layers)}
     for hf_name, a in tensors.items():
         name = names[hf_name]
@@ -210,7 +214,7 @@ def test_tiny_gguf_round_trips(tmp_path, qtype):
     hf = tiny_hf_tensors()
     path = write_tiny(tmp_path / f"tiny-{qtype}.gguf", hf, qtype)
     params, config = read_hf(path, np.float64)
-    assert config.replace(ln_eps=TINY.ln_eps) == TINY and abs(config.ln_eps - TINY.ln_eps) < 1e-12
+    assert config.replace(ln_eps=TINY.ln_eps, family="") == TINY and config.family == "llama" and abs(config.ln_eps - TINY.ln_eps) < 1e-12
     if qtype != "F32":  # the reference sees the quantized values (blocks run along the rows)
         kind = gguf.GGMLQuantizationType[qtype]
         hf = {k: gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind) if a.ndim == 2 else a
@@ -249,3 +253,61 @@ def test_stream_text_waits_for_whole_characters(real):
     ids = chat.tokenizer.encode("café ☕ ok").tolist()
     pieces = list(stream_text(chat.tokenizer, iter(ids)))
     assert "".join(pieces) == "café ☕ ok" and all("\ufffd" not in p for p in pieces)
+
+
+# ------------------------------------------------------------------ the model's own tokenizer in train
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer_meta(w):
+    """A byte-level BPE of exactly TINY's 64 tokens (control tokens, letters, a few
+    marks, three merges) and a ChatML template, as GGUF metadata."""
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u0120", "\u010a", ".", "?", "!", ","]
+    chars += [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    tokens = special + chars + ["\u0120t", "he", "\u0120the"]
+    assert len(tokens) == TINY.vocab_size
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(special) + [1] * (len(tokens) - len(special)))
+    w.add_token_merges(["\u0120 t", "h e", "\u0120t he"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHATML)
+
+
+def test_train_init_from_gguf_uses_its_own_tokenizer_and_chat_data(tmp_path, capsys):
+    """`train --init-from FILE.gguf` reads text with the file's tokenizer (no --tokenizer);
+    the run records it (resume and `generate --run` read it back); chat data prepared with
+    the file's template trains from the same file."""
+    from jaxformer.checkpoints import checkpoint
+    from jaxformer.cli.main import main
+    from jaxformer.data import tokenizer_from_dict
+    path = write_tiny(tmp_path / "tiny.gguf", tiny_hf_tensors(), add_meta=tiny_tokenizer_meta)
+    own = read_chat(path).tokenizer
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. the dog ran to the park!\n" * 40)
+    run = tmp_path / "run"
+    common = ["--steps", "2", "--seq-len", "16", "--batch-size", "2", "--no-progress", "--log-every", "1"]
+    assert main(["train", "--init-from", str(path), "--corpus", str(corpus), "--out", str(run), *common]) == 0
+    meta = checkpoint.newest_meta(run)
+    assert tokenizer_from_dict(meta["tokenizer"]) == own and meta["config"]["vocab_size"] == 64
+    assert f'tokenizer = "{path}"' in (run / "config.toml").read_text()
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "the cat", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": "where did the cat sit?", "completion": "On the mat."}) + "\n"
+                             for _ in range(12)))
+    prepared = tmp_path / "data"
+    assert main(["prepare", "--corpus", str(chats), "--tokenizer", str(path), "--out", str(prepared),
+                 "--no-progress"]) == 0
+    assert json.loads((prepared / "meta.json").read_text())["mask"] is True
+    assert main(["train", "--init-from", str(path), "--data", str(prepared), "--out", str(tmp_path / "ft"),
+                 *common]) == 0

@@ -22,6 +22,7 @@ from jaxformer.observe.words import plural
 from jaxformer.training import distributed, liveness
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
 from jaxformer.training.loop import train
+from jaxformer.training.run_data import model_tokenizer
 from jaxformer.training.settings import TrainSettings, settings_for
 from jaxformer.training.stopping import Interrupted
 
@@ -125,12 +126,17 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
     return off_is_zero(settings)
 
 
-def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_given: bool = False):
+def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_given: bool = False,
+                   tokenizer_given: bool = False):
     """(params, settings whose model is the imported one's: GPT-2 or Llama) of ``--init-from spec``;
     a flag that would change the imported shapes is refused by name. A recipe's seq_len longer
     than the imported max_seq_len becomes that max_seq_len (said on stderr); a --seq-len
-    longer is refused."""
+    longer is refused. The model's own tokenizer (its tokenizer.json, a GGUF file's) is the
+    run's unless ``tokenizer_given`` (--tokenizer, a --config's tokenizer, or --data)."""
     folder = resolve_source(spec)
+    own = None if tokenizer_given else model_tokenizer(folder)
+    if own is not None:
+        settings = settings.replace(tokenizer=own)
     params, config = read_hf(folder, np.float64 if settings.dtype == "float64" else np.float32)
     fields = config.to_dict()
     fields.pop("vocab_size")
@@ -148,6 +154,14 @@ def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_give
               f"{settings.preset} recipe's {settings.seq_len} does not fit; --seq-len sets it)", file=sys.stderr)
         settings = settings.replace(seq_len=config.max_seq_len)
     return params, settings
+
+
+def tokenizer_given(args: argparse.Namespace, settings: TrainSettings) -> bool:
+    """Whether the run's tokenizer is chosen apart from --init-from's model: --tokenizer,
+    a --config file's tokenizer, or prepared --data (which holds its own)."""
+    if args.tokenizer is not None or settings.data:
+        return True
+    return bool(args.config) and "tokenizer" in read_config(args.config)[1]
 
 
 # ModelConfig fields an imported model fixes (its params' tree and shapes, its function)
@@ -170,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     init = None
     if args.init_from and not args.resume:
         init, settings = imported_start(args.init_from, settings, model_overrides(args),
-                                        seq_len_given=args.seq_len is not None)
+                                        seq_len_given=args.seq_len is not None,
+                                        tokenizer_given=tokenizer_given(args, settings))
     settings.validate()  # before the banner: a bad setting is the only line
 
     t0 = time.perf_counter()

@@ -7,7 +7,9 @@ a ``Batcher`` serves training batches
 
     {"inputs": int32 (B, T), "targets": int32 (B, T)}    targets[:, t] == inputs[:, t + 1]
 
-as a pure function of ``(seed, index)``, so a run resumed at step ``index`` sees the
+plus ``"mask": int32 (B, T)`` (the loss mask of each target, 0 or 1) when the ids carry
+one (a chat data folder's shards: ``ShardedTokens.mask``, or ``mask=`` given), as a pure
+function of ``(seed, index)``, so a run resumed at step ``index`` sees the
 very batches an uninterrupted run would have seen. ``sequential_batches`` gives the
 validation batches, the same every time. ``random_batch`` is a batch of uniform random
 ids in the same layout, for timing and memory measurements that need no text.
@@ -72,11 +74,12 @@ class Batcher:
     """Training batches as a pure function of (seed, index); see the module docstring
     for the windowing and the without-replacement sampling."""
 
-    def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int):
+    def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int, mask=None):
         self.batch_size = check_int("batch_size", batch_size)
         self.seq_len = check_int("seq_len", seq_len)
         self.seed = check_int("seed", seed, minimum=0)
         self.ids = _token_source(ids)  # (N,): int32 in memory, or shards.ShardedTokens (memory-mapped)
+        self.mask = _mask_source(self.ids, mask)  # (N,) 0/1 loss mask of each token, or None
         n, t = len(self.ids), self.seq_len
         if n < t + 1:
             raise ValueError(
@@ -115,9 +118,9 @@ class Batcher:
         its devices); the others are left zero. None: every row."""
         starts = self.batch_starts(index)
         if rows is None:
-            return _windows(self.ids, starts, self.seq_len)
+            return _windows(self.ids, starts, self.seq_len, self.mask)
         rows = np.asarray(rows, dtype=np.int64)
-        part = _windows(self.ids, starts[rows], self.seq_len)
+        part = _windows(self.ids, starts[rows], self.seq_len, self.mask)
         out = {}
         for key, value in part.items():
             out[key] = np.zeros((self.batch_size, self.seq_len), np.int32)
@@ -150,28 +153,52 @@ def _token_source(ids):
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-def _windows(ids, starts: np.ndarray, seq_len: int) -> dict:
-    if isinstance(ids, ShardedTokens):
-        rows = ids.rows(starts, seq_len + 1)  # (B, T + 1), read from the mapped shards
+def _mask_source(ids, mask):
+    """The loss mask of ``ids``: ``mask`` as an int32 (N,) array of 0/1, else the mask a
+    chat data folder's shards carry, else None."""
+    if mask is None:
+        return ids.mask if isinstance(ids, ShardedTokens) else None
+    if isinstance(mask, ShardedTokens):
+        found = mask
     else:
-        rows = ids[starts[:, None] + np.arange(seq_len + 1)]  # (B, T + 1)
-    return {"inputs": np.ascontiguousarray(rows[:, :-1]),
-            "targets": np.ascontiguousarray(rows[:, 1:])}
+        found = np.ascontiguousarray(np.asarray(mask).reshape(-1), dtype=np.int32)
+        if found.size and (found.min() < 0 or found.max() > 1):
+            raise ValueError("mask must hold 0 and 1 only (the loss mask of each token)")
+    if len(found) != len(ids):
+        raise ValueError(f"mask holds {len(found)} entries for {len(ids)} tokens")
+    return found
+
+
+def _gather(ids, starts: np.ndarray, length: int) -> np.ndarray:
+    if isinstance(ids, ShardedTokens):
+        return ids.rows(starts, length)  # (B, length), read from the mapped shards
+    return ids[starts[:, None] + np.arange(length)]  # (B, length)
+
+
+def _windows(ids, starts: np.ndarray, seq_len: int, mask=None) -> dict:
+    rows = _gather(ids, starts, seq_len + 1)  # (B, T + 1)
+    out = {"inputs": np.ascontiguousarray(rows[:, :-1]),
+           "targets": np.ascontiguousarray(rows[:, 1:])}
+    if mask is not None:  # the mask of each target token
+        out["mask"] = np.ascontiguousarray(_gather(mask, starts, seq_len + 1)[:, 1:], dtype=np.int32)
+    return out
 
 
 def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
-                       max_batches: int | None = None) -> Iterator[dict]:
+                       max_batches: int | None = None, mask=None) -> Iterator[dict]:
     """Evaluation batches: the windows of ``Batcher`` (stride T, no offset) in corpus
     order, B at a time, so a validation loss is the same every time it is computed.
 
     Only full batches are yielded, except that a corpus with fewer than B windows gives
     one smaller batch of all of them. ValueError when ids hold fewer than T + 1 tokens.
+    ``mask`` (or the mask of memory-mapped chat shards): each batch's "mask".
     """
     batch_size = check_int("batch_size", batch_size)
     seq_len = check_int("seq_len", seq_len)
     if max_batches is not None:
         max_batches = check_int("max_batches", max_batches)
     arr = _token_source(ids)
+    mask = _mask_source(arr, mask)
     if len(arr) < seq_len + 1:
         raise ValueError(
             f"corpus too short: {len(arr)} tokens, need at least seq_len + 1 = {seq_len + 1}"
@@ -181,4 +208,4 @@ def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     for k in range(n_batches):
-        yield _windows(arr, starts[k * batch_size:(k + 1) * batch_size], seq_len)
+        yield _windows(arr, starts[k * batch_size:(k + 1) * batch_size], seq_len, mask)

@@ -13,6 +13,11 @@ split the same way. A corpus that fits one span is split exactly as
 are learned in a first pass over the whole stream (a char vocabulary must cover the
 validation text too; for bpe this lets validation text take part in the merge counts).
 
+Chat data (a JSONL file of {"messages": [...]} or {"prompt", "completion"} records, with a
+tokenizer that has a chat template: a model folder or a .gguf file) is rendered by chat.py,
+conversations joined by the end-of-text id, and each shard gets a mask file beside it
+(train_K.mask: uint8, 1 on the assistant's tokens), split and cut exactly as its tokens.
+
 Atomic: every file is written under a temporary name, fsynced and renamed, and
 meta.json comes last, so a folder with meta.json is complete. A finished folder
 asked again for the same thing is verified and left alone; a folder without
@@ -31,6 +36,7 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm  # the text bar everywhere: tqdm.auto warns in Jupyter without ipywidgets
 
+from jaxformer.data import chat as chat_data
 from jaxformer.data import shards
 from jaxformer.data.sources import Piece, pieces, total_bytes
 from jaxformer.data.tokenizers import make_tokenizer
@@ -119,51 +125,69 @@ def encode_stream(tokenizer, stream: Iterator[Piece], bar=None) -> Iterator[np.n
 
 
 class ShardWriter:
-    """Token ids in, train and val shards out (see the module docstring for the split)."""
+    """Token ids (and, for chat data, their loss mask) in, train and val shards out (see
+    the module docstring for the split)."""
 
     def __init__(self, out: Path, dtype: np.dtype, span: int, val_fraction: float):
         self.out, self.dtype, self.span, self.val_fraction = out, dtype, span, val_fraction
-        self.parts, self.held = [], 0
+        self.parts, self.masks, self.held = [], [], 0
         self.written = {split: [] for split in shards.SPLITS}
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         self.parts.append(ids.astype(self.dtype))
+        if mask is not None:
+            self.masks.append(np.asarray(mask, np.uint8))
         self.held += len(ids)
         while self.held >= self.span:
             whole = np.concatenate(self.parts)
-            self._write_span(whole[:self.span])
+            masks = np.concatenate(self.masks) if self.masks else None
+            self._write_span(whole[:self.span], None if masks is None else masks[:self.span])
             self.parts, self.held = [whole[self.span:]], len(whole) - self.span
+            self.masks = [] if masks is None else [masks[self.span:]]
 
     def close(self) -> None:
         if self.held:
-            self._write_span(np.concatenate(self.parts))
-        self.parts, self.held = [], 0
+            self._write_span(np.concatenate(self.parts), np.concatenate(self.masks) if self.masks else None)
+        self.parts, self.masks, self.held = [], [], 0
 
-    def _write_span(self, ids: np.ndarray) -> None:
+    def _write_span(self, ids: np.ndarray, mask: np.ndarray | None) -> None:
         n_val = int(len(ids) * self.val_fraction)
-        for split, part in (("train", ids[:len(ids) - n_val]), ("val", ids[len(ids) - n_val:])):
+        for split, cut in (("train", slice(0, len(ids) - n_val)), ("val", slice(len(ids) - n_val, len(ids)))):
+            part = ids[cut]
             if not len(part):
                 continue
             data = np.ascontiguousarray(part, dtype=self.dtype.newbyteorder("<")).tobytes()
-            name = shards.shard_name(split, len(self.written[split]))
-            shards.write_atomic(self.out / name, data)
-            self.written[split].append({"file": name, "tokens": int(len(part)),
-                                        "sha256": hashlib.sha256(data).hexdigest()})
+            k = len(self.written[split])
+            shards.write_atomic(self.out / shards.shard_name(split, k), data)
+            entry = {"file": shards.shard_name(split, k), "tokens": int(len(part)),
+                     "sha256": hashlib.sha256(data).hexdigest()}
+            if mask is not None:
+                bits = np.ascontiguousarray(mask[cut], dtype=np.uint8).tobytes()
+                shards.write_atomic(self.out / shards.mask_name(split, k), bits)
+                entry.update(mask_file=shards.mask_name(split, k), mask_sha256=hashlib.sha256(bits).hexdigest())
+            self.written[split].append(entry)
 
 
 def _leftovers(out: Path) -> list[Path]:
-    names = ("train_*.bin", "val_*.bin", ".*.tmp", shards.TOKENIZER_FILE)
+    names = ("train_*.bin", "val_*.bin", "train_*.mask", "val_*.mask", ".*.tmp", shards.TOKENIZER_FILE)
     return sorted(p for pattern in names for p in out.glob(pattern))
 
 
 def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, text_field: str = "text",
             vocab_size: int | None = None, progress: bool = True,
-            log: Callable[[str], None] | None = None) -> PrepareResult:
+            log: Callable[[str], None] | None = None, chat=None) -> PrepareResult:
     """Tokenize ``corpus`` into the shards of the folder ``out``; returns meta.json's
     contents. ``tokenizer``: byte, char, bpe (with ``vocab_size``), gpt2 or a
-    tokenizer.json path. A folder this call created is removed again when an error
+    tokenizer.json path; or a model (a folder, a .gguf file) whose tokenizer and chat
+    template ``chat`` holds (checkpoints.hf.read_chat's ModelChat; the command line reads
+    it). A chat corpus (chat.is_chat_corpus) is rendered with the template and written
+    with its loss mask. A folder this call created is removed again when an error
     stops it before any file is written."""
+    if chat is None and isinstance(tokenizer, str) and (tokenizer.lower().endswith(".gguf")
+                                                        or os.path.isdir(tokenizer)):
+        raise ValueError(f"--tokenizer {tokenizer} is a model: pass its tokenizer and chat template as "
+                         "chat=jaxformer.checkpoints.hf.read_chat(...) (`jaxformer prepare` does)")
     if not os.fspath(out):
         raise ValueError("--out is empty: name the folder to write")
     out = Path(out)
@@ -188,14 +212,14 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return PrepareResult(_prepare_into(out, source, progress, log))
+        return PrepareResult(_prepare_into(out, source, progress, log, chat))
     except BaseException:
         if created and not any(out.iterdir()):
             out.rmdir()  # a missing or empty corpus leaves no empty folder behind
         raise
 
 
-def _prepare_into(out: Path, source: dict, progress: bool, log: Callable[[str], None]) -> dict:
+def _prepare_into(out: Path, source: dict, progress: bool, log: Callable[[str], None], chat=None) -> dict:
     """prepare's work in the folder ``out``: the tokenizer, the shards, meta.json last."""
     corpus, text_field = source["corpus"], source["text_field"]
     stale = _leftovers(out)
@@ -203,13 +227,43 @@ def _prepare_into(out: Path, source: dict, progress: bool, log: Callable[[str], 
         for path in stale:
             path.unlink()
         log(f"removed {len(stale)} file{'' if len(stale) == 1 else 's'} of an interrupted prepare in {out}; starting over")
-
-    texts = (_text(p) for p in pieces(corpus, text_field))
-    if source["tokenizer"] == "char":  # documents are joined with a newline: the vocabulary must hold it
-        texts = itertools.chain(texts, ["\n"])
-    tok = make_tokenizer(source["tokenizer"], vocab_size=source["vocab_size"], texts=texts)
+    is_chat = chat_data.is_chat_corpus(corpus, text_field)
+    if is_chat:
+        chat_data.check_template(chat, source["tokenizer"])
+    if chat is not None:
+        tok = chat.tokenizer
+    else:
+        texts = (_text(p) for p in pieces(corpus, text_field))
+        if source["tokenizer"] == "char":  # documents are joined with a newline: the vocabulary must hold it
+            texts = itertools.chain(texts, ["\n"])
+        tok = make_tokenizer(source["tokenizer"], vocab_size=source["vocab_size"], texts=texts)
     dtype = shards.token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, source["shard_tokens"], source["val_fraction"])
+    write = _write_chat if is_chat else _write_text
+    n_docs, n_bytes, extra = write(writer, tok, chat, corpus, text_field, progress)
+    splits = {split: {"tokens": sum(s["tokens"] for s in writer.written[split]),
+                      "shards": writer.written[split]} for split in shards.SPLITS}
+    if not splits["train"]["tokens"]:
+        raise ValueError(f"corpus {corpus!r} gave no training tokens ({n_docs} document"
+                         f"{'' if n_docs == 1 else 's'}, {n_bytes} bytes of text)")
+    tok_dict = tok.to_dict()
+    tok_file = tok_dict["json"] if tok.kind == "hf" else json.dumps(tok_dict)
+    shards.write_atomic(out / shards.TOKENIZER_FILE, tok_file.encode("utf-8"))
+    meta = {"format": shards.FORMAT, "version": shards.VERSION, "dtype": dtype.name,
+            "vocab_size": tok.vocab_size, "tokenizer": tok_dict, "tokenizer_file": shards.TOKENIZER_FILE,
+            "source": source, "documents": n_docs, "bytes": n_bytes, "splits": splits, **extra}
+    shards.write_atomic(out / shards.META_FILE, json.dumps(meta, indent=1).encode("utf-8"))
+    n_shards = len(writer.written['train']) + len(writer.written['val'])
+    what = "conversation" if is_chat else "document"
+    log(f"{out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} validation "
+        f"{dtype.name} tokens in {n_shards} shard{'' if n_shards == 1 else 's'}, "
+        f"from {n_docs:,} {what}{'' if n_docs == 1 else 's'} ({n_bytes / 2**20:.1f} MiB); {tok.kind} tokenizer, vocab {tok.vocab_size}"
+        + (f"; loss mask on {extra['chat']['assistant_tokens']:,} assistant tokens" if is_chat else ""))
+    return meta
+
+
+def _write_text(writer: ShardWriter, tok, chat, corpus: str, text_field: str, progress: bool):
+    """The documents of a text corpus into ``writer``: (documents, bytes, {})."""
     n_docs = n_bytes = 0
     # the source opened, and its first piece read, before the bar shows: a dataset that
     # cannot be opened (no `datasets` package, offline) is one error, not a bar and an error
@@ -226,20 +280,19 @@ def _prepare_into(out: Path, source: dict, progress: bool, log: Callable[[str], 
         for ids in encode_stream(tok, counted(), bar):
             writer.add(ids)
         writer.close()
-    splits = {split: {"tokens": sum(s["tokens"] for s in writer.written[split]),
-                      "shards": writer.written[split]} for split in shards.SPLITS}
-    if not splits["train"]["tokens"]:
-        raise ValueError(f"corpus {corpus!r} gave no training tokens ({n_docs} document"
-                         f"{'' if n_docs == 1 else 's'}, {n_bytes} bytes of text)")
-    tok_dict = tok.to_dict()
-    tok_file = tok_dict["json"] if tok.kind == "hf" else json.dumps(tok_dict)
-    shards.write_atomic(out / shards.TOKENIZER_FILE, tok_file.encode("utf-8"))
-    meta = {"format": shards.FORMAT, "version": shards.VERSION, "dtype": dtype.name,
-            "vocab_size": tok.vocab_size, "tokenizer": tok_dict, "tokenizer_file": shards.TOKENIZER_FILE,
-            "source": source, "documents": n_docs, "bytes": n_bytes, "splits": splits}
-    shards.write_atomic(out / shards.META_FILE, json.dumps(meta, indent=1).encode("utf-8"))
-    n_shards = len(writer.written['train']) + len(writer.written['val'])
-    log(f"{out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} validation "
-        f"{dtype.name} tokens in {n_shards} shard{'' if n_shards == 1 else 's'}, "
-        f"from {n_docs:,} document{'' if n_docs == 1 else 's'} ({n_bytes / 2**20:.1f} MiB); {tok.kind} tokenizer, vocab {tok.vocab_size}")
-    return meta
+    return n_docs, n_bytes, {}
+
+
+def _write_chat(writer: ShardWriter, tok, chat, corpus: str, text_field: str, progress: bool):
+    """The conversations of a chat corpus and their loss masks into ``writer``:
+    (conversations, bytes of message text, {"mask": True, "chat": ...})."""
+    counts = {"documents": 0, "bytes": 0, "assistant_tokens": 0}
+    with tqdm(unit=" conversations", disable=not progress, desc="rendering", dynamic_ncols=True) as bar:
+        for ids, mask in chat_data.chat_stream(chat, corpus, counts):
+            writer.add(ids, mask)
+            bar.update(counts["documents"] - bar.n)
+        writer.close()
+    extra = {"mask": True, "chat": {"chat_template": chat.chat_template, "bos_token": chat.bos_token,
+                                    "eos_token": chat.eos_token,
+                                    "assistant_tokens": counts["assistant_tokens"]}}
+    return counts["documents"], counts["bytes"], extra

@@ -6,14 +6,18 @@ Layout of DATA_DIR (written by ``prepare.prepare``)::
     tokenizer.json     the tokenizer (a tokenizers file, or the package's dict for byte/char)
     train_00000.bin    token ids, flat, little-endian ``dtype`` (uint16 or uint32)
     val_00000.bin      ...
+    train_00000.mask   chat data only: the loss mask of each token, uint8 0/1, one byte a token
 
 meta.json fields: ``format`` ("jaxformer-shards"), ``version`` (1), ``dtype``,
 ``tokenizer`` (its ``to_dict``, as runs save it), ``vocab_size``, ``source`` (corpus
 spec, text field, val fraction, shard tokens), ``documents`` and ``bytes`` (of UTF-8 text) read,
 ``splits``: {"train"|"val": {"tokens": n, "shards": [{"file", "tokens", "sha256"}]}}.
+Chat data (data/chat.py) adds ``mask`` (true), ``chat`` (the template and counts) and, per
+shard, ``mask_file`` and ``mask_sha256``; a folder without them has no mask.
 
 ``open_split`` maps a split's shards (``np.memmap``, nothing read until a window is
-asked for) as one ``ShardedTokens`` sequence; ``verify`` re-hashes every shard.
+asked for) as one ``ShardedTokens`` sequence (its ``mask``: the masks the same way, or
+None); ``verify`` re-hashes every shard and mask.
 """
 
 from __future__ import annotations
@@ -31,6 +35,20 @@ SPLITS = ("train", "val")
 
 def shard_name(split: str, k: int) -> str:
     return f"{split}_{k:05d}.bin"
+
+
+def mask_name(split: str, k: int) -> str:
+    return f"{split}_{k:05d}.mask"
+
+
+def _files(meta: dict, split: str):
+    """(file, bytes, sha256, what it holds) of each shard of a split and of its mask."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for shard in meta["splits"][split]["shards"]:
+        n = shard["tokens"]
+        yield shard["file"], n * itemsize, shard["sha256"], f"{n} {meta['dtype']} tokens"
+        if "mask_file" in shard:
+            yield shard["mask_file"], n, shard["mask_sha256"], f"the uint8 mask of {n} tokens"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -79,38 +97,35 @@ def read_meta(data_dir) -> dict:
 
 
 def check_sizes(data_dir, meta: dict) -> None:
-    """Every shard exists with the size meta.json says (cheap: no reading)."""
-    itemsize = np.dtype(meta["dtype"]).itemsize
+    """Every shard (and mask) exists with the size meta.json says (cheap: no reading)."""
     for split in SPLITS:
-        for shard in meta["splits"][split]["shards"]:
-            path = Path(data_dir) / shard["file"]
+        for name, want, _, what in _files(meta, split):
+            path = Path(data_dir) / name
             if not path.is_file():
                 raise ValueError(f"shard {path} listed in {META_FILE} is missing")
-            want = shard["tokens"] * itemsize
             if path.stat().st_size != want:
                 raise ValueError(f"shard {path} holds {path.stat().st_size} bytes but {META_FILE} says "
-                                 f"{shard['tokens']} {meta['dtype']} tokens ({want} bytes); "
-                                 "prepare the folder again")
+                                 f"{what} ({want} bytes); prepare the folder again")
 
 
 def verify(data_dir, meta: dict | None = None) -> int:
-    """Sizes and sha256 of every shard against meta.json; returns the shard count."""
+    """Sizes and sha256 of every shard and mask against meta.json; returns the shard count."""
     meta = meta or read_meta(data_dir)
     check_sizes(data_dir, meta)
-    n = 0
     for split in SPLITS:
-        for shard in meta["splits"][split]["shards"]:
-            path = Path(data_dir) / shard["file"]
-            if file_sha256(path) != shard["sha256"]:
+        for name, _, digest, _ in _files(meta, split):
+            path = Path(data_dir) / name
+            if file_sha256(path) != digest:
                 raise ValueError(f"shard {path} does not match its sha256 in {META_FILE} "
                                  "(changed or damaged); prepare the folder again")
-            n += 1
-    return n
+    return sum(len(meta["splits"][split]["shards"]) for split in SPLITS)
 
 
 def fingerprint_of(meta: dict) -> str:
     """One sha256 over the shard digests of both splits (no shard is read)."""
     digests = {split: [s["sha256"] for s in meta["splits"][split]["shards"]] for split in SPLITS}
+    if meta.get("mask"):
+        digests["mask"] = [s.get("mask_sha256") for split in SPLITS for s in meta["splits"][split]["shards"]]
     return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
 
 
@@ -118,9 +133,13 @@ class ShardedTokens:
     """A split's shards as one read-only sequence of N token ids, memory-mapped.
 
     ``rows(starts, length)`` gathers int32 (len(starts), length) windows, a window
-    running across a shard's end continuing in the next shard."""
+    running across a shard's end continuing in the next shard. ``mask``: the loss mask
+    of each token (a ShardedTokens of 0/1, the same length), or None."""
 
-    def __init__(self, arrays: list[np.ndarray]):
+    def __init__(self, arrays: list[np.ndarray], mask: "ShardedTokens | None" = None):
+        self.mask = mask
+        if mask is not None and len(mask) != sum(len(a) for a in arrays):
+            raise ValueError(f"the mask holds {len(mask)} entries for {sum(len(a) for a in arrays)} tokens")
         self.arrays = [a for a in arrays if len(a)]
         sizes = np.array([len(a) for a in self.arrays], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])  # (shards + 1,)
@@ -149,8 +168,14 @@ class ShardedTokens:
 
 
 def open_split(data_dir, meta: dict, split: str) -> ShardedTokens:
-    """The memory-mapped shards of ``split`` ("train" or "val")."""
+    """The memory-mapped shards of ``split`` ("train" or "val"), with their masks when the
+    folder holds chat data."""
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    listed = [s for s in meta["splits"][split]["shards"] if s["tokens"]]
     arrays = [np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
-              for s in meta["splits"][split]["shards"] if s["tokens"]]
-    return ShardedTokens(arrays)
+              for s in listed]
+    mask = None
+    if meta.get("mask"):
+        mask = ShardedTokens([np.memmap(Path(data_dir) / s["mask_file"], dtype=np.uint8, mode="r",
+                                        shape=(s["tokens"],)) for s in listed])
+    return ShardedTokens(arrays, mask)

@@ -1,7 +1,7 @@
 """Sampling from an imported model (a Hugging Face folder or a GGUF file), one token at a
 time, so each can be shown as it comes: ``stream_tokens`` yields ids until a stop id or
-``max_new_tokens``; ``render_chat`` renders the model's chat template (Jinja, as
-transformers renders it) for ``--chat``; ``load_model`` reads the weights, the tokenizer
+``max_new_tokens``; ``render_chat`` (data/chat.py, shared with chat data) renders the model's chat
+template (Jinja, as transformers renders it) for ``--chat``; ``load_model`` reads the weights, the tokenizer
 and the chat settings without a training run.
 
 The key/value cache holds the prompt and the new tokens only: the config's max_seq_len is
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.checkpoints.hf import ModelChat, read_chat, read_hf, resolve_source
+from jaxformer.checkpoints.hf import read_chat, read_hf, resolve_source
+from jaxformer.data.chat import render_chat  # noqa: F401 (generate --chat renders with it)
 from jaxformer.inference.generate import check_options, sample_logits
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kv_cache import forward_cached, init_cache
@@ -37,28 +38,6 @@ def load_model(spec: str, dtype=np.float32, model: dict | None = None):
     params, config = read_hf(source, dtype)
     params = jax.tree_util.tree_map(jnp.asarray, params)
     return params, config.replace(**(model or {})), read_chat(source)
-
-
-def render_chat(chat: ModelChat, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The chat template of ``chat`` rendered for ``messages`` [{"role", "content"}], in
-    Jinja's sandbox with transformers' settings (trim_blocks, lstrip_blocks)."""
-    if not chat.chat_template:
-        raise ValueError("--chat: this model has no chat template (tokenizer.chat_template or "
-                         "tokenizer_config.json chat_template); use --prompt")
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(chat.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=chat.bos_token, eos_token=chat.eos_token)
-    except TemplateError as e:
-        raise ValueError(f"the chat template cannot be rendered: {e}") from None
 
 
 def cache_config(config: ModelConfig, length: int) -> ModelConfig:

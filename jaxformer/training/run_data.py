@@ -5,12 +5,14 @@ the run's settings say)."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 
 from jaxformer import data
 from jaxformer.checkpoints import checkpoint
+from jaxformer.checkpoints.hf import gguf_has_tokenizer, is_gguf, read_chat
 from jaxformer.observe import report
 from jaxformer.training.resume import check_data, data_fingerprint, prepared_fingerprint
 from jaxformer.training.settings import TrainSettings
@@ -51,9 +53,21 @@ def load_data(settings: TrainSettings, tokenizer=None, check: Callable[[dict], N
     return tokenizer, train_ids, val_ids, fingerprint
 
 
+def model_tokenizer(source) -> str | None:
+    """The ``--tokenizer`` that is a model's own: a GGUF file with a tokenizer in its
+    metadata (the file itself), a model folder's tokenizer.json; None when it has none."""
+    if is_gguf(source):
+        return os.path.abspath(source) if gguf_has_tokenizer(source) else None
+    own = os.path.join(source, "tokenizer.json")
+    return os.path.abspath(own) if os.path.isfile(own) else None
+
+
 def make_tokenizer(settings: TrainSettings, corpus: bytes):
-    """The tokenizer ``settings.tokenizer`` names; a bpe learns its merges from the
-    training part of the corpus only (the bytes before the validation tail)."""
+    """The tokenizer ``settings.tokenizer`` names (a .gguf file: the one its metadata
+    holds); a bpe learns its merges from the training part of the corpus only (the bytes
+    before the validation tail)."""
+    if isinstance(settings.tokenizer, str) and is_gguf(settings.tokenizer):
+        return read_chat(settings.tokenizer).tokenizer
     if settings.tokenizer != "bpe":
         return data.make_tokenizer(settings.tokenizer, corpus, vocab_size=settings.vocab_size)
     try:
