@@ -83,6 +83,9 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases bq bk bv on the q, k, v projections; None: as bias
     out_bias: bool | None = None  # the attention output projection's bias bo; None: as bias
     mlp_bias: bool | None = None  # the feed-forward layer's b_* biases; None: as bias
+    # --- softcaps, x -> c tanh(x / c) (Gemma 2; jaxformer/model/softcap.py); 0: off
+    attn_softcap: float = 0.0  # c on the attention scores, before mask and softmax (full, blockwise)
+    logit_softcap: float = 0.0  # c on the head's logits, before the cross entropy
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -195,6 +198,7 @@ FIELD_RULES: dict[str, Rule] = {
     "qkv_bias": FOLLOWS_BIAS,
     "out_bias": FOLLOWS_BIAS,
     "mlp_bias": FOLLOWS_BIAS,
+    "attn_softcap": Rule("number", low=0, note="0: off"), "logit_softcap": Rule("number", low=0, note="0: off"),
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 
@@ -245,6 +249,12 @@ def fused_attention_has_no_dropout(c: ModelConfig) -> None:
                          f"attention probabilities); use 'full' or 'blockwise'")
 
 
+def fused_attention_has_no_softcap(c: ModelConfig) -> None:
+    if c.attn_softcap and c.attention_impl in ("pallas", "cudnn"):
+        raise ValueError(f"ModelConfig.attn_softcap > 0 is not supported with attention_impl "
+                         f"{c.attention_impl!r} (the fused kernel takes no softcap); use 'full' or 'blockwise'")
+
+
 def cudnn_reads_half_precision(c: ModelConfig) -> None:
     if c.attention_impl == "cudnn" and c.compute_dtype == "float32":
         raise ValueError("ModelConfig.attention_impl 'cudnn' cannot run with compute_dtype "
@@ -260,7 +270,7 @@ def biases_follow_bias(c: ModelConfig) -> None:
 
 
 CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads, unscaled_norm_is_rms,
-                     fused_attention_has_no_dropout, cudnn_reads_half_precision,
+                     fused_attention_has_no_dropout, fused_attention_has_no_softcap, cudnn_reads_half_precision,
                      rope_scaling_needs_rope)
 
 
