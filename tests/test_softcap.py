@@ -207,6 +207,16 @@ def test_fused_cores_refuse_a_capped_spec():
         CORES["pallas"].fn(q, k, v, AttentionSpec(softcap=CAP))
 
 
+@pytest.mark.parametrize("field", ["attn_softcap", "logit_softcap"])
+def test_hugging_face_export_refuses_a_cap(field):
+    """GPT-2 and the Llama families have no softcap: export names the field, never drops it."""
+    from jaxformer.checkpoints import hf_gpt2, hf_llama
+    for module, config in ((hf_gpt2, ModelConfig(head_bias=False)), (hf_llama, ModelConfig(norm_type="rms", positions="rope",
+                                                                            mlp="gated", head_bias=False))):
+        with pytest.raises(ValueError, match=f"ModelConfig.{field} = 0.0"):
+            module.config_to_hf(config.replace(**{field: 30.0}))
+
+
 def test_defaults_are_off_and_a_logit_cap_keeps_the_pallas_kernel():
     assert ModelConfig().attn_softcap == ModelConfig().logit_softcap == 0.0
     assert ModelConfig(attention_impl="pallas", logit_softcap=30).logit_softcap == 30.0
