@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (Layer, assert_layer_matches_vjp, assert_sources_agree, equations, layer_and_vjp, make_params,
-                     masks)
+from helpers import (Layer, assert_bfloat16_within_autodiff, assert_layer_matches_vjp, assert_sources_agree, equations,
+                     layer_and_vjp, make_params, masks)
 
 import jaxformer
 
@@ -151,6 +151,16 @@ def test_capped_model_three_sources_agree(impl, chunk):
     assert abs(float(loss) - float(uncapped)) > 1e-3
 
 
+@pytest.mark.parametrize("impl, chunk", [("full", 0), ("blockwise", 8)])
+def test_bfloat16_rule_holds_with_caps(impl, chunk):
+    """Under compute_dtype bfloat16 the manual gradients, caps on, are as close to float32's as autodiff's."""
+    config = BASE.replace(attention_impl=impl, loss_chunk=chunk)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
+    batch = {"inputs": jnp.asarray(ids[:, :-1], jnp.int32), "targets": jnp.asarray(ids[:, 1:], jnp.int32)}
+    params = jaxformer.init_params(jax.random.PRNGKey(0), config, jnp.float32)
+    assert_bfloat16_within_autodiff(params, batch, config)
+
+
 def test_cache_decoder_caps_as_forward():
     """The key/value cache decoder: the prompt and then one token at a time give forward's
     capped logits."""
@@ -211,8 +221,8 @@ def test_fused_cores_refuse_a_capped_spec():
 def test_hugging_face_export_refuses_a_cap(field):
     """GPT-2 and the Llama families have no softcap: export names the field, never drops it."""
     from jaxformer.checkpoints import hf_gpt2, hf_llama
-    for module, config in ((hf_gpt2, ModelConfig(head_bias=False)), (hf_llama, ModelConfig(norm_type="rms", positions="rope",
-                                                                            mlp="gated", head_bias=False))):
+    llama = ModelConfig(norm_type="rms", positions="rope", mlp="gated", head_bias=False)
+    for module, config in ((hf_gpt2, ModelConfig(head_bias=False)), (hf_llama, llama)):
         with pytest.raises(ValueError, match=f"ModelConfig.{field} = 0.0"):
             module.config_to_hf(config.replace(**{field: 30.0}))
 

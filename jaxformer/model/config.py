@@ -270,8 +270,8 @@ def biases_follow_bias(c: ModelConfig) -> None:
 
 
 CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads, unscaled_norm_is_rms,
-                     fused_attention_has_no_dropout, fused_attention_has_no_softcap, cudnn_reads_half_precision,
-                     rope_scaling_needs_rope)
+                     fused_attention_has_no_dropout, cudnn_reads_half_precision,
+                     rope_scaling_needs_rope, fused_attention_has_no_softcap)
 
 
 # The three systems this project grew from, plus a tiny model for tests.
