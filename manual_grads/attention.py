@@ -22,6 +22,7 @@ cudnn has none (cuDNN's kernel is differentiated by JAX's grad only) and is refu
 
 The full core, per head (k and v repeated to the H query heads inside it, kept with Hkv):
     S = q k^T / sqrt(Dh)                                   (B, H, T, T), masked by spec
+    S = c tanh(S / c)                                      only with spec.softcap c (before the mask)
     P = softmax(S)                                         (B, H, T, T)
     Pd = drop(P)                                           only with a dropout key
     O = Pd v
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
 from jaxformer.model.attention import (CORES, attention_spec, core_kv, merge_heads, merge_qkv,
                                        qkv_heads, qkv_weights, split_heads)
-from jaxformer.model.cores import AttentionSpec, attention_probs, repeat_kv
+from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, repeat_kv
 from jaxformer.model.precision import cast, matmul
 from jaxformer.model.rotary import rope_spec, rope_tables
 from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
@@ -51,6 +52,7 @@ from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.rotary import RopeRes, rope_bwd, rope_fwd
+from manual_grads.softcap import softcap_bwd
 
 
 class QKVRes(NamedTuple):
@@ -189,6 +191,8 @@ def full_core_bwd(res: FullCoreRes, dout):
     # probs = softmax(S), S = q k^T / sqrt(Dh): dS = softmax_bwd(probs, dprobs) / sqrt(Dh),
     # the 1 / sqrt(Dh) applied to the (B, H, T, Dh) products, not to the (B, H, T, T) dS
     dsm = softmax_bwd(probs, dprobs)  # (B, H, T, T): sqrt(Dh) * dS
+    if spec.softcap:  # scores = softcap(scores, c), recomputed: capped_scores(q, k, spec)
+        dsm = softcap_bwd(capped_scores(q, k, spec) / spec.softcap, dsm)
     dq = matmul(dsm, k, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
     dk = matmul(jnp.swapaxes(dsm, -1, -2), q, cd) / math.sqrt(Dh)  # (B, H, T, Dh)
     # k, v = repeat_kv(k, G), repeat_kv(v, G)

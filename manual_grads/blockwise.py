@@ -2,6 +2,7 @@
 
 Forward (jaxformer/model/blockwise.py), per head, in blocks of K = spec.block positions:
     O, lse = online softmax of S = q k^T / sqrt(Dh) over key blocks, times v
+                                              (S = c tanh(S / c) first with spec.softcap c)
 It keeps q, k, v, O and the row log-sum-exp lse (B, H, T): never P (B, H, T, T). The
 projections around it, and the choice of core, are manual_grads/attention.py's.
 
@@ -11,6 +12,8 @@ pair at a time (pairs above the causal diagonal skipped, as in the forward):
     dV_j += P_ij^T dO_i                       undoes O = P v
     dP_ij = dO_i v_j^T
     dS_ij = P_ij * (dP_ij - D_i)              undoes P = softmax(S)
+    dS_ij *= 1 - (S_ij / c)^2                 undoes S = c tanh(S / c), with spec.softcap c: the
+                                              capped S_ij recomputed, before the mask
 With dropout on the probabilities (a key), pair (i, j)'s mask is redrawn from
 block_pair_key(key, i, j): dV_j += drop(P_ij)^T dO_i and dP_ij = drop(dO_i v_j^T);
 D_i = rowsum(dO_i * O_i) still equals rowsum(dP_i * P_i), since O = drop(P) v.
@@ -29,11 +32,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.blockwise import (block_scores, block_size, blockwise_attention_core,
-                                       from_blocks, if_visible, pair_dropout, to_blocks)
+from jaxformer.model.blockwise import (block_size, blockwise_attention_core, capped_block_scores,
+                                       from_blocks, if_visible, mask_block, pair_dropout, to_blocks)
 from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.dropout import active, dropout
 from jaxformer.model.precision import matmul, stats_dtype
+from manual_grads.softcap import softcap_bwd
 
 
 class BlockwiseCoreRes(NamedTuple):
@@ -71,13 +75,16 @@ def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, spec: AttentionSpe
     dq_i, dk_j, dv_j = carry  # (B, H, K, Dh) each, stats_dtype
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     f, cd = dq_i.dtype, spec.compute_dtype
-    p = jnp.exp(block_scores(q_i, k_j, i, j, T, spec) - lse_i[..., None])  # (B, H, K, K): P_ij
+    s = capped_block_scores(q_i, k_j, spec)  # (B, H, K, K): S_ij, capped with spec.softcap
+    p = jnp.exp(mask_block(s, i, j, T, spec) - lse_i[..., None])  # (B, H, K, K): P_ij
     drop = pair_dropout(spec.dropout, key, i, j)
     pd = p if drop is None else dropout(p, *drop)  # (B, H, K, K): drop(P_ij), the mask redrawn
     dv_j = dv_j + matmul(jnp.swapaxes(pd, -1, -2), do_i.astype(f), cd)  # O = drop(P) v
     dp = matmul(do_i.astype(f), jnp.swapaxes(v_j, -1, -2).astype(f), cd)  # (B, H, K, K)
     dp = dp if drop is None else dropout(dp, *drop)  # drop(P) = P * keep / (1 - rate)
     ds = p * (dp - d_i[..., None])  # P = softmax(S)
+    if spec.softcap:  # s = softcap(s, spec.softcap): 1 - tanh^2 from the capped s itself
+        ds = softcap_bwd(s / spec.softcap, ds)
     dq_i = dq_i + matmul(ds, k_j.astype(f), cd) * scale  # S = q k^T / sqrt(Dh)
     dk_j = dk_j + matmul(jnp.swapaxes(ds, -1, -2), q_i.astype(f), cd) * scale
     return dq_i, dk_j, dv_j

@@ -29,6 +29,7 @@ from manual_grads import layer_norm as _ln
 from manual_grads import linear as _lin
 from manual_grads import losses as _loss
 from manual_grads import mlp as _mlp
+from manual_grads import softcap as _cap
 from manual_grads.model import embed_params
 
 
@@ -153,7 +154,7 @@ def cross_entropy(logits, targets, mask=None):
     return _cross_entropy(logits, targets, mask)
 
 
-# the head and the loss, chunk by chunk: (head, x, targets, mask, chunk, compute_dtype);
+# the head and the loss, chunk by chunk: (head, x, targets, mask, chunk, compute_dtype, cap);
 # targets and mask get None
 def _chunked_head_loss_bwd(res, dloss):
     dp, dx = _chunked.chunked_head_loss_bwd(res, dloss)  # dp: {"w", "b"?}, the head's own keys
@@ -161,13 +162,17 @@ def _chunked_head_loss_bwd(res, dloss):
 
 
 _chunked_head_loss = _register(_chunked.chunked_head_loss_fwd, _chunked_head_loss_bwd,
-                               nondiff_argnums=(4, 5))
+                               nondiff_argnums=(4, 5, 6))
 
 
-def chunked_head_loss(head, x, targets, mask, chunk, compute_dtype=None):
-    """The mean cross entropy of x @ w + b, C = ``chunk`` positions at a time (0, with a
-    gradient of 0, when the mask sums to 0)."""
-    return _chunked_head_loss(head, x, targets, mask, chunk, compute_dtype)
+def chunked_head_loss(head, x, targets, mask, chunk, compute_dtype=None, cap=0.0):
+    """The mean cross entropy of x @ w + b (capped to c tanh(. / c) with ``cap`` c > 0), C =
+    ``chunk`` positions at a time (0, with a gradient of 0, when the mask sums to 0)."""
+    return _chunked_head_loss(head, x, targets, mask, chunk, compute_dtype, cap)
+
+
+# softcap(x, cap): the logits' cap (logit_softcap); cap is static
+softcap = _register(_cap.softcap_fwd, lambda t, dy: (_cap.softcap_bwd(t, dy),), nondiff_argnums=(1,))
 
 
 # ----------------------------------------------------------------------------
@@ -193,7 +198,7 @@ apply_rope = _register(_rope.rope_fwd, lambda res, dy: (_rope.rope_bwd(res, dy),
 # the model: jaxformer.model.transformer's one sequence, composed of the layers above
 
 LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entropy, chunked_head_loss,
-                     rms_norm)
+                     rms_norm, softcap)
 
 
 def features(params, inputs, config: ModelConfig, key=None):

@@ -7,6 +7,7 @@ Forward, keeping each layer's residuals:
     x = ln_f(x)                       pre-LN only (layer norm, or RMS norm with norm_type "rms")
     logits = x @ head.w + head.b      (B, T, V); tie_embeddings: head.w = tok_embed^T, and the
                                       head's dw^T adds into tok_embed's gradient; no b without head_bias
+    logits = c tanh(logits / c)       with logit_softcap c only (the tap's "head" sees it capped)
     loss = cross_entropy(logits)      ()   (loss_chunk > 0: both, chunk by chunk, chunked_loss.py)
 Backward: the same list, bottom to top; the blocks run a reverse scan over the
 stacked residuals, whose outputs already have params["blocks"]' stacked layout.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
@@ -40,6 +42,7 @@ from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.remat import blocks_bwd, blocks_fwd
+from manual_grads.softcap import softcap_bwd, softcap_fwd
 from manual_grads.tap import tap_backward, tap_forward
 
 EMBED_KEYS = ("tok_embed", "pos_embed")
@@ -53,6 +56,7 @@ def embed_params(params):
 class HeadLossRes(NamedTuple):
     head: LinearRes  # x (B, T, D), w (D, V)
     loss: CrossEntropyRes  # probs (B, T, V), targets, weights (B, T)
+    cap: jax.Array | None = None  # (B, T, V) tanh(logits / logit_softcap); None: no softcap
 
 
 def head_loss_fwd(head, x, targets, mask, config: ModelConfig, tap=None):
@@ -60,14 +64,17 @@ def head_loss_fwd(head, x, targets, mask, config: ModelConfig, tap=None):
     both chunk by chunk (res a ChunkedLossRes; no (B, T, V) logits)."""
     cd = config.compute_dtype
     if config.loss_chunk:
-        loss, res = chunked_head_loss_fwd(head, x, targets, mask, config.loss_chunk, cd)
+        loss, res = chunked_head_loss_fwd(head, x, targets, mask, config.loss_chunk, cd, config.logit_softcap)
         tap_forward(tap, "head + loss", x, loss, head)
         return loss, res
     logits, head_res = linear_fwd(head, x, cd)  # (B, T, V)
+    cap_res = None
+    if config.logit_softcap:
+        logits, cap_res = softcap_fwd(logits, config.logit_softcap)  # (B, T, V)
     tap_forward(tap, "head", x, logits, head)
     loss, loss_res = cross_entropy_fwd(logits, targets, mask)  # ()
     tap_forward(tap, "loss", logits, loss)
-    return loss, HeadLossRes(head_res, loss_res)
+    return loss, HeadLossRes(head_res, loss_res, cap_res)
 
 
 def head_loss_bwd(res, dloss, tap=None):
@@ -78,8 +85,11 @@ def head_loss_bwd(res, dloss, tap=None):
         return d_head, dx
     dlogits, _, _ = cross_entropy_bwd(res.loss, dloss)  # loss = cross_entropy(logits)
     tap_backward(tap, "loss", dloss, None, dlogits)
+    d_capped = dlogits
+    if res.cap is not None:  # logits = softcap(logits, config.logit_softcap)
+        dlogits = softcap_bwd(res.cap, dlogits)
     d_head, dx = linear_bwd(res.head, dlogits)  # logits = x @ head.w + head.b
-    tap_backward(tap, "head", dlogits, d_head, dx)
+    tap_backward(tap, "head", d_capped, d_head, dx)
     return d_head, dx
 
 

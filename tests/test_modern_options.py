@@ -37,6 +37,8 @@ FIELDS = {
     "qkv_bias": (None, True),
     "out_bias": (None, True),
     "mlp_bias": (None, True),
+    "attn_softcap": (0.0, 0.05),  # c tanh(s / c) on the scores (here about 0.04, up to 0.2: in the bend)
+    "logit_softcap": (0.0, 0.3),  # and on the logits (here about 0.25, up to 0.7)
     # the older ones
     "attention_impl": ("full", "blockwise", "pallas"),
     "loss_chunk": (0, 5),
@@ -47,7 +49,8 @@ FIELDS = {
     "bias": (True, False),
     "dropout": (0.0, 0.2),
 }
-REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("norm_scale", False), ("norm_type", "layer")),
+REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl", "pallas"), ("attn_softcap", 0.05)),
+           (("norm_scale", False), ("norm_type", "layer")),
            *((("positions", p), ("rope_scaling", s)) for p in ("learned", "sinusoidal")
              for s in ("llama3", "yarn"))}
 # a bias field equal to bias is the config with None there (ModelConfig keeps one of them):

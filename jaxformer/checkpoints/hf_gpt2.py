@@ -70,7 +70,8 @@ KEYS = (
 )
 # what every GPT-2 is, which config.json does not record
 FIXED = {"norm": "pre", "positions": "learned", "causal": True, "bias": True, "head_bias": False,
-         "embed_scale": False, "norm_type": "layer", "mlp": "plain", "qk_norm": False}
+         "embed_scale": False, "norm_type": "layer", "mlp": "plain", "qk_norm": False,
+         "attn_softcap": 0.0, "logit_softcap": 0.0}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

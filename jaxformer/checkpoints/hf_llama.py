@@ -98,7 +98,7 @@ KEYS = (
 )
 # what every Llama-shaped family is, which config.json does not record (qk_norm: by family)
 FIXED = {"norm": "pre", "norm_type": "rms", "norm_scale": True, "positions": "rope", "mlp": "gated",
-         "causal": True, "embed_scale": False, "head_bias": False}
+         "causal": True, "embed_scale": False, "head_bias": False, "attn_softcap": 0.0, "logit_softcap": 0.0}
 
 
 def _llama_biases(hf: dict) -> LinearBiases:

@@ -41,11 +41,12 @@ CORES = {"full": Core(full, True), "blockwise": Core(blockwise, False), "pallas"
 
 
 def attention_spec(config) -> AttentionSpec:
-    """What a ModelConfig tells the cores: the mask rule, the products' dtype, the tiles and the
-    probabilities' dropout rate."""
+    """What a ModelConfig tells the cores: the mask rule, the products' dtype, the tiles, the
+    probabilities' dropout rate and the scores' softcap."""
     return AttentionSpec(causal=config.causal, compute_dtype=config.compute_dtype,
                          block=config.attention_block, block_q=config.pallas_block_q,
-                         block_k=config.pallas_block_k, dropout=config.dropout)
+                         block_k=config.pallas_block_k, dropout=config.dropout,
+                         softcap=config.attn_softcap)
 
 
 def split_heads(x, n_heads):

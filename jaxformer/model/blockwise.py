@@ -8,7 +8,8 @@ block i, an online softmax runs over the key blocks j: it keeps the row max m,
 the row sum l of exp(s - m) and the unnormalized output acc, rescaling them as
 each block raises the max. With ``causal`` the key blocks above the diagonal
 (j > i) are skipped by a ``lax.cond``, never computed; padded keys are masked, and so
-is every pair the spec refuses (``AttentionSpec.allowed``).
+is every pair the spec refuses (``AttentionSpec.allowed``). With spec.softcap the
+scores are capped, s -> c tanh(s / c), before the mask (``capped_block_scores``).
 The forward returns the output and the row log-sum-exp lse = m + log(l), all the
 backward (manual_grads/blockwise.py) needs to recompute any block of
 probabilities as exp(s - lse).
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.dropout import active, block_pair_key, dropout
 from jaxformer.model.precision import matmul, stats_dtype
+from jaxformer.model.softcap import softcap
 
 
 def n_blocks(T: int, block: int) -> int:
@@ -69,13 +71,21 @@ def if_visible(i, j, spec: AttentionSpec, update, carry):
     return jax.lax.cond(j <= i, update, lambda c: c, carry)
 
 
-def block_scores(q_i, k_j, i, j, T: int, spec: AttentionSpec):
-    """q_i, k_j (B, H, K, Dh) -> s (B, H, K, K) = q_i k_j^T / sqrt(Dh) in stats_dtype,
-    -inf where the key is padding (position >= T) or spec.allowed refuses the pair (causal:
-    the future). The product runs in spec.compute_dtype."""
-    K, Dh = q_i.shape[-2], q_i.shape[-1]
+def capped_block_scores(q_i, k_j, spec: AttentionSpec):
+    """q_i, k_j (B, H, K, Dh) -> q_i k_j^T / sqrt(Dh) (B, H, K, K) in stats_dtype, capped to
+    softcap * tanh(s / softcap) where spec.softcap is set; unmasked. The product runs in
+    spec.compute_dtype."""
     f = stats_dtype(q_i.dtype)
-    s = matmul(q_i, jnp.swapaxes(k_j, -1, -2), spec.compute_dtype).astype(f) / math.sqrt(Dh)  # (B, H, K, K)
+    s = matmul(q_i, jnp.swapaxes(k_j, -1, -2), spec.compute_dtype).astype(f) / math.sqrt(q_i.shape[-1])
+    if spec.softcap:
+        s = softcap(s, spec.softcap)
+    return s  # (B, H, K, K)
+
+
+def mask_block(s, i, j, T: int, spec: AttentionSpec):
+    """The scores s (B, H, K, K) of block pair (i, j), -inf where the key is padding
+    (position >= T) or spec.allowed refuses the pair (causal: the future)."""
+    K = s.shape[-1]
     q_pos = i * K + jnp.arange(K)[:, None]  # (K, 1)
     k_pos = j * K + jnp.arange(K)[None, :]  # (1, K)
     allowed = k_pos < T
@@ -83,6 +93,12 @@ def block_scores(q_i, k_j, i, j, T: int, spec: AttentionSpec):
     if rule is not None:
         allowed = allowed & rule  # (K, K)
     return jnp.where(allowed, s, -jnp.inf)
+
+
+def block_scores(q_i, k_j, i, j, T: int, spec: AttentionSpec):
+    """q_i, k_j (B, H, K, Dh) -> s (B, H, K, K) = q_i k_j^T / sqrt(Dh) in stats_dtype (capped
+    with spec.softcap), -inf where mask_block masks the pair."""
+    return mask_block(capped_block_scores(q_i, k_j, spec), i, j, T, spec)
 
 
 def online_softmax_step(carry, s, v_j, compute_dtype=None, drop=None):

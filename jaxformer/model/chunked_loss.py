@@ -3,7 +3,8 @@
 Shape letters: N = B * T positions, C the chunk, M = ceil(N / C) chunks,
 Np = M * C the padded count.
 
-    loss = sum_n w_n * (logsumexp(x_n @ w + b) - (x_n @ w + b)[target_n])
+    z_n  = x_n @ w + b                     (c tanh(z_n / c) with a logit softcap c)
+    loss = sum_n w_n * (logsumexp(z_n) - z_n[target_n])
     w_n  = mask_n / sum(mask)              (1 / N without a mask; all 0 when the mask sums
                                             to 0: loss 0, gradient 0; losses.mask_weights)
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jaxformer.model.precision import stats_dtype
 from jaxformer.model.linear import linear
 from jaxformer.model.losses import mask_weights
+from jaxformer.model.softcap import softcap
 
 
 def position_weights(targets, mask, dtype):
@@ -42,15 +44,19 @@ def to_chunks(x, chunk: int):
     return x.reshape((M, chunk) + x.shape[1:])
 
 
-def chunk_logits_lse(x_c, w, b, compute_dtype=None):
-    """x_c (C, D) -> (logits (C, V), lse (C,)), both in stats_dtype; the product in compute_dtype."""
+def chunk_logits_lse(x_c, w, b, compute_dtype=None, cap=None):
+    """x_c (C, D) -> (logits (C, V), lse (C,)), both in stats_dtype; the product in compute_dtype;
+    the logits capped to cap * tanh(logits / cap) where ``cap`` (a float or 0-d array) is not None."""
     logits = linear(x_c, w, b, compute_dtype).astype(stats_dtype(x_c.dtype))  # (C, V)
+    if cap is not None:
+        logits = softcap(logits, cap)
     return logits, jax.nn.logsumexp(logits, axis=-1)
 
 
-def chunk_nll(x_c, w, b, t_c, compute_dtype=None):
-    """x_c (C, D), t_c int (C,) -> -log softmax(x_c @ w + b)[t_c] (C,), and lse (C,)."""
-    logits, lse = chunk_logits_lse(x_c, w, b, compute_dtype)
+def chunk_nll(x_c, w, b, t_c, compute_dtype=None, cap=None):
+    """x_c (C, D), t_c int (C,) -> -log softmax(z)[t_c] (C,), and lse (C,); z = x_c @ w + b, capped
+    with ``cap``."""
+    logits, lse = chunk_logits_lse(x_c, w, b, compute_dtype, cap)
     target_logit = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]  # (C,)
     return lse - target_logit, lse
 
@@ -64,15 +70,15 @@ def chunked_inputs(x, targets, mask, chunk: int):
             to_chunks(weights.reshape(-1), chunk))
 
 
-def chunked_head_loss(head, x, targets, mask, chunk: int, compute_dtype=None):
+def chunked_head_loss(head, x, targets, mask, chunk: int, compute_dtype=None, cap: float = 0.0):
     """head = {"w": (D, V), "b": (V,) (optional)}, x (B, T, D), targets int (B, T), mask (B, T) or None
     -> the mean cross entropy of x @ w + b, as cross_entropy(linear(x, w, b, compute_dtype),
-    targets, mask)."""
+    targets, mask); ``cap`` c > 0: of c tanh((x @ w + b) / c), the logits' softcap (0: none)."""
     xc, tc, wc = chunked_inputs(x, targets, mask, chunk)
 
     @jax.checkpoint
     def chunk_loss(x_c, t_c, w_c):
-        nll, _ = chunk_nll(x_c, head["w"], head.get("b"), t_c, compute_dtype)  # (C,)
+        nll, _ = chunk_nll(x_c, head["w"], head.get("b"), t_c, compute_dtype, cap or None)  # (C,)
         return jnp.sum(nll * w_c)
 
     def step(total, xs):

@@ -3,7 +3,7 @@
 A ModelConfig is a frozen (hence hashable) dataclass, so it can be passed to
 ``jax.jit`` as a static argument. Each field has one rule in ``FIELD_RULES`` (judged
 by jaxformer.model.checks) and the rules that tie fields together are the small
-functions of ``CROSS_FIELD_RULES``: an invalid value raises ``ValueError`` at
+functions of ``CROSS_FIELD_RULES`` (config_rules.py): an invalid value raises ``ValueError`` at
 construction, naming the field. A valid value is kept in its canonical type (a numpy
 integer becomes an int, an int rate or epsilon a float).
 """
@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from jaxformer.model.checks import check_bool, check_choice, check_int, check_keys, check_number
+from jaxformer.model.config_rules import CROSS_FIELD_RULES
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
 NORMS = ("pre", "post")
@@ -83,6 +84,9 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases bq bk bv on the q, k, v projections; None: as bias
     out_bias: bool | None = None  # the attention output projection's bias bo; None: as bias
     mlp_bias: bool | None = None  # the feed-forward layer's b_* biases; None: as bias
+    # --- softcaps, x -> c tanh(x / c) (Gemma 2; jaxformer/model/softcap.py); 0: off
+    attn_softcap: float = 0.0  # c on the attention scores, before mask and softmax (full, blockwise)
+    logit_softcap: float = 0.0  # c on the head's logits, before the cross entropy
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -195,73 +199,9 @@ FIELD_RULES: dict[str, Rule] = {
     "qkv_bias": FOLLOWS_BIAS,
     "out_bias": FOLLOWS_BIAS,
     "mlp_bias": FOLLOWS_BIAS,
+    "attn_softcap": Rule("number", low=0, note="0: off"), "logit_softcap": Rule("number", low=0, note="0: off"),
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
-
-
-# ---------------------------------------------------------------------------- rules across fields
-
-
-def heads_divide_width(c: ModelConfig) -> None:
-    if not c.head_dim and c.d_model % c.n_heads:
-        raise ValueError(f"ModelConfig.d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
-
-
-def kv_heads_divide_heads(c: ModelConfig) -> None:
-    if c.n_heads % c.kv_heads:
-        raise ValueError(f"ModelConfig.n_kv_heads ({c.n_kv_heads}) must divide n_heads ({c.n_heads}): "
-                         "each key/value head serves a whole group of query heads")
-
-
-def rope_needs_even_heads(c: ModelConfig) -> None:
-    if c.positions == "rope" and c.d_head % 2:
-        width = f"head_dim is {c.head_dim}" if c.head_dim else \
-            f"d_model ({c.d_model}) / n_heads ({c.n_heads}) is {c.d_head}"
-        raise ValueError(f"ModelConfig.positions 'rope' needs an even head width: {width}")
-
-
-def rope_scaling_needs_rope(c: ModelConfig) -> None:
-    if c.rope_scaling != "none" and c.positions != "rope":
-        raise ValueError(f"ModelConfig.rope_scaling {c.rope_scaling!r} needs positions 'rope', "
-                         f"got positions {c.positions!r}")
-    if c.rope_scaling in ("llama3", "yarn") and not c.rope_original_max_len:
-        raise ValueError(f"ModelConfig.rope_scaling {c.rope_scaling!r} needs rope_original_max_len "
-                         "(the pretrained context length), got 0")
-    if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
-        raise ValueError(f"ModelConfig.rope_high_freq_factor ({c.rope_high_freq_factor}) must be greater "
-                         f"than rope_low_freq_factor ({c.rope_low_freq_factor}) with rope_scaling 'llama3'")
-
-
-def unscaled_norm_is_rms(c: ModelConfig) -> None:
-    if not c.norm_scale and c.norm_type != "rms":
-        raise ValueError("ModelConfig.norm_scale False (no learnable scale) needs norm_type 'rms', "
-                         f"got norm_type {c.norm_type!r}")
-
-
-def fused_attention_has_no_dropout(c: ModelConfig) -> None:
-    if c.dropout and c.attention_impl in ("pallas", "cudnn"):
-        raise ValueError(f"ModelConfig.dropout > 0 is not supported with attention_impl "
-                         f"{c.attention_impl!r} (the fused kernel has no dropout on the "
-                         f"attention probabilities); use 'full' or 'blockwise'")
-
-
-def cudnn_reads_half_precision(c: ModelConfig) -> None:
-    if c.attention_impl == "cudnn" and c.compute_dtype == "float32":
-        raise ValueError("ModelConfig.attention_impl 'cudnn' cannot run with compute_dtype "
-                         "'float32': cuDNN's fused attention reads bfloat16 or float16; "
-                         "set compute_dtype='bfloat16'")
-
-
-def biases_follow_bias(c: ModelConfig) -> None:
-    """qkv_bias, out_bias, mlp_bias: None where they equal bias, so one model has one config."""
-    for name in ("qkv_bias", "out_bias", "mlp_bias"):
-        if getattr(c, name) is not None and getattr(c, name) == c.bias:
-            object.__setattr__(c, name, None)
-
-
-CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads, unscaled_norm_is_rms,
-                     fused_attention_has_no_dropout, cudnn_reads_half_precision,
-                     rope_scaling_needs_rope)
 
 
 # The three systems this project grew from, plus a tiny model for tests.

@@ -4,7 +4,8 @@ A core is ``core(q, k, v, spec, key=None) -> out``: q (B, H, T, Dh), k and v (B,
 or, for a core that reads grouped heads, (B, Hkv, T, Dh); out (B, H, T, Dh). It knows
 nothing of projections, QK-norm or rotary positions (attention.py writes those once,
 around whichever core). ``spec`` (an AttentionSpec) is everything else a core reads:
-the mask rule, the products' dtype, the tiles, the probabilities' dropout rate; ``key``
+the mask rule, the products' dtype, the tiles, the probabilities' dropout rate, the
+scores' softcap; ``key``
 (full, blockwise) is the dropout key, None for no dropout.
 
 The cores: ``full`` (the (B, H, T, T) probabilities, here), ``blockwise`` (an online
@@ -26,6 +27,7 @@ from jaxformer.kernels.pallas import flash_attention
 from jaxformer.kernels.refused import refused
 from jaxformer.model.dropout import dropout
 from jaxformer.model.precision import matmul, upcast
+from jaxformer.model.softcap import softcap
 
 
 @jax.tree_util.register_static
@@ -35,9 +37,9 @@ class AttentionSpec:
     static pytree node (no leaves), so a residual may carry it through scans and custom rules.
 
     A new masking rule (a sliding window, segment ids) is a field here and a line in
-    ``allowed``; a logit transform (a softcap) is a field here and a line where the cores make
-    their scores (``attention_scores``; ``block_scores`` in blockwise.py; the manual backwards
-    undo it beside the softmax's). docs/design.md, "Attention", walks through one."""
+    ``allowed``; a transform of the scores is a field here and a line where the cores make
+    them (``softcap``: ``capped_scores`` here, ``capped_block_scores`` in blockwise.py; the manual
+    backwards undo it beside the softmax's). docs/design.md, "Attention", walks through them."""
 
     causal: bool = True  # query t reads keys s <= t only
     compute_dtype: str | None = None  # the products' inputs (ModelConfig.compute_dtype); None: q's own
@@ -45,6 +47,7 @@ class AttentionSpec:
     block_q: int = 0  # flash: query block size (0: the device's)
     block_k: int = 0  # flash: key block size (0: the device's)
     dropout: float = 0.0  # the probabilities' dropout rate, with a key (full, blockwise)
+    softcap: float = 0.0  # scores s -> softcap * tanh(s / softcap) before mask and softmax; 0: off (full, blockwise)
 
     def allowed(self, q_pos, k_pos):
         """Whether the query at position q_pos may read the key at k_pos (int arrays that
@@ -65,6 +68,15 @@ def attention_scores(q, k, compute_dtype=None):
     return upcast(matmul(q, jnp.swapaxes(k, -1, -2), compute_dtype)) / math.sqrt(q.shape[-1])
 
 
+def capped_scores(q, k, spec: AttentionSpec):
+    """attention_scores(q, k) (B, H, Tq, Tk), then softcap * tanh(scores / softcap) where
+    spec.softcap is set (unmasked: the caller masks)."""
+    scores = attention_scores(q, k, spec.compute_dtype)  # (B, H, Tq, Tk)
+    if spec.softcap:
+        scores = softcap(scores, spec.softcap)
+    return scores
+
+
 def masked_softmax(scores, mask=None):
     """softmax over the last axis of scores (..., Tk) where mask (broadcast; None: all) is
     True: masked scores get the dtype's minimum, and the row max (no gradient) is subtracted."""
@@ -76,11 +88,11 @@ def masked_softmax(scores, mask=None):
 
 
 def attention_probs(q, k, spec: AttentionSpec, start=0):
-    """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, Tq, Tk), the
-    pairs spec.allowed refuses masked; query i sits at position start + i, key s at s (a
-    decoder's cache: start > 0). q k^T runs in spec.compute_dtype, the softmax in float32
-    or wider."""
-    scores = attention_scores(q, k, spec.compute_dtype)  # (B, H, Tq, Tk)
+    """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, Tq, Tk) (the
+    scores capped first with spec.softcap), the pairs spec.allowed refuses masked; query i
+    sits at position start + i, key s at s (a decoder's cache: start > 0). q k^T runs in
+    spec.compute_dtype, the softmax in float32 or wider."""
+    scores = capped_scores(q, k, spec)  # (B, H, Tq, Tk)
     q_pos = start + jnp.arange(q.shape[-2])[:, None]  # (Tq, 1)
     return masked_softmax(scores, spec.allowed(q_pos, jnp.arange(k.shape[-2])[None, :]))
 
@@ -94,10 +106,18 @@ def full(q, k, v, spec: AttentionSpec, key=None):
     return matmul(probs, repeat_kv(v, G), spec.compute_dtype)
 
 
+def check_uncapped(spec: AttentionSpec, impl: str) -> None:
+    """ValueError where spec caps the scores for a fused kernel, which cannot take a softcap."""
+    if spec.softcap:
+        raise ValueError(f"AttentionSpec.softcap is not supported by attention_impl {impl!r} (the "
+                         "fused kernel takes no softcap); use 'full' or 'blockwise'")
+
+
 def flash(q, k, v, spec: AttentionSpec, key=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, T, Dh): the Pallas kernels
     (jaxformer.kernels.pallas.flash_attention, its backward the hand-written kernels), tiles
-    spec.block_q x spec.block_k. No dropout (ModelConfig refuses it)."""
+    spec.block_q x spec.block_k. No dropout, no softcap (ModelConfig refuses them)."""
+    check_uncapped(spec, "pallas")
     return flash_attention(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype)
 
 
@@ -119,7 +139,8 @@ def check_cudnn(products_dtype) -> None:
 def cudnn(q, k, v, spec: AttentionSpec, key=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, T, Dh): jax.nn.dot_product_attention's
     cuDNN implementation (lowered for cuda only, bfloat16 or float16 products; JAX's grad
-    only). No dropout (ModelConfig refuses it)."""
+    only). No dropout, no softcap (ModelConfig refuses them)."""
+    check_uncapped(spec, "cudnn")
     dtype = jnp.dtype(spec.compute_dtype or q.dtype)
     check_cudnn(dtype)
     q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout

@@ -30,6 +30,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
 from jaxformer.model.linear import linear
 from jaxformer.model.params import head_weights
+from jaxformer.model.softcap import softcap
 from jaxformer.model.precision import matmul, upcast
 
 
@@ -101,4 +102,6 @@ def forward_cached(params, inputs, cache, start, config: ModelConfig):
     if config.norm == "pre":
         x = pick_norm(BLOCK_LAYERS, config)(params["ln_f"], x, config.ln_eps)
     logits = linear(x, *head_weights(params, config), config.compute_dtype)  # (B, t, V)
+    if config.logit_softcap:
+        logits = softcap(logits, config.logit_softcap)
     return logits, {"k": k, "v": v}

@@ -5,6 +5,7 @@
     x = ln_f(x)                        pre-LN only (an RMS norm with norm_type "rms")
     logits = x @ head.w + head.b       (B, T, V); tie_embeddings: head.w = tok_embed^T;
                                        no head.b with head_bias False
+    logits = c tanh(logits / c)        only with logit_softcap c > 0 (softcap.py)
     loss = cross_entropy(logits)       ()   (loss_chunk > 0: both, chunk by chunk)
 
 This is the one place the sequence is written. Each function takes the layer
@@ -33,6 +34,7 @@ from jaxformer.model.dropout import embed_key, layer_key
 from jaxformer.model.params import head_weights, validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.rms_norm import rms_norm
+from jaxformer.model.softcap import softcap
 from jaxformer.model.validate import check_precision, validate_batch, validate_tokens
 
 
@@ -45,8 +47,10 @@ class ModelLayers(NamedTuple):
     layer_norm: Callable  # (p, x, eps) -> (B, T, D): the final norm
     linear: Callable  # (x, w, b or None, compute_dtype) -> x @ w + b: the head
     cross_entropy: Callable  # (logits (B, T, V), targets, mask) -> ()
-    chunked_head_loss: Callable  # (head {"w", "b"?}, x (B, T, D), targets, mask, chunk, compute_dtype) -> ()
+    chunked_head_loss: Callable  # (head {"w", "b"?}, x (B, T, D), targets, mask, chunk, compute_dtype
+    # [, softcap: given only where config.logit_softcap is set]) -> ()
     rms_norm: Callable = rms_norm  # (p, x, eps) -> (B, T, D): the final norm with norm_type "rms"
+    softcap: Callable = softcap  # (x, cap) -> cap * tanh(x / cap): the logits' cap (logit_softcap)
 
 
 MODEL_LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entropy,
@@ -86,20 +90,25 @@ def head_params(params, config: ModelConfig) -> dict:
 
 def forward(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
     """inputs int (B, T) -> logits (B, T, V), in the dtype of the params (float32 when
-    config.compute_dtype puts the matmuls of float32 params in bfloat16)."""
+    config.compute_dtype puts the matmuls of float32 params in bfloat16); capped to
+    c tanh(logits / c) with config.logit_softcap c."""
     x = features(params, inputs, config, layers, key)  # (B, T, D)
-    return layers.linear(x, *head_weights(params, config), config.compute_dtype)  # (B, T, V)
+    logits = layers.linear(x, *head_weights(params, config), config.compute_dtype)  # (B, T, V)
+    if config.logit_softcap:
+        logits = layers.softcap(logits, config.logit_softcap)
+    return logits
 
 
 def loss_fn(params, batch, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
     """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?}.
-    loss_chunk > 0 runs the head and the loss chunk by chunk: no (B, T, V) logits.
-    ``key``: dropout's PRNG key for this step (None: no dropout)."""
+    loss_chunk > 0 runs the head (and the logits' softcap) and the loss chunk by chunk: no
+    (B, T, V) logits. ``key``: dropout's PRNG key for this step (None: no dropout)."""
     validate_batch(batch, config)
     check_precision(params, config)
     if config.loss_chunk:
         x = features(params, batch["inputs"], config, layers, key)  # (B, T, D)
+        cap = (config.logit_softcap,) if config.logit_softcap else ()
         return layers.chunked_head_loss(head_params(params, config), x, batch["targets"],
-                                        batch.get("mask"), config.loss_chunk, config.compute_dtype)
+                                        batch.get("mask"), config.loss_chunk, config.compute_dtype, *cap)
     logits = forward(params, batch["inputs"], config, layers, key)  # (B, T, V)
     return layers.cross_entropy(logits, batch["targets"], batch.get("mask"))

@@ -1,0 +1,74 @@
+"""The rules that tie ModelConfig's fields together, each a small function that raises one
+ValueError naming the fields (or, ``biases_follow_bias``, keeps one spelling of a config).
+ModelConfig.__post_init__ runs them in order, after every field's own rule (config.py),
+with the config as ``c``."""
+
+from __future__ import annotations
+
+
+def heads_divide_width(c) -> None:
+    if not c.head_dim and c.d_model % c.n_heads:
+        raise ValueError(f"ModelConfig.d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
+
+
+def kv_heads_divide_heads(c) -> None:
+    if c.n_heads % c.kv_heads:
+        raise ValueError(f"ModelConfig.n_kv_heads ({c.n_kv_heads}) must divide n_heads ({c.n_heads}): "
+                         "each key/value head serves a whole group of query heads")
+
+
+def rope_needs_even_heads(c) -> None:
+    if c.positions == "rope" and c.d_head % 2:
+        width = f"head_dim is {c.head_dim}" if c.head_dim else \
+            f"d_model ({c.d_model}) / n_heads ({c.n_heads}) is {c.d_head}"
+        raise ValueError(f"ModelConfig.positions 'rope' needs an even head width: {width}")
+
+
+def rope_scaling_needs_rope(c) -> None:
+    if c.rope_scaling != "none" and c.positions != "rope":
+        raise ValueError(f"ModelConfig.rope_scaling {c.rope_scaling!r} needs positions 'rope', "
+                         f"got positions {c.positions!r}")
+    if c.rope_scaling in ("llama3", "yarn") and not c.rope_original_max_len:
+        raise ValueError(f"ModelConfig.rope_scaling {c.rope_scaling!r} needs rope_original_max_len "
+                         "(the pretrained context length), got 0")
+    if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
+        raise ValueError(f"ModelConfig.rope_high_freq_factor ({c.rope_high_freq_factor}) must be greater "
+                         f"than rope_low_freq_factor ({c.rope_low_freq_factor}) with rope_scaling 'llama3'")
+
+
+def unscaled_norm_is_rms(c) -> None:
+    if not c.norm_scale and c.norm_type != "rms":
+        raise ValueError("ModelConfig.norm_scale False (no learnable scale) needs norm_type 'rms', "
+                         f"got norm_type {c.norm_type!r}")
+
+
+def fused_attention_has_no_dropout(c) -> None:
+    if c.dropout and c.attention_impl in ("pallas", "cudnn"):
+        raise ValueError(f"ModelConfig.dropout > 0 is not supported with attention_impl "
+                         f"{c.attention_impl!r} (the fused kernel has no dropout on the "
+                         f"attention probabilities); use 'full' or 'blockwise'")
+
+
+def fused_attention_has_no_softcap(c) -> None:
+    if c.attn_softcap and c.attention_impl in ("pallas", "cudnn"):
+        raise ValueError(f"ModelConfig.attn_softcap > 0 is not supported with attention_impl "
+                         f"{c.attention_impl!r} (the fused kernel takes no softcap); use 'full' or 'blockwise'")
+
+
+def cudnn_reads_half_precision(c) -> None:
+    if c.attention_impl == "cudnn" and c.compute_dtype == "float32":
+        raise ValueError("ModelConfig.attention_impl 'cudnn' cannot run with compute_dtype "
+                         "'float32': cuDNN's fused attention reads bfloat16 or float16; "
+                         "set compute_dtype='bfloat16'")
+
+
+def biases_follow_bias(c) -> None:
+    """qkv_bias, out_bias, mlp_bias: None where they equal bias, so one model has one config."""
+    for name in ("qkv_bias", "out_bias", "mlp_bias"):
+        if getattr(c, name) is not None and getattr(c, name) == c.bias:
+            object.__setattr__(c, name, None)
+
+
+CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads,
+                     unscaled_norm_is_rms, fused_attention_has_no_dropout, cudnn_reads_half_precision,
+                     rope_scaling_needs_rope, fused_attention_has_no_softcap)
