@@ -4,7 +4,7 @@
 # %% [markdown]
 # # Training with manual and automatic gradients
 #
-# A gradient source is any function `(params, batch) -> (loss, grads)`.
+# A gradient source is any function `(params, batch, key=None) -> (loss, grads)` (the key: dropout's).
 # `jaxformer.training.step.make_train_step(grad_fn, optimizer)` turns either source into the
 # same jitted optax step, so training from the same seed on the same batches must give the
 # same loss curve, to round-off. Here a small model learns the embedded corpus byte by
