@@ -12,10 +12,14 @@
   elemental emitter XLA used before them), which halves the compile time of a
   model's gradient at the suite's sizes; again both sides of every comparison,
   and the subprocesses the tests start, compile the same way.
-- JAX's persistent compilation cache is off (as in JAX's default): with it shared by the
-  xdist workers and the subprocesses, two suite runs of four on 2 cores crashed natively
-  inside it (a segmentation fault in ``compilation_cache.get_executable_and_time`` and in
-  ``put_executable_and_time``), killing a worker or one process of a multi-process run.
+- JAX's in-memory caches are cleared after each test module (``jax.clear_caches``): every
+  compiled CPU program holds memory mappings of its code for as long as a cache keeps it,
+  and a worker that runs several hundred tests accumulates tens of thousands of them
+  (about 250 a second under test_modern_options, measured with /proc/PID/maps). Past the
+  kernel's vm.max_map_count (65530) XLA's next compile cannot map its code and the worker
+  dies of a segmentation fault, in whichever test happens to compile then.
+- JAX's persistent compilation cache is off (JAX's default): one fewer native code path
+  in every process the suite starts.
 """
 
 import os
@@ -43,3 +47,11 @@ from helpers import write_corpus  # noqa: E402
 def corpus(tmp_path_factory):
     """A small word corpus on disk (helpers.write_corpus), written once per test module."""
     return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """After each test module, drop JAX's caches of traced and compiled programs, so that a
+    worker's compiled code (and its memory mappings) does not grow with the whole suite."""
+    yield
+    jax.clear_caches()
