@@ -274,3 +274,16 @@ def assert_sources_agree(config, B, T, mask, key):
         assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params), name
         check.assert_trees_close(ref, grads)  # 1e-10 per leaf in float64
     return params, batch, loss_ref
+
+
+def decode_one_at_a_time(params, inputs, config, prompt, dtype=jnp.float64):
+    """Logits (B, T, V) of the key/value-cache decoder: the first ``prompt`` positions in one
+    call, then one token per call (jitted), concatenated along time."""
+    from jaxformer.model.kv_cache import forward_cached, init_cache
+    step = jax.jit(forward_cached, static_argnums=4)
+    logits, cache = step(params, inputs[:, :prompt], init_cache(config, inputs.shape[0], dtype), 0, config)
+    got = [logits]
+    for t in range(prompt, inputs.shape[1]):
+        logits, cache = step(params, inputs[:, t:t + 1], cache, t, config)
+        got.append(logits)
+    return np.concatenate(got, axis=1)

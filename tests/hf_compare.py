@@ -31,6 +31,14 @@ def assert_logits_equal(ours, ref, rtol=1e-10):
     np.testing.assert_allclose(ours, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
 
 
+def assert_forward_matches(model, folder, params, config):
+    """Our logits of a batch equal the Hugging Face model's (1e-10 of the largest), printed."""
+    b = batch()
+    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
+    print(f"\n{folder.name}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
+    assert_logits_equal(ours, ref)
+
+
 def torch_reference(model, config, b):
     """(loss, grads mapped to our tree) of torch autograd through the Hugging Face model."""
     model.zero_grad()

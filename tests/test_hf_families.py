@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import (D, F, H, L, S, V, assert_grads_match_torch, assert_logits_equal, batch, torch_logits)  # noqa: E402
+from hf_compare import (D, F, H, L, S, V, assert_forward_matches, assert_grads_match_torch, assert_logits_equal, batch, torch_logits)  # noqa: E402
 
 import jaxformer  # noqa: E402
 from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
@@ -96,12 +96,6 @@ def saved(request, tmp_path_factory):
     return kind, float64_model(kind, folder), folder, want
 
 
-
-
-
-
-
-
 def test_import_matches_transformers_logits(saved):
     kind, model, folder, (head_dim, biases, qk_norm) = saved
     params, config = read_hf(folder, np.float64)
@@ -110,12 +104,7 @@ def test_import_matches_transformers_logits(saved):
     Dh = head_dim or D // H
     assert params["blocks"]["attn"]["wq"].shape == (L, D, H * Dh)
     assert params["blocks"]["attn"]["wo"].shape == (L, H * Dh, D)
-    b = batch()
-    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
-    print(f"\n{folder.name}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
-    assert_logits_equal(ours, ref)
-
-
+    assert_forward_matches(model, folder, params, config)
 
 
 @pytest.mark.parametrize("source", ["jax.grad", "manual"])

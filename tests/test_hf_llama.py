@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import (D, F, H, L, S, V, assert_grads_match_torch, assert_logits_equal, batch, torch_logits, torch_reference)  # noqa: E402
+from hf_compare import (D, F, H, L, S, V, assert_forward_matches, assert_grads_match_torch, assert_logits_equal, batch, torch_logits, torch_reference)  # noqa: E402
 
 import jaxformer  # noqa: E402
 import manual_grads  # noqa: E402
@@ -90,12 +90,6 @@ def saved(request, tmp_path_factory):
     return float64_llama(folder), folder
 
 
-
-
-
-
-
-
 def test_import_matches_transformers_logits(saved):
     model, folder = saved
     params, config = read_hf(folder, np.float64)
@@ -105,12 +99,7 @@ def test_import_matches_transformers_logits(saved):
         hf.num_key_value_heads, hf.tie_word_embeddings, hf.attention_bias)
     assert ("head" in params) == (not config.tie_embeddings)
     assert params["blocks"]["attn"]["wk"].shape == (L, D, hf.num_key_value_heads * D // H)
-    b = batch()
-    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
-    print(f"\n{folder.name}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
-    assert_logits_equal(ours, ref)
-
-
+    assert_forward_matches(model, folder, params, config)
 
 
 @pytest.mark.parametrize("source", ["jax.grad", "manual"])

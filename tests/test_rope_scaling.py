@@ -16,14 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Layer, assert_layer_matches_vjp, make_batch, make_params
+from helpers import Layer, assert_layer_matches_vjp, decode_one_at_a_time, make_batch, make_params
 
 import jaxformer
 from jaxformer.checkpoints.hf_files import HFFormatError
 from jaxformer.checkpoints.hf_llama import config_from_hf, config_to_hf, rope_from_hf
 from jaxformer.model.attention import attention_qkv
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.rotary import SCALED_INV_FREQ, RopeSpec, apply_rope, attention_factor, rope_spec, rope_tables
 from manual_grads.attention import heads_fwd
 from manual_grads.rotary import rope_bwd, rope_fwd
@@ -188,14 +187,7 @@ def test_cache_decoder_uses_the_scaled_tables(scaling):
     params = make_params(config, jnp.float64)
     inputs = make_batch(config, 2, 30, None)["inputs"]
     full = jaxformer.forward(params, inputs, config)
-    cache = init_cache(config, 2, jnp.float64)
-    step = jax.jit(forward_cached, static_argnums=4)
-    logits, cache = step(params, inputs[:, :5], cache, 0, config)
-    got = [logits]
-    for t in range(5, 30):
-        logits, cache = step(params, inputs[:, t:t + 1], cache, t, config)
-        got.append(logits)
-    np.testing.assert_allclose(np.concatenate(got, axis=1), full, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(decode_one_at_a_time(params, inputs, config, 5), full, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------- settings

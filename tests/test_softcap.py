@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (Layer, assert_bfloat16_within_autodiff, assert_layer_matches_vjp, assert_sources_agree, equations,
+from helpers import (Layer, assert_bfloat16_within_autodiff, assert_layer_matches_vjp, assert_sources_agree, decode_one_at_a_time, equations,
                      layer_and_vjp, make_params, masks)
 
 import jaxformer
@@ -18,7 +18,6 @@ from jaxformer.model.attention import CORES, attention
 from jaxformer.model.chunked_loss import chunked_head_loss
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.cores import AttentionSpec, attention_probs
-from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
 from jaxformer.model.softcap import softcap
@@ -171,13 +170,7 @@ def test_cache_decoder_caps_as_forward():
     full = forward(params, ids, config)
     assert np.max(np.abs(full)) < 2.0 and np.max(np.abs(full - forward(params, ids, BASE.replace(
         positions="rope", attn_softcap=0.0, logit_softcap=0.0)))) > 0.1
-    cache = init_cache(config, 2, jnp.float64)
-    first, cache = forward_cached(params, ids[:, :5], cache, 0, config)
-    steps = [first]
-    for t in range(5, 9):
-        logits, cache = forward_cached(params, ids[:, t:t + 1], cache, t, config)
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(decode_one_at_a_time(params, ids, config, 5), full, rtol=1e-12, atol=1e-13)
 
 
 def test_no_cap_traces_no_tanh():
