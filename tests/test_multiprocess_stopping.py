@@ -5,6 +5,7 @@ bounded time with one line, and a plain --resume of the same command continues."
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -109,6 +110,12 @@ def test_a_lost_process_stops_the_other_with_one_line_and_resume_continues(corpu
     assert lines[0].endswith("--resume") and "Traceback" not in errs[0], errs[0][-3000:]
     assert "stack trace" not in errs[0], errs[0][-3000:]
     saved = max(int(p.parent.name) for p in checkpoint.checkpoint_dir(out).glob(f"*/{checkpoint.FILE_DIGESTS}"))
+    # a newer checkpoint without its digests (a save cut short), always: the resume sets it
+    # aside, once, from one process, while the other waits (both moving it raced)
+    fake = checkpoint.checkpoint_dir(out) / str(saved + 1000)
+    shutil.copytree(checkpoint.checkpoint_dir(out) / str(saved), fake)
+    (fake / checkpoint.FILE_DIGESTS).unlink()
+    newer = [s for s in checkpoint.all_steps(out) if s > saved]
     # the same command with --resume: both processes continue from the newest checkpoint
     # (stopped again with a Ctrl-C once they have)
     metrics = Path(out) / "metrics.jsonl"
@@ -119,6 +126,10 @@ def test_a_lost_process_stops_the_other_with_one_line_and_resume_continues(corpu
     errs = _finish(procs)
     assert [p.returncode for p in procs] == [130, 143], [e[-2000:] for e in errs]
     assert f"resuming from checkpoint step {saved} " in errs[0], errs[0][-3000:]
+    moved = [x for x in errs[0].splitlines() if x.startswith("moved the damaged checkpoint")]
+    assert [int(x.split()[6]) for x in moved] == newer, errs[0][-3000:]
+    assert "moved the damaged" not in errs[1] and "No such file" not in errs[1], errs[1][-3000:]
+    assert sorted(p.name for p in (Path(out) / "damaged_checkpoints").iterdir()) == sorted(map(str, newer))
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= saved + 2, steps
 

@@ -17,6 +17,9 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+from jax.experimental import multihost_utils
+
 from jaxformer.checkpoints import checkpoint
 from jaxformer.data import shards_fingerprint, tokenizer_from_dict
 from jaxformer.model.config import ModelConfig
@@ -137,6 +140,10 @@ def restore_newest(run_dir: Path, template):
         run_dir, lambda s: checkpoint.restore(run_dir, template, s))
     _say(f"resuming from checkpoint step {from_step} "
          f"({checkpoint.checkpoint_dir(run_dir) / str(from_step)})")
-    for newer in [s for s in checkpoint.all_steps(run_dir) if s > from_step]:
-        _say(f"moved the damaged checkpoint of step {newer} to {checkpoint.set_aside(run_dir, newer)}")
+    newer = [s for s in checkpoint.all_steps(run_dir) if s > from_step]
+    if jax.process_index() == 0:  # the run folder is shared: one process moves, the rest wait
+        for step in newer:
+            _say(f"moved the damaged checkpoint of step {step} to {checkpoint.set_aside(run_dir, step)}")
+    if jax.process_count() > 1:  # every process, whatever list it saw
+        multihost_utils.sync_global_devices("jaxformer: damaged checkpoints set aside")
     return state
