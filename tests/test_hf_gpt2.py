@@ -181,6 +181,15 @@ def test_init_from_refuses_shape_flags_and_other_vocabularies(byte_gpt2, saved, 
     assert run_cli("train", "--init-from", byte_gpt2, "--d-model", 64, "--steps", 1, "--seq-len", 16,
                    "--corpus", corpus, "--out", tmp_path / "a") == 2
     assert "--d-model" in capsys.readouterr().err
+    # every field the weights fix, the newer ones too (one list: the fields that are not HOW_FIELDS)
+    assert run_cli("train", "--init-from", byte_gpt2, "--head-dim", 8, "--no-qkv-bias",
+                   "--steps", 1, "--seq-len", 16, "--corpus", corpus, "--out", tmp_path / "a") == 2
+    err = capsys.readouterr().err
+    assert "--head-dim, --qkv-bias would change it" in err and "Traceback" not in err, err
+    # compare-grads alike, while a flag of how it is computed (--loss-chunk) passes
+    assert run_cli("compare-grads", "--init-from", byte_gpt2, "--rope-theta", 500000,
+                   "--out", tmp_path / "cmp") == 2
+    assert "--rope-theta would change it" in capsys.readouterr().err
     _, folder97 = saved  # vocabulary 97, the byte tokenizer has 256
     assert run_cli("train", "--init-from", folder97, "--steps", 1, "--seq-len", 16,
                    "--corpus", corpus, "--out", tmp_path / "b", "--no-progress") != 0
@@ -192,5 +201,5 @@ def test_init_from_refuses_shape_flags_and_other_vocabularies(byte_gpt2, saved, 
 
 def test_compare_grads_on_imported_weights(byte_gpt2, tmp_path, capsys):
     assert run_cli("compare-grads", "--init-from", byte_gpt2, "--batch-size", 2, "--seq-len", 16,
-                   "--repeats", 1, "--out", tmp_path / "cmp") == 0
+                   "--repeats", 1, "--loss-chunk", 8, "--out", tmp_path / "cmp") == 0
     assert "hf:" in capsys.readouterr().out

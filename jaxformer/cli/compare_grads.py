@@ -116,7 +116,8 @@ def run(args: argparse.Namespace, manual_fn: GradFn | None = None) -> int:
         r = compare_imported(args.init_from, dtype=args.dtype, batch_size=args.batch_size,
                              seq_len=args.seq_len, seed=args.seed, repeats=args.repeats,
                              fd=args.fd, fd_directions=args.fd_directions, manual_fn=manual_fn,
-                             overrides=args.overrides)
+                             overrides=args.overrides,
+                             check=lambda c: flags.refuse_weight_changes(args.init_from, args.overrides, c))
         print(format_preset(r, color), flush=True)
         reports.append(r)
     for name in ([] if args.init_from else args.preset):

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import typing
 
-from jaxformer.cli.args import nonneg_int, number, positive_int
+from jaxformer.cli.args import UsageError, nonneg_int, number, positive_int
 from jaxformer.model import config as _config
 from jaxformer.training.fields import declared, default_text, value_type
 
@@ -50,8 +50,10 @@ def flag_name(field_name: str) -> str:
 
 
 def _field_type(field: dataclasses.Field):
-    hints = typing.get_type_hints(_config.ModelConfig)
-    return hints[field.name]
+    """The field's type, an optional one's (``bool | None``: unset follows another field) unwrapped."""
+    hint = typing.get_type_hints(_config.ModelConfig)[field.name]
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+    return kinds[0] if len(kinds) == 1 else hint
 
 
 def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
@@ -121,3 +123,15 @@ def model_overrides(args: argparse.Namespace) -> dict:
     """{field: value} for each model flag given on the command line."""
     return {f.name: getattr(args, f.name) for f in model_fields()
             if getattr(args, f.name, None) is not None}
+
+
+def refuse_weight_changes(spec: str, given: dict, config) -> None:
+    """UsageError naming each model flag in ``given`` that would change what the weights of
+    ``--init-from spec`` (whose config is ``config``) compute; flags of HOW_FIELDS pass."""
+    fields = config.to_dict()
+    refused = [name for name in _config.model_fields_of_weights()
+               if name in given and given[name] != fields[name]]
+    if refused:
+        raise UsageError(f"--init-from {spec}: the model comes from the folder; "
+                         f"{', '.join(flag_name(n) for n in refused)} would change it (only "
+                         f"{', '.join(flag_name(n) for n in _config.HOW_FIELDS)} may be given)")

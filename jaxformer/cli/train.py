@@ -14,8 +14,9 @@ from jax.experimental import multihost_utils
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.hf import read_hf, resolve_source
 from jaxformer.cli.args import UsageError, exit_now, nonneg_int, output_folder, positive_int
-from jaxformer.cli.flags import add_model_flags, add_setting_flags, flag_name, model_overrides, setting_flags
-from jaxformer.model.config import PRESET_TRAINING, PRESETS
+from jaxformer.cli.flags import (add_model_flags, add_setting_flags, model_overrides,
+                                 refuse_weight_changes, setting_flags)
+from jaxformer.model.config import PRESET_TRAINING, PRESETS, model_fields_of_weights
 from jaxformer.model.params import count_params
 from jaxformer.observe.report import recipe_text
 from jaxformer.observe.words import plural
@@ -138,13 +139,11 @@ def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_give
     if own is not None:
         settings = settings.replace(tokenizer=own)
     params, config = read_hf(folder, np.float64 if settings.dtype == "float64" else np.float32)
+    refuse_weight_changes(spec, flags, config)
     fields = config.to_dict()
     fields.pop("vocab_size")
-    refused = sorted(name for name in SHAPE_FIELDS if name in flags and flags[name] != fields[name])
-    if refused:
-        raise UsageError(f"--init-from {spec}: the model comes from the folder; "
-                         f"{', '.join(flag_name(n) for n in refused)} would change its shape")
-    model = {k: v for k, v in settings.model.items() if k not in SHAPE_FIELDS}
+    fixed = model_fields_of_weights()
+    model = {k: v for k, v in settings.model.items() if k not in fixed}
     settings = settings.replace(model={**fields, **model})
     if settings.seq_len > config.max_seq_len:
         if seq_len_given:
@@ -162,15 +161,6 @@ def tokenizer_given(args: argparse.Namespace, settings: TrainSettings) -> bool:
     if args.tokenizer is not None or settings.data:
         return True
     return bool(args.config) and "tokenizer" in read_config(args.config)[1]
-
-
-# ModelConfig fields an imported model fixes (its params' tree and shapes, its function)
-SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activation", "norm",
-                "positions", "causal", "ln_eps", "tie_embeddings", "bias", "head_bias", "embed_scale",
-                "norm_type", "norm_scale", "rope_theta", "mlp", "n_kv_heads", "qk_norm",
-                "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
-                "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor",
-                "rope_truncate", "attn_softcap", "logit_softcap")
 
 
 def run(args: argparse.Namespace) -> int:

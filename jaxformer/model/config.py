@@ -26,6 +26,10 @@ ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_types (checkpoints/hf.py)
+# The fields that choose how the model is computed, not what it computes: a model read
+# from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
+HOW_FIELDS = ("attention_impl", "attention_block", "pallas_block_q", "pallas_block_k", "loss_chunk",
+              "remat", "compute_dtype", "dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,3 +292,11 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name].replace(**overrides)
+
+
+def model_fields_of_weights() -> tuple[str, ...]:
+    """The ModelConfig fields that imported weights fix (their params' tree and shapes, the
+    function they were trained to compute): every field but HOW_FIELDS and vocab_size (which
+    training takes from the tokenizer)."""
+    return tuple(f.name for f in dataclasses.fields(ModelConfig)
+                 if f.name not in HOW_FIELDS and f.name != "vocab_size")

@@ -323,11 +323,15 @@ def compare_preset(name: str, *, dtype: str = "float32", batch_size: int = 4, se
 def compare_imported(spec: str, *, dtype: str = "float32", batch_size: int = 4, seq_len: int = 32,
                      seed: int = 0, repeats: int = 5, fd: bool = False,
                      fd_directions: int = FD_DIRECTIONS, manual_fn: GradFn | None = None,
-                     overrides: dict | None = None) -> PresetReport:
+                     overrides: dict | None = None,
+                     check: Callable[[ModelConfig], None] | None = None) -> PresetReport:
     """``compare_preset`` on the Hugging Face GPT-2 or Llama ``spec`` (a folder or a hub id): its
-    real weights, its config (``overrides`` may change what keeps the shapes)."""
+    real weights, its config with ``overrides``; ``check(config)`` first (the command line refuses
+    there an override that would change what the weights compute)."""
     folder = resolve_source(spec)
     params, config = read_hf(folder, jnp.dtype(dtype))
+    if check is not None:
+        check(config)
     config = config.replace(**(overrides or {}))
     params = jax.tree_util.tree_map(jnp.asarray, params)
     batch = make_batch(config, batch_size, min(seq_len, config.max_seq_len), seed,
