@@ -113,6 +113,25 @@ def test_generate_chat_answers_paris(real, capsys, monkeypatch):
     assert code == 0 and "Paris" in out, out
 
 
+def test_generate_chat_converses_over_stdin(real, capsys, monkeypatch):
+    """``--chat`` without a message: one user turn per line of stdin, each answered with the
+    whole conversation in the template (the second question only makes sense after the first)."""
+    import io
+
+    from jaxformer.cli import generate
+    from jaxformer.cli.main import main
+    path, params, config, chat = real
+    monkeypatch.setattr(generate, "load_model", lambda spec, model=None: (params, config, chat))
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Germany?\n"))
+    seen = []
+    monkeypatch.setattr(generate, "render_chat", lambda c, messages: seen.append(list(messages))
+                        or render_chat(c, messages))
+    assert main(["generate", "--init-from", path, "--chat", "--max-new-tokens", "12"]) == 0
+    first, second = capsys.readouterr().out.strip().split("\n")
+    assert "Paris" in first and "Berlin" in second, (first, second)
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"] and seen[1][1]["content"] == first.strip()
+
+
 def test_chat_template_renders_like_transformers(real):
     chat = real[3]
     text = render_chat(chat, [{"role": "user", "content": "Hi"}])

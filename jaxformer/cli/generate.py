@@ -14,6 +14,7 @@ from jaxformer.cli.args import UsageError, nonneg_int, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
 from jaxformer.inference.stream import load_model, render_chat, stream_text, stream_tokens
 from jaxformer.inference.text import sample_texts
+from jaxformer.model.config import HOW_FIELDS
 
 EPILOG = """\
 examples:
@@ -35,8 +36,9 @@ restarts as its last max_seq_len // 2 tokens (positions stay within the trained
 table). --no-cache runs the whole sliding window per token instead.
 """
 
-# ModelConfig fields generate may change: how the model computes, not its shape.
-MODEL_FLAGS = ("attention_impl", "attention_block", "loss_chunk", "remat", "compute_dtype")
+# ModelConfig fields generate may change: how the model computes, not what (dropout aside:
+# sampling never drops).
+MODEL_FLAGS = tuple(name for name in HOW_FIELDS if name != "dropout")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,7 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="a Hugging Face model folder or hub id, or a .gguf file: sample from it")
     text = g.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="text to continue")
-    text.add_argument("--chat", metavar="MESSAGE", help="a user message, in the model's chat template (with --init-from)")
+    text.add_argument("--chat", metavar="MESSAGE", nargs="?", const="",
+                      help="a user message, in the model's chat template (with --init-from); with no "
+                           "message, a conversation: one user turn per line of stdin")
     g.add_argument("--max-new-tokens", type=nonneg_int, default=200, metavar="N", help="default 200")
     g.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="0: greedy (default 0.8; 0 with --chat)")
@@ -119,6 +123,8 @@ def run_imported(args: argparse.Namespace, overrides: dict) -> int:
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     print(f"sampling from {args.init_from} ({config.n_layers} layers, d_model {config.d_model}, "
           f"vocab {config.vocab_size})", file=sys.stderr)
+    if args.chat == "":
+        return converse(args, params, config, chat)
     if args.chat is not None:
         text = render_chat(chat, [{"role": "user", "content": args.chat}])
         temperature = 0.0 if args.temperature is None else args.temperature
@@ -127,10 +133,36 @@ def run_imported(args: argparse.Namespace, overrides: dict) -> int:
         print(text, end="", flush=True)
     if not text:
         raise UsageError("the prompt is empty; give at least one character")
+    reply(args, params, config, chat, text, temperature)
+    return 0
+
+
+def reply(args, params, config, chat, text: str, temperature: float) -> str:
+    """Stream the model's continuation of ``text`` to stdout; returns it."""
     ids = chat.tokenizer.encode(text)
     tokens = stream_tokens(params, config, ids, args.max_new_tokens, temperature=temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=chat.stop_ids)
+    pieces = []
     for piece in stream_text(chat.tokenizer, tokens):
         print(piece, end="", flush=True)
+        pieces.append(piece)
     print()
-    return 0
+    return "".join(pieces)
+
+
+def converse(args, params, config, chat) -> int:
+    """``--chat`` without a message: each line of stdin is a user turn, answered in the
+    model's template over the whole conversation so far (re-read from the start each turn;
+    the oldest tokens give way when it outgrows max_seq_len). An empty line or the end of
+    input ends it; at a terminal each turn is asked for with "> "."""
+    messages, temperature = [], 0.0 if args.temperature is None else args.temperature
+    asking = sys.stdin.isatty()
+    while True:
+        if asking:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.strip()})
+        answer = reply(args, params, config, chat, render_chat(chat, messages), temperature)
+        messages.append({"role": "assistant", "content": answer.strip()})
