@@ -26,7 +26,7 @@ MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_types (checkpoints/hf.py)
+FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")  # Hugging Face model_types (checkpoints/hf.py)
 
 
 @dataclasses.dataclass(frozen=True)
