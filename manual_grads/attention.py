@@ -2,7 +2,9 @@
 
 Forward (jaxformer/model/attention.py's ``attention``):
     q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
-    q, k = rope(qk_norm(q), qk_norm(k))                    only where those options are on
+    q, k = rope(qk_norm(q), qk_norm(k))                    only where those options are on (QK-norm
+                                                           per head, or over merge_heads(q), merge_heads(k))
+    q = q * sqrt(Dh / attn_scalar)                         with attn_scalar only
     k, v = repeat_kv(k, G), repeat_kv(v, G)                (B, H, T, Dh), G = H / Hkv: cores that
                                                            do not read grouped heads (``core_kv``)
     O = core(q, k, v, spec, key)                           (B, H, T, Dh)
@@ -42,8 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
-from jaxformer.model.attention import (CORES, attention_spec, core_kv, merge_heads, merge_qkv,
-                                       qkv_heads, qkv_weights, split_heads)
+from jaxformer.model.attention import (CORES, QKNorm, attention_spec, core_kv, merge_heads, merge_qkv,
+                                       qk_norm_of, qkv_heads, qkv_weights, query_scale, split_heads)
 from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, repeat_kv
 from jaxformer.model.precision import cast, matmul
 from jaxformer.model.rotary import rope_spec, rope_tables
@@ -88,19 +90,36 @@ def qkv_bwd(res: QKVRes, dq, dk, dv):
 
 class RotateQKRes(NamedTuple):
     """What QK-norm and rotary positions keep; None where the option is off."""
-    q_norm: RMSNormRes | None  # of q (B, H, T, Dh)
-    k_norm: RMSNormRes | None  # of k (B, Hkv, T, Dh)
+    q_norm: RMSNormRes | None  # of q (B, H, T, Dh), or of merge_heads(q) (B, T, H Dh) with qk.whole
+    k_norm: RMSNormRes | None  # of k (B, Hkv, T, Dh), or of merge_heads(k)
     rope: RopeRes | None  # the cos, sin tables (T, Dh)
 
 
-def rotate_qk_fwd(p, q, k, norm_eps, rope):
+def _qk_norm_fwd(p, x, eps, qk: QKNorm):
+    """One of QK-norm's two norms: over each head's Dh, or (qk.whole) over merge_heads(x)."""
+    if not qk.whole:
+        return rms_norm_fwd(p, x, eps, qk.offset)
+    y, res = rms_norm_fwd(p, merge_heads(x), eps, qk.offset)  # (B, T, H Dh)
+    return split_heads(y, x.shape[1]), res
+
+
+def _qk_norm_bwd(res: RMSNormRes, dy):
+    """Undoes _qk_norm_fwd; a whole-projection norm's xhat is (B, T, H Dh)."""
+    if res.xhat.ndim == dy.ndim:
+        return rms_norm_bwd(res, dy)  # y = rms_norm(p, x, eps, offset)
+    dp, dx = rms_norm_bwd(res, merge_heads(dy))  # y = split_heads(rms_norm(p, merge_heads(x)), H)
+    return dp, split_heads(dx, dy.shape[1])
+
+
+def rotate_qk_fwd(p, q, k, norm_eps, rope, qk: QKNorm = QKNorm()):
     """q (B, H, T, Dh), k (B, Hkv, T, Dh) -> (q, k), res: the model's ``rotate_qk``: an RMS
-    norm over each head's width where p has q_norm and k_norm, then rotary positions
-    where ``rope`` (a RopeSpec or a base theta) is given: the model's own tables."""
+    norm over each head's width (``qk``: or over all heads' features, the scale offset) where
+    p has q_norm and k_norm, then rotary positions where ``rope`` (a RopeSpec or a base theta)
+    is given: the model's own tables."""
     q_res = k_res = rope_res = None
     if "q_norm" in p:
-        q, q_res = rms_norm_fwd(p["q_norm"], q, norm_eps)
-        k, k_res = rms_norm_fwd(p["k_norm"], k, norm_eps)
+        q, q_res = _qk_norm_fwd(p["q_norm"], q, norm_eps, qk)
+        k, k_res = _qk_norm_fwd(p["k_norm"], k, norm_eps, qk)
     if rope:
         cos, sin = rope_tables(jnp.arange(q.shape[-2]), q.shape[-1], rope, q.dtype)  # (T, Dh)
         q, rope_res = rope_fwd(q, cos, sin)
@@ -113,27 +132,34 @@ def rotate_qk_bwd(res: RotateQKRes, dq, dk):
     dp = {}
     if res.rope is not None:  # q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dq, dk = rope_bwd(res.rope, dq), rope_bwd(res.rope, dk)
-    if res.q_norm is not None:  # q, k = rms_norm(p["q_norm"], q, eps), rms_norm(p["k_norm"], k, eps)
-        dp["q_norm"], dq = rms_norm_bwd(res.q_norm, dq)
-        dp["k_norm"], dk = rms_norm_bwd(res.k_norm, dk)
+    if res.q_norm is not None:  # q, k = norm(p["q_norm"], q, eps, offset), norm(p["k_norm"], k, eps, offset)
+        dp["q_norm"], dq = _qk_norm_bwd(res.q_norm, dq)
+        dp["k_norm"], dk = _qk_norm_bwd(res.k_norm, dk)
     return dp, dq, dk
 
 
 class HeadsRes(NamedTuple):
     qkv: QKVRes  # the projections' input and weights
     rotate: RotateQKRes  # QK-norm's and rotary positions' (None fields where off)
+    q_scale: jax.Array | None = None  # () the factor on q (config.attn_scalar); None: none
 
 
 def heads_fwd(p, x, config):
     """The model's ``attention_qkv``: x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh)):
-    the projections, then QK-norm and rotary positions where config turns them on."""
+    the projections, then QK-norm and rotary positions where config turns them on, then q
+    scaled where config.attn_scalar is set."""
     (q, k, v), qkv_res = qkv_fwd(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    (q, k), rot_res = rotate_qk_fwd(p, q, k, config.ln_eps, rope_spec(config))
-    return (q, k, v), HeadsRes(qkv_res, rot_res)
+    (q, k), rot_res = rotate_qk_fwd(p, q, k, config.ln_eps, rope_spec(config), qk_norm_of(config))
+    if not config.attn_scalar:
+        return (q, k, v), HeadsRes(qkv_res, rot_res)
+    c = jnp.asarray(query_scale(config), q.dtype)
+    return (q * c, k, v), HeadsRes(qkv_res, rot_res, c)
 
 
 def heads_bwd(res: HeadsRes, dq, dk, dv):
     """dq (B, H, T, Dh), dk, dv (B, Hkv, T, Dh) -> (the projections' and norms' dp, dx (B, T, D))."""
+    if res.q_scale is not None:  # q = q * query_scale(config)
+        dq = dq * res.q_scale
     d_rot, dq, dk = rotate_qk_bwd(res.rotate, dq, dk)  # q, k = rotate_qk(p, q, k)
     dp, dx = qkv_bwd(res.qkv, dq, dk, dv)  # q, k, v = split_qkv(x @ [wq | wk | wv] + b)
     return {**dp, **d_rot}, dx

@@ -1,10 +1,14 @@
-"""The residual block, pre-LN and post-LN.
+"""The residual block in its four layouts (jaxformer/model/block.py):
 
-    pre:  x1 = x + drop(attn(ln1(x)));   y = x1 + drop(ffn(ln2(x1)))
-    post: x1 = ln1(x + drop(attn(x)));   y = ln2(x1 + drop(ffn(x1)))
+    pre:      x1 = x + drop(attn(ln1(x)));             y = x1 + drop(ffn(ln2(x1)))
+    post:     x1 = ln1(x + drop(attn(x)));             y = ln2(x1 + drop(ffn(x1)))
+    output:   x1 = x + drop(ln1_post(attn(x)));        y = x1 + drop(ln2_post(ffn(x1)))
+    sandwich: x1 = x + drop(ln1_post(attn(ln1(x))));   y = x1 + drop(ln2_post(ffn(ln2(x1))))
 
-ln is layer norm, or RMS norm with norm_type "rms" (``norm_fwd``; the backward follows
-the residual's type). ffn is mlp.py's pair, plain or gated. drop is dropout, only with
+pre, output and sandwich share one pair (``pre_block_fwd``, ``pre_block_bwd``): a norm that
+the layout lacks keeps None in PreBlockRes and its step is skipped both ways.
+ln is layer norm, or RMS norm with norm_type "rms" (``norm_fwd``, the scale offset by
+norm_offset; the backward follows the residual's type). ffn is mlp.py's pair, plain or gated. drop is dropout, only with
 the layer's key (jaxformer/model/dropout.py names the keys); the residuals keep the keys
 and redraw each mask in the backward.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jaxformer.model.block import input_norms, output_norms
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, sub_key
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
@@ -39,7 +44,7 @@ from manual_grads.tap import tap_backward, tap_forward
 def norm_fwd(p, x, config: ModelConfig):
     """The norm config.norm_type names (the model's ``pick_norm``): x (..., D) -> y, res."""
     if config.norm_type == "rms":
-        return rms_norm_fwd(p, x, config.ln_eps)
+        return rms_norm_fwd(p, x, config.ln_eps, config.norm_offset)
     return layer_norm_fwd(p, x, config.ln_eps)
 
 
@@ -54,12 +59,14 @@ def norm_bwd(res, dy):
 
 
 class PreBlockRes(NamedTuple):
-    ln1: LayerNormRes | RMSNormRes  # of x (B, T, D)
+    ln1: LayerNormRes | RMSNormRes | None  # of x (B, T, D); None: no input norms (output)
     attn: AttentionRes  # of ln1(x)
-    ln2: LayerNormRes | RMSNormRes  # of x1 = x + attn(ln1(x)) (B, T, D)
+    ln2: LayerNormRes | RMSNormRes | None  # of x1 = x + attn(ln1(x)) (B, T, D); None as ln1
     ffn: FeedForwardRes | GatedFeedForwardRes  # of ln2(x1)
     drop_attn: DropoutRes | None = None  # the attention branch's dropout key; None: no dropout
     drop_ffn: DropoutRes | None = None  # the feed-forward branch's
+    ln1_post: LayerNormRes | RMSNormRes | None = None  # of attn(...) (output, sandwich); None: pre
+    ln2_post: LayerNormRes | RMSNormRes | None = None  # of ffn(...)
 
 
 class PostBlockRes(NamedTuple):
@@ -75,9 +82,9 @@ def block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     """One block; p is one layer's slice of params["blocks"]; x (B, T, D) -> y (B, T, D).
     ``tap`` (tap.py) sees each stage: ln1, attn, attn residual, ln2, ffn, ffn residual.
     ``key``: the layer's dropout key (None: no dropout)."""
-    if config.norm == "pre":
-        return pre_block_fwd(p, x, config, tap, key)
-    return post_block_fwd(p, x, config, tap, key)
+    if config.norm == "post":
+        return post_block_fwd(p, x, config, tap, key)
+    return pre_block_fwd(p, x, config, tap, key)
 
 
 def _branch_keys(config: ModelConfig, key):
@@ -94,42 +101,81 @@ def block_bwd(res, dy, tap=None):
     return post_block_bwd(res, dy, tap)
 
 
+def _in_norm_fwd(p, name, x, config: ModelConfig, tap):
+    """ln1 or ln2 on a sublayer's input where the layout has them: (h, res or None)."""
+    if not input_norms(config):
+        return x, None
+    h, res = norm_fwd(p[name], x, config)  # (B, T, D)
+    tap_forward(tap, name, x, h, p[name])
+    return h, res
+
+
+def _branch_fwd(p, name, y, config: ModelConfig, key, tap, stage, x_in, p_stage):
+    """A sublayer's output y (B, T, D) -> (what the residual adds, ln_post res or None, dropout res):
+    drop(y), tapped as ``stage`` (pre), or drop(p[name](y)) where the
+    layout norms the outputs, ``stage`` tapped before the norm."""
+    if not output_norms(config):
+        y, drop = dropout_fwd(y, config.dropout, key)  # (B, T, D)
+        tap_forward(tap, stage, x_in, y, p_stage)
+        return y, None, drop
+    tap_forward(tap, stage, x_in, y, p_stage)
+    h, res = norm_fwd(p[name], y, config)  # (B, T, D)
+    tap_forward(tap, name, y, h, p[name])
+    h, drop = dropout_fwd(h, config.dropout, key)  # (B, T, D)
+    return h, res, drop
+
+
+def _norm_bwd(res, name, dy, grads, tap):
+    """Undoes an optional norm (res None: dy as it is), its gradient into grads[name]."""
+    if res is None:
+        return dy
+    grads[name], dx = norm_bwd(res, dy)
+    tap_backward(tap, name, dy, grads[name], dx)
+    return dx
+
+
+def _branch_bwd(norm_res, drop, name, dy, grads, tap):
+    """Undoes _branch_fwd: dy (B, T, D) -> (the sublayer output's gradient, the dy its stage's tap sees)."""
+    d = dropout_bwd(drop, dy)  # y = drop(y)
+    if norm_res is None:
+        return d, dy
+    d = _norm_bwd(norm_res, name, d, grads, tap)  # y = ln_post(y)
+    return d, d
+
+
 def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
-    act, cd, rate = config.activation, config.compute_dtype, config.dropout
+    act, cd = config.activation, config.compute_dtype
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
-    h1, ln1_res = norm_fwd(p["ln1"], x, config)  # (B, T, D)
-    tap_forward(tap, "ln1", x, h1, p["ln1"])
+    h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, tap)  # (B, T, D)
     a, attn_res = attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
-    a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
-    tap_forward(tap, "attn", h1, a, p["attn"])
+    a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, k_attn, tap, "attn", h1, p["attn"])
     x1 = x + a  # (B, T, D)
     tap_forward(tap, "attn residual", a, x1)
-    h2, ln2_res = norm_fwd(p["ln2"], x1, config)  # (B, T, D)
-    tap_forward(tap, "ln2", x1, h2, p["ln2"])
+    h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, tap)  # (B, T, D)
     f, ffn_res = feed_forward_fwd(p["ffn"], h2, act, cd)  # (B, T, D)
-    f, drop_ffn = dropout_fwd(f, rate, k_ffn)  # (B, T, D)
-    tap_forward(tap, "ffn", h2, f, p["ffn"])
+    f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, k_ffn, tap, "ffn", h2, p["ffn"])
     y = x1 + f  # (B, T, D)
     tap_forward(tap, "ffn residual", f, y)
-    return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn)
+    return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
 
 
 def pre_block_bwd(res: PreBlockRes, dy, tap=None):
-    # y = x1 + drop(ffn(ln2(x1))): x1 gets dy through the skip and through the branch
-    d_ffn, dh2 = feed_forward_bwd(res.ffn, dropout_bwd(res.drop_ffn, dy))
-    tap_backward(tap, "ffn", dy, d_ffn, dh2)
-    d_ln2, dx1_branch = norm_bwd(res.ln2, dh2)
-    tap_backward(tap, "ln2", dh2, d_ln2, dx1_branch)
+    grads = {}
+    # y = x1 + drop(ln2_post(ffn(ln2(x1)))): x1 gets dy through the skip and through the branch
+    df, seen = _branch_bwd(res.ln2_post, res.drop_ffn, "ln2_post", dy, grads, tap)
+    grads["ffn"], dh2 = feed_forward_bwd(res.ffn, df)
+    tap_backward(tap, "ffn", seen, grads["ffn"], dh2)
+    dx1_branch = _norm_bwd(res.ln2, "ln2", dh2, grads, tap)
     dx1 = dy + dx1_branch
     tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
-    # x1 = x + drop(attn(ln1(x)))
-    d_attn, dh1 = attention_bwd(res.attn, dropout_bwd(res.drop_attn, dx1))
-    tap_backward(tap, "attn", dx1, d_attn, dh1)
-    d_ln1, dx_branch = norm_bwd(res.ln1, dh1)
-    tap_backward(tap, "ln1", dh1, d_ln1, dx_branch)
+    # x1 = x + drop(ln1_post(attn(ln1(x))))
+    da, seen = _branch_bwd(res.ln1_post, res.drop_attn, "ln1_post", dx1, grads, tap)
+    grads["attn"], dh1 = attention_bwd(res.attn, da)
+    tap_backward(tap, "attn", seen, grads["attn"], dh1)
+    dx_branch = _norm_bwd(res.ln1, "ln1", dh1, grads, tap)
     dx = dx1 + dx_branch
     tap_backward(tap, "attn residual", dx_branch, None, dx)
-    return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx
+    return grads, dx
 
 
 def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None):

@@ -186,8 +186,13 @@ silu = _register(_act.silu_fwd, lambda res, dy: (_act.silu_bwd(res, dy),))
 relu2 = _register(_act.relu2_fwd, lambda res, dy: (_act.relu2_bwd(res, dy),))
 ACTIVATION_FNS.update(silu=silu, relu2=relu2)  # activation(name, x) knows them too
 
-# rms_norm(p, x, eps): p = {"scale": (D,)} or {}; dp has p's keys
-rms_norm = _register(_rms.rms_norm_fwd, _rms.rms_norm_bwd, nondiff_argnums=(2,))
+# rms_norm(p, x, eps, offset=0.0): p = {"scale": (D,)} or {}; dp has p's keys
+_rms_norm = _register(_rms.rms_norm_fwd, _rms.rms_norm_bwd, nondiff_argnums=(2, 3))
+
+
+def rms_norm(p, x, eps, offset=0.0):
+    """x * rsqrt(mean(x^2) + eps) * scale (as (offset + scale) where offset is not 0)."""
+    return _rms_norm(p, x, eps, offset)
 
 # apply_rope(x, cos, sin): the tables get None (zero) cotangents; they are functions of
 # integer positions, so nothing upstream of them has a gradient

@@ -4,7 +4,7 @@ Forward, keeping each layer's residuals:
     x = drop(embed(inputs))           (B, T, D)
     x = block_l(x), l = 0 .. L-1      lax.scan; the residuals come out stacked on a leading L axis
                                       (remat "block": only each block's input, manual_grads/remat.py)
-    x = ln_f(x)                       pre-LN only (layer norm, or RMS norm with norm_type "rms")
+    x = ln_f(x)                       every layout but post (layer norm, or RMS norm with norm_type "rms")
     logits = x @ head.w + head.b      (B, T, V); tie_embeddings: head.w = tok_embed^T, and the
                                       head's dw^T adds into tok_embed's gradient; no b without head_bias
     logits = c tanh(logits / c)       with logit_softcap c only (the tap's "head" sees it capped)
@@ -116,7 +116,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
     x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key)  # (B, T, D); residuals (L, ...)
-    if config.norm == "pre":
+    if config.norm != "post":
         h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
         tap_forward(tap, "ln_f", x, h, params["ln_f"])
         x = h
@@ -129,7 +129,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
         d_tied = d_head.pop("w").T  # (V, D)
     if d_head:
         grads["head"] = d_head
-    if config.norm == "pre":
+    if config.norm != "post":
         grads["ln_f"], dh = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
         tap_backward(tap, "ln_f", dx, grads["ln_f"], dh)
         dx = dh

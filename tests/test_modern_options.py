@@ -4,7 +4,8 @@ in float64: manual_grads.value_and_grad, jax.grad of the configured model and ja
 custom_vjp model agree to 1e-10 per leaf (dropout with one key), over a pairwise covering set
 that ``covering_rows`` builds greedily: every pair of values of any two fields below appears
 in some model, except the pairs the config refuses (dropout with the Pallas kernel, no norm
-scale with layer norm, rotary scaling without rotary positions); test_rows_cover_every_pair checks it. Then the params each option
+scale with layer norm, rotary scaling without rotary positions, a norm offset without RMS
+scales, QK-norm's scope without QK-norm); test_rows_cover_every_pair checks it. Then the params each option
 makes, the bfloat16 rule, the errors, what grouped-query attention means and what it saves in
 the key/value cache."""
 
@@ -39,11 +40,14 @@ FIELDS = {
     "mlp_bias": (None, True),
     "attn_softcap": (0.0, 0.05),  # c tanh(s / c) on the scores (here about 0.04, up to 0.2: in the bend)
     "logit_softcap": (0.0, 0.3),  # and on the logits (here about 0.25, up to 0.7)
+    "norm_offset": (0.0, 1.0),  # RMS scales as (1 + w) (Gemma)
+    "qk_norm_scope": ("head", "projection"),  # QK-norm over all of q and of k (OLMo 2)
+    "attn_scalar": (0.0, 10.0),  # scores / sqrt(10) rather than / sqrt(Dh) (Gemma's query_pre_attn_scalar)
     # the older ones
     "attention_impl": ("full", "blockwise", "pallas"),
     "loss_chunk": (0, 5),
     "remat": ("none", "block"),
-    "norm": ("pre", "post"),
+    "norm": ("pre", "post", "output", "sandwich"),  # output: OLMo 2's; sandwich: Gemma 2 / 3's
     "causal": (True, False),
     "tie_embeddings": (False, True),
     "bias": (True, False),
@@ -51,6 +55,8 @@ FIELDS = {
 }
 REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl", "pallas"), ("attn_softcap", 0.05)),
            (("norm_scale", False), ("norm_type", "layer")),
+           (("norm_offset", 1.0), ("norm_type", "layer")), (("norm_offset", 1.0), ("norm_scale", False)),
+           (("qk_norm", False), ("qk_norm_scope", "projection")),
            *((("positions", p), ("rope_scaling", s)) for p in ("learned", "sinusoidal")
              for s in ("llama3", "yarn"))}
 # a bias field equal to bias is the config with None there (ModelConfig keeps one of them):
@@ -96,7 +102,7 @@ CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 18  # a covering set, not the product (2^15 * 3^5 models)
+    assert len(ROWS) <= 29  # a covering set, not the product (2^19 * 3^5 * 4 models)
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}

@@ -1,5 +1,6 @@
 """Hugging Face model folders in and out, whichever architecture: the one place that picks
-GPT-2 (hf_gpt2.py) or a Llama-shaped family (hf_llama.py: llama, mistral, qwen2, qwen3), by
+GPT-2 (hf_gpt2.py), a Llama-shaped family (hf_llama.py: llama, mistral, qwen2, qwen3) or OLMo 2
+and Gemma (hf_olmo_gemma.py: olmo2, gemma, gemma2, gemma3_text), by
 config.json's ``model_type`` on the way in and on the way out by the family the ModelConfig
 was imported as (``family``), else by its options; a ``.gguf`` file goes to gguf_file.py.
 `train --init-from`, `compare-grads --init-from`, `generate --init-from` and `export --hf` go
@@ -18,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints import hf_gpt2, hf_llama
+from jaxformer.checkpoints import hf_gpt2, hf_llama, hf_olmo_gemma
 from jaxformer.checkpoints.gguf_file import read_gguf, read_gguf_metadata
 from jaxformer.checkpoints.gguf_tokenizer import END_OF_TURN, gguf_chat, gguf_tokenizer
 from jaxformer.checkpoints.hf_files import HFFormatError, read_config_json, read_tensors, resolve_source  # noqa: F401
@@ -26,7 +27,8 @@ from jaxformer.data.hf_tokenizers import HFTokenizer
 from jaxformer.model.config import ModelConfig
 
 # config.json's model_type -> its mapping
-FORMATS = {"gpt2": hf_gpt2, **{kind: hf_llama for kind in hf_llama.FAMILIES}}
+FORMATS = {"gpt2": hf_gpt2, **{kind: hf_llama for kind in hf_llama.FAMILIES},
+           **{kind: hf_olmo_gemma for kind in hf_olmo_gemma.FAMILIES}}
 
 
 def read_hf(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
@@ -45,7 +47,7 @@ def read_hf(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
     except HFFormatError as e:  # "config.json: ...": which folder's
         raise HFFormatError(f"{folder}: {e}") from None
     tensors = read_tensors(folder)
-    if mapping is hf_llama:  # a tied config.json with its own stored head: untied, as transformers does
+    if mapping is not hf_gpt2:  # a tied config.json with its own stored head: untied, as transformers does
         config = hf_llama.config_of_tensors(config, tensors)
     return mapping.params_from_hf(tensors, config, dtype, str(folder)), config
 
@@ -117,5 +119,6 @@ def write_hf(folder, params, config: ModelConfig):
     """Write ``params`` as the Hugging Face folder of ``hf_format(config)``: (folder,
     model_type). ValueError (one line, naming the option) when the format cannot hold it."""
     kind = hf_format(config)
-    write = hf_gpt2.write_hf_gpt2 if kind == "gpt2" else hf_llama.write_hf_llama
+    write = {"gpt2": hf_gpt2.write_hf_gpt2, **{k: hf_olmo_gemma.write_hf_olmo_gemma for k in hf_olmo_gemma.FAMILIES}
+             }.get(kind, hf_llama.write_hf_llama)
     return write(folder, params, config), kind

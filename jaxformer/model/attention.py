@@ -2,16 +2,20 @@
 
     q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])   q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     q, k = rope(qk_norm(q), qk_norm(k))                    ``rotate_qk``, where those options are on
+    q = q * sqrt(Dh / attn_scalar)                         with config.attn_scalar (Gemma) only
     out = core(q, k, v, spec, key)                         (B, H, T, Dh)
     y = merge_heads(out) @ wo + bo                         (B, T, H Dh) @ (H Dh, D)
 
 Head h uses columns h*Dh:(h+1)*Dh of wq/wk/wv (Dh = config.d_head: D // H, or head_dim
-where set, so wq is (D, H Dh) and wo (H Dh, D)); scores are scaled by 1/sqrt(Dh). The core is the one config.attention_impl names in ``CORES`` (cores.py: full,
+where set, so wq is (D, H Dh) and wo (H Dh, D)); scores are scaled by 1/sqrt(Dh), or by
+1/sqrt(attn_scalar) (Gemma's query_pre_attn_scalar) through q, as Gemma's own code scales its
+queries: every core, the key/value cache and the kernels keep their 1/sqrt(Dh). The core is the one config.attention_impl names in ``CORES`` (cores.py: full,
 flash, cudnn; blockwise.py: blockwise), or one passed in; ``spec`` is
 ``attention_spec(config)``, the one place a ModelConfig becomes what a core reads.
 
 The modern block's options act on q and k between the projections and the core: QK-norm
-(an RMS norm over each head's q and k, params q_norm and k_norm), then rotary positions
+(an RMS norm over each head's q and k, params q_norm and k_norm; with qk_norm_scope
+"projection", OLMo 2's, over all of q's and of k's features at once), then rotary positions
 (rotary.py). Grouped-query attention (n_kv_heads < n_heads) gives k and v Hkv = n_kv_heads
 heads, wk and wv (D, Hkv * Dh); query head h reads key/value head h // G, G = H // Hkv
 (Hugging Face's ``repeat_kv``). A core that reads grouped heads (full, flash, cudnn) gets the Hkv
@@ -19,6 +23,7 @@ heads as they are; the others get k and v repeated G times (``core_kv``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
@@ -96,12 +101,36 @@ def qkv_heads(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
     return split_qkv(linear(x, w, b, compute_dtype), n_heads, n_kv_heads)
 
 
-def rotate_qk(p, q, k, norm_eps, rope, start=0):
+class QKNorm(NamedTuple):
+    """How QK-norm normalizes (ModelConfig.qk_norm_scope, norm_offset)."""
+    whole: bool = False  # over all of q's (H Dh) and k's (Hkv Dh) features; False: each head's Dh
+    offset: float = 0.0  # the scale applied as (offset + w)
+
+
+def qk_norm_of(config) -> QKNorm:
+    return QKNorm(config.qk_norm_scope == "projection", config.norm_offset)
+
+
+def whole_norm(norm, p, x, eps, offset):
+    """``norm`` (an RMS norm) over all of x's heads' features: x (B, H, T, Dh) -> split_heads of
+    norm(merge_heads(x)), the scale (H Dh,)."""
+    return split_heads(norm(p, merge_heads(x), eps, offset), x.shape[1])
+
+
+def query_scale(config) -> float:
+    """The factor on q that makes the cores' 1/sqrt(Dh) scores Gemma's attn_scalar^(-1/2):
+    sqrt(Dh / attn_scalar); 1 without attn_scalar."""
+    return math.sqrt(config.d_head / config.attn_scalar) if config.attn_scalar else 1.0
+
+
+def rotate_qk(p, q, k, norm_eps, rope, start=0, qk: QKNorm = QKNorm()):
     """QK-norm then rotary positions on q (B, H, T, Dh) and k (B, Hkv, T, Dh): an RMS norm
-    over each head's width where p has q_norm (and k_norm); ``rope`` (a RopeSpec or a base
-    theta; None or 0: none) rotates position start + t. Neither option: q and k as they are."""
+    over each head's width where p has q_norm (and k_norm) (``qk``: over all heads' features,
+    the scale offset); ``rope`` (a RopeSpec or a base theta; None or 0: none) rotates position
+    start + t. Neither option: q and k as they are."""
     if "q_norm" in p:
-        q, k = rms_norm(p["q_norm"], q, norm_eps), rms_norm(p["k_norm"], k, norm_eps)
+        norm = (lambda *a: whole_norm(rms_norm, *a)) if qk.whole else rms_norm
+        q, k = norm(p["q_norm"], q, norm_eps, qk.offset), norm(p["k_norm"], k, norm_eps, qk.offset)
     if rope:
         cos, sin = rope_tables(start + jnp.arange(q.shape[-2]), q.shape[-1], rope, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (T, Dh) tables
@@ -113,7 +142,9 @@ def attention_qkv(p, x, config, start=0):
     projections, then QK-norm and rotary positions (``rotate_qk``) where config turns them
     on; ``start``: the position of x's first token (a decoder's cache)."""
     q, k, v = qkv_heads(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    q, k = rotate_qk(p, q, k, config.ln_eps, rope_spec(config), start)
+    q, k = rotate_qk(p, q, k, config.ln_eps, rope_spec(config), start, qk_norm_of(config))
+    if config.attn_scalar:  # scores q k^T / sqrt(Dh) become q k^T / sqrt(attn_scalar)
+        q = q * query_scale(config)
     return q, k, v
 
 

@@ -1,9 +1,16 @@
-"""The residual block, pre-LN and post-LN.
+"""The residual block in its four layouts (config.norm):
 
-    pre:  x1 = x + drop(attn(ln1(x)));   y = x1 + drop(ffn(ln2(x1)))
-    post: x1 = ln1(x + drop(attn(x)));   y = ln2(x1 + drop(ffn(x1)))
+    pre:      x1 = x + drop(attn(ln1(x)));             y = x1 + drop(ffn(ln2(x1)))
+    post:     x1 = ln1(x + drop(attn(x)));             y = ln2(x1 + drop(ffn(x1)))
+    output:   x1 = x + drop(ln1_post(attn(x)));        y = x1 + drop(ln2_post(ffn(x1)))        (OLMo 2)
+    sandwich: x1 = x + drop(ln1_post(attn(ln1(x))));   y = x1 + drop(ln2_post(ffn(ln2(x1))))  (Gemma 2, 3)
 
-ln is layer norm, or RMS norm with config.norm_type "rms" (``pick_norm``). ffn is
+ln1 and ln2 are the norms on a sublayer's input (pre, sandwich) or after the residual sum
+(post); ln1_post and ln2_post those on the attention's and the feed-forward's output. Every
+layout but post ends the model with a final norm ln_f (transformer.py).
+
+ln is layer norm, or RMS norm with config.norm_type "rms" (``pick_norm``; with
+config.norm_offset its scale applied as (norm_offset + w)). ffn is
 mlp.py's feed-forward, plain act(x w_in) w_out or with config.mlp "gated"
 (act(x w_gate) * x w_up) w_down (SwiGLU with activation silu). drop is dropout at
 config.dropout, only with a key (the layer's, dropout.layer_key); attention then drops
@@ -40,8 +47,23 @@ class BlockLayers(NamedTuple):
 
 
 def pick_norm(layers, config: ModelConfig) -> Callable:
-    """The norm config.norm_type names, from ``layers`` (a BlockLayers or ModelLayers)."""
-    return layers.rms_norm if config.norm_type == "rms" else layers.layer_norm
+    """The norm config.norm_type names, from ``layers`` (a BlockLayers or ModelLayers), called
+    (p, x, eps); an RMS norm's scale as (config.norm_offset + w) where norm_offset is set."""
+    if config.norm_type != "rms":
+        return layers.layer_norm
+    if config.norm_offset:
+        return lambda p, x, eps: layers.rms_norm(p, x, eps, config.norm_offset)
+    return layers.rms_norm
+
+
+def input_norms(config: ModelConfig) -> bool:
+    """Whether the layout norms each sublayer's input (ln1, ln2 before attn, ffn): pre, sandwich."""
+    return config.norm in ("pre", "sandwich")
+
+
+def output_norms(config: ModelConfig) -> bool:
+    """Whether the layout norms each sublayer's output (ln1_post, ln2_post): output, sandwich."""
+    return config.norm in ("output", "sandwich")
 
 
 def model_attention(p, x, config: ModelConfig, key=None):
@@ -76,6 +98,12 @@ def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS,
         a, aux = attn(p["attn"], ln(p["ln1"], x, eps), config, *attn_args)
         x = x + drop_a(a)
         x = x + drop_f(ffn(p["ffn"], ln(p["ln2"], x, eps), config))
+    elif config.norm != "post":  # output, sandwich: the sublayers' outputs normed, inputs with sandwich
+        inp = input_norms(config)
+        a, aux = attn(p["attn"], ln(p["ln1"], x, eps) if inp else x, config, *attn_args)
+        x = x + drop_a(ln(p["ln1_post"], a, eps))
+        f = ffn(p["ffn"], ln(p["ln2"], x, eps) if inp else x, config)
+        x = x + drop_f(ln(p["ln2_post"], f, eps))
     else:
         a, aux = attn(p["attn"], x, config, *attn_args)
         x = ln(p["ln1"], x + drop_a(a), eps)

@@ -17,7 +17,8 @@ from jaxformer.model.checks import check_bool, check_choice, check_int, check_ke
 from jaxformer.model.config_rules import CROSS_FIELD_RULES
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
-NORMS = ("pre", "post")
+NORMS = ("pre", "post", "output", "sandwich")  # block layouts (block.py)
+QK_NORM_SCOPES = ("head", "projection")
 NORM_TYPES = ("layer", "rms")
 POSITIONS = ("learned", "sinusoidal", "rope")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # transformers' rope_type names ("none": its "default")
@@ -25,7 +26,7 @@ MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_types (checkpoints/hf.py)
+FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")  # Hugging Face model_types (checkpoints/hf.py)
 # The fields that choose how the model is computed, not what it computes: a model read
 # from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
 HOW_FIELDS = ("attention_impl", "attention_block", "pallas_block_q", "pallas_block_k", "loss_chunk",
@@ -42,7 +43,8 @@ class ModelConfig:
     max_seq_len: int = 64  # longest sequence T: the learned table's rows, the key/value cache's slots
     activation: str = "gelu"  # feed-forward nonlinearity (gated: the gate's): gelu (erf) | gelu_tanh |
     # relu | tanh | silu | relu2 (relu squared)
-    norm: str = "pre"  # pre: x + f(norm(x)) and a final norm; post: norm(x + f(x))
+    norm: str = "pre"  # pre: x + f(norm(x)) and a final norm; post: norm(x + f(x)); output: x + norm(f(x))
+    # and a final norm (OLMo 2); sandwich: x + norm(f(norm(x))) and a final norm (Gemma 2 / 3)
     positions: str = "learned"  # learned table | fixed sinusoidal (sin even, cos odd) | rope (q and k rotated)
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model), as the original Transformer
     causal: bool = True  # mask future positions (a decoder); False for a bidirectional encoder
@@ -91,6 +93,11 @@ class ModelConfig:
     # --- softcaps, x -> c tanh(x / c) (Gemma 2; jaxformer/model/softcap.py); 0: off
     attn_softcap: float = 0.0  # c on the attention scores, before mask and softmax (full, blockwise)
     logit_softcap: float = 0.0  # c on the head's logits, before the cross entropy
+    # --- norm scales and attention scale (OLMo 2, Gemma; docs/design.md, "Norm layouts and scales")
+    norm_offset: float = 0.0  # every RMS norm multiplies by (norm_offset + w): 1.0 is Gemma's (1 + w), w from 0
+    qk_norm_scope: str = "head"  # qk_norm over each head's Dh (Qwen 3, Gemma 3) | projection: over all
+    # of q (H Dh) and of k (Hkv Dh) before the heads split (OLMo 2; q_norm (H Dh,), k_norm (Hkv Dh,))
+    attn_scalar: float = 0.0  # scores times attn_scalar^(-1/2) (Gemma's query_pre_attn_scalar); 0: Dh
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -204,6 +211,9 @@ FIELD_RULES: dict[str, Rule] = {
     "out_bias": FOLLOWS_BIAS,
     "mlp_bias": FOLLOWS_BIAS,
     "attn_softcap": Rule("number", low=0, note="0: off"), "logit_softcap": Rule("number", low=0, note="0: off"),
+    "norm_offset": Rule("number", low=0, note="0: the scale w itself; 1: Gemma's (1 + w)"),
+    "qk_norm_scope": Rule("choice", choices=QK_NORM_SCOPES),
+    "attn_scalar": Rule("number", low=0, note="0: the head width"),
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 

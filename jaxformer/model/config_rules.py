@@ -42,6 +42,16 @@ def unscaled_norm_is_rms(c) -> None:
                          f"got norm_type {c.norm_type!r}")
 
 
+def norm_options_fit(c) -> None:
+    """norm_offset acts on RMS norms' learnable scales; qk_norm_scope on a QK-norm."""
+    if c.norm_offset and (c.norm_type != "rms" or not c.norm_scale):
+        raise ValueError(f"ModelConfig.norm_offset {c.norm_offset} needs norm_type 'rms' with norm_scale "
+                         f"True (it offsets the RMS norms' scale), got norm_type {c.norm_type!r}, "
+                         f"norm_scale {c.norm_scale}")
+    if c.qk_norm_scope != "head" and not c.qk_norm:
+        raise ValueError(f"ModelConfig.qk_norm_scope {c.qk_norm_scope!r} needs qk_norm True")
+
+
 def fused_attention_has_no_dropout(c) -> None:
     if c.dropout and c.attention_impl in ("pallas", "cudnn"):
         raise ValueError(f"ModelConfig.dropout > 0 is not supported with attention_impl "
@@ -71,4 +81,4 @@ def biases_follow_bias(c) -> None:
 
 CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads,
                      unscaled_norm_is_rms, fused_attention_has_no_dropout, cudnn_reads_half_precision,
-                     rope_scaling_needs_rope, fused_attention_has_no_softcap)
+                     rope_scaling_needs_rope, fused_attention_has_no_softcap, norm_options_fit)

@@ -99,7 +99,7 @@ def forward_cached(params, inputs, cache, start, config: ModelConfig):
         return x, (k, v)
 
     x, (k, v) = jax.lax.scan(layer, x, (params["blocks"], cache["k"], cache["v"]))
-    if config.norm == "pre":
+    if config.norm != "post":
         x = pick_norm(BLOCK_LAYERS, config)(params["ln_f"], x, config.ln_eps)
     logits = linear(x, *head_weights(params, config), config.compute_dtype)  # (B, t, V)
     if config.logit_softcap:

@@ -12,7 +12,10 @@ bq bk bv, bo and the feed-forward's b_* apart. The modern block's options (docs/
 "rope" have no pos_embed; ``mlp="gated"`` has w_gate, w_up (D, F) and w_down (F, D);
 ``head_dim`` sets Dh apart from D / n_heads: wq (D, n_heads * Dh), wo (n_heads * Dh, D);
 ``n_kv_heads`` narrows wk, wv to (D, n_kv_heads * Dh); ``qk_norm`` adds attn.q_norm and
-attn.k_norm, each {"scale": (Dh,)} per layer.
+attn.k_norm, each {"scale": (Dh,)} per layer (qk_norm_scope "projection": (H Dh,) and (Hkv Dh,)).
+The layouts ``norm`` "output" and "sandwich" add ln1_post and ln2_post to the blocks ("output"
+has no ln1, ln2); every layout but "post" has ln_f. With ``norm_offset`` an RMS scale w is
+applied as (norm_offset + w), so it starts at 1 - norm_offset (Gemma's: 0).
 """
 
 from __future__ import annotations
@@ -73,16 +76,22 @@ def _init_params(key, config: ModelConfig, dtype) -> dict:
         else:
             ffn.update(b_in=zeros(L, F), b_out=zeros(L, D))
 
-    def norm(*shape):
-        if config.norm_type == "rms":  # no bias; no scale with norm_scale False
-            return {"scale": ones(*shape)} if config.norm_scale else {}
+    def norm(*shape, rms=False):
+        if config.norm_type == "rms" or rms:  # no bias; no scale with norm_scale False; w = 1 - norm_offset
+            return {"scale": ones(*shape) * (1 - config.norm_offset)} if config.norm_scale else {}
         return {"scale": ones(*shape), "bias": zeros(*shape)} if bias else {"scale": ones(*shape)}
 
-    if config.qk_norm:  # an RMS norm over each head's width Dh, for q and for k
-        qk = {"scale": ones(L, config.d_head)} if config.norm_scale else {}
-        attn.update(q_norm=qk, k_norm=dict(qk))
-    params["blocks"] = {"ln1": norm(L, D), "attn": attn, "ln2": norm(L, D), "ffn": ffn}
-    if config.norm == "pre":
+    if config.qk_norm:  # an RMS norm over each head's width Dh (or all of q's and k's), for q and for k
+        whole = config.qk_norm_scope == "projection"
+        qw, kw = (config.n_heads * config.d_head, config.kv_heads * config.d_head) if whole else (config.d_head,) * 2
+        attn.update(q_norm=norm(L, qw, rms=True), k_norm=norm(L, kw, rms=True))
+    blocks = {"ln1": norm(L, D), "attn": attn, "ln2": norm(L, D), "ffn": ffn}
+    if config.norm == "output":  # the sublayers' outputs normed only
+        del blocks["ln1"], blocks["ln2"]
+    if config.norm in ("output", "sandwich"):
+        blocks.update(ln1_post=norm(L, D), ln2_post=norm(L, D))
+    params["blocks"] = blocks
+    if config.norm != "post":
         params["ln_f"] = norm(D)
     head_w = normal((D, V))  # drawn in every case, so the other leaves' draws do not move
     head = {}

@@ -1,7 +1,10 @@
 """RMS norm over the last axis (Llama's RMSNorm), with statistics in float32 or wider:
 
     y = x * rsqrt(mean(x^2) + eps) * scale        (no mean subtracted, no bias)
+    y = x * rsqrt(mean(x^2) + eps) * (offset + scale)     with an ``offset`` (ModelConfig.norm_offset)
 
+Gemma's norms are the second with offset 1: the stored weight w is applied as (1 + w), added
+in float32 or wider (``upcast``), as Gemma adds 1 to ``weight.float()``.
 ``p = {"scale": (D,)}``, or ``{}`` for an RMS norm with no learnable scale
 (ModelConfig.norm_scale False). The same layer normalizes the residual stream
 (norm_type "rms") and each head's q and k (qk_norm), over the last axis of any shape.
@@ -27,7 +30,10 @@ def rms_norm_stats(x, eps):
     return xs * r, s * r
 
 
-def rms_norm(p, x, eps):
-    """p = {"scale": (D,)} or {} (no scale); x (..., D) -> (..., D), float32 or wider."""
+def rms_norm(p, x, eps, offset=0.0):
+    """p = {"scale": (D,)} or {} (no scale); x (..., D) -> (..., D), float32 or wider; the scale
+    applied as (offset + scale) where ``offset`` is not 0."""
     xhat, _ = rms_norm_stats(x, eps)
-    return xhat * p["scale"] if "scale" in p else xhat
+    if "scale" not in p:
+        return xhat
+    return xhat * (offset + upcast(p["scale"])) if offset else xhat * p["scale"]

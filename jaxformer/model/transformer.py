@@ -2,7 +2,7 @@
 
     x = drop(embed(inputs))            (B, T, D)
     x = block_l(x), l = 0 .. L-1       lax.scan over params["blocks"] and the layer index l
-    x = ln_f(x)                        pre-LN only (an RMS norm with norm_type "rms")
+    x = ln_f(x)                        every layout but post (an RMS norm with norm_type "rms")
     logits = x @ head.w + head.b       (B, T, V); tie_embeddings: head.w = tok_embed^T;
                                        no head.b with head_bias False
     logits = c tanh(logits / c)        only with logit_softcap c > 0 (softcap.py)
@@ -49,7 +49,7 @@ class ModelLayers(NamedTuple):
     cross_entropy: Callable  # (logits (B, T, V), targets, mask) -> ()
     chunked_head_loss: Callable  # (head {"w", "b"?}, x (B, T, D), targets, mask, chunk, compute_dtype
     # [, softcap: given only where config.logit_softcap is set]) -> ()
-    rms_norm: Callable = rms_norm  # (p, x, eps) -> (B, T, D): the final norm with norm_type "rms"
+    rms_norm: Callable = rms_norm  # (p, x, eps[, offset]) -> (B, T, D): the final norm with norm_type "rms"
     softcap: Callable = softcap  # (x, cap) -> cap * tanh(x / cap): the logits' cap (logit_softcap)
 
 
@@ -76,7 +76,7 @@ def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LA
         return (layer(p, x, config) if lkey is None else layer(p, x, config, key=lkey)), None
 
     x, _ = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
-    if config.norm == "pre":
+    if config.norm != "post":
         x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
     return x
 

@@ -1,0 +1,211 @@
+"""OLMo 2 and Gemma (1, 2, 3) against transformers itself (float64, nothing downloaded): small
+random ``Olmo2ForCausalLM`` (norms on the sublayers' outputs, QK-norm over the whole
+projection, with and without attention_bias), ``GemmaForCausalLM`` ((1 + w) norms, the
+embedding times sqrt(hidden_size), a head_dim apart), ``Gemma2ForCausalLM`` (four norms a
+block, query_pre_attn_scalar, both softcaps, sliding layers whose window covers the sequence)
+and ``Gemma3ForCausalLM`` (as Gemma 2 with per-head (1 + w) QK-norm), saved, imported, and
+shown equal in logits (1e-10 relative) and in gradients (jax.grad and manual vs torch autograd,
+1e-10 per leaf); the export writes the same family and reloads with the same logits. Then the
+windows and rotary bases not implemented here, one line each.
+
+transformers computes its RMS norms and rotary tables in float32 whatever the model's dtype:
+the reference runs them in float64, the same formulas with the module's own weight, eps and
+theta (``float64_model``); Gemma's (1 + w) is its own formula. Its eager attention (which the
+softcaps need) takes the softmax in float32 too: ``eager_float64`` is the same without. The embedding's sqrt(16) = 4 is
+exact in any dtype (transformers casts it to the weights' dtype, as the model here does)."""
+
+import importlib
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hf_compare import (D, F, H, L, S, V, assert_forward_matches, assert_logits_equal, batch,  # noqa: E402
+                        torch_logits)
+
+import jaxformer  # noqa: E402
+import manual_grads  # noqa: E402
+from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
+from jaxformer.checkpoints.hf_olmo_gemma import params_from_hf  # noqa: E402
+from manual_grads.check import assert_trees_close  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+CLASSES = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+           "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+OFFSET = ("gemma", "gemma2", "gemma3_text")  # (1 + w) norms
+_ROPE = {"rope_type": "default", "rope_theta": 5000.0}
+# name: (model_type, config overrides, what the import must make of it: (norm, norm_offset, qk_norm_scope, attn_scalar))
+VARIANTS = {
+    "olmo2-bias-gqa": ("olmo2", dict(num_key_value_heads=2, attention_bias=True), ("output", 0.0, "projection", 0.0)),
+    "gemma-wide-mqa-tied": ("gemma", dict(num_key_value_heads=1, head_dim=6), ("pre", 1.0, "head", 0.0)),
+    "gemma2-softcaps": ("gemma2", dict(num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=10,
+                                       attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=S,
+                                       tie_word_embeddings=False), ("sandwich", 1.0, "head", 10.0)),
+    "gemma3-qknorm": ("gemma3_text", dict(num_key_value_heads=2, head_dim=6, query_pre_attn_scalar=6,
+                                          sliding_window=S, layer_types=["sliding_attention", "full_attention"],
+                                          rope_parameters={"full_attention": dict(_ROPE),
+                                                           "sliding_attention": dict(_ROPE)}),
+                      ("sandwich", 1.0, "head", 0.0)),
+}
+
+
+def hf_config(kind, **overrides):
+    kw = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_attention_heads=H, num_hidden_layers=L,
+              max_position_embeddings=S, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind != "gemma3_text":
+        kw["rope_parameters"] = dict(_ROPE)
+    return getattr(transformers, CLASSES[kind][0])(**{**kw, **overrides})
+
+
+def random_model(kind, cfg, seed=0):
+    """Every leaf random; the norms' effective scales away from 1 ((1 + w): w about 0.3 from 0)."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[kind][1])(cfg)
+    shift = 0.0 if kind in OFFSET else 1.0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (shift if "norm" in name else 0.0))
+    return model
+
+
+def float64_model(kind, folder):
+    """The family's transformers model from ``folder`` in float64 end to end (eager attention:
+    the softcaps), its RMS norms and rotary tables in float64."""
+    def rms_norm(self, x):
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
+        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return xhat * (1.0 + self.weight) if kind in OFFSET else self.weight * xhat
+
+    def rotary(self, x, position_ids, layer_type=None):
+        rope = self.config.rope_parameters
+        theta = (rope[layer_type] if layer_type else rope)["rope_theta"]
+        dim = self.config.head_dim if kind != "olmo2" else self.config.hidden_size // self.config.num_attention_heads
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angle = position_ids[..., None].double() * inv_freq
+        angle = torch.cat((angle, angle), dim=-1)
+        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+
+    modeling = importlib.import_module(f"transformers.models.{kind.split('_')[0]}.modeling_{kind.split('_')[0]}")
+    modeling.eager_attention_forward = eager_float64  # looked up at each call
+    model = getattr(transformers, CLASSES[kind][1]).from_pretrained(folder, attn_implementation="eager")
+    model = model.double().eval()
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = types.MethodType(rms_norm, module)
+        elif name.endswith("RotaryEmbedding"):
+            module.forward = types.MethodType(rotary, module)
+    return model
+
+
+def eager_float64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """transformers' eager attention (with Gemma 2's softcap) without its float32 softmax."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    probs = torch.softmax(scores, dim=-1)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def saved(request, tmp_path_factory):
+    kind, overrides, want = VARIANTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    random_model(kind, hf_config(kind, **overrides)).save_pretrained(folder)
+    return kind, float64_model(kind, folder), folder, want
+
+
+def test_import_matches_transformers_logits(saved):
+    kind, model, folder, want = saved
+    params, config = read_hf(folder, np.float64)
+    assert (config.family, config.norm, config.norm_offset, config.qk_norm_scope, config.attn_scalar) == (kind, *want)
+    assert config.embed_scale == (kind in OFFSET) and config.qk_norm == (kind in ("olmo2", "gemma3_text"))
+    assert_forward_matches(model, folder, params, config)
+
+
+@pytest.mark.parametrize("source", ["jax.grad", "manual"])
+def test_gradients_match_torch_autograd(saved, source):
+    """The loss equals torch autograd's to 1e-12 and every gradient leaf to 1e-10."""
+    _, model, folder, _ = saved
+    params, config = read_hf(folder, np.float64)
+    b = batch(1)
+    model.zero_grad()
+    logits = model(torch.tensor(np.asarray(b["inputs"], np.int64))).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.tensor(np.asarray(b["targets"], np.int64)).reshape(-1))
+    ref_loss.backward()
+    ref = params_from_hf({n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None},
+                         config, np.float64, "torch grads")
+    grad_fn = jax.value_and_grad(jaxformer.loss_fn) if source == "jax.grad" else manual_grads.value_and_grad
+    loss, grads = grad_fn(params, b, config)
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=1e-12)
+    rows = assert_trees_close(ref, grads)
+    worst = max(rows, key=lambda r: r.rel)
+    print(f"\n{folder.name} {source}: worst leaf {worst.path} relative {worst.rel:.1e}")
+
+
+def test_export_writes_the_family_and_reloads(saved, tmp_path):
+    kind, _, folder, _ = saved
+    params, config = read_hf(folder, np.float64)
+    params = jax.tree_util.tree_map(lambda a: a * 1.01, params)  # a "trained" model
+    assert hf_format(config) == kind
+    out, written = write_hf(tmp_path / "out", params, config)
+    hf = json.loads((out / "config.json").read_text())
+    assert written == hf["model_type"] == kind and hf["architectures"] == [CLASSES[kind][1]]
+    back = float64_model(kind, out)
+    b = batch(2)
+    ref = torch_logits(back, b["inputs"])
+    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), ref, rtol=1e-4)  # float32 file
+    again, config2 = read_hf(out, np.float64)
+    assert config2 == config
+    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), ref)
+
+
+def test_export_refuses_what_the_family_lacks(saved, tmp_path):
+    kind, _, folder, _ = saved
+    _, config = read_hf(folder, np.float64)
+    wrong = dict(mlp_bias=True) if kind != "olmo2" else dict(norm="sandwich")
+    with pytest.raises(ValueError, match=f"needs ModelConfig.{next(iter(wrong))} = ") as e:
+        write_hf(tmp_path / "x", {}, config.replace(**wrong))
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- what is refused, one line each
+
+
+def _write_config(tmp_path, kind, **overrides):
+    hf = hf_config(kind, head_dim=4).to_dict()  # a valid config, then the values under test written over it
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **overrides}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind, overrides, match", [
+    ("gemma2", dict(sliding_window=8), "sliding_window 8 is shorter than max_position_embeddings 32"),
+    ("gemma3_text", dict(sliding_window=8), "sliding_window 8 is shorter than max_position_embeddings 32"),
+    ("gemma3_text", dict(sliding_window=S, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                            "sliding_attention": dict(_ROPE)}),
+     "rope_parameters sliding_attention differs from the full-attention layers' rotary positions"),
+    ("gemma2", dict(query_pre_attn_scalar="x"), "query_pre_attn_scalar must be a positive number, got 'x'"),
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention true is not supported"),
+])
+def test_unsupported_configs_are_one_line(tmp_path, kind, overrides, match):
+    with pytest.raises(HFFormatError, match=match) as e:
+        read_hf(_write_config(tmp_path, kind, **overrides), np.float64)
+    assert "\n" not in str(e.value)
+
+
+def test_a_window_covering_the_sequence_or_full_layers_only_loads(tmp_path):
+    """Gemma 2 with a short window but every layer full attention reads as full attention."""
+    from jaxformer.checkpoints.hf_olmo_gemma import config_from_hf
+    hf = hf_config("gemma2", head_dim=4, sliding_window=8, layer_types=["full_attention"] * L).to_dict()
+    config = config_from_hf(hf)
+    assert (config.norm, config.attn_scalar, config.logit_softcap, config.attn_softcap) == ("sandwich", 256.0, 30.0, 50.0)
