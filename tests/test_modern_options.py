@@ -9,7 +9,9 @@ scales, QK-norm's scope without QK-norm); test_rows_cover_every_pair checks it. 
 makes, the bfloat16 rule, the errors, what grouped-query attention means and what it saves in
 the key/value cache."""
 
+import collections
 import itertools
+import random
 
 import jax
 import jax.numpy as jnp
@@ -77,24 +79,42 @@ def allowed(a, b) -> bool:
     return _pair(a, b) not in REFUSED | SAME_AS_NONE
 
 
-def covering_rows():
-    """Rows (field -> value) in which every allowed pair of two fields' values appears:
-    each row starts from the first pair not yet covered and gives every other field the
-    allowed value that covers the most pairs still missing."""
+def covering_rows(tries: int = 30, seed: int = 0):
+    """Rows (field -> value) in which every allowed pair of two fields' values appears,
+    built greedily: each row starts from a pair still missing of the two fields that miss
+    the most, fills the other fields one by one (in a shuffled order) with the allowed value
+    that covers the most missing pairs, and is the best of ``tries`` such candidates
+    (seeded: the rows are the same every run)."""
     missing = {_pair((a, va), (b, vb)) for a, b in itertools.combinations(FIELDS, 2)
                for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
+    rng = random.Random(seed)
     rows = []
     while missing:
-        row = dict(min(missing))
-        for name in FIELDS:
-            if name in row:
-                continue
-            options = [v for v in FIELDS[name] if all(allowed((name, v), item) for item in row.items())]
-            row[name] = max(options, key=lambda v: sum(_pair((name, v), item) in missing
-                                                       for item in row.items()))
-        missing -= {_pair(x, y) for x, y in itertools.combinations(row.items(), 2)}
-        rows.append(row)
+        count = collections.Counter((x[0], y[0]) for x, y in missing)
+        fields = max(sorted(count), key=count.get)
+        starts = sorted((p for p in missing if (p[0][0], p[1][0]) == fields), key=repr)
+        candidates = [_fill(dict(rng.choice(starts)), missing, rng) for _ in range(tries)]
+        best = max((row for row in candidates if row), key=lambda row: _covers(row, missing))
+        missing -= {_pair(x, y) for x, y in itertools.combinations(best.items(), 2)}
+        rows.append(best)
     return rows
+
+
+def _covers(row, missing) -> int:
+    return sum(_pair(x, y) in missing for x, y in itertools.combinations(row.items(), 2))
+
+
+def _fill(row, missing, rng):
+    """``row`` completed field by field, or None where some field has no allowed value left."""
+    names = [name for name in FIELDS if name not in row]
+    rng.shuffle(names)
+    for name in names:
+        options = [v for v in FIELDS[name] if all(allowed((name, v), item) for item in row.items())]
+        if not options:
+            return None
+        gain = {v: sum(_pair((name, v), item) in missing for item in row.items()) for v in options}
+        row[name] = rng.choice([v for v in options if gain[v] == max(gain.values())])
+    return row
 
 
 ROWS = covering_rows()
@@ -102,7 +122,7 @@ CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 29  # a covering set, not the product (2^19 * 3^5 * 4 models)
+    assert len(ROWS) <= 22  # a covering set, not the product (2^19 * 3^5 * 4 models)
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
