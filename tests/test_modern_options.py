@@ -20,6 +20,7 @@ import jaxformer
 from jaxformer.model.config import PRESETS, ModelConfig
 from jaxformer.model.kv_cache import init_cache
 
+MIXED = ("full_attention", "sliding_attention")
 FIELDS = {
     # the modern block's
     "norm_type": ("layer", "rms"),
@@ -39,6 +40,8 @@ FIELDS = {
     "mlp_bias": (None, True),
     "attn_softcap": (0.0, 0.05),  # c tanh(s / c) on the scores (here about 0.04, up to 0.2: in the bend)
     "logit_softcap": (0.0, 0.3),  # and on the logits (here about 0.25, up to 0.7)
+    "sliding_window": (0, 3),  # each query reads its 3 newest keys (causal only)
+    "layer_types": ((), ("full_attention", "sliding_attention")),  # (): every layer as sliding_window says
     # the older ones
     "attention_impl": ("full", "blockwise", "pallas"),
     "loss_chunk": (0, 5),
@@ -51,6 +54,8 @@ FIELDS = {
 }
 REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl", "pallas"), ("attn_softcap", 0.05)),
            (("norm_scale", False), ("norm_type", "layer")),
+           (("causal", False), ("sliding_window", 3)), (("causal", False), ("layer_types", MIXED)),
+           (("layer_types", MIXED), ("sliding_window", 0)),
            *((("positions", p), ("rope_scaling", s)) for p in ("learned", "sinusoidal")
              for s in ("llama3", "yarn"))}
 # a bias field equal to bias is the config with None there (ModelConfig keeps one of them):
@@ -96,7 +101,7 @@ CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 18  # a covering set, not the product (2^15 * 3^5 models)
+    assert len(ROWS) <= 19  # a covering set, not the product (2^17 * 3^5 models)
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
@@ -110,7 +115,8 @@ def _case_id(config):
             f"{config.attention_impl}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
             f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
             f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
-            f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}")
+            f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}"
+            f"{f'-w{config.sliding_window}' if config.sliding_window else ''}{'-mixed' if config.layer_types else ''}")
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c, *_ in CASES])

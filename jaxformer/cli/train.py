@@ -170,7 +170,7 @@ SHAPE_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "activa
                 "norm_type", "norm_scale", "rope_theta", "mlp", "n_kv_heads", "qk_norm",
                 "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor",
-                "rope_truncate", "attn_softcap", "logit_softcap")
+                "rope_truncate", "attn_softcap", "logit_softcap", "sliding_window", "layer_types")
 
 
 def run(args: argparse.Namespace) -> int:
