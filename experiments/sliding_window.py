@@ -18,7 +18,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jaxformer.model.cores import AttentionSpec
 from manual_grads.blockwise import blockwise_core_bwd, blockwise_core_fwd

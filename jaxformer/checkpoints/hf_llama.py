@@ -37,8 +37,9 @@ from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatEr
                                             read_config_json, read_tensors)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
                                             params_out, read_flag)
+from jaxformer.checkpoints.hf_windows import mistral_windows, qwen_windows, qwen_windows_out
 from jaxformer.model.checks import is_int, is_number
-from jaxformer.model.config import LAYER_TYPES, LinearBiases, ModelConfig
+from jaxformer.model.config import LinearBiases, ModelConfig
 
 # hidden_act -> activation of the gated MLP (silu: SwiGLU; the gelus: GeGLU)
 ACTIVATIONS_IN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -108,51 +109,6 @@ def _llama_biases(hf: dict) -> LinearBiases:
     return LinearBiases(attention, attention, read_flag(hf, "mlp_bias"))
 
 
-def _window_width(hf: dict):
-    """config.json's sliding_window: None (null or absent), else a positive integer; one line otherwise."""
-    window = hf.get("sliding_window")
-    if window is not None and not (is_int(window) and window >= 1):
-        raise HFFormatError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
-    return window
-
-
-def _mistral_windows(hf: dict, n_layers: int) -> dict:
-    """Mistral's: one sliding_window for every layer (null: none). MistralModel reads no
-    layer_types (transformers warns and ignores them), so neither does this."""
-    window = _window_width(hf)
-    return {} if window is None else {"sliding_window": int(window)}
-
-
-def _qwen_windows(hf: dict, n_layers: int) -> dict:
-    """Qwen 2's and 3's, as their configuration classes: the window is sliding_window where
-    use_sliding_window is true; layer_types as given, or sliding from layer max_window_layers
-    (default 28) on; a sliding layer without a window attends to everything."""
-    window = _window_width(hf) if read_flag(hf, "use_sliding_window") else None
-    types = hf.get("layer_types")
-    if types is None:
-        first = hf.get("max_window_layers", 28)
-        if not (is_int(first) and first >= 0):
-            raise HFFormatError(f"config.json: max_window_layers must be a non-negative integer, got {first!r}")
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                 for i in range(n_layers)]
-    if not (isinstance(types, list) and len(types) == n_layers and set(types) <= set(LAYER_TYPES)):
-        raise HFFormatError(f"config.json: layer_types must list {n_layers} entries (num_hidden_layers), each "
-                            f"{' or '.join(map(repr, LAYER_TYPES))}, got {types!r}")
-    if window is None or "sliding_attention" not in types:
-        return {}
-    return {"sliding_window": int(window), "layer_types": tuple(types)}
-
-
-def _qwen_windows_out(c) -> dict:
-    """Qwen's keys for c's window: use_sliding_window, sliding_window, max_window_layers (the first
-    sliding layer), layer_types where there is a window."""
-    if not c.sliding_window:
-        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.n_layers}
-    windowed = c.windowed_layers
-    return {"use_sliding_window": True, "sliding_window": c.sliding_window, "max_window_layers": windowed.index(True),
-            "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed]}
-
-
 class Family(NamedTuple):
     name: str  # in messages
     architecture: str  # config.json's architectures
@@ -187,23 +143,23 @@ def _mistral_out(c, b):
 
 def _qwen2_out(c, b):
     _need("Qwen2", b, LinearBiases(True, False, False), "q, k, v biases only")
-    return _qwen_windows_out(c)
+    return qwen_windows_out(c)
 
 
 def _qwen3_out(c, b):
     _need("Qwen3", b, LinearBiases(b.qkv, b.qkv, False), "attention_bias covers q, k, v and o; no MLP bias")
-    return {"attention_bias": b.qkv, **_qwen_windows_out(c)}
+    return {"attention_bias": b.qkv, **qwen_windows_out(c)}
 
 
 FAMILIES = {
     "llama": Family("Llama", "LlamaForCausalLM", False, _llama_biases, lambda hf, n: {}, _llama_out),
     "mistral": Family("Mistral", "MistralForCausalLM", False, lambda hf: LinearBiases(False, False, False),
-                      _mistral_windows, _mistral_out),
+                      mistral_windows, _mistral_out),
     "qwen2": Family("Qwen2", "Qwen2ForCausalLM", False, lambda hf: LinearBiases(True, False, False),
-                    _qwen_windows, _qwen2_out),
+                    qwen_windows, _qwen2_out),
     "qwen3": Family("Qwen3", "Qwen3ForCausalLM", True,
                     lambda hf: LinearBiases(read_flag(hf, "attention_bias"), read_flag(hf, "attention_bias"), False),
-                    _qwen_windows, _qwen3_out),
+                    qwen_windows, _qwen3_out),
 }
 
 
