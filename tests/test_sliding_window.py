@@ -221,3 +221,22 @@ def test_refusals_of_mixed_config_and_bidirectional_window():
     with pytest.raises(ValueError, match="AttentionSpec.window 3 needs causal True"):
         AttentionSpec(causal=False, window=3)
     assert attention_spec(BASE).window == 3 and attention_spec(BASE.replace(sliding_window=0)).window == 0
+
+
+def test_flags_and_config_file_carry_the_window(tmp_path):
+    """--sliding-window and --layer-types a,b parse into the model; a run's config.toml (written
+    as a run writes it) carries both back, layer_types as a TOML array."""
+    from jaxformer.cli import train as cli_train
+    from jaxformer.cli.main import build_parser
+    from jaxformer.training.configfile import write_config
+
+    args = build_parser().parse_args(["train", "--out", "unused", "--preset", "tiny", "--sliding-window", "5",
+                                      "--layer-types", "full_attention,sliding_attention"])
+    settings = cli_train.train_settings(args)
+    config = settings.model_config(256)
+    assert (config.sliding_window, config.layer_types) == (5, (FULL, SLIDE))
+    write_config(tmp_path / "config.toml", settings, config)
+    assert "layer_types = [\"full_attention\", \"sliding_attention\"]" in (tmp_path / "config.toml").read_text()
+    again = cli_train.train_settings(build_parser().parse_args(
+        ["train", "--out", "unused", "--config", str(tmp_path / "config.toml")]))
+    assert again.model_config(256) == config
