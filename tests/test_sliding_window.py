@@ -240,3 +240,19 @@ def test_flags_and_config_file_carry_the_window(tmp_path):
     again = cli_train.train_settings(build_parser().parse_args(
         ["train", "--out", "unused", "--config", str(tmp_path / "config.toml")]))
     assert again.model_config(256) == config
+
+
+def test_checkpoint_meta_matches_its_windowed_config():
+    """A checkpoint's config as JSON (layer_types a list) is no change on resume: config_diff finds
+    nothing, and a different pattern is named."""
+    import json
+
+    from jaxformer.training.settings import config_diff
+    config = BASE.replace(layer_types=MIXED)
+    for c in (config, BASE.replace(sliding_window=0)):
+        saved = json.loads(json.dumps(c.to_dict()))
+        assert config_diff(saved, c) == []
+    saved = json.loads(json.dumps(config.to_dict()))
+    assert config_diff(saved, config.replace(layer_types=(FULL, SLIDE))) == [
+        "layer_types: ('sliding_attention', 'full_attention') (checkpoint) vs ('full_attention', 'sliding_attention') "
+        "(requested)"]
