@@ -228,7 +228,7 @@ def full_core_bwd(res: FullCoreRes, dout):
 def flash_fwd(q, k, v, spec: AttentionSpec, key=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O, FlashRes): the model's ``flash`` core,
     the Pallas forward kernel keeping O and lse (no dropout)."""
-    return flash_core_fwd(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype)
+    return flash_core_fwd(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype, spec.window)
 
 
 # ----------------------------------------------------------------------------

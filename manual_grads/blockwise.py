@@ -7,7 +7,8 @@ It keeps q, k, v, O and the row log-sum-exp lse (B, H, T): never P (B, H, T, T).
 projections around it, and the choice of core, are manual_grads/attention.py's.
 
 Backward, with P_ij = exp(S_ij - lse_i) recomputed one (query block, key block)
-pair at a time (pairs above the causal diagonal skipped, as in the forward):
+pair at a time (pairs above the causal diagonal, or past a sliding window, skipped, as in
+the forward):
     D_i  = rowsum(dO_i * O_i)                 = rowsum(dP_i * P_i), the softmax's correction
     dV_j += P_ij^T dO_i                       undoes O = P v
     dP_ij = dO_i v_j^T
@@ -32,8 +33,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.blockwise import (block_size, blockwise_attention_core, capped_block_scores,
-                                       from_blocks, if_visible, mask_block, pair_dropout, to_blocks)
+from jaxformer.model.blockwise import (block_size, blockwise_attention_core, capped_block_scores, clamp,
+                                       from_blocks, if_visible, key_blocks, mask_block, pair_dropout,
+                                       to_blocks)
 from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.dropout import active, dropout
 from jaxformer.model.precision import matmul, stats_dtype
@@ -94,7 +96,8 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
     """dout (B, H, T, Dh) -> (dq, dk, dv) (B, H, T, Dh): FlashAttention-2's backward.
 
     The outer scan walks the query blocks i (emitting dq_i); the inner scan walks the
-    key blocks j, skipping j > i when causal, and adds into dk, dv (N, B, H, K, Dh)."""
+    key blocks j (``key_blocks``: those a sliding window reaches, or all), skipping j > i
+    when causal, and adds into dk, dv (N, B, H, K, Dh)."""
     qb, kb, vb, ob, lseb, length, key, spec = res
     T, K = length.shape[0], qb.shape[3]
     f = lseb.dtype
@@ -102,17 +105,20 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
     db = _softmax_correction(dob, ob)  # (N, B, H, K)
     idx = jnp.arange(qb.shape[0])
 
+    N = qb.shape[0]
+
     def query_step(dkv, xs):
         q_i, do_i, lse_i, d_i, i = xs
 
         def key_step(carry, j):
             dq_i, dk, dv = carry
-            pair = (dq_i, dk[j], dv[j])
-            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[j], vb[j], i, j, T, spec, key)  # noqa: E731
+            jc = clamp(j, N)  # j itself where visible
+            pair = (dq_i, dk[jc], dv[jc])
+            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[jc], vb[jc], i, j, T, spec, key)  # noqa: E731
             dq_i, dk_j, dv_j = if_visible(i, j, spec, add_pair, pair)
-            return (dq_i, dk.at[j].set(dk_j), dv.at[j].set(dv_j)), None
+            return (dq_i, dk.at[jc].set(dk_j), dv.at[jc].set(dv_j)), None
 
-        (dq_i, dk, dv), _ = jax.lax.scan(key_step, (jnp.zeros(q_i.shape, f),) + dkv, idx)
+        (dq_i, dk, dv), _ = jax.lax.scan(key_step, (jnp.zeros(q_i.shape, f),) + dkv, key_blocks(i, spec, K, N))
         return (dk, dv), dq_i
 
     zeros = jnp.zeros(kb.shape, f)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import layer_key
+from jaxformer.model.layer_kinds import mixed, per_layer
 from manual_grads.block import block_bwd, block_fwd
 from manual_grads.tap import within
 
@@ -40,8 +41,9 @@ UNROLL_MAX_LAYERS = 4
 
 
 def unrolled(config: ModelConfig) -> bool:
-    """Whether the blocks run as a Python loop: n_layers <= UNROLL_MAX_LAYERS, remat "none"."""
-    return config.n_layers <= UNROLL_MAX_LAYERS and config.remat == "none"
+    """Whether the blocks run as a Python loop: n_layers <= UNROLL_MAX_LAYERS, or layers of
+    two attention kinds (layer_kinds.py: their residuals differ), with remat "none"."""
+    return (config.n_layers <= UNROLL_MAX_LAYERS or mixed(config)) and config.remat == "none"
 
 
 def _layer(blocks, l):
@@ -61,8 +63,10 @@ def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None):
     ``key``: the step's dropout key (None: no dropout); layer l draws from layer_key(key, l)."""
 
     def step(x, p, l, tap=None):
-        y, res = block_fwd(p, x, config, tap, _key(key, l))  # x_{l+1} = block_l(x_l)
-        return y, (x if config.remat == "block" else res)
+        def run(c):  # layer l's config (layer_kinds.per_layer); a scan keeps only x with mixed kinds
+            y, res = block_fwd(p, x, c, tap, _key(key, l))  # x_{l+1} = block_l(x_l)
+            return y, (x if config.remat == "block" else res)
+        return per_layer(config, l, run)
 
     if tap is None and not unrolled(config):
         return jax.lax.scan(lambda x, xs: step(x, *xs), x, (blocks, jnp.arange(config.n_layers)))
@@ -79,10 +83,12 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None):
     (with the same dropout ``key``, hence the same masks)."""
 
     def step(dx, p, k, l, tap=None):
-        if config.remat == "block":
-            _, k = block_fwd(p, k, config, None, _key(key, l))  # x_{l+1} = block_l(x_l), recomputed
-        dp, dx = block_bwd(k, dx, tap)  # x_{l+1} = block_l(x_l)
-        return dx, dp
+        def run(c, k=k):  # layer l's config (layer_kinds.per_layer)
+            if config.remat == "block":
+                _, k = block_fwd(p, k, c, None, _key(key, l))  # x_{l+1} = block_l(x_l), recomputed
+            dp, dx_l = block_bwd(k, dx, tap)  # x_{l+1} = block_l(x_l)
+            return dx_l, dp
+        return per_layer(config, l, run)
 
     if tap is None and not unrolled(config):
         p = blocks if config.remat == "block" else None  # only a recompute reads the params

@@ -1,13 +1,15 @@
 """The Llama-shaped Hugging Face families against transformers itself (float64, nothing
 downloaded): small random ``Qwen2ForCausalLM`` (q, k, v biases only), ``Qwen3ForCausalLM``
 (per-head QK-norm, a head_dim that is not hidden / heads, with and without attention_bias),
-``MistralForCausalLM`` (sliding_window null, a wider head_dim) and a ``LlamaForCausalLM`` with
+``MistralForCausalLM`` (sliding_window null and a wider head_dim; a window of 3 on every layer),
+sliding-window Qwen 2 (from max_window_layers) and Qwen 3 (layer_types: a sliding and a full
+layer), each window shorter than the batch's 11 tokens, and a ``LlamaForCausalLM`` with
 attention biases but no MLP bias, saved, imported, and shown equal in logits (1e-10 relative)
 and in gradients (jax.grad and manual vs torch autograd, 1e-10 per leaf); the export writes
 the same family and reloads with the same logits. Then the folders that must not load
 silently wrong: a tied config with its own stored head (transformers keeps the head, untied:
 so does the import), damaged index / bin files and config values of the wrong type, and the
-sliding windows not implemented here, each one line naming the file and key.
+window keys of the wrong type, each one line naming the file and key.
 
 As in test_hf_llama.py, transformers computes its RMS norms (the q_norm and k_norm too) and
 rotary tables in float32 whatever the model's dtype: the reference runs them in float64, the
@@ -33,17 +35,26 @@ from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf
 jax.config.update("jax_enable_x64", True)
 CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
            "mistral": ("MistralConfig", "MistralForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
-# name: (model_type, config overrides, what the import must make of it: (head_dim, linear_biases, qk_norm))
+# name: (model_type, config overrides, what the import must make of it: (head_dim, linear_biases, qk_norm,
+# (sliding_window, layer_types)))
 VARIANTS = {
-    "qwen2-gqa": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False), (0, (True, False, False), False)),
+    "qwen2-gqa": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False), (0, (True, False, False), False, (0, ()))),
+    "qwen2-window-layers": ("qwen2", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                                          max_window_layers=1, tie_word_embeddings=False),
+                            (0, (True, False, False), False, (4, ("full_attention", "sliding_attention")))),
     "qwen3-wide-tied": ("qwen3", dict(num_key_value_heads=2, head_dim=6, tie_word_embeddings=True),
-                        (6, (False, False, False), True)),
+                        (6, (False, False, False), True, (0, ()))),
+    "qwen3-window-types": ("qwen3", dict(num_key_value_heads=2, head_dim=6, use_sliding_window=True, sliding_window=3,
+                                         layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
+                           (6, (False, False, False), True, (3, ("sliding_attention", "full_attention")))),
     "qwen3-bias-mqa": ("qwen3", dict(num_key_value_heads=1, head_dim=8, attention_bias=True,
-                                     tie_word_embeddings=False), (8, (True, True, False), True)),
+                                     tie_word_embeddings=False), (8, (True, True, False), True, (0, ()))),
     "mistral-wide": ("mistral", dict(num_key_value_heads=2, head_dim=8, sliding_window=None,
-                                     tie_word_embeddings=False), (8, (False, False, False), False)),
+                                     tie_word_embeddings=False), (8, (False, False, False), False, (0, ()))),
+    "mistral-window": ("mistral", dict(num_key_value_heads=2, sliding_window=3, tie_word_embeddings=False),
+                       (0, (False, False, False), False, (3, ()))),
     "llama-attn-bias": ("llama", dict(num_key_value_heads=2, head_dim=6, attention_bias=True, mlp_bias=False,
-                                      tie_word_embeddings=False), (6, (True, True, False), False)),
+                                      tie_word_embeddings=False), (6, (True, True, False), False, (0, ()))),
 }
 
 
@@ -97,10 +108,11 @@ def saved(request, tmp_path_factory):
 
 
 def test_import_matches_transformers_logits(saved):
-    kind, model, folder, (head_dim, biases, qk_norm) = saved
+    kind, model, folder, (head_dim, biases, qk_norm, windows) = saved
     params, config = read_hf(folder, np.float64)
     assert (config.family, config.head_dim, tuple(config.linear_biases), config.qk_norm) == (
         kind, head_dim, biases, qk_norm)
+    assert (config.sliding_window, config.layer_types) == windows
     Dh = head_dim or D // H
     assert params["blocks"]["attn"]["wq"].shape == (L, D, H * Dh)
     assert params["blocks"]["attn"]["wo"].shape == (L, H * Dh, D)
@@ -207,11 +219,14 @@ def test_damaged_weight_files_are_one_named_line(llama_folder, tmp_path, name, f
     ({"head_dim": "8"}, "config.json: head_dim must be a positive integer, got '8'"),
     ({"attention_bias": "yes"}, "config.json: attention_bias must be true or false, got 'yes'"),
     ({"tie_word_embeddings": "false"}, "config.json: tie_word_embeddings must be True or False"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "config.json: use_sliding_window true is not supported"),
-    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
-     "config.json: layer_types 'sliding_attention' is not supported"),
-    ({"model_type": "mistral", "sliding_window": 8}, "config.json: sliding_window 8 is shorter than "
-                                                     "max_position_embeddings 32"),
+    ({"model_type": "mistral", "sliding_window": 0}, "config.json: sliding_window must be a positive integer or "
+                                                     "null, got 0"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": "8"},
+     "config.json: sliding_window must be a positive integer or null, got '8'"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": -1},
+     "config.json: max_window_layers must be a non-negative integer, got -1"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention"]}, "config.json: layer_types must list 2 entries"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "local"]}, "config.json: layer_types must list 2"),
 ])
 def test_bad_config_values_are_one_named_line(llama_folder, tmp_path, edit, message):
     folder = copy_folder(tmp_path, llama_folder, "bad", config=edit)
@@ -222,7 +237,20 @@ def test_bad_config_values_are_one_named_line(llama_folder, tmp_path, edit, mess
 
 def test_mistral_window_that_covers_the_sequence_loads(llama_folder, tmp_path):
     folder = copy_folder(tmp_path, llama_folder, "w", config={"model_type": "mistral", "sliding_window": S})
-    assert read_hf(folder, np.float64)[1].family == "mistral"
+    assert read_hf(folder, np.float64)[1].replace(sliding_window=0) == read_hf(llama_folder, np.float64)[1].replace(
+        family="mistral")
+
+
+def test_export_refuses_a_window_the_family_cannot_hold(saved, tmp_path):
+    kind, _, folder, _ = saved
+    _, config = read_hf(folder, np.float64)
+    windowed = config.replace(sliding_window=3, layer_types=("sliding_attention", "full_attention"))
+    if kind in ("qwen2", "qwen3"):
+        return
+    match = {"mistral": "one sliding window for every layer", "llama": "a Hugging Face Llama has no sliding window"}
+    with pytest.raises(ValueError, match=match[kind]) as e:
+        write_hf(tmp_path / "x", {}, windowed)
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------- the commands

@@ -23,6 +23,7 @@ import jaxformer
 from jaxformer.model.config import PRESETS, ModelConfig
 from jaxformer.model.kv_cache import init_cache
 
+MIXED = ("full_attention", "sliding_attention")
 FIELDS = {
     # the modern block's
     "norm_type": ("layer", "rms"),
@@ -45,6 +46,8 @@ FIELDS = {
     "norm_offset": (0.0, 1.0),  # RMS scales as (1 + w) (Gemma)
     "qk_norm_scope": ("head", "projection"),  # QK-norm over all of q and of k (OLMo 2)
     "attn_scalar": (0.0, 10.0),  # scores / sqrt(10) rather than / sqrt(Dh) (Gemma's query_pre_attn_scalar)
+    "sliding_window": (0, 3),  # each query reads its 3 newest keys (causal only)
+    "layer_types": ((), ("full_attention", "sliding_attention")),  # (): every layer as sliding_window says
     # the older ones
     "attention_impl": ("full", "blockwise", "pallas"),
     "loss_chunk": (0, 5),
@@ -59,6 +62,8 @@ REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl",
            (("norm_scale", False), ("norm_type", "layer")),
            (("norm_offset", 1.0), ("norm_type", "layer")), (("norm_offset", 1.0), ("norm_scale", False)),
            (("qk_norm", False), ("qk_norm_scope", "projection")),
+           (("causal", False), ("sliding_window", 3)), (("causal", False), ("layer_types", MIXED)),
+           (("layer_types", MIXED), ("sliding_window", 0)),
            *((("positions", p), ("rope_scaling", s)) for p in ("learned", "sinusoidal")
              for s in ("llama3", "yarn"))}
 # a bias field equal to bias is the config with None there (ModelConfig keeps one of them):
@@ -136,7 +141,8 @@ def _case_id(config):
             f"{config.attention_impl}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
             f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
             f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
-            f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}")
+            f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}"
+            f"{f'-w{config.sliding_window}' if config.sliding_window else ''}{'-mixed' if config.layer_types else ''}")
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c, *_ in CASES])

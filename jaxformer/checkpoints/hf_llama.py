@@ -15,8 +15,10 @@ The projections' ``.bias`` map to bq bk bv, bo and b_gate b_up b_down where the 
 them (ModelConfig.linear_biases): Llama's ``attention_bias`` (q, k, v and o) and ``mlp_bias``;
 Qwen 2.5's q, k, v always and nothing else; Qwen 3's ``attention_bias``; Mistral none.
 ``head_dim`` (Qwen 3: 128 whatever the width) is ModelConfig.head_dim; Qwen 3's per-head
-``q_norm`` and ``k_norm`` are ModelConfig.qk_norm. Sliding-window attention is refused by
-its key. The ModelConfig remembers the family (``family``), which export writes. The rotary layout is the
+``q_norm`` and ``k_norm`` are ModelConfig.qk_norm. Sliding windows are ModelConfig.sliding_window
+and layer_types: Mistral's ``sliding_window`` on every layer; Qwen's ``use_sliding_window``,
+``sliding_window``, ``max_window_layers`` and ``layer_types`` as their configuration classes read
+them (Llama has none: exporting a windowed model as Llama is refused). The ModelConfig remembers the family (``family``), which export writes. The rotary layout is the
 one transformers stores (rotate-half: feature i pairs with i + Dh/2, rotary.py), so q_proj
 and k_proj load with no permutation. ``rotary_emb.inv_freq`` buffers some older files carry
 are skipped.
@@ -35,6 +37,7 @@ from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatEr
                                             read_config_json, read_tensors)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
                                             params_out, read_flag)
+from jaxformer.checkpoints.hf_windows import mistral_windows, qwen_windows, qwen_windows_out
 from jaxformer.model.checks import is_int, is_number
 from jaxformer.model.config import LinearBiases, ModelConfig
 
@@ -106,32 +109,12 @@ def _llama_biases(hf: dict) -> LinearBiases:
     return LinearBiases(attention, attention, read_flag(hf, "mlp_bias"))
 
 
-def _no_sliding_window(hf: dict, max_seq_len: int) -> None:
-    """Qwen's: use_sliding_window true, or a layer_types entry other than full attention, refused."""
-    if read_flag(hf, "use_sliding_window"):
-        raise HFFormatError("config.json: use_sliding_window true is not supported "
-                            "(sliding-window attention is not implemented)")
-    other = [kind for kind in hf.get("layer_types") or () if kind != "full_attention"]
-    if other:
-        raise HFFormatError(f"config.json: layer_types {other[0]!r} is not supported (only "
-                            f"'full_attention': sliding-window attention is not implemented)")
-
-
-def _window_covers_sequence(hf: dict, max_seq_len: int) -> None:
-    """Mistral's: sliding_window null, or a window no shorter than max_position_embeddings."""
-    window = hf.get("sliding_window")
-    if window is not None and not (is_int(window) and window >= max_seq_len):
-        raise HFFormatError(f"config.json: sliding_window {window!r} is shorter than max_position_embeddings "
-                            f"{max_seq_len}: sliding-window attention is not supported (null, or a "
-                            f"window that covers the sequence)")
-
-
 class Family(NamedTuple):
     name: str  # in messages
     architecture: str  # config.json's architectures
     qk_norm: bool  # a per-head RMS norm on q and k (q_norm, k_norm)
     biases: Callable[[dict], LinearBiases]  # config.json -> which projections have biases
-    windows: Callable[[dict, int], None]  # refuses the sliding windows it has, by key
+    windows: Callable[[dict, int], dict]  # (config.json, n_layers) -> sliding_window and layer_types fields
     out: Callable[[ModelConfig, LinearBiases], dict]  # its own config.json keys; refuses the biases it lacks
 
 
@@ -144,34 +127,39 @@ def _need(family: str, biases: LinearBiases, want: LinearBiases, why: str) -> No
 
 def _llama_out(c, b):
     _need("Llama", b, b._replace(out=b.qkv), "attention_bias covers q, k, v and o")
+    if c.sliding_window:
+        raise ValueError(f"a Hugging Face Llama has no sliding window, this model has ModelConfig.sliding_window "
+                         f"{c.sliding_window}: set family 'mistral', 'qwen2' or 'qwen3'")
     return {"attention_bias": b.qkv, "mlp_bias": b.mlp}
 
 
 def _mistral_out(c, b):
     _need("Mistral", b, LinearBiases(False, False, False), "it has no biases")
-    return {"sliding_window": None}
+    if len(set(c.windowed_layers)) > 1:
+        raise ValueError(f"a Hugging Face Mistral has one sliding window for every layer, this model's "
+                         f"ModelConfig.layer_types mix them: {c.layer_types}; set family 'qwen2' or 'qwen3'")
+    return {"sliding_window": c.sliding_window or None}
 
 
 def _qwen2_out(c, b):
     _need("Qwen2", b, LinearBiases(True, False, False), "q, k, v biases only")
-    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.n_layers}
+    return qwen_windows_out(c)
 
 
 def _qwen3_out(c, b):
     _need("Qwen3", b, LinearBiases(b.qkv, b.qkv, False), "attention_bias covers q, k, v and o; no MLP bias")
-    return {"attention_bias": b.qkv, "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": c.n_layers}
+    return {"attention_bias": b.qkv, **qwen_windows_out(c)}
 
 
 FAMILIES = {
-    "llama": Family("Llama", "LlamaForCausalLM", False, _llama_biases, lambda hf, s: None, _llama_out),
+    "llama": Family("Llama", "LlamaForCausalLM", False, _llama_biases, lambda hf, n: {}, _llama_out),
     "mistral": Family("Mistral", "MistralForCausalLM", False, lambda hf: LinearBiases(False, False, False),
-                      _window_covers_sequence, _mistral_out),
+                      mistral_windows, _mistral_out),
     "qwen2": Family("Qwen2", "Qwen2ForCausalLM", False, lambda hf: LinearBiases(True, False, False),
-                    _no_sliding_window, _qwen2_out),
+                    qwen_windows, _qwen2_out),
     "qwen3": Family("Qwen3", "Qwen3ForCausalLM", True,
                     lambda hf: LinearBiases(read_flag(hf, "attention_bias"), read_flag(hf, "attention_bias"), False),
-                    _no_sliding_window, _qwen3_out),
+                    qwen_windows, _qwen3_out),
 }
 
 
@@ -262,7 +250,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     try:
         fields = fields_in(KEYS, hf)
         D, H = fields["d_model"], fields["n_heads"]
-        family.windows(hf, fields["max_seq_len"])
+        windows = family.windows(hf, fields["n_layers"])
         head_dim = _count(hf, "head_dim", D // H)
         n_kv = _count(hf, "num_key_value_heads", H)
         qkv, out, mlp = family.biases(hf)
@@ -277,7 +265,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         return ModelConfig(**fields, **FIXED, qk_norm=family.qk_norm, family=kind,
                            head_dim=0 if D % H == 0 and head_dim == D // H else head_dim,
                            n_kv_heads=0 if n_kv == H else n_kv, **rope,
-                           bias=qkv, qkv_bias=qkv, out_bias=out, mlp_bias=mlp)
+                           bias=qkv, qkv_bias=qkv, out_bias=out, mlp_bias=mlp, **windows)
     except ValueError as e:
         raise HFFormatError(f"config.json: {e}") from None
 

@@ -83,6 +83,10 @@ def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
         elif kind is float:
             group.add_argument(flag_name(f.name), dest=f.name, default=None, type=number(float),
                                metavar="X", help=helptext)
+        elif typing.get_origin(kind) is tuple:  # layer_types: comma-separated, e.g. a,b,a
+            group.add_argument(flag_name(f.name), dest=f.name, default=None, metavar="A,B,...",
+                               type=lambda text: tuple(part.strip() for part in text.split(",") if part.strip()),
+                               help=helptext)
         else:
             group.add_argument(flag_name(f.name), dest=f.name, default=None, help=helptext)
     return group

@@ -45,13 +45,22 @@ CORES = {"full": Core(full, True), "blockwise": Core(blockwise, False), "pallas"
          "cudnn": Core(cudnn, True)}
 
 
+MIXED_LAYERS = ("ModelConfig.layer_types {types} mixes sliding and full layers: attention takes one "
+                "layer's config (jaxformer.model.layer_kinds.per_layer)")
+
+
 def attention_spec(config) -> AttentionSpec:
-    """What a ModelConfig tells the cores: the mask rule, the products' dtype, the tiles, the
-    probabilities' dropout rate and the scores' softcap."""
+    """What a ModelConfig tells the cores: the mask rule (causal, the sliding window), the
+    products' dtype, the tiles, the probabilities' dropout rate and the scores' softcap. A
+    config whose layer_types mix sliding and full layers is refused (each layer's own config,
+    layer_kinds.layer_config, says which it is)."""
+    kinds = set(config.windowed_layers)
+    if len(kinds) > 1:
+        raise ValueError(MIXED_LAYERS.format(types=config.layer_types))
     return AttentionSpec(causal=config.causal, compute_dtype=config.compute_dtype,
                          block=config.attention_block, block_q=config.pallas_block_q,
                          block_k=config.pallas_block_k, dropout=config.dropout,
-                         softcap=config.attn_softcap)
+                         softcap=config.attn_softcap, window=config.sliding_window if True in kinds else 0)
 
 
 def split_heads(x, n_heads):

@@ -8,7 +8,9 @@ block i, an online softmax runs over the key blocks j: it keeps the row max m,
 the row sum l of exp(s - m) and the unnormalized output acc, rescaling them as
 each block raises the max. With ``causal`` the key blocks above the diagonal
 (j > i) are skipped by a ``lax.cond``, never computed; padded keys are masked, and so
-is every pair the spec refuses (``AttentionSpec.allowed``). With spec.softcap the
+is every pair the spec refuses (``AttentionSpec.allowed``). With a sliding window W
+(spec.window) query block i walks only the key blocks the window reaches
+(``key_blocks``: ceil((W - 1) / K) + 1 of them), so the work is O(T W), not O(T^2). With spec.softcap the
 scores are capped, s -> c tanh(s / c), before the mask (``capped_block_scores``).
 The forward returns the output and the row log-sum-exp lse = m + log(l), all the
 backward (manual_grads/blockwise.py) needs to recompute any block of
@@ -64,11 +66,34 @@ def block_size(T: int, block: int) -> int:
 
 
 def if_visible(i, j, spec: AttentionSpec, update, carry):
-    """update(carry) when query block i sees any of key block j (always, or j <= i when
-    causal), else carry unchanged: a causal block above the diagonal is never computed."""
+    """update(carry) when query block i sees any of key block j (always, or 0 <= j <= i when
+    causal: ``key_blocks`` may hand a window's j < 0), else carry unchanged: a causal block
+    above the diagonal is never computed."""
     if not spec.causal:
         return update(carry)
-    return jax.lax.cond(j <= i, update, lambda c: c, carry)
+    visible = (j <= i) & (j >= 0) if spec.window else j <= i
+    return jax.lax.cond(visible, update, lambda c: c, carry)
+
+
+def window_blocks(spec: AttentionSpec, K: int, N: int) -> int:
+    """How many key blocks a query block of K rows can see through spec.window W: the block
+    holding its first query's first key, i - ceil((W - 1) / K), up to i; N (all) without a window."""
+    return min(N, -(-(spec.window - 1) // K) + 1) if spec.window else N
+
+
+def key_blocks(i, spec: AttentionSpec, K: int, N: int):
+    """The key blocks query block i walks, (n,) int: 0 .. N - 1, or with a window the
+    window_blocks(spec, K, N) blocks ending at i (some < 0 near the start: if_visible skips
+    them; ``clamp`` them to index). So the work is O(T W), not O(T^2)."""
+    if not spec.window:
+        return jnp.arange(N)
+    n = window_blocks(spec, K, N)
+    return i - (n - 1) + jnp.arange(n)
+
+
+def clamp(j, N: int):
+    """A key block index from key_blocks made safe to index with (its update is skipped when < 0)."""
+    return jnp.clip(j, 0, N - 1)
 
 
 def capped_block_scores(q_i, k_j, spec: AttentionSpec):
@@ -134,16 +159,20 @@ def _query_block(q_i, i, kb, vb, T: int, spec: AttentionSpec, key=None):
     shape = q_i.shape[:-1]  # (B, H, K)
     init = (jnp.full(shape, -jnp.inf, f), jnp.zeros(shape, f), jnp.zeros(q_i.shape, f))
 
-    def key_step(carry, xs):
-        k_j, v_j, j = xs
+    N, K = kb.shape[0], q_i.shape[-2]
 
+    def key_step(carry, j):
         def update(c):
+            k_j, v_j = kb[clamp(j, N)], vb[clamp(j, N)]  # (B, H, K, Dh)
             s = block_scores(q_i, k_j, i, j, T, spec)  # (B, H, K, K)
             return online_softmax_step(c, s, v_j, spec.compute_dtype, pair_dropout(spec.dropout, key, i, j))
 
         return if_visible(i, j, spec, update, carry), None
 
-    (m, l, acc), _ = jax.lax.scan(key_step, init, (kb, vb, jnp.arange(kb.shape[0])))
+    (m, l, acc), _ = jax.lax.scan(key_step, init, key_blocks(i, spec, K, N))
+    # l = 0 only on a padded row whose sliding window holds padding alone: out 0 there, not 0 / 0
+    # (dropped by from_blocks, but its NaN would reach JAX's gradient through the division)
+    l = jnp.where(l > 0, l, 1.0)
     return (acc / l[..., None]).astype(q_i.dtype), m + jnp.log(l)
 
 

@@ -85,6 +85,14 @@ def check_choice(name: str, value, choices, *, note: str = ""):
     return value
 
 
+def check_choices(name: str, value, choices, *, note: str = "") -> tuple:
+    """value as a tuple (a list is taken); ValueError naming ``name`` (and the entry) unless
+    each entry is one of ``choices``."""
+    if not isinstance(value, (tuple, list)):
+        refuse(name, "a tuple of " + ", ".join(repr(c) for c in choices), value, note)
+    return tuple(check_choice(f"{name}[{i}]", v, choices, note=note) for i, v in enumerate(value))
+
+
 def check_bool(name: str, value, *, note: str = "") -> bool:
     """value as a bool; ValueError naming ``name`` unless it is True or False (Python's or numpy's)."""
     if not isinstance(value, (bool, np.bool_)):

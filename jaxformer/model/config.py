@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from jaxformer.model.checks import check_bool, check_choice, check_int, check_keys, check_number
+from jaxformer.model.checks import check_bool, check_choice, check_choices, check_int, check_keys, check_number
 from jaxformer.model.config_rules import CROSS_FIELD_RULES
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
@@ -21,6 +21,7 @@ NORMS = ("pre", "post", "output", "sandwich")  # block layouts (block.py)
 QK_NORM_SCOPES = ("head", "projection")
 NORM_TYPES = ("layer", "rms")
 POSITIONS = ("learned", "sinusoidal", "rope")
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # transformers' rope_type names ("none": its "default")
 MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
@@ -98,6 +99,10 @@ class ModelConfig:
     qk_norm_scope: str = "head"  # qk_norm over each head's Dh (Qwen 3, Gemma 3) | projection: over all
     # of q (H Dh) and of k (Hkv Dh) before the heads split (OLMo 2; q_norm (H Dh,), k_norm (Hkv Dh,))
     attn_scalar: float = 0.0  # scores times attn_scalar^(-1/2) (Gemma's query_pre_attn_scalar); 0: Dh
+    # --- sliding-window attention (Mistral, Qwen 2, Gemma 2/3; docs/design.md, "Sliding-window attention")
+    sliding_window: int = 0  # W > 0: the query at t reads the W keys t - W < s <= t (causal); 0: no window
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; (): every layer
+    # windowed when sliding_window > 0
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -110,6 +115,13 @@ class ModelConfig:
     def d_head(self) -> int:
         """Each head's width Dh: head_dim, or d_model // n_heads when it is 0."""
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def windowed_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its attention reads a sliding window of sliding_window keys."""
+        if not self.sliding_window:
+            return (False,) * self.n_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types or ("sliding_attention",) * self.n_layers)
 
     @property
     def linear_biases(self) -> "LinearBiases":
@@ -146,7 +158,7 @@ class Rule(NamedTuple):
     (a finite number in the range low..high, each end open or closed), "choice", "bool" or
     "bool or None"."""
 
-    kind: str
+    kind: str  # ("choices": a tuple, each entry one of choices)
     low: Any = None
     high: Any = None
     low_open: bool = False
@@ -167,6 +179,8 @@ def judge(name: str, value, rule: Rule):
         return check_number(name, value, rule.low, rule.high, rule.low_open, rule.high_open, note=rule.note)
     if rule.kind == "choice":
         return check_choice(name, value, rule.choices, note=rule.note)
+    if rule.kind == "choices":
+        return check_choices(name, value, rule.choices, note=rule.note)
     if rule.kind == "bool or None":
         return None if value is None else check_bool(name, value, note=rule.note)
     return check_bool(name, value, note=rule.note)
@@ -214,6 +228,8 @@ FIELD_RULES: dict[str, Rule] = {
     "norm_offset": Rule("number", low=0, note="0: the scale w itself; 1: Gemma's (1 + w)"),
     "qk_norm_scope": Rule("choice", choices=QK_NORM_SCOPES),
     "attn_scalar": Rule("number", low=0, note="0: the head width"),
+    "sliding_window": NON_NEGATIVE._replace(note="0: no window"),
+    "layer_types": Rule("choices", choices=LAYER_TYPES, note="(): every layer as sliding_window says"),
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 

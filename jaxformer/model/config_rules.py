@@ -72,6 +72,22 @@ def cudnn_reads_half_precision(c) -> None:
                          "set compute_dtype='bfloat16'")
 
 
+def sliding_window_fits(c) -> None:
+    """sliding_window needs a causal model; layer_types one entry per layer, and a window where
+    it names a sliding layer; every layer sliding is spelled () (one model, one config)."""
+    if c.sliding_window and not c.causal:
+        raise ValueError(f"ModelConfig.sliding_window {c.sliding_window} needs causal True (a window of "
+                         "past keys), got causal False")
+    if c.layer_types and len(c.layer_types) != c.n_layers:
+        raise ValueError(f"ModelConfig.layer_types has {len(c.layer_types)} entries, n_layers is "
+                         f"{c.n_layers}: one per layer, or () for every layer alike")
+    if "sliding_attention" in c.layer_types and not c.sliding_window:
+        raise ValueError("ModelConfig.layer_types names 'sliding_attention' layers but sliding_window is 0: "
+                         "set the window's width")
+    if c.sliding_window and c.layer_types and set(c.layer_types) == {"sliding_attention"}:
+        object.__setattr__(c, "layer_types", ())
+
+
 def biases_follow_bias(c) -> None:
     """qkv_bias, out_bias, mlp_bias: None where they equal bias, so one model has one config."""
     for name in ("qkv_bias", "out_bias", "mlp_bias"):
@@ -81,4 +97,5 @@ def biases_follow_bias(c) -> None:
 
 CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads,
                      unscaled_norm_is_rms, fused_attention_has_no_dropout, cudnn_reads_half_precision,
-                     rope_scaling_needs_rope, fused_attention_has_no_softcap, norm_options_fit)
+                     rope_scaling_needs_rope, fused_attention_has_no_softcap, norm_options_fit,
+                     sliding_window_fits)

@@ -36,8 +36,8 @@ class AttentionSpec:
     """What a core reads besides q, k and v. Frozen and hashable: a jit static argument, and a
     static pytree node (no leaves), so a residual may carry it through scans and custom rules.
 
-    A new masking rule (a sliding window, segment ids) is a field here and a line in
-    ``allowed``; a transform of the scores is a field here and a line where the cores make
+    A masking rule (the sliding ``window``; segment ids would be another) is a field here
+    and a line in ``allowed``; a transform of the scores is a field here and a line where the cores make
     them (``softcap``: ``capped_scores`` here, ``capped_block_scores`` in blockwise.py; the manual
     backwards undo it beside the softmax's). docs/design.md, "Attention", walks through them."""
 
@@ -48,12 +48,20 @@ class AttentionSpec:
     block_k: int = 0  # flash: key block size (0: the device's)
     dropout: float = 0.0  # the probabilities' dropout rate, with a key (full, blockwise)
     softcap: float = 0.0  # scores s -> softcap * tanh(s / softcap) before mask and softmax; 0: off (full, blockwise)
+    window: int = 0  # W > 0 (causal only): the query at t reads keys t - W < s <= t, W keys; 0: all past keys
+
+    def __post_init__(self):
+        if self.window and not self.causal:
+            raise ValueError(f"AttentionSpec.window {self.window} needs causal True (a window of past keys)")
 
     def allowed(self, q_pos, k_pos):
         """Whether the query at position q_pos may read the key at k_pos (int arrays that
-        broadcast, e.g. (Tq, 1) and (1, Tk)): a bool array, or None when every pair may."""
+        broadcast, e.g. (Tq, 1) and (1, Tk)): a bool array, or None when every pair may.
+        With a window: k_pos > q_pos - window too (transformers' sliding_window_overlay)."""
         if not self.causal:
             return None
+        if self.window:
+            return (k_pos <= q_pos) & (k_pos > q_pos - self.window)
         return k_pos <= q_pos
 
 
@@ -118,7 +126,7 @@ def flash(q, k, v, spec: AttentionSpec, key=None):
     (jaxformer.kernels.pallas.flash_attention, its backward the hand-written kernels), tiles
     spec.block_q x spec.block_k. No dropout, no softcap (ModelConfig refuses them)."""
     check_uncapped(spec, "pallas")
-    return flash_attention(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype)
+    return flash_attention(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype, spec.window)
 
 
 # ----------------------------------------------------------------------------
@@ -144,22 +152,30 @@ def cudnn(q, k, v, spec: AttentionSpec, key=None):
     dtype = jnp.dtype(spec.compute_dtype or q.dtype)
     check_cudnn(dtype)
     q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
-    return jnp.swapaxes(cudnn_core(q, k, v, spec.causal), 1, 2)  # (B, H, T, Dh)
+    return jnp.swapaxes(cudnn_core(q, k, v, spec.causal, spec.window), 1, 2)  # (B, H, T, Dh)
+
+
+def local_window(window: int):
+    """jax.nn.dot_product_attention's local_window_size for our window W: (W - 1, 0), its
+    left side counting the keys before the query (W keys with the query's own); None: no window."""
+    return (window - 1, 0) if window else None
 
 
 OFF_GPU = ("attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); the program "
            "is lowered for {platform}: use 'pallas', 'blockwise' or 'full'")
 
 
-def cudnn_core(q, k, v, causal):
+def cudnn_core(q, k, v, causal, window: int = 0):
     """q (B, T, H, Dh), k, v (B, T, Hkv, Dh) -> (B, T, H, Dh): cuDNN's attention where the
-    program is lowered for cuda; lowered for any other platform (or run off a GPU), a
+    program is lowered for cuda (``window``: AttentionSpec.window, as ``local_window``);
+    lowered for any other platform (or run off a GPU), a
     ValueError naming it. Both branches are traced, so a CPU process can export the cuda
     program; JAX's cuDNN wrapper asks the CUDA plugin for cuDNN's version while tracing,
     and a process without the plugin gets that error at the cuda lowering, not before."""
     def on_cuda(q, k, v):
         try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn",
+                                                local_window_size=local_window(window))
         except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a shape cuDNN refuses
             hint = (" (JAX reads cuDNN's version from its CUDA plugin while tracing: pip install "
                     "'jaxformer[cuda]')") if isinstance(error, RuntimeError) else ""

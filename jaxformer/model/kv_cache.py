@@ -11,7 +11,9 @@ prompt is harmless: later slots are masked, and decoding overwrites them).
 
 The block is block.py's ``compose_block`` with ``attention_cached`` as its attention
 (the same ``attention_qkv`` as training, then the full core's probabilities against the
-whole cache, ``attention_probs`` with the training spec's mask rule); the other pieces are
+whole cache, ``attention_probs`` with the training spec's mask rule, a sliding window
+included: query t reads slots t - W < s <= t only, layer by layer as config.layer_types
+says); the other pieces are
 the model's, under the same precision policy: every product runs in config.compute_dtype
 through ``matmul`` / ``linear``, the softmax in float32 or wider.
 """
@@ -28,6 +30,7 @@ from jaxformer.model.cores import attention_probs, repeat_kv
 from jaxformer.model.block import BLOCK_LAYERS, compose_block, pick_norm
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
+from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.linear import linear
 from jaxformer.model.params import head_weights
 from jaxformer.model.softcap import softcap
@@ -94,11 +97,12 @@ def forward_cached(params, inputs, cache, start, config: ModelConfig):
     x = upcast(embed_at(params, inputs, start, config))  # (B, t, D), float32 or wider, as in features
 
     def layer(x, layer_in):
-        p, k, v = layer_in
-        x, k, v = block_cached(p, x, k, v, start, config)
+        p, k, v, l = layer_in
+        x, k, v = per_layer(config, l, lambda c: block_cached(p, x, k, v, start, c))  # layer l's kind
         return x, (k, v)
 
-    x, (k, v) = jax.lax.scan(layer, x, (params["blocks"], cache["k"], cache["v"]))
+    blocks = (params["blocks"], cache["k"], cache["v"], jnp.arange(config.n_layers))
+    x, (k, v) = jax.lax.scan(layer, x, blocks)
     if config.norm != "post":
         x = pick_norm(BLOCK_LAYERS, config)(params["ln_f"], x, config.ln_eps)
     logits = linear(x, *head_weights(params, config), config.compute_dtype)  # (B, t, V)

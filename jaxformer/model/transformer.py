@@ -27,6 +27,7 @@ from jaxformer.model.block import block, pick_norm, remat_block
 from jaxformer.model.chunked_loss import chunked_head_loss
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.embedding import embed
+from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
@@ -73,7 +74,8 @@ def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LA
     def step(x, xs):
         p, l = xs
         lkey = None if key is None else layer_key(key, l)
-        return (layer(p, x, config) if lkey is None else layer(p, x, config, key=lkey)), None
+        run = lambda c: layer(p, x, c) if lkey is None else layer(p, x, c, key=lkey)  # noqa: E731
+        return per_layer(config, l, run), None  # layer l's config: its kind of attention (layer_kinds.py)
 
     x, _ = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
     if config.norm != "post":

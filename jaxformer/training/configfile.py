@@ -82,6 +82,8 @@ def _value(value) -> str:
         return repr(value)
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (tuple, list)):  # an array (ModelConfig.layer_types)
+        return "[" + ", ".join(_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 

@@ -221,9 +221,11 @@ def recipe_notes(settings: TrainSettings) -> list[str]:
 
 def config_diff(saved: dict, requested: ModelConfig) -> list[str]:
     """``diff_fields`` of a checkpoint's model config and ``requested``; fields the
-    checkpoint predates take their ModelConfig defaults."""
+    checkpoint predates take their ModelConfig defaults; a JSON list is the tuple it was written
+    from (layer_types)."""
     defaults = ModelConfig().to_dict()
     defaults.pop("vocab_size")
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
     return diff_fields({**defaults, **saved}, requested.to_dict())
 
 

@@ -13,7 +13,8 @@ Backward, given dO:
     1. delta kernel, grid (B, H, Nq):  D_i = rowsum(dO_i * O_i)   (= rowsum(dP_i * P_i), as O = P v;
        dO rounded to the compute dtype first, as dP's product reads it)
     2. dK/dV kernel, grid (B, H, Nk): key block j of query head h's key/value head stays
-       put; walk the query blocks i it is visible to (causal: from floor(j Kk / Kq) on):
+       put; walk the query blocks i it is visible to (causal: from floor(j Kk / Kq) on; with a
+       sliding window W up to the block of query (j + 1) Kk + W - 2, its last key's newest reader):
          dV_j += P_ij^T dO_i                 undoes O_i = sum_j P_ij v_j
          dP_ij = dO_i v_j^T                  (the same line, for P)
          dS_ij = P_ij * (dP_ij - D_i)        undoes P_ij = softmax(S_i)_j
@@ -26,7 +27,7 @@ Backward, given dO:
        powers of two, G need not be); the cost is G - 1 extra (B, Hkv, T, Dh) buffers,
        FlashAttention-2's own choice ("dk_expanded").
     3. dQ kernel, grid (B, H, Nq): query block i stays put; walk the key blocks it sees
-       (causal: up to the diagonal, as the forward):
+       (causal: up to the diagonal, and from the window's first block, as the forward):
          dQ_i += dS_ij k_j * scale           undoes S_ij = q_i k_j^T * scale
 Two kernels instead of one fused: each output is written by exactly one program, so
 there are no atomics and each program's accumulators stay in registers.
@@ -48,8 +49,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxformer.kernels.pallas import tune as pallas_tune
-from jaxformer.kernels.pallas.forward import (check_heads, dot, first_query_block, head_spec, key_blocks_seen,
-                                              kv_head, launch, pad, padded_inputs, query_spec, tile_scores)
+from jaxformer.kernels.pallas.forward import (check_heads, dot, first_key_block, first_query_block, head_spec,
+                                              key_blocks_seen, kv_head, launch, pad, padded_inputs,
+                                              query_blocks_seen, query_spec, tile_scores)
 from jaxformer.kernels.pallas.tiling import Tiling, plan
 
 
@@ -66,18 +68,18 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *, products):
     delta_ref[...] = jnp.sum(do * o_ref[...].astype(f), axis=1, keepdims=True)  # O = P v: D = rowsum(dO * O)
 
 
-def _pair(q, k, v, do, lse, delta, i, j, t: Tiling, causal: bool):
+def _pair(q, k, v, do, lse, delta, i, j, t: Tiling, causal: bool, window: int = 0):
     """One tile pair (i, j): (P_ij, dS_ij) (Kq, Kk) in lse's dtype, from q_i (Kq, Dp),
     k_j, v_j (Kk, Dp), dO_i (Kq, Dp), lse_i, D_i (Kq, 1)."""
     f = lse.dtype
-    p = jnp.exp(tile_scores(q, k, i, j, t, causal, f) - lse)  # P_ij = exp(S_ij - lse_i)
+    p = jnp.exp(tile_scores(q, k, i, j, t, causal, f, window) - lse)  # P_ij = exp(S_ij - lse_i)
     dp = dot(do.astype(q.dtype), v, f, (1, 1))  # O_i = sum_j P_ij v_j: dP_ij = dO_i v_j^T
     ds = p * (dp - delta)  # P_ij = softmax(S_i)_j: dS_ij = P_ij * (dP_ij - D_i)
     return p, ds
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, t: Tiling,
-                 causal: bool, scale: float):
+                 causal: bool, scale: float, window: int = 0):
     """Program (b, h, j): k_ref, v_ref (Kk, Dp) = k_j, v_j of key/value head h // G; q_ref,
     do_ref (Tq, Dp), lse_ref, delta_ref (Tq, 1) of query head h; dk_ref, dv_ref (Kk, Dp) <-
     query head h's share of dK_j, dV_j."""
@@ -89,19 +91,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         dk, dv = carry  # (Kk, Dp) each
         rows = pl.ds(i * t.Kq, t.Kq)
         q, do = q_ref[rows, :], do_ref[rows, :]  # (Kq, Dp)
-        p, ds = _pair(q, k, v, do, lse_ref[rows, :], delta_ref[rows, :], i, j, t, causal)
+        p, ds = _pair(q, k, v, do, lse_ref[rows, :], delta_ref[rows, :], i, j, t, causal, window)
         dv = dv + dot(p.astype(q.dtype), do.astype(q.dtype), f, (0, 0))  # O = P v: dV_j += P_ij^T dO_i
         dk = dk + dot(ds.astype(q.dtype), q, f, (0, 0)) * scale  # S = q k^T scale: dK_j += dS_ij^T q_i
         return dk, dv
 
     zeros = jnp.zeros((t.Kk, t.Dp), f)
-    dk, dv = jax.lax.fori_loop(first_query_block(j, t, causal), t.Nq, query_block, (zeros, zeros))
+    dk, dv = jax.lax.fori_loop(first_query_block(j, t, causal), query_blocks_seen(j, t, window), query_block,
+                               (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t: Tiling, causal: bool,
-               scale: float):
+               scale: float, window: int = 0):
     """Program (b, h, i): q_ref, do_ref (Kq, Dp) = q_i, dO_i; lse_ref, delta_ref (Kq, 1);
     k_ref, v_ref (Tk, Dp) of key/value head h // G; dq_ref (Kq, Dp) <- dQ_i."""
     i = pl.program_id(2)
@@ -111,10 +114,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t: Ti
     def key_block(j, dq):
         cols = pl.ds(j * t.Kk, t.Kk)
         k = k_ref[cols, :]  # (Kk, Dp)
-        _, ds = _pair(q, k, v_ref[cols, :], do, lse, delta, i, j, t, causal)
+        _, ds = _pair(q, k, v_ref[cols, :], do, lse, delta, i, j, t, causal, window)
         return dq + dot(ds.astype(q.dtype), k, f) * scale  # S = q k^T scale: dQ_i += dS_ij k_j
 
-    dq = jax.lax.fori_loop(0, key_blocks_seen(i, t, causal), key_block, jnp.zeros((t.Kq, t.Dp), f))
+    dq = jax.lax.fori_loop(first_key_block(i, t, window), key_blocks_seen(i, t, causal), key_block,
+                           jnp.zeros((t.Kq, t.Dp), f))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -124,7 +128,7 @@ def key_spec(t: Tiling, group: int = 1):
 
 
 def backward_on(device: str, q, k, v, out, lse, dout, *, causal: bool, block_q: int = 0,
-                block_k: int = 0, interpret=None, tuned=None):
+                block_k: int = 0, interpret=None, tuned=None, window: int = 0):
     """One platform's backward: q (B, H, T, Dh), k, v (B, Hkv, T, Dh) (products' dtype),
     out (B, H, T, Dh), lse (B, H, T), dout (B, H, T, Dh) -> dq (B, H, T, Dh), dk, dv
     (B, Hkv, T, Dh) in out's dtype: the delta pass, the dK/dV kernel (per query head,
@@ -140,7 +144,7 @@ def backward_on(device: str, q, k, v, out, lse, dout, *, causal: bool, block_q: 
     delta = launch(functools.partial(_delta_kernel, products=q.dtype), (B, H, t.Nq),
                    [query_spec(t), query_spec(t)], query_spec(t, 1), rows,
                    "flash_attention_delta", how)(out, do)  # (B, H, Tq, 1)
-    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5)
+    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5, window=window)
     whole_q, whole_rows, whole_kv = head_spec(Tq, t.Dp), head_spec(Tq, 1), head_spec(Tk, t.Dp, G)
     partial_spec = pl.BlockSpec((None, None, t.Kk, t.Dp), lambda b, h, j: (b, h, j, 0))
     dk, dv = launch(functools.partial(_dkdv_kernel, **static), (B, H, t.Nk),

@@ -12,7 +12,8 @@ The kernel runs on a grid (B, H, Nq), one program per query block i. It keeps q_
 (Kq, Dp) and walks the key blocks j < upper(i) of its key/value head with an online
 softmax: the running row max m, the row sum l of exp(s - m) and the unnormalised output
 acc, rescaled by exp(m_old - m_new) as each block raises the max. With ``causal`` the
-loop stops at the diagonal, so blocks above it are never loaded; padded keys (position
+loop stops at the diagonal, so blocks above it are never loaded; with a sliding window W
+it starts at the block of key i Kq - W + 1 (``first_key_block``), so older ones are not either; padded keys (position
 >= T) and, if causal, future keys are masked. It writes O_i = acc / l and lse_i = m + log(l).
 Row statistics are (Kq, 1) columns and row arrays (B, H, Tq, 1), the layout both Triton
 and Mosaic (TPU) take.
@@ -90,15 +91,18 @@ def dot(a, b, acc_dtype, contract=(1, 0)):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=acc_dtype)
 
 
-def tile_scores(q, k, i, j, t: Tiling, causal: bool, acc_dtype):
+def tile_scores(q, k, i, j, t: Tiling, causal: bool, acc_dtype, window: int = 0):
     """q_i (Kq, Dp), k_j (Kk, Dp) -> s_ij (Kq, Kk) = q_i k_j^T / sqrt(Dh) in acc_dtype;
-    MASK where the key is padding (position >= T) or, if causal, in the future."""
+    MASK where the key is padding (position >= T) or, if causal, in the future, or with a
+    sliding ``window`` W (causal) W or more positions back (key <= query - W)."""
     s = dot(q, k, acc_dtype, (1, 1)) * (1.0 / math.sqrt(t.Dh))  # (Kq, Kk)
     q_pos = i * t.Kq + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 0)  # (Kq, Kk)
     k_pos = j * t.Kk + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 1)
     visible = k_pos < t.T
     if causal:
         visible = visible & (k_pos <= q_pos)
+    if window:
+        visible = visible & (k_pos > q_pos - window)
     return jnp.where(visible, s, MASK)
 
 
@@ -119,11 +123,29 @@ def first_query_block(j, t: Tiling, causal: bool):
     return jax.lax.div(j * t.Kk, jnp.int32(t.Kq))
 
 
+def first_key_block(i, t: Tiling, window: int):
+    """The first key block query block i sees: 0, or with a sliding window W the one holding
+    key i * Kq - W + 1 (its first query's oldest key), floor((i Kq - W + 1) / Kk), never below 0.
+    The blocks before it are never loaded: the work is O(T W)."""
+    if not window:
+        return 0
+    return jax.lax.div(jnp.maximum(i * t.Kq - (window - 1), 0), jnp.int32(t.Kk))
+
+
+def query_blocks_seen(j, t: Tiling, window: int):
+    """One past the last query block that sees key block j: Nq, or with a sliding window W
+    the one holding query (j + 1) Kk - 1 + W - 1 (its last key's newest reader), never past Nq."""
+    if not window:
+        return t.Nq
+    last = (j + 1) * t.Kk + window - 2
+    return jnp.minimum(jax.lax.div(last, jnp.int32(t.Kq)) + 1, jnp.int32(t.Nq))
+
+
 # ----------------------------------------------------------------------------
 # the forward kernel
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: Tiling, causal: bool, acc_dtype):
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: Tiling, causal: bool, acc_dtype, window: int = 0):
     """Program (b, h, i): q_ref (Kq, Dp) = q_i; k_ref, v_ref (Tk, Dp) of key/value head
     h // G; o_ref (Kq, Dp) <- O_i; lse_ref (Kq, 1) <- lse_i."""
     i = pl.program_id(2)
@@ -133,8 +155,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: Tiling, causal: b
         m, l, acc = carry  # (Kq, 1), (Kq, 1), (Kq, Dp)
         k = k_ref[pl.ds(j * t.Kk, t.Kk), :]  # (Kk, Dp)
         v = v_ref[pl.ds(j * t.Kk, t.Kk), :]
-        s = tile_scores(q, k, i, j, t, causal, acc_dtype)  # (Kq, Kk)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))  # finite: key 0 is visible in block 0
+        s = tile_scores(q, k, i, j, t, causal, acc_dtype, window)  # (Kq, Kk)
+        # finite: MASK at worst; a row whose keys in this block are all masked (a window's first
+        # block) gets a sum of exp(0) that the first visible key's alpha = exp(MASK - m) zeroes
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)  # rescales the old sums; 0 on the first block
         p = jnp.exp(s - m_new)  # (Kq, Kk): 0 where masked
         l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
@@ -143,7 +167,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: Tiling, causal: b
 
     init = (jnp.full((t.Kq, 1), -jnp.inf, acc_dtype), jnp.zeros((t.Kq, 1), acc_dtype),
             jnp.zeros((t.Kq, t.Dp), acc_dtype))
-    m, l, acc = jax.lax.fori_loop(0, key_blocks_seen(i, t, causal), key_block, init)
+    m, l, acc = jax.lax.fori_loop(first_key_block(i, t, window), key_blocks_seen(i, t, causal), key_block, init)
     o_ref[...] = (acc / l).astype(o_ref.dtype)  # O_i = softmax(S_i) v
     lse_ref[...] = m + jnp.log(l)  # lse_i = log rowsum(exp(S_i))
 
@@ -174,13 +198,13 @@ def padded_inputs(q, k, v, t: Tiling, compute_dtype=None):
     return pad(q.astype(cd), Tq, t.Dp), pad(k.astype(cd), Tk, t.Dp), pad(v.astype(cd), Tk, t.Dp)
 
 
-def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype, how: Launch):
+def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype, how: Launch, window: int = 0):
     """The forward kernel on padded inputs: q (B, H, Tq, Dp), k, v (B, Hkv, Tk, Dp) ->
     O (B, H, Tq, Dp) in ``out_dtype`` and lse (B, H, Tq, 1) in stats_dtype(out_dtype)."""
     B, H = q.shape[:2]
     acc_dtype = stats_dtype(out_dtype)
     whole_kv = head_spec(k.shape[2], t.Dp, H // k.shape[1])
-    kernel = functools.partial(_forward_kernel, t=t, causal=causal, acc_dtype=acc_dtype)
+    kernel = functools.partial(_forward_kernel, t=t, causal=causal, acc_dtype=acc_dtype, window=window)
     return launch(
         kernel, (B, H, t.Nq), in_specs=[query_spec(t), whole_kv, whole_kv],
         out_specs=[query_spec(t), query_spec(t, 1)],
@@ -201,7 +225,7 @@ def check_heads(q, k, v) -> int:
 
 
 def forward_on(device: str, q, k, v, *, causal: bool, block_q: int = 0, block_k: int = 0,
-               compute_dtype=None, interpret=None, tuned=None):
+               compute_dtype=None, interpret=None, tuned=None, window: int = 0):
     """One platform's forward: q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh)
     in q's dtype, lse (B, H, T) in stats_dtype), padded to ``device``'s tiles inside
     (``plan``; interpret and tuned as there)."""
@@ -209,16 +233,17 @@ def forward_on(device: str, q, k, v, *, causal: bool, block_q: int = 0, block_k:
     G = check_heads(q, k, v)
     cd = jnp.dtype(compute_dtype or q.dtype)
     t, how = plan(device, pallas_tune.Shape(T, Dh, cd.name, causal, G), block_q, block_k, interpret, tuned)
-    out, lse = flash_forward(*padded_inputs(q, k, v, t, cd), causal, t, q.dtype, how)
+    out, lse = flash_forward(*padded_inputs(q, k, v, t, cd), causal, t, q.dtype, how, window)
     return out[:, :, :T, :Dh], lse[:, :, :T, 0]
 
 
 def pallas_attention_core(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0,
-                          compute_dtype=None):
+                          compute_dtype=None, window: int = 0):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, lse
     (B, H, T) in stats_dtype): out = softmax(q k^T / sqrt(Dh)) v, query head h reading
-    key/value head h // (H // Hkv), future masked if causal, by the forward kernel of the
-    platform lowered for. The raw kernel: no derivative (entry.flash_attention has)."""
+    key/value head h // (H // Hkv), future masked if causal (and keys ``window`` or more
+    back, a sliding window), by the forward kernel of the platform lowered for. The raw
+    kernel: no derivative (entry.flash_attention has)."""
     branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype, window=window)
     return on_platform(branch, q, k, v)
