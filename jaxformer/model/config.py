@@ -25,6 +25,7 @@ MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+ROUTERS = ("topk_softmax", "softmax_topk")  # MoE gates: softmax of the top-k logits | top-k of the softmax
 FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_types (checkpoints/hf.py)
 
 
@@ -87,6 +88,16 @@ class ModelConfig:
     # --- softcaps, x -> c tanh(x / c) (Gemma 2; jaxformer/model/softcap.py); 0: off
     attn_softcap: float = 0.0  # c on the attention scores, before mask and softmax (full, blockwise)
     logit_softcap: float = 0.0  # c on the head's logits, before the cross entropy
+    # --- mixture of experts (jaxformer/model/moe.py; docs/moe.md): the block's feed-forward is E gated experts
+    n_experts: int = 0  # E; 0: the dense feed-forward layer
+    experts_per_token: int = 2  # k, the experts each token is routed to
+    expert_d_ff: int = 0  # each expert's hidden width; 0: d_ff
+    router: str = "topk_softmax"  # topk_softmax (Mixtral): softmax over the top-k logits; softmax_topk
+    # (Qwen3-MoE, OLMoE): the top k of the softmax over all E
+    norm_topk_prob: bool = False  # softmax_topk: the k gates divided by their sum
+    moe_aux_loss_coef: float = 0.0  # the load-balancing loss E sum_e f_e P_e times this joins the loss
+    router_z_loss_coef: float = 0.0  # the router z-loss mean(logsumexp(logits)^2) times this joins the loss
+    moe_every: int = 1  # every n-th block an MoE one; only 1 (every block) is implemented
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -106,6 +117,11 @@ class ModelConfig:
         ``bias`` where it is None."""
         pick = lambda v: self.bias if v is None else v  # noqa: E731
         return LinearBiases(pick(self.qkv_bias), pick(self.out_bias), pick(self.mlp_bias))
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width: expert_d_ff, or d_ff when it is 0."""
+        return self.expert_d_ff or self.d_ff
 
     @property
     def kv_heads(self) -> int:
@@ -200,6 +216,13 @@ FIELD_RULES: dict[str, Rule] = {
     "out_bias": FOLLOWS_BIAS,
     "mlp_bias": FOLLOWS_BIAS,
     "attn_softcap": Rule("number", low=0, note="0: off"), "logit_softcap": Rule("number", low=0, note="0: off"),
+    "n_experts": NON_NEGATIVE._replace(note="0: dense"),
+    "experts_per_token": POSITIVE,
+    "expert_d_ff": NON_NEGATIVE._replace(note="0: d_ff"),
+    "router": Rule("choice", choices=ROUTERS),
+    "norm_topk_prob": BOOL,
+    "moe_aux_loss_coef": Rule("number", low=0), "router_z_loss_coef": Rule("number", low=0),
+    "moe_every": POSITIVE,
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 
