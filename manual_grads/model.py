@@ -41,6 +41,8 @@ from manual_grads.embedding import embed_bwd, embed_fwd
 from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
+from manual_grads.moe import moe_aux_loss_bwd
+from jaxformer.model.moe import ffn_output, moe_aux_loss
 from manual_grads.remat import blocks_bwd, blocks_fwd
 from manual_grads.softcap import softcap_bwd, softcap_fwd
 from manual_grads.tap import tap_backward, tap_forward
@@ -116,11 +118,14 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
     x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key)  # (B, T, D); residuals (L, ...)
+    x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics (L, ...)
     if config.norm == "pre":
         h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
         tap_forward(tap, "ln_f", x, h, params["ln_f"])
         x = h
     loss, loss_res = head_loss_fwd(head, x, targets, mask, config, tap)  # ()
+    if stats is not None:
+        loss = loss + moe_aux_loss(stats, config)  # loss = cross entropy + the MoE auxiliary loss
 
     # backward, in reverse
     grads = {}
@@ -133,6 +138,8 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
         grads["ln_f"], dh = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
         tap_backward(tap, "ln_f", dx, grads["ln_f"], dh)
         dx = dh
+    if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
+        dx = (dx, moe_aux_loss_bwd(stats, config))
     grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key)  # (B, T, D)
     d_embed, _ = embed_bwd(embed_res, dx)  # x = drop(tok_embed[inputs] + positions)
     tap_backward(tap, "embed", dx, d_embed)
