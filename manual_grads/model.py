@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import embed_key
+from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.transformer import head_params
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
@@ -42,7 +43,6 @@ from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.moe import moe_aux_loss_bwd
-from jaxformer.model.moe import ffn_output, moe_aux_loss
 from manual_grads.remat import blocks_bwd, blocks_fwd
 from manual_grads.softcap import softcap_bwd, softcap_fwd
 from manual_grads.tap import tap_backward, tap_forward
@@ -95,14 +95,15 @@ def head_loss_bwd(res, dloss, tap=None):
     return d_head, dx
 
 
-def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
+def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_stats: bool = False):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
     structure and dtype of params. jit it with ``static_argnums=2`` (and no tap).
     ``key``: dropout's PRNG key for this step (None: no dropout), as in jaxformer.loss_fn.
 
     With config.compute_dtype (bfloat16) the products of forward and backward run in it
     with float32 accumulation; statistics, softmax and the loss in float32; each
-    layer's backward casts its parameter gradients back to the params' dtype."""
+    layer's backward casts its parameter gradients back to the params' dtype.
+    ``with_stats``: (loss, grads, the MoE layers' stacked MoeStats or None)."""
     validate_batch(batch, config)
     validate_params(params, config)
     check_precision(params, config)
@@ -146,4 +147,4 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
     if config.tie_embeddings:  # tok_embed feeds the embedding and the head: the two gradients add
         d_embed["tok_embed"] = d_embed["tok_embed"] + d_tied.astype(d_embed["tok_embed"].dtype)
     grads.update(d_embed)
-    return loss, grads
+    return (loss, grads, stats) if with_stats else (loss, grads)

@@ -275,6 +275,14 @@ PRESETS: dict[str, ModelConfig] = {
         activation="silu", norm="pre", norm_type="rms", positions="rope", mlp="gated",
         qk_norm=True, bias=False, head_bias=False,
     ),
+    # tiny-moe: llama-tiny's block with a mixture of 4 gated experts, 2 per token (Mixtral's
+    # router: softmax over the top-2 logits), the load-balancing and z losses on.
+    "tiny-moe": ModelConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=24, max_seq_len=16,
+        activation="silu", norm="pre", norm_type="rms", positions="rope", mlp="gated",
+        bias=False, head_bias=False, n_experts=4, experts_per_token=2, expert_d_ff=12,
+        moe_aux_loss_coef=0.01, router_z_loss_coef=0.001,
+    ),
 }
 
 # The presets small enough for tests that build or train every preset in seconds.
@@ -290,6 +298,7 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
                  clip_value=5.0, weight_decay=0.01, batch_size=16, seq_len=64),
     "tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
     "llama-tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
+    "tiny-moe": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
     # SmolLM-135M's shape trained as the modern small-LM recipes do: AdamW (beta2 0.95,
     # weight decay 0.1, clip 1.0), lr 3e-3 cosine to 3e-4, 8 x 2048 tokens a step.
     "smollm": dict(optimizer="adamw", lr=3e-3, min_lr=3e-4, beta1=0.9, beta2=0.95,

@@ -115,6 +115,11 @@ def loss_fn(params, batch, config: ModelConfig, layers: ModelLayers = MODEL_LAYE
     layers' auxiliary loss (moe.moe_aux_loss) with n_experts.
     loss_chunk > 0 runs the head (and the logits' softcap) and the loss chunk by chunk: no
     (B, T, V) logits. ``key``: dropout's PRNG key for this step (None: no dropout)."""
+    return loss_and_stats(params, batch, config, layers, key)[0]
+
+
+def loss_and_stats(params, batch, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
+    """(loss_fn's loss, the MoE layers' MoeStats stacked over L, or None without experts)."""
     validate_batch(batch, config)
     check_precision(params, config)
     x, stats = features_and_stats(params, batch["inputs"], config, layers, key)  # (B, T, D)
@@ -124,4 +129,4 @@ def loss_fn(params, batch, config: ModelConfig, layers: ModelLayers = MODEL_LAYE
                                         batch.get("mask"), config.loss_chunk, config.compute_dtype, *cap)
     else:
         loss = layers.cross_entropy(head_logits(params, x, config, layers), batch["targets"], batch.get("mask"))
-    return loss if stats is None else loss + moe_aux_loss(stats, config)
+    return (loss, None) if stats is None else (loss + moe_aux_loss(stats, config), stats)
