@@ -16,7 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bfloat16_within_autodiff, assert_sources_agree, make_batch, make_params
+from helpers import (assert_bfloat16_within_autodiff, assert_sources_agree, decode_one_at_a_time, make_batch,
+                     make_params)
+
+import jaxformer
 
 from jaxformer.model.config import PRESETS, ModelConfig, get_preset
 from jaxformer.model.moe import MoeStats, moe, moe_aux_loss
@@ -139,6 +142,14 @@ MODELS = {  # beside the pairwise matrix's MoE rows (tests/test_modern_options.p
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_gradients_from_three_sources_agree_in_float64(name):
     assert_sources_agree(MODELS[name], 2, 9, "mostly_zero", KEY)
+
+
+def test_cached_decoder_equals_the_forward():
+    """Dropless routing treats each token alone: decoding one token at a time through the
+    key/value cache gives the full forward's logits."""
+    params, batch = make_params(TINY, jnp.float64), make_batch(TINY, 2, 9, None)
+    want = jaxformer.forward(params, batch["inputs"], TINY)
+    np.testing.assert_allclose(decode_one_at_a_time(params, batch["inputs"], TINY, 4), want, rtol=1e-10, atol=1e-12)
 
 
 def test_bfloat16_rule():
