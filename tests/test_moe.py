@@ -202,3 +202,10 @@ def test_tiny_moe_trains_alike_with_either_gradient_source(corpus, tmp_path):
     for r in records:
         assert sum(r[f"moe/load{e}"] for e in range(4)) == pytest.approx(1.0)
         assert math.isfinite(r["moe/balance_loss"]) and r["moe/balance_loss"] > 0
+
+
+def test_hugging_face_export_refuses_experts(tmp_path):
+    from jaxformer.checkpoints.hf import write_hf
+    with pytest.raises(ValueError, match="n_experts 4: a mixture of experts has no Hugging Face export"):
+        write_hf(tmp_path / "out", make_params(TINY, jnp.float32), TINY)
+    assert not (tmp_path / "out" / "config.json").exists()
