@@ -209,3 +209,51 @@ def test_hugging_face_export_refuses_experts(tmp_path):
     with pytest.raises(ValueError, match="n_experts 4: a mixture of experts has no Hugging Face export"):
         write_hf(tmp_path / "out", make_params(TINY, jnp.float32), TINY)
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+HF_BLOCKS = {  # model_type: (transformers module, config class, block class, our router, config kwargs)
+    "mixtral": ("mixtral", "MixtralConfig", "MixtralSparseMoeBlock", dict(router="topk_softmax"),
+                dict(intermediate_size=12, num_local_experts=4)),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+                  dict(router="softmax_topk", norm_topk_prob=True),
+                  dict(moe_intermediate_size=12, num_experts=4, norm_topk_prob=True)),
+    "olmoe": ("olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock", dict(router="softmax_topk"),
+              dict(intermediate_size=12, num_experts=4, norm_topk_prob=False)),
+}
+
+
+@pytest.mark.parametrize("model_type", list(HF_BLOCKS))
+def test_layer_is_transformers_sparse_moe_block(model_type):
+    """Our layer and transformers' own MoE block of the family (float64 module, our weights:
+    gate = router^T, gate_up_proj[e] = [w_gate[e] | w_up[e]]^T, down_proj[e] = w_down[e]^T): the
+    output and the gradients of router, experts and input. transformers computes the router's
+    softmax in float32 (softmax(..., dtype=torch.float)), which bounds the agreement: 1e-6 of
+    each output's (each leaf's) largest entry."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    module, config_class, block_class, router, kwargs = HF_BLOCKS[model_type]
+    hf_module = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=[block_class])
+    hf_config = getattr(transformers, config_class)(hidden_size=16, num_experts_per_tok=2, hidden_act="silu", **kwargs)
+    hf = getattr(hf_module, block_class)(hf_config).double()
+    config = TINY.replace(**router)
+    p = _layer_params(config, scale=20.0)
+    t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
+    with torch.no_grad():
+        hf.gate.weight.copy_(t(p["router"].T))
+        hf.experts.gate_up_proj.copy_(t(jnp.concatenate([p["w_gate"], p["w_up"]], axis=2).transpose(0, 2, 1)))
+        hf.experts.down_proj.copy_(t(p["w_down"].transpose(0, 2, 1)))
+    x = jax.random.normal(KEY, (2, 6, 16), jnp.float64)
+    dy = jax.random.normal(jax.random.PRNGKey(5), x.shape, jnp.float64)
+    x_t = t(x).requires_grad_(True)
+    y_t = hf(x_t)
+    (y_t * t(dy)).sum().backward()
+    (y, _), res = moe_fwd(p, x, config)
+    y_hf = y_t.detach().numpy()
+    assert np.max(np.abs(np.asarray(y) - y_hf)) <= 1e-6 * np.max(np.abs(y_hf))
+    dp, dx = moe_bwd(res, dy)  # no statistics' cotangents: the block alone
+    gate_up = hf.experts.gate_up_proj.grad.numpy().transpose(0, 2, 1)  # (E, D, 2F)
+    for ours, theirs in [(dx, x_t.grad), (dp["router"], hf.gate.weight.grad.T),
+                         (dp["w_gate"], gate_up[..., :12]), (dp["w_up"], gate_up[..., 12:]),
+                         (dp["w_down"], hf.experts.down_proj.grad.numpy().transpose(0, 2, 1))]:
+        theirs = np.asarray(theirs)
+        assert np.max(np.abs(ours - theirs)) <= 1e-6 * np.max(np.abs(theirs)), model_type
