@@ -33,7 +33,8 @@ from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, sub_k
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
-from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
+from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes
+from manual_grads.moe import MoeRes, ffn_bwd, ffn_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.tap import tap_backward, tap_forward
 
@@ -62,7 +63,7 @@ class PreBlockRes(NamedTuple):
     ln1: LayerNormRes | RMSNormRes | None  # of x (B, T, D); None: no input norms (output)
     attn: AttentionRes  # of ln1(x)
     ln2: LayerNormRes | RMSNormRes | None  # of x1 = x + attn(ln1(x)) (B, T, D); None as ln1
-    ffn: FeedForwardRes | GatedFeedForwardRes  # of ln2(x1)
+    ffn: FeedForwardRes | GatedFeedForwardRes | MoeRes  # of ln2(x1)
     drop_attn: DropoutRes | None = None  # the attention branch's dropout key; None: no dropout
     drop_ffn: DropoutRes | None = None  # the feed-forward branch's
     ln1_post: LayerNormRes | RMSNormRes | None = None  # of attn(...) (output, sandwich); None: pre
@@ -72,7 +73,7 @@ class PreBlockRes(NamedTuple):
 class PostBlockRes(NamedTuple):
     attn: AttentionRes  # of x (B, T, D)
     ln1: LayerNormRes | RMSNormRes  # of x + attn(x) (B, T, D)
-    ffn: FeedForwardRes | GatedFeedForwardRes  # of x1 = ln1(x + attn(x))
+    ffn: FeedForwardRes | GatedFeedForwardRes | MoeRes  # of x1 = ln1(x + attn(x))
     ln2: LayerNormRes | RMSNormRes  # of x1 + ffn(x1) (B, T, D)
     drop_attn: DropoutRes | None = None  # the attention branch's dropout key; None: no dropout
     drop_ffn: DropoutRes | None = None  # the feed-forward branch's
@@ -81,10 +82,9 @@ class PostBlockRes(NamedTuple):
 def block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     """One block; p is one layer's slice of params["blocks"]; x (B, T, D) -> y (B, T, D).
     ``tap`` (tap.py) sees each stage: ln1, attn, attn residual, ln2, ffn, ffn residual.
-    ``key``: the layer's dropout key (None: no dropout)."""
-    if config.norm == "post":
-        return post_block_fwd(p, x, config, tap, key)
-    return pre_block_fwd(p, x, config, tap, key)
+    ``key``: the layer's dropout key (None: no dropout). With n_experts y is (y, MoeStats)."""
+    y, res = (post_block_fwd if config.norm == "post" else pre_block_fwd)(p, x, config, tap, key)
+    return ((y, res.ffn.stats) if config.n_experts else y), res
 
 
 def _branch_keys(config: ModelConfig, key):
@@ -95,7 +95,11 @@ def _branch_keys(config: ModelConfig, key):
 
 
 def block_bwd(res, dy, tap=None):
-    """dy (B, T, D) -> (dp with p's tree structure, dx (B, T, D)); ``tap`` sees each stage."""
+    """dy (B, T, D) -> (dp with p's tree structure, dx (B, T, D)); ``tap`` sees each stage.
+    With n_experts dy is (dy, dstats): the statistics' cotangents join the MoE residual."""
+    if isinstance(dy, tuple):
+        dy, dstats = dy
+        res = res._replace(ffn=res.ffn._replace(dstats=dstats))
     if isinstance(res, PreBlockRes):
         return pre_block_bwd(res, dy, tap)
     return post_block_bwd(res, dy, tap)
@@ -144,7 +148,6 @@ def _branch_bwd(norm_res, drop, name, dy, grads, tap):
 
 
 def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
-    act, cd = config.activation, config.compute_dtype
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
     h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, tap)  # (B, T, D)
     a, attn_res = attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
@@ -152,7 +155,8 @@ def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     x1 = x + a  # (B, T, D)
     tap_forward(tap, "attn residual", a, x1)
     h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, tap)  # (B, T, D)
-    f, ffn_res = feed_forward_fwd(p["ffn"], h2, act, cd)  # (B, T, D)
+    f, ffn_res = ffn_fwd(p["ffn"], h2, config)  # (B, T, D)
+    f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
     f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, k_ffn, tap, "ffn", h2, p["ffn"])
     y = x1 + f  # (B, T, D)
     tap_forward(tap, "ffn residual", f, y)
@@ -163,7 +167,7 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     grads = {}
     # y = x1 + drop(ln2_post(ffn(ln2(x1)))): x1 gets dy through the skip and through the branch
     df, seen = _branch_bwd(res.ln2_post, res.drop_ffn, "ln2_post", dy, grads, tap)
-    grads["ffn"], dh2 = feed_forward_bwd(res.ffn, df)
+    grads["ffn"], dh2 = ffn_bwd(res.ffn, df)
     tap_backward(tap, "ffn", seen, grads["ffn"], dh2)
     dx1_branch = _norm_bwd(res.ln2, "ln2", dh2, grads, tap)
     dx1 = dy + dx1_branch
@@ -179,7 +183,7 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
 
 
 def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
-    act, cd, rate = config.activation, config.compute_dtype, config.dropout
+    rate = config.dropout
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
     a, attn_res = attention_fwd(p["attn"], x, config, k_probs)  # (B, T, D)
     a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
@@ -188,7 +192,8 @@ def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
     tap_forward(tap, "attn residual", a, s1)
     x1, ln1_res = norm_fwd(p["ln1"], s1, config)  # (B, T, D)
     tap_forward(tap, "ln1", s1, x1, p["ln1"])
-    f, ffn_res = feed_forward_fwd(p["ffn"], x1, act, cd)  # (B, T, D)
+    f, ffn_res = ffn_fwd(p["ffn"], x1, config)  # (B, T, D)
+    f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
     f, drop_ffn = dropout_fwd(f, rate, k_ffn)  # (B, T, D)
     tap_forward(tap, "ffn", x1, f, p["ffn"])
     s2 = x1 + f  # (B, T, D)
@@ -202,7 +207,7 @@ def post_block_bwd(res: PostBlockRes, dy, tap=None):
     # y = ln2(x1 + drop(ffn(x1))): x1 gets ds2 through the skip and through the branch
     d_ln2, ds2 = norm_bwd(res.ln2, dy)
     tap_backward(tap, "ln2", dy, d_ln2, ds2)
-    d_ffn, dx1_branch = feed_forward_bwd(res.ffn, dropout_bwd(res.drop_ffn, ds2))
+    d_ffn, dx1_branch = ffn_bwd(res.ffn, dropout_bwd(res.drop_ffn, ds2))
     tap_backward(tap, "ffn", ds2, d_ffn, dx1_branch)
     dx1 = ds2 + dx1_branch
     tap_backward(tap, "ffn residual", dx1_branch, None, dx1)

@@ -29,6 +29,7 @@ from manual_grads import layer_norm as _ln
 from manual_grads import linear as _lin
 from manual_grads import losses as _loss
 from manual_grads import mlp as _mlp
+from manual_grads import moe as _moe
 from manual_grads import softcap as _cap
 from manual_grads.model import embed_params
 
@@ -110,6 +111,20 @@ def attention(p, x, config: ModelConfig, key=None):
 def feed_forward(p, x, activation_name, compute_dtype=None):
     """p = {w_in, b_in, w_out, b_out} or gated {w_gate, w_up, w_down, b_*}; x (..., D) -> (..., D)."""
     return _feed_forward(p, x, activation_name, compute_dtype)
+
+
+def _moe_bwd(res, dout):
+    dy, dstats = dout  # the output is (y, MoeStats): the statistics' cotangents join the residual
+    return _moe.moe_bwd(res._replace(dstats=dstats), dy)
+
+
+_moe_rule = _register(_moe.moe_fwd, _moe_bwd, nondiff_argnums=(2,))
+
+
+def moe(p, x, config: ModelConfig):
+    """The mixture-of-experts layer p = {router, w_gate, w_up, w_down}; x (..., D) ->
+    (y (..., D), MoeStats), the hand-derived moe_bwd its rule (jaxformer.model.moe.moe)."""
+    return _moe_rule(p, x, config)
 
 
 # remat "block": the rule keeps (p, x, key) and recomputes the block's forward in its backward

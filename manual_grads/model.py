@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import embed_key
+from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.transformer import head_params
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
@@ -41,6 +42,7 @@ from manual_grads.embedding import embed_bwd, embed_fwd
 from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
+from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.remat import blocks_bwd, blocks_fwd
 from manual_grads.softcap import softcap_bwd, softcap_fwd
 from manual_grads.tap import tap_backward, tap_forward
@@ -93,14 +95,15 @@ def head_loss_bwd(res, dloss, tap=None):
     return d_head, dx
 
 
-def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
+def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_stats: bool = False):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
     structure and dtype of params. jit it with ``static_argnums=2`` (and no tap).
     ``key``: dropout's PRNG key for this step (None: no dropout), as in jaxformer.loss_fn.
 
     With config.compute_dtype (bfloat16) the products of forward and backward run in it
     with float32 accumulation; statistics, softmax and the loss in float32; each
-    layer's backward casts its parameter gradients back to the params' dtype."""
+    layer's backward casts its parameter gradients back to the params' dtype.
+    ``with_stats``: (loss, grads, the MoE layers' stacked MoeStats or None)."""
     validate_batch(batch, config)
     validate_params(params, config)
     check_precision(params, config)
@@ -116,11 +119,14 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
     x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key)  # (B, T, D); residuals (L, ...)
+    x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics (L, ...)
     if config.norm != "post":
         h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
         tap_forward(tap, "ln_f", x, h, params["ln_f"])
         x = h
     loss, loss_res = head_loss_fwd(head, x, targets, mask, config, tap)  # ()
+    if stats is not None:
+        loss = loss + moe_aux_loss(stats, config)  # loss = cross entropy + the MoE auxiliary loss
 
     # backward, in reverse
     grads = {}
@@ -133,10 +139,12 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None):
         grads["ln_f"], dh = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
         tap_backward(tap, "ln_f", dx, grads["ln_f"], dh)
         dx = dh
+    if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
+        dx = (dx, moe_aux_loss_bwd(stats, config))
     grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key)  # (B, T, D)
     d_embed, _ = embed_bwd(embed_res, dx)  # x = drop(tok_embed[inputs] + positions)
     tap_backward(tap, "embed", dx, d_embed)
     if config.tie_embeddings:  # tok_embed feeds the embedding and the head: the two gradients add
         d_embed["tok_embed"] = d_embed["tok_embed"] + d_tied.astype(d_embed["tok_embed"].dtype)
     grads.update(d_embed)
-    return loss, grads
+    return (loss, grads, stats) if with_stats else (loss, grads)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import layer_key
 from jaxformer.model.layer_kinds import mixed, per_layer
+from jaxformer.model.moe import ffn_output
 from manual_grads.block import block_bwd, block_fwd
 from manual_grads.tap import within
 
@@ -60,43 +61,51 @@ def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None):
     """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), kept).
     remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D)
     (unrolled or with a tap: a list of L per-layer residuals or inputs (B, T, D)).
-    ``key``: the step's dropout key (None: no dropout); layer l draws from layer_key(key, l)."""
+    ``key``: the step's dropout key (None: no dropout); layer l draws from layer_key(key, l).
+    With n_experts y is (y, the MoeStats stacked on L)."""
 
     def step(x, p, l, tap=None):
         def run(c):  # layer l's config (layer_kinds.per_layer); a scan keeps only x with mixed kinds
-            y, res = block_fwd(p, x, c, tap, _key(key, l))  # x_{l+1} = block_l(x_l)
-            return y, (x if config.remat == "block" else res)
+            out, res = block_fwd(p, x, c, tap, _key(key, l))  # x_{l+1} = block_l(x_l)
+            y, stats = ffn_output(out, config)
+            return y, ((x if config.remat == "block" else res), stats)
         return per_layer(config, l, run)
 
     if tap is None and not unrolled(config):
-        return jax.lax.scan(lambda x, xs: step(x, *xs), x, (blocks, jnp.arange(config.n_layers)))
-    kept = []
-    for l in range(config.n_layers):
-        x, k = step(x, _layer(blocks, l), l, within(tap, f"blocks[{l}].") if tap else None)
-        kept.append(k)
-    return x, kept
+        x, (kept, stats) = jax.lax.scan(lambda x, xs: step(x, *xs), x, (blocks, jnp.arange(config.n_layers)))
+    else:
+        kept, stats = [], []
+        for l in range(config.n_layers):
+            x, (k, s) = step(x, _layer(blocks, l), l, within(tap, f"blocks[{l}].") if tap else None)
+            kept.append(k)
+            stats.append(s)
+        stats = jax.tree_util.tree_map(lambda *s: jnp.stack(s), *stats) if config.n_experts else None
+    return ((x, stats) if config.n_experts else x), kept
 
 
 def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None):
     """dy (B, T, D) -> (dblocks with params["blocks"]' stacked layout, dx (B, T, D)):
     a reverse scan; with remat "block" each step first recomputes its block's forward
-    (with the same dropout ``key``, hence the same masks)."""
+    (with the same dropout ``key``, hence the same masks). With n_experts dy is (dy, the
+    stacked MoeStats' cotangents)."""
+    dy, dstats = ffn_output(dy, config)
 
-    def step(dx, p, k, l, tap=None):
+    def step(dx, p, k, ds, l, tap=None):
         def run(c, k=k):  # layer l's config (layer_kinds.per_layer)
             if config.remat == "block":
                 _, k = block_fwd(p, k, c, None, _key(key, l))  # x_{l+1} = block_l(x_l), recomputed
-            dp, dx_l = block_bwd(k, dx, tap)  # x_{l+1} = block_l(x_l)
+            dp, dx_l = block_bwd(k, dx if ds is None else (dx, ds), tap)  # x_{l+1} = block_l(x_l)
             return dx_l, dp
         return per_layer(config, l, run)
 
     if tap is None and not unrolled(config):
         p = blocks if config.remat == "block" else None  # only a recompute reads the params
         dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy,
-                                   (p, kept, jnp.arange(config.n_layers)), reverse=True)
+                                   (p, kept, dstats, jnp.arange(config.n_layers)), reverse=True)
         return dblocks, dx
     dps = [None] * config.n_layers
     dx = dy
     for l in reversed(range(config.n_layers)):
-        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], l, within(tap, f"blocks[{l}].") if tap else None)
+        ds = None if dstats is None else _layer(dstats, l)
+        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], ds, l, within(tap, f"blocks[{l}].") if tap else None)
     return jax.tree_util.tree_map(lambda *g: jnp.stack(g), *dps), dx

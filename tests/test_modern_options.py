@@ -57,6 +57,10 @@ FIELDS = {
     "tie_embeddings": (False, True),
     "bias": (True, False),
     "dropout": (0.0, 0.2),
+    # mixture of experts (BASE's aux and z-loss coefficients make both losses count); top-k over
+    # random weights has ties of measure zero, so the chosen experts are the same for every source
+    "n_experts": (0, 4),
+    "router": ("topk_softmax", "softmax_topk"),
 }
 REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl", "pallas"), ("attn_softcap", 0.05)),
            (("norm_scale", False), ("norm_type", "layer")),
@@ -64,6 +68,10 @@ REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl",
            (("qk_norm", False), ("qk_norm_scope", "projection")),
            (("causal", False), ("sliding_window", 3)), (("causal", False), ("layer_types", MIXED)),
            (("layer_types", MIXED), ("sliding_window", 0)),
+           # the experts are gated MLPs without biases (attention biases with mlp_bias False are
+           # allowed, but a pair cannot say so: bias True is left to test_moe.py)
+           (("mlp", "plain"), ("n_experts", 4)), (("bias", True), ("n_experts", 4)),
+           (("mlp_bias", True), ("n_experts", 4)),
            *((("positions", p), ("rope_scaling", s)) for p in ("learned", "sinusoidal")
              for s in ("llama3", "yarn"))}
 # a bias field equal to bias is the config with None there (ModelConfig keeps one of them):
@@ -71,7 +79,8 @@ REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl",
 SAME_AS_NONE = {(("bias", True), (name, True)) for name in ("qkv_bias", "out_bias", "mlp_bias")}
 BASE = ModelConfig(vocab_size=29, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=16,
                    attention_block=4, pallas_block_q=8, pallas_block_k=8,
-                   rope_factor=3.0, rope_original_max_len=4, rope_beta_fast=8.0, rope_beta_slow=0.5)
+                   rope_factor=3.0, rope_original_max_len=4, rope_beta_fast=8.0, rope_beta_slow=0.5,
+                   moe_aux_loss_coef=0.1, router_z_loss_coef=0.01)
 SHAPES = [(2, 13, "mostly_zero"), (2, 7, None), (3, 5, "bool")]
 KEY = jax.random.PRNGKey(7)
 
@@ -127,7 +136,7 @@ CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 22  # a covering set, not the product (2^19 * 3^5 * 4 models)
+    assert len(ROWS) <= 22  # a covering set, not the product
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
@@ -142,7 +151,8 @@ def _case_id(config):
             f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
             f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
             f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}"
-            f"{f'-w{config.sliding_window}' if config.sliding_window else ''}{'-mixed' if config.layer_types else ''}")
+            f"{f'-w{config.sliding_window}' if config.sliding_window else ''}{'-mixed' if config.layer_types else ''}"
+            f"{f'-moe{config.n_experts}-{config.router}' if config.n_experts else ''}")
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c, *_ in CASES])

@@ -118,6 +118,9 @@ def hf_format(config: ModelConfig) -> str:
 def write_hf(folder, params, config: ModelConfig):
     """Write ``params`` as the Hugging Face folder of ``hf_format(config)``: (folder,
     model_type). ValueError (one line, naming the option) when the format cannot hold it."""
+    if config.n_experts:
+        raise ValueError(f"ModelConfig.n_experts {config.n_experts}: a mixture of experts has no Hugging "
+                         "Face export yet (Mixtral, OLMoE, Qwen3-MoE are not written)")
     kind = hf_format(config)
     write = {"gpt2": hf_gpt2.write_hf_gpt2, **{k: hf_olmo_gemma.write_hf_olmo_gemma for k in hf_olmo_gemma.FAMILIES}
              }.get(kind, hf_llama.write_hf_llama)

@@ -34,6 +34,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, dropout, sub_key
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
+from jaxformer.model.moe import ffn_output, moe
 from jaxformer.model.rms_norm import rms_norm
 
 
@@ -73,7 +74,10 @@ def model_attention(p, x, config: ModelConfig, key=None):
 
 
 def model_feed_forward(p, x, config: ModelConfig):
-    """feed_forward with config's activation and compute dtype."""
+    """feed_forward with config's activation and compute dtype; with n_experts the MoE layer,
+    (y, MoeStats)."""
+    if config.n_experts:
+        return moe(p, x, config)
     return feed_forward(p, x, config.activation, config.compute_dtype)
 
 
@@ -83,7 +87,8 @@ BLOCK_LAYERS = BlockLayers(model_attention, model_feed_forward, layer_norm, rms_
 def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None):
     """One block of ``layers``; p is one layer's slice of params["blocks"]; x (B, T, D).
     ``key``: this layer's dropout key (None: no dropout; a key needs config.dropout > 0).
-    Returns (y (B, T, D), the aux that layers.attention returned beside its output)."""
+    Returns (y (B, T, D), the aux that layers.attention returned beside its output); with
+    n_experts the aux is (attention's aux, the MoE layer's MoeStats)."""
     attn, ffn = layers.attention, layers.feed_forward
     ln = pick_norm(layers, config)
     eps, rate = config.ln_eps, config.dropout
@@ -97,24 +102,27 @@ def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS,
     if config.norm == "pre":
         a, aux = attn(p["attn"], ln(p["ln1"], x, eps), config, *attn_args)
         x = x + drop_a(a)
-        x = x + drop_f(ffn(p["ffn"], ln(p["ln2"], x, eps), config))
+        f, stats = ffn_output(ffn(p["ffn"], ln(p["ln2"], x, eps), config), config)
+        x = x + drop_f(f)
     elif config.norm != "post":  # output, sandwich: the sublayers' outputs normed, inputs with sandwich
         inp = input_norms(config)
         a, aux = attn(p["attn"], ln(p["ln1"], x, eps) if inp else x, config, *attn_args)
         x = x + drop_a(ln(p["ln1_post"], a, eps))
-        f = ffn(p["ffn"], ln(p["ln2"], x, eps) if inp else x, config)
+        f, stats = ffn_output(ffn(p["ffn"], ln(p["ln2"], x, eps) if inp else x, config), config)
         x = x + drop_f(ln(p["ln2_post"], f, eps))
     else:
         a, aux = attn(p["attn"], x, config, *attn_args)
         x = ln(p["ln1"], x + drop_a(a), eps)
-        x = ln(p["ln2"], x + drop_f(ffn(p["ffn"], x, config)), eps)
-    return x, aux
+        f, stats = ffn_output(ffn(p["ffn"], x, config), config)
+        x = ln(p["ln2"], x + drop_f(f), eps)
+    return x, ((aux, stats) if config.n_experts else aux)
 
 
 def block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None):
     """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D) -> (B, T, D).
-    ``key``: the layer's dropout key, or None."""
-    return compose_block(p, x, config, layers, key)[0]
+    ``key``: the layer's dropout key, or None. With n_experts: (y, MoeStats)."""
+    y, aux = compose_block(p, x, config, layers, key)
+    return (y, aux[1]) if config.n_experts else y
 
 
 def remat_block(p, x, config: ModelConfig, key=None):

@@ -27,6 +27,7 @@ MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+ROUTERS = ("topk_softmax", "softmax_topk")  # MoE gates: softmax of the top-k logits | top-k of the softmax
 FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")  # Hugging Face model_types (checkpoints/hf.py)
 # The fields that choose how the model is computed, not what it computes: a model read
 # from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
@@ -103,6 +104,16 @@ class ModelConfig:
     sliding_window: int = 0  # W > 0: the query at t reads the W keys t - W < s <= t (causal); 0: no window
     layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; (): every layer
     # windowed when sliding_window > 0
+    # --- mixture of experts (jaxformer/model/moe.py; docs/moe.md): the block's feed-forward is E gated experts
+    n_experts: int = 0  # E; 0: the dense feed-forward layer
+    experts_per_token: int = 2  # k, the experts each token is routed to
+    expert_d_ff: int = 0  # each expert's hidden width; 0: d_ff
+    router: str = "topk_softmax"  # topk_softmax (Mixtral): softmax over the top-k logits; softmax_topk
+    # (Qwen3-MoE, OLMoE): the top k of the softmax over all E
+    norm_topk_prob: bool = False  # softmax_topk: the k gates divided by their sum
+    moe_aux_loss_coef: float = 0.0  # the load-balancing loss E sum_e f_e P_e times this joins the loss
+    router_z_loss_coef: float = 0.0  # the router z-loss mean(logsumexp(logits)^2) times this joins the loss
+    moe_every: int = 1  # every n-th block an MoE one; only 1 (every block) is implemented
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -129,6 +140,11 @@ class ModelConfig:
         ``bias`` where it is None."""
         pick = lambda v: self.bias if v is None else v  # noqa: E731
         return LinearBiases(pick(self.qkv_bias), pick(self.out_bias), pick(self.mlp_bias))
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width: expert_d_ff, or d_ff when it is 0."""
+        return self.expert_d_ff or self.d_ff
 
     @property
     def kv_heads(self) -> int:
@@ -230,6 +246,13 @@ FIELD_RULES: dict[str, Rule] = {
     "attn_scalar": Rule("number", low=0, note="0: the head width"),
     "sliding_window": NON_NEGATIVE._replace(note="0: no window"),
     "layer_types": Rule("choices", choices=LAYER_TYPES, note="(): every layer as sliding_window says"),
+    "n_experts": NON_NEGATIVE._replace(note="0: dense"),
+    "experts_per_token": POSITIVE,
+    "expert_d_ff": NON_NEGATIVE._replace(note="0: d_ff"),
+    "router": Rule("choice", choices=ROUTERS),
+    "norm_topk_prob": BOOL,
+    "moe_aux_loss_coef": Rule("number", low=0), "router_z_loss_coef": Rule("number", low=0),
+    "moe_every": POSITIVE,
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 
@@ -282,6 +305,14 @@ PRESETS: dict[str, ModelConfig] = {
         activation="silu", norm="pre", norm_type="rms", positions="rope", mlp="gated",
         qk_norm=True, bias=False, head_bias=False,
     ),
+    # tiny-moe: llama-tiny's block with a mixture of 4 gated experts, 2 per token (Mixtral's
+    # router: softmax over the top-2 logits), the load-balancing and z losses on.
+    "tiny-moe": ModelConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=24, max_seq_len=16,
+        activation="silu", norm="pre", norm_type="rms", positions="rope", mlp="gated",
+        bias=False, head_bias=False, n_experts=4, experts_per_token=2, expert_d_ff=12,
+        moe_aux_loss_coef=0.01, router_z_loss_coef=0.001,
+    ),
 }
 
 # The presets small enough for tests that build or train every preset in seconds.
@@ -297,6 +328,7 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
                  clip_value=5.0, weight_decay=0.01, batch_size=16, seq_len=64),
     "tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
     "llama-tiny": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
+    "tiny-moe": dict(optimizer="adam", lr=1e-2, schedule="constant", batch_size=8, seq_len=16),
     # SmolLM-135M's shape trained as the modern small-LM recipes do: AdamW (beta2 0.95,
     # weight decay 0.1, clip 1.0), lr 3e-3 cosine to 3e-4, 8 x 2048 tokens a step.
     "smollm": dict(optimizer="adamw", lr=3e-3, min_lr=3e-4, beta1=0.9, beta2=0.95,

@@ -95,7 +95,27 @@ def biases_follow_bias(c) -> None:
             object.__setattr__(c, name, None)
 
 
+def experts_fit(c) -> None:
+    if not c.n_experts:
+        return
+    if c.experts_per_token > c.n_experts:
+        raise ValueError(f"ModelConfig.experts_per_token ({c.experts_per_token}) must be at most "
+                         f"n_experts ({c.n_experts})")
+    if c.mlp != "gated":
+        raise ValueError(f"ModelConfig.n_experts > 0 needs mlp 'gated' (the experts are gated MLPs), "
+                         f"got mlp {c.mlp!r}")
+    if c.linear_biases.mlp:
+        raise ValueError("ModelConfig.n_experts > 0 needs no feed-forward biases (the experts have none): "
+                         "set bias=False or mlp_bias=False")
+    if c.moe_every != 1:
+        raise ValueError(f"ModelConfig.moe_every {c.moe_every} is not implemented: the scanned blocks "
+                         "share one layout, so every block is an MoE one (moe_every 1)")
+    if c.norm_topk_prob and c.router != "softmax_topk":
+        raise ValueError("ModelConfig.norm_topk_prob needs router 'softmax_topk' "
+                         f"(router {c.router!r} already sums its gates to 1)")
+
+
 CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads,
                      unscaled_norm_is_rms, fused_attention_has_no_dropout, cudnn_reads_half_precision,
                      rope_scaling_needs_rope, fused_attention_has_no_softcap, norm_options_fit,
-                     sliding_window_fits)
+                     sliding_window_fits, experts_fit)

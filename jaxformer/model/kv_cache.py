@@ -73,7 +73,8 @@ def block_cached(p, x, cache_k, cache_v, start, config: ModelConfig):
         y, k, v = attention_cached(pa, h, cache_k, cache_v, start, config)
         return y, (k, v)
 
-    x, (cache_k, cache_v) = compose_block(p, x, config, BLOCK_LAYERS._replace(attention=attend))
+    x, aux = compose_block(p, x, config, BLOCK_LAYERS._replace(attention=attend))
+    cache_k, cache_v = aux[0] if config.n_experts else aux  # MoE: (the cache, the router's statistics)
     return x, cache_k, cache_v
 
 

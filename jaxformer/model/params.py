@@ -16,6 +16,8 @@ attn.k_norm, each {"scale": (Dh,)} per layer (qk_norm_scope "projection": (H Dh,
 The layouts ``norm`` "output" and "sandwich" add ln1_post and ln2_post to the blocks ("output"
 has no ln1, ln2); every layout but "post" has ln_f. With ``norm_offset`` an RMS scale w is
 applied as (norm_offset + w), so it starts at 1 - norm_offset (Gemma's: 0).
+attn.k_norm, each {"scale": (Dh,)} per layer. ``n_experts`` > 0 puts the MoE layer in the ffn slot:
+router (L, D, E), w_gate, w_up (L, E, D, F), w_down (L, E, F, D) (jaxformer/model/moe.py).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def _init_params(key, config: ModelConfig, dtype) -> dict:
         ffn = {"w_gate": (INIT_STD * jax.random.normal(gate_up[0], (L, D, F))).astype(dtype),
                "w_up": (INIT_STD * jax.random.normal(gate_up[1], (L, D, F))).astype(dtype),
                "w_down": ffn["w_out"]}
+    if config.n_experts:  # the experts (E, ...) and the router, from their own key
+        ffn = moe_params(jax.random.fold_in(key, 2), config, dtype, out_std)
     if biases.qkv:
         attn.update(bq=zeros(L, Dq), bk=zeros(L, Dkv), bv=zeros(L, Dkv))
     if biases.out:
@@ -102,6 +106,15 @@ def _init_params(key, config: ModelConfig, dtype) -> dict:
     if head:
         params["head"] = head
     return params
+
+
+def moe_params(key, config: ModelConfig, dtype, out_std: float) -> dict:
+    """The MoE feed-forward's leaves: router (L, D, E), w_gate, w_up (L, E, D, F), w_down (L, E, F, D)."""
+    L, D, E, F = config.n_layers, config.d_model, config.n_experts, config.expert_width
+    k = jax.random.split(key, 4)
+    normal = lambda i, shape, std=INIT_STD: (std * jax.random.normal(k[i], shape)).astype(dtype)  # noqa: E731
+    return {"router": normal(0, (L, D, E)), "w_gate": normal(1, (L, E, D, F)),
+            "w_up": normal(2, (L, E, D, F)), "w_down": normal(3, (L, E, F, D), out_std)}
 
 
 def head_weights(params, config: ModelConfig):

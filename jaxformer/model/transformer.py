@@ -31,6 +31,7 @@ from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
+from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.dropout import embed_key, layer_key
 from jaxformer.model.params import head_weights, validate_params
 from jaxformer.model.precision import upcast
@@ -59,7 +60,12 @@ MODEL_LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_
 
 
 def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
-    """inputs int (B, T) -> the head's input (B, T, D): embeddings, blocks, final norm.
+    """inputs int (B, T) -> the head's input (B, T, D): embeddings, blocks, final norm."""
+    return features_and_stats(params, inputs, config, layers, key)[0]
+
+
+def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
+    """(features (B, T, D), the MoE layers' MoeStats stacked over L, or None without experts).
     With remat "block" each scanned block is layers.remat_block (the model's: a
     jax.checkpoint, so JAX's grad keeps only its input and recomputes the rest).
     ``key``: dropout's PRNG key (None: no dropout)."""
@@ -74,13 +80,13 @@ def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LA
     def step(x, xs):
         p, l = xs
         lkey = None if key is None else layer_key(key, l)
-        run = lambda c: layer(p, x, c) if lkey is None else layer(p, x, c, key=lkey)  # noqa: E731
-        return per_layer(config, l, run), None  # layer l's config: its kind of attention (layer_kinds.py)
+        run = lambda c: ffn_output(layer(p, x, c) if lkey is None else layer(p, x, c, key=lkey), c)  # noqa: E731
+        return per_layer(config, l, run)  # layer l's config: its kind of attention (layer_kinds.py)
 
-    x, _ = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
+    x, stats = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
     if config.norm != "post":
         x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
-    return x
+    return x, stats
 
 
 def head_params(params, config: ModelConfig) -> dict:
@@ -95,6 +101,11 @@ def forward(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAY
     config.compute_dtype puts the matmuls of float32 params in bfloat16); capped to
     c tanh(logits / c) with config.logit_softcap c."""
     x = features(params, inputs, config, layers, key)  # (B, T, D)
+    return head_logits(params, x, config, layers)
+
+
+def head_logits(params, x, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS):
+    """x (B, T, D) -> logits (B, T, V): the head, and the softcap with config.logit_softcap."""
     logits = layers.linear(x, *head_weights(params, config), config.compute_dtype)  # (B, T, V)
     if config.logit_softcap:
         logits = layers.softcap(logits, config.logit_softcap)
@@ -102,15 +113,22 @@ def forward(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAY
 
 
 def loss_fn(params, batch, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
-    """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?}.
+    """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?}, plus the MoE
+    layers' auxiliary loss (moe.moe_aux_loss) with n_experts.
     loss_chunk > 0 runs the head (and the logits' softcap) and the loss chunk by chunk: no
     (B, T, V) logits. ``key``: dropout's PRNG key for this step (None: no dropout)."""
+    return loss_and_stats(params, batch, config, layers, key)[0]
+
+
+def loss_and_stats(params, batch, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
+    """(loss_fn's loss, the MoE layers' MoeStats stacked over L, or None without experts)."""
     validate_batch(batch, config)
     check_precision(params, config)
+    x, stats = features_and_stats(params, batch["inputs"], config, layers, key)  # (B, T, D)
     if config.loss_chunk:
-        x = features(params, batch["inputs"], config, layers, key)  # (B, T, D)
         cap = (config.logit_softcap,) if config.logit_softcap else ()
-        return layers.chunked_head_loss(head_params(params, config), x, batch["targets"],
+        loss = layers.chunked_head_loss(head_params(params, config), x, batch["targets"],
                                         batch.get("mask"), config.loss_chunk, config.compute_dtype, *cap)
-    logits = forward(params, batch["inputs"], config, layers, key)  # (B, T, V)
-    return layers.cross_entropy(logits, batch["targets"], batch.get("mask"))
+    else:
+        loss = layers.cross_entropy(head_logits(params, x, config, layers), batch["targets"], batch.get("mask"))
+    return (loss, None) if stats is None else (loss + moe_aux_loss(stats, config), stats)

@@ -28,7 +28,8 @@ from jax.sharding import Mesh
 import manual_grads
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params, validate_params
-from jaxformer.model.transformer import loss_fn
+from jaxformer.model.moe import moe_metrics
+from jaxformer.model.transformer import loss_and_stats, loss_fn
 from jaxformer.training.optim import current_muon_lr, injected_lr, make_optimizer
 from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
 from jaxformer.training.sharding import make_mesh, mesh_shardings, state_shardings
@@ -80,12 +81,30 @@ def grad_source(kind: str, config: ModelConfig) -> GradFn:
     "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``). The
     training step hands it a key split off TrainState.rng (dropout uses it; key None:
     no dropout)."""
+    if config.n_experts and kind in GRAD_SOURCES:
+        return moe_grad_source(kind, config)
     if kind == "auto":
         value_and_grad = jax.value_and_grad(loss_fn)
         return lambda params, batch, key=None: value_and_grad(params, batch, config, key=key)
     if kind == "manual":
         return lambda params, batch, key=None: manual_grads.value_and_grad(params, batch, config, key=key)
     raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
+
+
+def moe_grad_source(kind: str, config: ModelConfig) -> GradFn:
+    """An MoE model's gradient source: (loss, grads, moe_metrics) (the router's load in the metrics)."""
+    if kind == "auto":
+        value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
+
+        def auto(params, batch, key=None):
+            (loss, stats), grads = value_and_grad(params, batch, config, key=key)
+            return loss, grads, moe_metrics(stats, config)
+        return auto
+
+    def manual(params, batch, key=None):
+        loss, grads, stats = manual_grads.value_and_grad(params, batch, config, key=key, with_stats=True)
+        return loss, grads, moe_metrics(stats, config)
+    return manual
 
 
 def check_grad_fn(grad_fn: GradFn) -> None:
@@ -142,7 +161,7 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
 
     def step(state: TrainState, batch):
         rng, key = jax.random.split(state.rng)  # this step's key comes off the state's key stream
-        loss, grads = grad_fn(state.params, batch, key)
+        loss, grads, *extra = grad_fn(state.params, batch, key)  # extra: a metrics dict (MoE)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, rng)
@@ -155,6 +174,8 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
         if lr is not None:  # a rate the state holds (inject_hyperparams); a constant has none
             metrics["lr"] = lr
         metrics.update(layer_grad_norms(grads))
+        for more in extra:
+            metrics.update(more)
         muon_lr = current_muon_lr(opt_state)
         if muon_lr is not None:  # optimizer muon: the matrices' rate beside AdamW's lr
             metrics["muon_lr"] = muon_lr
