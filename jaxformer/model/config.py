@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from jaxformer.model.checks import check_bool, check_choice, check_choices, check_int, check_keys, check_number
 from jaxformer.model.config_rules import CROSS_FIELD_RULES
+from jaxformer.model.hf_presets import FAMILY_PRESETS, FAMILY_TRAINING
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "relu2")
 NORMS = ("pre", "post", "output", "sandwich")  # block layouts (block.py)
@@ -313,6 +314,8 @@ PRESETS: dict[str, ModelConfig] = {
         bias=False, head_bias=False, n_experts=4, experts_per_token=2, expert_d_ff=12,
         moe_aux_loss_coef=0.01, router_z_loss_coef=0.001,
     ),
+    # one per Hugging Face family, shaped like a public model of it (hf_presets.py)
+    **{name: ModelConfig(**fields) for name, fields in FAMILY_PRESETS.items()},
 }
 
 # The presets small enough for tests that build or train every preset in seconds.
@@ -342,6 +345,7 @@ PRESET_TRAINING: dict[str, dict[str, Any]] = {
                  schedule="cosine", warmup_steps=200, steps=2000,
                  clip_norm=1.0, weight_decay=0.1, batch_size=8, seq_len=1024,
                  eval_every=200, eval_batches=8, log_every=10, ckpt_every=500),
+    **FAMILY_TRAINING,  # fine-tuning the Hugging Face families' presets (hf_presets.py)
 }
 
 
