@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 import manual_grads
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.lora import LoraConfig, init_adapters
 from jaxformer.model.params import init_params, validate_params
 from jaxformer.model.transformer import loss_fn
 from jaxformer.training.optim import current_muon_lr, injected_lr, make_optimizer
@@ -214,13 +215,14 @@ class StepSpec:
     opt_items: tuple = ()  # make_optimizer's arguments as sorted (name, value) pairs
     dtype: str = "float32"  # the params' dtype
     mesh_key: tuple = ()  # (devices, (data, fsdp)): mesh_key(mesh); () for the default devices
+    lora: LoraConfig | None = None  # a LoRA run's: the state's params are the adapters
 
     @classmethod
     def of_run(cls, settings: TrainSettings, config: ModelConfig, mesh: Mesh,
                grad_fn: GradFn | None = None) -> StepSpec:
         """The step of a run of ``settings`` on ``mesh`` (``grad_fn``: instead of settings.grads)."""
         return cls(config, grad_fn or settings.grads, optimizer_items(settings), settings.dtype,
-                   mesh_key(mesh))
+                   mesh_key(mesh), settings.lora())
 
     def replace(self, **changes) -> StepSpec:
         return dataclasses.replace(self, **changes)
@@ -250,6 +252,8 @@ def _optimizer(opt_items: tuple) -> optax.GradientTransformation:
 def _init_state_fn(spec: StepSpec):
     def init(seed):
         params = init_params(jax.random.PRNGKey(seed), spec.config, dtype=jnp.dtype(spec.dtype))
+        if spec.lora is not None:  # the adapters alone are trained (and checkpointed)
+            params = init_adapters(jax.random.fold_in(jax.random.PRNGKey(seed), 1), params, spec.lora)
         return init_state(params, spec.optimizer(), seed)
 
     return init
@@ -294,5 +298,6 @@ def state_template(config: ModelConfig, meta: dict) -> TrainState:
     checkpoint holds, from its ``meta`` (train settings, param dtype): the template
     ``checkpoints.runs.load_state`` restores into."""
     settings = TrainSettings.from_dict(meta["settings"])
-    spec = StepSpec(config, opt_items=optimizer_items(settings), dtype=meta.get("param_dtype", "float32"))
+    spec = StepSpec(config, opt_items=optimizer_items(settings), dtype=meta.get("param_dtype", "float32"),
+                    lora=settings.lora())
     return jax.eval_shape(_init_state_fn(spec), 0)

@@ -1,0 +1,49 @@
+"""A LoRA run's pieces: its gradient sources over the adapters, its evaluation, its frozen base.
+
+A run with ``lora_rank`` > 0 trains only adapters (jaxformer/model/lora.py): TrainState.params
+is the adapters' tree, so the optimizer state and the checkpoints hold the adapters alone. The
+frozen base (``--init-from``'s model, else the seed's init) is closed over by the step and the
+evaluation (JAX passes it to the compiled programs as an argument, not as a constant); the
+run's settings keep where it came from (``lora_base``) and its sha256 (``lora_base_digest``),
+so a resumed run reads it again and refuses another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import numpy as np
+
+import manual_grads.adapters
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.lora import LoraConfig, attach, lora_loss_fn
+from jaxformer.model.transformer import loss_fn
+
+
+def lora_grad_source(kind: str, config: ModelConfig, lora: LoraConfig, base):
+    """The gradient source ``(adapters, batch, key=None) -> (loss, adapter grads)`` named
+    ``kind``: "auto" (jax.grad of the adapted model's loss) or "manual" (by hand: the frozen
+    weights' dW never computed)."""
+    if kind == "auto":
+        value_and_grad = jax.value_and_grad(lora_loss_fn)
+        return lambda adapters, batch, key=None: value_and_grad(adapters, batch, base, config, lora, key)
+    if kind == "manual":
+        return lambda adapters, batch, key=None: manual_grads.adapters.value_and_grad(
+            adapters, batch, base, config, lora, key)
+    raise ValueError(f"unknown gradient source {kind!r}; choose one of auto, manual")
+
+
+def lora_eval_fn(config: ModelConfig, lora: LoraConfig, base):
+    """Jitted ``(adapters, batch) -> loss`` of the base with the adapters (no dropout)."""
+    return jax.jit(lambda adapters, batch: loss_fn(attach(base, adapters, lora), batch, config))
+
+
+def base_digest(params) -> str:
+    """sha256 over the frozen params' leaves (path, dtype, shape and bytes), in tree order."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        a = np.ascontiguousarray(jax.device_get(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
