@@ -18,6 +18,7 @@ import jaxformer
 import manual_grads
 from jaxformer.model import lora
 from manual_grads import adapters as manual_adapters
+from jaxformer.training.adapters import lora_loss_fn
 from manual_grads import check, custom_vjp
 
 LORA_FIELDS = {
@@ -87,9 +88,9 @@ def random_adapters(params, lc, seed=3):
 
 
 def _three(adapters, batch, base, config, lc, key):
-    return (jax.value_and_grad(lora.lora_loss_fn)(adapters, batch, base, config, lc, key),
+    return (jax.value_and_grad(lora_loss_fn)(adapters, batch, base, config, lc, key),
             manual_adapters.value_and_grad(adapters, batch, base, config, lc, key),
-            jax.value_and_grad(lora.lora_loss_fn)(adapters, batch, base, config, lc, key, custom_vjp.loss_fn))
+            jax.value_and_grad(lora_loss_fn)(adapters, batch, base, config, lc, key, custom_vjp.loss_fn))
 
 
 THREE = jax.jit(_three, static_argnums=(3, 4))

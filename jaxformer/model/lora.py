@@ -38,7 +38,8 @@ WEIGHT_INDEX = {w: i for i, (_, w) in enumerate(TARGETS.values())}  # each adapt
 
 
 def parse_targets(spec) -> tuple[str, ...]:
-    """"q,v" or ("q", "v") -> ("q", "v"); "all": every projection. ValueError names a bad one."""
+    """"v,q" or ("q", "v") -> ("q", "v") (TARGETS' order); "all": every projection. ValueError
+    names a bad one."""
     names = tuple(t.strip() for t in spec.split(",") if t.strip()) if isinstance(spec, str) else tuple(spec)
     if names == ("all",):
         return tuple(TARGETS)
@@ -46,7 +47,7 @@ def parse_targets(spec) -> tuple[str, ...]:
     if bad or not names:
         raise ValueError(f"lora_targets must name projections among {', '.join(TARGETS)} "
                          f"(or 'all'), got {spec!r}")
-    return names
+    return tuple(t for t in TARGETS if t in names)  # TARGETS' order, once each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +166,3 @@ def merge(params, adapters, lora: LoraConfig) -> dict:
             blocks[group][name] = (w + delta.astype(w.dtype)).astype(w.dtype)
     return {**params, "blocks": blocks}
 
-
-def lora_loss_fn(adapters, batch, base, config, lora: LoraConfig, key=None, loss=None):
-    """The loss of the base params with ``adapters`` attached: jax.grad of it w.r.t. adapters
-    is the adapters' gradient. ``key``: the step's dropout key (the model's dropout and the
-    adapters'); ``loss``: the model's loss_fn (jaxformer.model.transformer's by default)."""
-    if loss is None:
-        from jaxformer.model.transformer import loss_fn as loss
-    return loss(attach(base, adapters, lora, key), batch, config, key=key)

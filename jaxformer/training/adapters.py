@@ -17,8 +17,26 @@ import numpy as np
 
 import manual_grads.adapters
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.lora import LoraConfig, attach, lora_loss_fn
+from jaxformer.checkpoints.hf import read_hf, resolve_source
+from jaxformer.model.lora import LoraConfig, attach
+from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
+
+
+def lora_loss_fn(adapters, batch, base, config, lora: LoraConfig, key=None, loss=loss_fn):
+    """The loss of the base params with ``adapters`` attached: jax.grad of it w.r.t. adapters
+    is the adapters' gradient. ``key``: the step's dropout key (the model's dropout and the
+    adapters'); ``loss``: the model's loss_fn (manual_grads.custom_vjp's runs the manual rules)."""
+    return loss(attach(base, adapters, lora, key), batch, config, key=key)
+
+
+def frozen_base(settings, config: ModelConfig):
+    """The frozen params of a LoRA run of ``settings``: its ``lora_base`` model read again, else
+    the seed's init (what a full run of these settings starts from), in the run's dtype."""
+    dtype = np.dtype(settings.dtype)
+    if settings.lora_base:
+        return read_hf(resolve_source(settings.lora_base), dtype)[0]
+    return jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(settings.seed), config, dtype)
 
 
 def lora_grad_source(kind: str, config: ModelConfig, lora: LoraConfig, base):

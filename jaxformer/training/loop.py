@@ -37,10 +37,9 @@ from jaxformer.checkpoints import checkpoint
 from jaxformer.data import Prefetcher
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params, validate_params
-from jaxformer.model.params import init_params as init_model
 from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, close_all, first_non_finite_loss
-from jaxformer.training.adapters import base_digest, lora_eval_fn, lora_grad_source
+from jaxformer.training.adapters import base_digest, frozen_base, lora_eval_fn, lora_grad_source
 from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
 from jaxformer.training.memory_check import check_run_memory
@@ -169,9 +168,8 @@ def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False,
 def lora_start(settings: TrainSettings, config: ModelConfig, init_params, saved_meta, grad_fn):
     """(settings with the base's digest, the frozen base on the devices, the gradient source
     over the adapters) of a LoRA run; CheckpointError when a resumed run's base is another."""
-    if init_params is None:  # the seed's init, as a full run of these settings starts from
-        init_params = jax.jit(init_model, static_argnums=(1, 2))(
-            jax.random.PRNGKey(settings.seed), config, jnp.dtype(settings.dtype))
+    if init_params is None:  # lora_base read again, or the seed's init
+        init_params = frozen_base(settings, config)
     base = jax.device_put(jax.tree_util.tree_map(lambda a: jnp.asarray(a, settings.dtype), init_params))
     validate_params(base, config)
     digest = base_digest(base)
