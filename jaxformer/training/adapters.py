@@ -2,8 +2,8 @@
 
 A run with ``lora_rank`` > 0 trains only adapters (jaxformer/model/lora.py): TrainState.params
 is the adapters' tree, so the optimizer state and the checkpoints hold the adapters alone. The
-frozen base (``--init-from``'s model, else the seed's init) is closed over by the step and the
-evaluation (JAX passes it to the compiled programs as an argument, not as a constant); the
+frozen base (``--init-from``'s model, else the seed's init) is an argument of the compiled step
+and evaluation (make_train_step's ``frozen``), never a constant folded into them; the
 run's settings keep where it came from (``lora_base``) and its sha256 (``lora_base_digest``),
 so a resumed run reads it again and refuses another.
 """
@@ -39,22 +39,25 @@ def frozen_base(settings, config: ModelConfig):
     return jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(settings.seed), config, dtype)
 
 
-def lora_grad_source(kind: str, config: ModelConfig, lora: LoraConfig, base):
-    """The gradient source ``(adapters, batch, key=None) -> (loss, adapter grads)`` named
+def lora_grad_source(kind: str, config: ModelConfig, lora: LoraConfig):
+    """The gradient source ``(adapters, batch, key, base) -> (loss, adapter grads)`` named
     ``kind``: "auto" (jax.grad of the adapted model's loss) or "manual" (by hand: the frozen
-    weights' dW never computed)."""
+    weights' dW never computed). The step passes ``base`` (make_train_step's ``frozen``)."""
     if kind == "auto":
         value_and_grad = jax.value_and_grad(lora_loss_fn)
-        return lambda adapters, batch, key=None: value_and_grad(adapters, batch, base, config, lora, key)
+        return lambda adapters, batch, key=None, base=None: value_and_grad(adapters, batch, base, config,
+                                                                           lora, key)
     if kind == "manual":
-        return lambda adapters, batch, key=None: manual_grads.adapters.value_and_grad(
+        return lambda adapters, batch, key=None, base=None: manual_grads.adapters.value_and_grad(
             adapters, batch, base, config, lora, key)
     raise ValueError(f"unknown gradient source {kind!r}; choose one of auto, manual")
 
 
 def lora_eval_fn(config: ModelConfig, lora: LoraConfig, base):
-    """Jitted ``(adapters, batch) -> loss`` of the base with the adapters (no dropout)."""
-    return jax.jit(lambda adapters, batch: loss_fn(attach(base, adapters, lora), batch, config))
+    """``(adapters, batch) -> loss`` of the base with the adapters (no dropout), jitted with
+    ``base`` an argument."""
+    jitted = jax.jit(lambda adapters, batch, base: loss_fn(attach(base, adapters, lora), batch, config))
+    return lambda adapters, batch: jitted(adapters, batch, base)
 
 
 def base_digest(params) -> str:

@@ -39,7 +39,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params, validate_params
 from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, close_all, first_non_finite_loss
-from jaxformer.training.adapters import base_digest, frozen_base, lora_eval_fn, lora_grad_source
+from jaxformer.training.adapters import base_digest, frozen_base, lora_eval_fn
 from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
 from jaxformer.training.memory_check import check_run_memory
@@ -148,8 +148,8 @@ def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False,
         check_init_vocab(init_params, config)  # before the step is compiled
     base = None
     if settings.lora_rank:  # the frozen base, and the gradient source over the adapters
-        settings, base, grad_fn = lora_start(settings, config, init_params, saved_meta, grad_fn)
-    spec = StepSpec.of_run(settings, config, mesh, grad_fn)
+        settings, base = lora_start(settings, config, init_params, saved_meta)
+    spec = StepSpec.of_run(settings, config, mesh, grad_fn, base)
     jitted = step_fn = compiled_step(spec)
     if check_memory:  # the step compiled, and its memory plan checked, before any state exists
         step_fn = check_run_memory(spec, settings, data.batcher.batch(0), mesh.devices.flat[0], log)
@@ -165,9 +165,9 @@ def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False,
                        val_batches)
 
 
-def lora_start(settings: TrainSettings, config: ModelConfig, init_params, saved_meta, grad_fn):
-    """(settings with the base's digest, the frozen base on the devices, the gradient source
-    over the adapters) of a LoRA run; CheckpointError when a resumed run's base is another."""
+def lora_start(settings: TrainSettings, config: ModelConfig, init_params, saved_meta):
+    """(settings with the base's digest, the frozen base on the devices) of a LoRA run;
+    CheckpointError when a resumed run's base is another."""
     if init_params is None:  # lora_base read again, or the seed's init
         init_params = frozen_base(settings, config)
     base = jax.device_put(jax.tree_util.tree_map(lambda a: jnp.asarray(a, settings.dtype), init_params))
@@ -179,7 +179,7 @@ def lora_start(settings: TrainSettings, config: ModelConfig, init_params, saved_
             f"the frozen model ({settings.lora_base or 'the seed init'}) is not the one the "
             f"adapters were trained on (sha256 {digest[:12]} now, {saved[:12]} recorded)")
     settings = settings.replace(lora_base_digest=digest)
-    return settings, base, grad_fn or lora_grad_source(settings.grads, config, settings.lora(), base)
+    return settings, base
 
 
 def run_steps(run: PreparedRun, *, progress: bool = True, log=None) -> tuple[TrainState, RunLog]:
