@@ -4,6 +4,7 @@ lower the held-out loss; a resumed run equals an uninterrupted one and refuses a
 model; the flags and the errors."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import one_line_error, tiny_settings
@@ -11,7 +12,11 @@ from helpers import one_line_error, tiny_settings
 import jaxformer
 from jaxformer.checkpoints.runs import load_state
 from jaxformer.checkpoints.checkpoint import CheckpointError
+from jaxformer.inference.text import sample_text
+from jaxformer.model import lora
+from jaxformer.training.adapters import frozen_base, model_params
 from jaxformer.training.loop import train
+from jaxformer.training.settings import TrainSettings
 from jaxformer.training.step import state_template
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,in", lora_dropout=0.1, steps=6,
@@ -55,6 +60,13 @@ def test_state_and_checkpoints_hold_the_adapters_alone(runs, corpus):
     assert len(meta["settings"]["lora_base_digest"]) == 64
     full = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), config))
     assert n_adapter < 0.2 * sum(x.size for x in jax.tree_util.tree_leaves(full))
+    text = sample_text(folder, "the", 5, temperature=0.0)  # generate --run: adapters merged into the base
+    assert text.startswith("the") and len(text) > 3
+    settings = TrainSettings.from_dict(meta["settings"])
+    attached = lora.attach(frozen_base(settings, config), state.params, settings.lora())
+    ids = jnp.arange(10)[None] % config.vocab_size
+    np.testing.assert_allclose(jaxformer.forward(model_params(state.params, config, meta), ids, config),
+                               jaxformer.forward(attached, ids, config), rtol=1e-5, atol=1e-6)
 
 
 def test_resume_equals_uninterrupted_and_refuses_another_base(runs, corpus, tmp_path):

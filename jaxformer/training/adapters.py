@@ -16,11 +16,12 @@ import jax
 import numpy as np
 
 import manual_grads.adapters
-from jaxformer.model.config import ModelConfig
 from jaxformer.checkpoints.hf import read_hf, resolve_source
-from jaxformer.model.lora import LoraConfig, attach
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.lora import LoraConfig, attach, merge
 from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
+from jaxformer.training.settings import TrainSettings
 
 
 def lora_loss_fn(adapters, batch, base, config, lora: LoraConfig, key=None, loss=loss_fn):
@@ -37,6 +38,14 @@ def frozen_base(settings, config: ModelConfig):
     if settings.lora_base:
         return read_hf(resolve_source(settings.lora_base), dtype)[0]
     return jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(settings.seed), config, dtype)
+
+
+def model_params(params, config: ModelConfig, meta: dict):
+    """The model a run's checkpoint ``params`` stand for: a LoRA run's adapters merged into its
+    frozen base (read again), any other run's params as they are."""
+    settings = TrainSettings.from_dict(meta["settings"])
+    lora = settings.lora()
+    return params if lora is None else merge(frozen_base(settings, config), params, lora)
 
 
 def lora_grad_source(kind: str, config: ModelConfig, lora: LoraConfig):

@@ -204,9 +204,9 @@ def _under_mesh(step, mesh: Mesh):
     abstract = getattr(mesh, "abstract_mesh", mesh)  # a Mesh's, or an AbstractMesh itself
 
     @functools.wraps(step)
-    def traced(state, batch):
+    def traced(state, batch, *frozen):
         with jax.sharding.use_abstract_mesh(abstract):
-            return step(state, batch)
+            return step(state, batch, *frozen)
     return traced
 
 
