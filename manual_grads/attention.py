@@ -72,7 +72,8 @@ class QKVRes(NamedTuple):
 def qkv_fwd(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
     """p = {wq, bq, wk, bk, wv, bv, lora?, ...}; x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh))."""
     w, b = qkv_weights(p)
-    qkv, lora_res = adapted_fwd(p, QKV, x, linear(x, w, b, compute_dtype), compute_dtype)  # the model's qkv_heads
+    qkv = linear(x, w, b, compute_dtype)  # the model's qkv_heads: x @ [wq | wk | wv] + b ...
+    qkv, lora_res = adapted_fwd(p, QKV, x, qkv, compute_dtype)  # ... + LoRA's terms
     q, k, v = split_qkv(qkv, n_heads, n_kv_heads)
     return (q, k, v), QKVRes(cast(x, compute_dtype), p["wq"], p["wk"], p["wv"], b, lora_res)
 

@@ -27,7 +27,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model.model.layers.{l}."
 # our (group, weight) -> the HF module (self_attn.q_proj, ...)
 MODULES = {(group, "w" + suffix): name for name, group, suffix, _, _ in LINEARS}
-TARGET_OF = {name.split(".")[-1]: t for t, site in TARGETS.items() for s, name in MODULES.items() if s == site}
+# PEFT's module name (q_proj, ...) -> our target name (q, ...)
+TARGET_OF = {MODULES[site].split(".")[-1]: t for t, site in TARGETS.items() if site in MODULES}
 
 
 def _module(group: str, weight: str) -> str:
