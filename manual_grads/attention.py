@@ -45,16 +45,22 @@ import jax.numpy as jnp
 
 from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
 from jaxformer.model.attention import (CORES, QKNorm, attention_spec, core_kv, merge_heads, merge_qkv,
-                                       qk_norm_of, qkv_heads, qkv_weights, query_scale, split_heads)
+                                       qk_norm_of, qkv_heads, qkv_weights, query_scale, split_heads,
+                                       split_qkv)
+from jaxformer.model.linear import linear
 from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, repeat_kv
 from jaxformer.model.precision import cast, matmul
 from jaxformer.model.rotary import rope_spec, rope_tables
 from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.rotary import RopeRes, rope_bwd, rope_fwd
 from manual_grads.softcap import softcap_bwd
+
+
+QKV = ("wq", "wk", "wv")  # the input projections' weights, in column order
 
 
 class QKVRes(NamedTuple):
@@ -63,12 +69,16 @@ class QKVRes(NamedTuple):
     wk: jax.Array  # (D, Hkv * Dh)
     wv: jax.Array  # (D, Hkv * Dh)
     b: jax.Array | None = None  # ((H + 2 Hkv) Dh,) [bq | bk | bv], None without q, k, v biases
+    lora: AdaptedRes | None = None  # the LoRA adapters' (manual_grads/lora.py); None: none
 
 
 def qkv_fwd(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
-    """p = {wq, bq, wk, bk, wv, bv, ...}; x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh))."""
-    q, k, v = qkv_heads(p, x, n_heads, compute_dtype, n_kv_heads)
-    return (q, k, v), QKVRes(cast(x, compute_dtype), p["wq"], p["wk"], p["wv"], qkv_weights(p)[1])
+    """p = {wq, bq, wk, bk, wv, bv, lora?, ...}; x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh))."""
+    w, b = qkv_weights(p)
+    qkv = linear(x, w, b, compute_dtype)  # the model's qkv_heads: x @ [wq | wk | wv] + b ...
+    qkv, lora_res = adapted_fwd(p, QKV, x, qkv, compute_dtype)  # ... + LoRA's terms
+    q, k, v = split_qkv(qkv, n_heads, n_kv_heads)
+    return (q, k, v), QKVRes(cast(x, compute_dtype), p["wq"], p["wk"], p["wv"], b, lora_res)
 
 
 def qkv_bwd(res: QKVRes, dq, dk, dv):
@@ -76,12 +86,15 @@ def qkv_bwd(res: QKVRes, dq, dk, dv):
     Undoes ``q, k, v = split_qkv(x @ [wq | wk | wv] + [bq | bk | bv])`` as one linear
     layer of width (H + 2 Hkv) Dh: one product for the three weight gradients over the B*T
     rows, one for dx; the gradients are then cut back into the three projections' leaves."""
-    x, wq, wk, wv, b = res
+    x, wq, wk, wv, b, lora_res = res
     w = jnp.concatenate([wq, wk, wv], axis=1)  # (D, (H + 2 Hkv) Dh)
-    d, dx = linear_bwd(LinearRes(x, w, b), merge_qkv(dq, dk, dv))  # dx (B, T, D)
+    dqkv = merge_qkv(dq, dk, dv)  # (B, T, (H + 2 Hkv) Dh)
+    d, dx = linear_bwd(LinearRes(x, w, b), dqkv)  # dx (B, T, D)
+    d_lora, dx_lora = adapted_bwd(lora_res, dqkv)  # qkv = qkv + LoRA's [delta_q | delta_k | delta_v]
+    dx = add_dx(dx, dx_lora)
     cuts = [wq.shape[1], wq.shape[1] + wk.shape[1]]
     dw = jnp.split(d["w"], cuts, axis=1)  # (D, H Dh), (D, Hkv Dh), (D, Hkv Dh)
-    dp = {"wq": dw[0], "wk": dw[1], "wv": dw[2]}
+    dp = {"wq": dw[0], "wk": dw[1], "wv": dw[2], **d_lora}
     if b is not None:
         db = jnp.split(d["b"], cuts)
         dp.update(bq=db[0], bk=db[1], bv=db[2])
@@ -256,6 +269,7 @@ class AttentionRes(NamedTuple):
     heads: HeadsRes  # x (B, T, D), wq, wk, wv; QK-norm's and rotary positions'
     core: FullCoreRes | BlockwiseCoreRes | FlashRes  # the core's; only full's keeps the probabilities
     out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, H Dh), w = wo (H Dh, D)
+    lora_out: AdaptedRes | None = None  # the output projection's LoRA adapter's; None: none
 
 
 def _proj(p, name):
@@ -271,18 +285,22 @@ def attention_fwd(p, x, config, key=None):
     core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
     (q, k, v), heads_res = heads_fwd(p, x, config)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key)  # (B, H, T, Dh)
-    y, out_res = linear_fwd(_proj(p, "o"), merge_heads(o), config.compute_dtype)  # (B, T, D)
-    return y, AttentionRes(heads_res, core_res, out_res)
+    h = merge_heads(o)  # (B, T, H Dh)
+    y, out_res = linear_fwd(_proj(p, "o"), h, config.compute_dtype)  # (B, T, D)
+    y, lora_res = adapted_fwd(p, ("wo",), h, y, config.compute_dtype)  # + LoRA's on wo
+    return y, AttentionRes(heads_res, core_res, out_res, lora_res)
 
 
 def attention_bwd(res: AttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
-    heads_res, core_res, out_res = res
+    heads_res, core_res, out_res, lora_res = res
     core_bwd = next(c.bwd for c in MANUAL_CORES.values() if isinstance(core_res, c.res))
     H, Dh = core_res.q.shape[-3], core_res.q.shape[-1]  # every core keeps q as (..., H, T or K, Dh)
     Hkv = heads_res.qkv.wk.shape[1] // Dh
     # y = merge_heads(O) @ wo + bo
     d_out, do = linear_bwd(out_res, dy)  # do (B, T, H Dh)
+    d_lora, do_lora = adapted_bwd(lora_res, dy)  # y = y + s (drop(merge_heads(O)) A) B
+    do = add_dx(do, do_lora)
     # O = core(q, k, v)
     dq, dk, dv = core_bwd(core_res, split_heads(do, H))  # dq (B, H, T, Dh); dk, dv with the core's heads
     # k, v = repeat_kv(k, G), repeat_kv(v, G) (cores that do not read grouped heads)
@@ -290,6 +308,8 @@ def attention_bwd(res: AttentionRes, dy):
     # q, k, v = rotate_qk(split_qkv(x @ [wq | wk | wv] + [bq | bk | bv]))
     dp, dx = heads_bwd(heads_res, dq, dk, dv)  # dx (B, T, D)
     dp["wo"] = d_out["w"]
+    if d_lora:  # the output projection's adapter beside the input projections'
+        dp["lora"] = {**dp.get("lora", {}), **d_lora["lora"]}
     if "b" in d_out:
         dp["bo"] = d_out["b"]
     return dp, dx

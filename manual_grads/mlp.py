@@ -20,12 +20,15 @@ import jax.numpy as jnp
 from jaxformer.model.mlp import gate_up_weights
 from manual_grads.activations import activation_bwd, activation_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 
 
 class FeedForwardRes(NamedTuple):
     inp: LinearRes  # x (..., D), w_in (D, F)
     act: NamedTuple  # (..., F): the activation's residual (manual_grads/activations.py)
     out: LinearRes  # act(h) (..., F), w_out (F, D)
+    lora_in: AdaptedRes | None = None  # the LoRA adapters' of w_in; None: none
+    lora_out: AdaptedRes | None = None  # of w_out
 
 
 class GatedFeedForwardRes(NamedTuple):
@@ -34,6 +37,8 @@ class GatedFeedForwardRes(NamedTuple):
     a: jax.Array  # (..., F) act(gate), float32 or wider
     up: jax.Array  # (..., F) x @ w_up + b_up
     out: LinearRes  # act(gate) * up (..., F), w_down (F, D)
+    lora_in: AdaptedRes | None = None  # the LoRA adapters' of [w_gate | w_up]; None: none
+    lora_out: AdaptedRes | None = None  # of w_down
 
 
 def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
@@ -43,9 +48,11 @@ def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     if "w_gate" in p:
         return gated_feed_forward_fwd(p, x, activation_name, compute_dtype)
     h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype)  # (..., F)
+    h, lora_in = adapted_fwd(p, ("w_in",), x, h, compute_dtype)  # + LoRA's
     a, act_res = activation_fwd(activation_name, h)  # (..., F)
     y, out_res = linear_fwd(_lin(p, "out"), a, compute_dtype)  # (..., D)
-    return y, FeedForwardRes(inp_res, act_res, out_res)
+    y, lora_out = adapted_fwd(p, ("w_out",), a, y, compute_dtype)  # + LoRA's
+    return y, FeedForwardRes(inp_res, act_res, out_res, lora_in, lora_out)
 
 
 def feed_forward_bwd(res, dy):
@@ -53,9 +60,12 @@ def feed_forward_bwd(res, dy):
     if isinstance(res, GatedFeedForwardRes):
         return gated_feed_forward_bwd(res, dy)
     d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
-    dh = activation_bwd(res.act, da)  # a = act(h)
+    dl_out, da_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(a) A) B
+    dh = activation_bwd(res.act, add_dx(da, da_lora))  # a = act(h)
     d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
-    dp = {"w_in": d_in["w"], "w_out": d_out["w"]}
+    dl_in, dx_lora = adapted_bwd(res.lora_in, dh)  # h = h + s (drop(x) A) B
+    dx = add_dx(dx, dx_lora)
+    dp = {"w_in": d_in["w"], "w_out": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)
         dp.update(b_in=d_in["b"], b_out=d_out["b"])
     return dp, dx
@@ -66,21 +76,27 @@ def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     y = (act(x @ w_gate + b_gate) * (x @ w_up + b_up)) @ w_down + b_down (..., D)."""
     w, b = gate_up_weights(p)  # (D, 2F), (2F,) or None
     gu, inp_res = linear_fwd({"w": w} if b is None else {"w": w, "b": b}, x, compute_dtype)  # (..., 2F)
+    gu, lora_in = adapted_fwd(p, ("w_gate", "w_up"), x, gu, compute_dtype)  # + LoRA's
     gate, up = jnp.split(gu, 2, axis=-1)  # (..., F) each
     a, act_res = activation_fwd(activation_name, gate)  # (..., F)
     y, out_res = linear_fwd(_lin(p, "down"), a * up, compute_dtype)  # (..., D): m = a * up
-    return y, GatedFeedForwardRes(inp_res, act_res, a, up, out_res)
+    y, lora_out = adapted_fwd(p, ("w_down",), a * up, y, compute_dtype)  # + LoRA's
+    return y, GatedFeedForwardRes(inp_res, act_res, a, up, out_res, lora_in, lora_out)
 
 
 def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
     """dy (..., D) -> ({w_gate, w_up, w_down, b_gate?, b_up?, b_down?}, dx (..., D))."""
     d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
+    dl_out, dm_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(m) A) B
+    dm = add_dx(dm, dm_lora)
     da, dup = dm * res.up, dm * res.a  # m = a * up
     dgate = activation_bwd(res.act, da)  # a = act(gate)
     dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(gu)  (..., 2F)
     d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
+    dl_in, dx_lora = adapted_bwd(res.lora_in, dgu)  # gu = gu + LoRA's [delta_gate | delta_up]
+    dx = add_dx(dx, dx_lora)
     dw_gate, dw_up = jnp.split(d_in["w"], 2, axis=1)  # w = [w_gate | w_up] (gate_up_weights), (D, F) each
-    dp = {"w_gate": dw_gate, "w_up": dw_up, "w_down": d_out["w"]}
+    dp = {"w_gate": dw_gate, "w_up": dw_up, "w_down": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)
         db_gate, db_up = jnp.split(d_in["b"], 2)  # b = [b_gate | b_up]
         dp.update(b_gate=db_gate, b_up=db_up, b_down=d_out["b"])
@@ -90,3 +106,9 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
 def _lin(p, name):
     """The feed-forward's w_<name>, b_<name> as a linear layer's {"w", "b"?}."""
     return {"w": p["w_" + name], "b": p["b_" + name]} if "b_" + name in p else {"w": p["w_" + name]}
+
+
+def _lora_grads(d_in, d_out):
+    """The two projections' adapter gradients as one {"lora": ...} entry ({} without adapters)."""
+    merged = {**d_in.get("lora", {}), **d_out.get("lora", {})}
+    return {"lora": merged} if merged else {}

@@ -16,6 +16,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from helpers import THREE_SOURCES, one_line_error
@@ -24,7 +25,10 @@ from jaxformer.checkpoints.gguf_file import permute, read_gguf, unpermute
 from jaxformer.checkpoints.hf import read_chat, read_hf
 from jaxformer.inference.stream import render_chat, stream_text, stream_tokens
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.lora import LoraConfig, init_adapters
 from jaxformer.model.transformer import forward
+from jaxformer.training.adapters import lora_eval_fn, lora_grad_source
+from jaxformer.training.step import init_state, make_train_step
 from manual_grads import check
 
 gguf = pytest.importorskip("gguf")
@@ -156,6 +160,39 @@ def test_real_weights_manual_grads_equal_jax_grad_float64(real):
 
 
 LAYERS = 3
+
+FACTS = ("The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is Rome. "
+         "The capital of Japan is Tokyo. The capital of Egypt is Cairo. The capital of Peru is Lima. ")
+HELD_OUT = "The capital of Kenya is Nairobi. The capital of Chile is Santiago. "
+
+
+def test_real_model_lora_manual_steps_lower_held_out_loss(real):
+    """LoRA rank 8 on q and v of the real model (all 30 layers, float32): a few Adam steps of
+    the hand-derived adapters' gradient lower the loss of held-out text of the same shape;
+    jax.grad's adapters' gradient agrees with it on the first step."""
+    _, params, config, chat = real
+    lora = LoraConfig(rank=8, alpha=16.0, targets="q,v")
+
+    def batch_of(text):
+        ids = np.asarray(chat.tokenizer.encode(text))
+        return {"inputs": jnp.asarray(ids[None, :-1]), "targets": jnp.asarray(ids[None, 1:])}
+
+    train, held = batch_of(FACTS * 2), batch_of(HELD_OUT)
+    adapters = init_adapters(jax.random.PRNGKey(0), params, lora)
+    manual = lora_grad_source("manual", config, lora)
+    loss_m, g_m = jax.jit(manual)(adapters, train, None, params)
+    loss_a, g_a = jax.jit(lora_grad_source("auto", config, lora))(adapters, train, None, params)
+    np.testing.assert_allclose(loss_m, loss_a, rtol=1e-5)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), g_m, g_a)
+    evaluate = lora_eval_fn(config, lora, params)
+    before = float(evaluate(adapters, held))
+    opt = optax.adam(2e-3)
+    step = make_train_step(manual, opt, frozen=params, donate=False)
+    state = init_state(adapters, opt)
+    for _ in range(4):
+        state, _ = step(state, train)
+    after = float(evaluate(state.params, held))
+    assert after < before - 0.05, (before, after)
 
 
 # ------------------------------------------------------------------ a tiny GGUF written here

@@ -56,7 +56,8 @@ device; with --attention-impl blockwise --loss-chunk 256 --remat block, 3.8 GiB.
 # The flags that are TrainSettings fields of the same name (None when not given).
 TRAIN_FLAGS = setting_flags(TrainSettings)
 # the --help sections, in order ("": the command's own); TrainSettings' fields name theirs
-GROUPS = ("", "data", "optimizer", "logging and checkpoints", "devices and processes")
+GROUPS = ("", "data", "optimizer", "LoRA (adapters on a frozen model)", "logging and checkpoints",
+          "devices and processes")
 
 
 def epilog() -> str:
@@ -176,6 +177,11 @@ def run(args: argparse.Namespace) -> int:
         init, settings = imported_start(args.init_from, settings, model_overrides(args),
                                         seq_len_given=args.seq_len is not None,
                                         tokenizer_given=tokenizer_given(args, settings))
+        if settings.lora_rank:  # the adapters' frozen base: read again on resume
+            settings = settings.replace(lora_base=args.init_from)
+    elif args.resume and settings.lora_rank and settings.lora_base:
+        init = read_hf(resolve_source(settings.lora_base), np.float64 if settings.dtype == "float64"
+                       else np.float32)[0]
     settings.validate()  # before the banner: a bad setting is the only line
 
     t0 = time.perf_counter()

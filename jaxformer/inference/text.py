@@ -8,6 +8,7 @@ from typing import Callable
 
 from jaxformer.checkpoints.runs import load_run
 from jaxformer.inference.generate import check_options, generate_many
+from jaxformer.training.adapters import model_params
 from jaxformer.training.step import state_template
 
 
@@ -30,6 +31,7 @@ def sample_texts(run_dir, prompt: str, max_new_tokens: int = 200, *, temperature
     ``on_load``: called with the loaded checkpoint's meta (its ``step`` among them)."""
     check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
     params, config, tokenizer, meta = load_run(run_dir, state_template, step, model)
+    params = model_params(params, config, meta)  # a LoRA run: its adapters merged into the base
     if on_load:
         on_load(meta)
     if not prompt:

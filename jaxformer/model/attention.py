@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxformer.model.blockwise import blockwise
 from jaxformer.model.cores import AttentionSpec, cudnn, cudnn_core, flash, full, repeat_kv  # noqa: F401
 from jaxformer.model.linear import linear
+from jaxformer.model.lora import adapted
 from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.rotary import apply_rope, rope_spec, rope_tables
 
@@ -107,7 +108,8 @@ def merge_qkv(q, k, v):
 def qkv_heads(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
     """x (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh): one product x @ [wq | wk | wv] + [bq | bk | bv]."""
     w, b = qkv_weights(p)
-    return split_qkv(linear(x, w, b, compute_dtype), n_heads, n_kv_heads)
+    qkv = adapted(p, ("wq", "wk", "wv"), x, linear(x, w, b, compute_dtype), compute_dtype)  # + LoRA's
+    return split_qkv(qkv, n_heads, n_kv_heads)
 
 
 class QKNorm(NamedTuple):
@@ -168,7 +170,8 @@ def core_kv(core: Core, q, k, v):
 def attention_out(p, out, compute_dtype=None):
     """The output projection: out (B, H, T, Dh) -> merge_heads(out) @ wo + bo (B, T, D), wo (H Dh, D);
     no bo where the config has no output bias."""
-    return linear(merge_heads(out), p["wo"], p.get("bo"), compute_dtype)
+    h = merge_heads(out)  # (B, T, H Dh)
+    return adapted(p, ("wo",), h, linear(h, p["wo"], p.get("bo"), compute_dtype), compute_dtype)
 
 
 def attention(p, x, config, key=None, core: Core | None = None):

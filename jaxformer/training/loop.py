@@ -29,15 +29,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxformer.checkpoints import checkpoint
 from jaxformer.data import Prefetcher
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.params import count_params
+from jaxformer.model.params import count_params, validate_params
 from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, close_all, first_non_finite_loss
+from jaxformer.training.adapters import base_digest, frozen_base, lora_eval_fn
 from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
 from jaxformer.training.memory_check import check_run_memory
@@ -141,21 +143,43 @@ def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False,
     mesh = make_mesh(devices, settings.mesh)
     check_batch_size(settings.batch_size, mesh)
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
-    spec = StepSpec.of_run(settings, settings.model_config(data.tokenizer.vocab_size), mesh, grad_fn)
-    if init_params is not None and not resume:
-        check_init_vocab(init_params, spec.config)  # before the step is compiled
+    config = settings.model_config(data.tokenizer.vocab_size)
+    if init_params is not None and (settings.lora_rank or not resume):
+        check_init_vocab(init_params, config)  # before the step is compiled
+    base = None
+    if settings.lora_rank:  # the frozen base, and the gradient source over the adapters
+        settings, base = lora_start(settings, config, init_params, saved_meta)
+    spec = StepSpec.of_run(settings, config, mesh, grad_fn, base)
     jitted = step_fn = compiled_step(spec)
     if check_memory:  # the step compiled, and its memory plan checked, before any state exists
         step_fn = check_run_memory(spec, settings, data.batcher.batch(0), mesh.devices.flat[0], log)
     state = init_fn(spec)(settings.seed)
     if resume:
         state = restore_newest(run_dir, state)
-    elif init_params is not None:
+    elif init_params is not None and base is None:
         state = with_params(state, init_params, spec.config)
     # a corpus with fewer than B validation windows gives one short batch: replicated
     val_batches = [put_batch(b, mesh, replicate_short=True) for b in data.val_batches]
-    return PreparedRun(settings, run_dir, resume, mesh, data, spec, state, step_fn, jitted,
-                       compiled_eval_step(spec), val_batches)
+    eval_fn = compiled_eval_step(spec) if base is None else lora_eval_fn(spec.config, spec.lora, base)
+    return PreparedRun(settings, run_dir, resume, mesh, data, spec, state, step_fn, jitted, eval_fn,
+                       val_batches)
+
+
+def lora_start(settings: TrainSettings, config: ModelConfig, init_params, saved_meta):
+    """(settings with the base's digest, the frozen base on the devices) of a LoRA run;
+    CheckpointError when a resumed run's base is another."""
+    if init_params is None:  # lora_base read again, or the seed's init
+        init_params = frozen_base(settings, config)
+    base = jax.device_put(jax.tree_util.tree_map(lambda a: jnp.asarray(a, settings.dtype), init_params))
+    validate_params(base, config)
+    digest = base_digest(base)
+    saved = (saved_meta or {}).get("settings", {}).get("lora_base_digest")
+    if saved and saved != digest:
+        raise checkpoint.CheckpointError(
+            f"the frozen model ({settings.lora_base or 'the seed init'}) is not the one the "
+            f"adapters were trained on (sha256 {digest[:12]} now, {saved[:12]} recorded)")
+    settings = settings.replace(lora_base_digest=digest)
+    return settings, base
 
 
 def run_steps(run: PreparedRun, *, progress: bool = True, log=None) -> tuple[TrainState, RunLog]:

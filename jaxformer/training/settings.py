@@ -10,6 +10,7 @@ import jax
 
 from jaxformer.model.checks import check_keys
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
+from jaxformer.model.lora import LoraConfig
 from jaxformer.model.validate import check_precision
 from jaxformer.observe.words import plural
 from jaxformer.training.fields import check_fields, setting
@@ -20,6 +21,7 @@ GRAD_SOURCES = ("auto", "manual")
 DTYPES = ("float32", "float64")
 # the --help sections of the flags (fields.setting's group)
 _DATA, _OPT, _LOG, _DEV = "data", "optimizer", "logging and checkpoints", "devices and processes"
+_LORA = "LoRA (adapters on a frozen model)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +103,23 @@ class TrainSettings:
     mesh: str = setting("", "device mesh data=N,fsdp=M: the batch splits over N*M devices, params and "
                         "optimizer state over M (\"\": every device on data)", group=_DEV, metavar="SPEC")
 
+    lora_rank: int = setting(0, "train LoRA adapters of rank R on the frozen model (--init-from's, else "
+                             "the seed's); 0: train every parameter", group=_LORA, minimum=0, metavar="R")
+    lora_alpha: float = setting(16.0, "the adapters' scale is alpha / rank", group=_LORA, metavar="A")
+    lora_dropout: float = setting(0.0, "dropout on the adapters' input", group=_LORA, metavar="P")
+    lora_targets: str = setting("q,v", "the projections adapted: q,k,v,o,gate,up,down (the plain MLP's "
+                                "in,out) or all", group=_LORA, metavar="LIST")
+    lora_base: str | None = setting(None, "the frozen model's source (--init-from), read again on resume",
+                                    unset="the seed's init")
+    lora_base_digest: str = setting("", "sha256 of the frozen model's params, checked on resume")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def lora(self):
+        """The run's LoraConfig (model/lora.py), or None when lora_rank is 0."""
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets) \
+            if self.lora_rank else None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainSettings":
@@ -148,6 +165,7 @@ class TrainSettings:
                 f"warmup_steps ({self.warmup_steps}) must be smaller than the {_updates(self)} "
                 f"optimizer updates of the run for the {self.schedule} schedule; lower "
                 f"--warmup-steps, raise --steps or use --schedule constant")
+        self.lora()  # LoraConfig names a bad rank, alpha, dropout or target
         # the optimizer validates its own arguments
         make_optimizer(**self.optimizer_kwargs())
 
@@ -171,6 +189,7 @@ class TrainSettings:
 RESUMABLE_CHANGES = frozenset(
     {"steps", "schedule_steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every",
      "keep_checkpoints", "mesh", "data",  # data: the folder may move; its digests are checked
+     "lora_base", "lora_base_digest",  # the base's path may move; its digest is checked (loop.lora_start)
      "lr", "muon_lr", "clip_norm"}  # after a non-finite loss (resume.py notes the change; clipping turned on
 )                        # or off is refused: it changes the optimizer state)
 

@@ -27,9 +27,11 @@ from jax.sharding import Mesh
 
 import manual_grads
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.lora import LoraConfig, init_adapters
 from jaxformer.model.params import init_params, validate_params
 from jaxformer.model.moe import moe_metrics
 from jaxformer.model.transformer import loss_and_stats, loss_fn
+from jaxformer.training.adapters import lora_grad_source
 from jaxformer.training.optim import current_muon_lr, injected_lr, make_optimizer
 from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
 from jaxformer.training.sharding import make_mesh, mesh_shardings, state_shardings
@@ -140,7 +142,7 @@ def layer_grad_norms(grads) -> dict:
 
 
 def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
-                    mesh: Mesh | None = None, donate: bool = True, state_sharding=None):
+                    mesh: Mesh | None = None, donate: bool = True, state_sharding=None, frozen=None):
     """One jitted training step ``(state, batch) -> (state, metrics)`` for any gradient
     source and any optax ``GradientTransformation`` (``optax.adamw(1e-3)``, a chain,
     ``optax.MultiSteps``, ``make_optimizer``'s). The input state's buffers are donated
@@ -156,12 +158,14 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
     norms of ``layer_grad_norms``, and lr when the optimizer state holds an injected
     learning rate (``optim.injected_lr``: ``optax.inject_hyperparams``, every
     ``make_optimizer``; muon_lr too for the muon optimizer); no lr otherwise.
+    ``frozen``: params the step passes to ``grad_fn(params, batch, key, frozen)`` as an argument
+    of the compiled program (a LoRA run's base; training/adapters.py); state.params are trained.
     """
     check_grad_fn(grad_fn)
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, *frozen):
         rng, key = jax.random.split(state.rng)  # this step's key comes off the state's key stream
-        loss, grads, *extra = grad_fn(state.params, batch, key)  # extra: a metrics dict (MoE)
+        loss, grads, *extra = grad_fn(state.params, batch, key, *frozen)  # extra: a metrics dict (MoE)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state, state.data_index + 1, rng)
@@ -185,9 +189,34 @@ def make_train_step(grad_fn: GradFn, optimizer: optax.GradientTransformation, *,
     if mesh is not None:
         replicated, split = mesh_shardings(mesh)
         layout = replicated if state_sharding is None else state_sharding
-        kwargs.update(in_shardings=(layout, split), out_shardings=(layout, replicated))
-        return jax.jit(_under_mesh(step, mesh), **kwargs)
-    return jax.jit(step, **kwargs)
+        kwargs.update(in_shardings=(layout, split) + (() if frozen is None else (replicated,)),
+                      out_shardings=(layout, replicated))
+        jitted = jax.jit(_under_mesh(step, mesh), **kwargs)
+    else:
+        jitted = jax.jit(step, **kwargs)
+    return jitted if frozen is None else WithFrozen(jitted, frozen)
+
+
+class WithFrozen(NamedTuple):
+    """A step (jitted, lowered or compiled) ``f(state, batch, frozen)`` called as ``(state, batch)``:
+    the frozen params of a LoRA run are an argument of the compiled step, never a constant."""
+    f: Any
+    frozen: Any
+
+    def __call__(self, state, batch):
+        return self.f(state, batch, self.frozen)
+
+    def lower(self, state, batch):
+        return WithFrozen(self.f.lower(state, batch, self.frozen), self.frozen)
+
+    def compile(self):
+        return WithFrozen(self.f.compile(), self.frozen)
+
+    def memory_analysis(self):
+        return self.f.memory_analysis()
+
+    def cost_analysis(self):
+        return self.f.cost_analysis()
 
 
 def _under_mesh(step, mesh: Mesh):
@@ -196,9 +225,9 @@ def _under_mesh(step, mesh: Mesh):
     abstract = getattr(mesh, "abstract_mesh", mesh)  # a Mesh's, or an AbstractMesh itself
 
     @functools.wraps(step)
-    def traced(state, batch):
+    def traced(state, batch, *frozen):
         with jax.sharding.use_abstract_mesh(abstract):
-            return step(state, batch)
+            return step(state, batch, *frozen)
     return traced
 
 
@@ -226,6 +255,13 @@ def mesh_key(mesh: Mesh) -> tuple[tuple, tuple[int, int]]:
     return tuple(mesh.devices.flat), tuple(mesh.devices.shape)
 
 
+class Frozen:
+    """A LoRA run's frozen params, hashed by identity (a StepSpec field)."""
+
+    def __init__(self, params):
+        self.params = params
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """What one compiled train step is, hashable: the key of every cached builder."""
@@ -235,13 +271,16 @@ class StepSpec:
     opt_items: tuple = ()  # make_optimizer's arguments as sorted (name, value) pairs
     dtype: str = "float32"  # the params' dtype
     mesh_key: tuple = ()  # (devices, (data, fsdp)): mesh_key(mesh); () for the default devices
+    lora: LoraConfig | None = None  # a LoRA run's: the state's params are the adapters
+    frozen: Frozen | None = None  # a LoRA run's frozen base, passed to each step
 
     @classmethod
     def of_run(cls, settings: TrainSettings, config: ModelConfig, mesh: Mesh,
-               grad_fn: GradFn | None = None) -> StepSpec:
-        """The step of a run of ``settings`` on ``mesh`` (``grad_fn``: instead of settings.grads)."""
+               grad_fn: GradFn | None = None, frozen=None) -> StepSpec:
+        """The step of a run of ``settings`` on ``mesh`` (``grad_fn``: instead of settings.grads;
+        ``frozen``: a LoRA run's base params)."""
         return cls(config, grad_fn or settings.grads, optimizer_items(settings), settings.dtype,
-                   mesh_key(mesh))
+                   mesh_key(mesh), settings.lora(), None if frozen is None else Frozen(frozen))
 
     def replace(self, **changes) -> StepSpec:
         return dataclasses.replace(self, **changes)
@@ -249,7 +288,7 @@ class StepSpec:
     @property
     def state_part(self) -> StepSpec:
         """The spec without its gradient source: all the train state depends on."""
-        return self.replace(grads=None)
+        return self.replace(grads=None, frozen=None)
 
     def mesh(self) -> Mesh:
         return make_mesh(*self.mesh_key) if self.mesh_key else make_mesh()
@@ -257,7 +296,11 @@ class StepSpec:
     def grad_fn(self) -> GradFn:
         if self.grads is None:
             raise ValueError("StepSpec.grads is None: name a gradient source (auto, manual) or give one")
-        return grad_source(self.grads, self.config) if isinstance(self.grads, str) else self.grads
+        if not isinstance(self.grads, str):
+            return self.grads
+        if self.lora is not None:
+            return lora_grad_source(self.grads, self.config, self.lora)
+        return grad_source(self.grads, self.config)
 
     def optimizer(self) -> optax.GradientTransformation:
         return _optimizer(self.opt_items)
@@ -271,6 +314,8 @@ def _optimizer(opt_items: tuple) -> optax.GradientTransformation:
 def _init_state_fn(spec: StepSpec):
     def init(seed):
         params = init_params(jax.random.PRNGKey(seed), spec.config, dtype=jnp.dtype(spec.dtype))
+        if spec.lora is not None:  # the adapters alone are trained (and checkpointed)
+            params = init_adapters(jax.random.fold_in(jax.random.PRNGKey(seed), 1), params, spec.lora)
         return init_state(params, spec.optimizer(), seed)
 
     return init
@@ -297,7 +342,8 @@ def init_fn(spec: StepSpec):
 def compiled_step(spec: StepSpec):
     """The jitted step of ``spec`` on its mesh."""
     return make_train_step(spec.grad_fn(), spec.optimizer(), mesh=spec.mesh(),
-                           state_sharding=_state_sharding(spec.state_part))
+                           state_sharding=_state_sharding(spec.state_part),
+                           frozen=None if spec.frozen is None else spec.frozen.params)
 
 
 @functools.lru_cache(maxsize=8)
@@ -315,5 +361,6 @@ def state_template(config: ModelConfig, meta: dict) -> TrainState:
     checkpoint holds, from its ``meta`` (train settings, param dtype): the template
     ``checkpoints.runs.load_state`` restores into."""
     settings = TrainSettings.from_dict(meta["settings"])
-    spec = StepSpec(config, opt_items=optimizer_items(settings), dtype=meta.get("param_dtype", "float32"))
+    spec = StepSpec(config, opt_items=optimizer_items(settings), dtype=meta.get("param_dtype", "float32"),
+                    lora=settings.lora())
     return jax.eval_shape(_init_state_fn(spec), 0)
