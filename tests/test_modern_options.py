@@ -93,21 +93,22 @@ def allowed(a, b) -> bool:
     return _pair(a, b) not in REFUSED | SAME_AS_NONE
 
 
-def covering_rows(tries: int = 30, seed: int = 0):
-    """Rows (field -> value) in which every allowed pair of two fields' values appears,
-    built greedily: each row starts from a pair still missing of the two fields that miss
-    the most, fills the other fields one by one (in a shuffled order) with the allowed value
-    that covers the most missing pairs, and is the best of ``tries`` such candidates
-    (seeded: the rows are the same every run)."""
-    missing = {_pair((a, va), (b, vb)) for a, b in itertools.combinations(FIELDS, 2)
-               for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
+def covering_rows(fields=None, wanted=lambda a, b: True, tries: int = 30, seed: int = 0):
+    """Rows (field -> value) in which every allowed pair of two ``fields``' values appears
+    (those of the field pairs ``wanted`` names; default FIELDS, every pair), built greedily:
+    each row starts from a pair still missing of the two fields that miss the most, fills the
+    other fields one by one (in a shuffled order) with the allowed value that covers the most
+    missing pairs, and is the best of ``tries`` such candidates (seeded: the same rows every run)."""
+    fields = FIELDS if fields is None else fields
+    missing = {_pair((a, va), (b, vb)) for a, b in itertools.combinations(fields, 2) if wanted(a, b)
+               for va in fields[a] for vb in fields[b] if allowed((a, va), (b, vb))}
     rng = random.Random(seed)
     rows = []
     while missing:
         count = collections.Counter((x[0], y[0]) for x, y in missing)
-        fields = max(sorted(count), key=count.get)
-        starts = sorted((p for p in missing if (p[0][0], p[1][0]) == fields), key=repr)
-        candidates = [_fill(dict(rng.choice(starts)), missing, rng) for _ in range(tries)]
+        pair = max(sorted(count), key=count.get)
+        starts = sorted((p for p in missing if (p[0][0], p[1][0]) == pair), key=repr)
+        candidates = [_fill(fields, dict(rng.choice(starts)), missing, rng) for _ in range(tries)]
         best = max((row for row in candidates if row), key=lambda row: _covers(row, missing))
         missing -= {_pair(x, y) for x, y in itertools.combinations(best.items(), 2)}
         rows.append(best)
@@ -118,12 +119,12 @@ def _covers(row, missing) -> int:
     return sum(_pair(x, y) in missing for x, y in itertools.combinations(row.items(), 2))
 
 
-def _fill(row, missing, rng):
+def _fill(fields, row, missing, rng):
     """``row`` completed field by field, or None where some field has no allowed value left."""
-    names = [name for name in FIELDS if name not in row]
+    names = [name for name in fields if name not in row]
     rng.shuffle(names)
     for name in names:
-        options = [v for v in FIELDS[name] if all(allowed((name, v), item) for item in row.items())]
+        options = [v for v in fields[name] if all(allowed((name, v), item) for item in row.items())]
         if not options:
             return None
         gain = {v: sum(_pair((name, v), item) in missing for item in row.items()) for v in options}

@@ -76,9 +76,12 @@ class LoraConfig:
 
 
 def sites(params, lora: LoraConfig) -> list[tuple[str, str]]:
-    """The (group, weight) pairs of params["blocks"] that ``lora`` adapts, in TARGETS' order."""
+    """The (group, weight) pairs of params["blocks"] that ``lora`` adapts, in TARGETS' order: the
+    named projections the model has, as (L, in, out) weights (an MoE layer's experts, (L, E, in,
+    out), take no adapters; its attention's do)."""
     blocks = params["blocks"]
-    return [TARGETS[t] for t in TARGETS if t in lora.targets and TARGETS[t][1] in blocks[TARGETS[t][0]]]
+    return [TARGETS[t] for t in TARGETS if t in lora.targets and TARGETS[t][1] in blocks[TARGETS[t][0]]
+            and blocks[TARGETS[t][0]][TARGETS[t][1]].ndim == 3]
 
 
 def init_adapters(key, params, lora: LoraConfig, dtype=None) -> dict:
