@@ -34,7 +34,7 @@ def batch_for(config, B=3, T=7, seed=0):
     [
         ("d_model", 10, "divisible by n_heads"),
         ("activation", "swish", "ModelConfig.activation"),
-        ("norm", "sandwich", "ModelConfig.norm"),
+        ("norm", "middle", "ModelConfig.norm"),
         ("positions", "rotary", "ModelConfig.positions"),
         ("vocab_size", 0, "ModelConfig.vocab_size"),
         ("n_layers", -1, "ModelConfig.n_layers"),
@@ -88,20 +88,23 @@ def test_param_layout(norm, positions):
     config = ModelConfig(**TINY, norm=norm, positions=positions)
     V, D, F, L, S = 11, 12, 20, 2, 9
     params = jf.init_params(jax.random.PRNGKey(0), config)
+    ln = {"scale": (L, D), "bias": (L, D)}
     expected = {
         "tok_embed": (V, D),
         "blocks": {
-            "ln1": {"scale": (L, D), "bias": (L, D)},
             "attn": {k: (L, D, D) if k.startswith("w") else (L, D)
                      for k in ("wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo")},
-            "ln2": {"scale": (L, D), "bias": (L, D)},
             "ffn": {"w_in": (L, D, F), "b_in": (L, F), "w_out": (L, F, D), "b_out": (L, D)},
         },
         "head": {"w": (D, V), "b": (V,)},
     }
+    if norm != "output":  # the norms on the sublayers' inputs (pre, sandwich) or sums (post)
+        expected["blocks"].update(ln1=ln, ln2=ln)
+    if norm in ("output", "sandwich"):  # the norms on the sublayers' outputs
+        expected["blocks"].update(ln1_post=ln, ln2_post=ln)
     if positions == "learned":
         expected["pos_embed"] = (S, D)
-    if norm == "pre":
+    if norm != "post":
         expected["ln_f"] = {"scale": (D,), "bias": (D,)}
     shapes = jax.tree_util.tree_map(lambda x: x.shape, params)
     assert shapes == expected
@@ -138,6 +141,7 @@ def test_everything_follows_the_params_dtype(dtype):
 # The first four activations and the two position tables; the modern block's values
 # (silu, relu2, rope) are in tests/test_modern_options.py's covering set.
 ACTIVATIONS, POSITIONS = ACTIVATIONS[:4], POSITIONS[:2]
+NORMS = NORMS[:2]  # pre, post: the layouts output and sandwich are in test_modern_options.py's
 VECTORS = [(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 1, 0)]
 OPTIONS = [(activation, NORMS[n], POSITIONS[p], (True, False)[c])
            for i, activation in enumerate(ACTIVATIONS)
