@@ -27,7 +27,8 @@ MLPS = ("plain", "gated")
 ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")  # Hugging Face model_types (checkpoints/hf.py)
+FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text",
+            "smollm3")  # Hugging Face model_types (checkpoints/hf.py)
 # The fields that choose how the model is computed, not what it computes: a model read
 # from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
 HOW_FIELDS = ("attention_impl", "attention_block", "pallas_block_q", "pallas_block_k", "loss_chunk",
@@ -103,6 +104,10 @@ class ModelConfig:
     sliding_window: int = 0  # W > 0: the query at t reads the W keys t - W < s <= t (causal); 0: no window
     layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention"; (): every layer
     # windowed when sliding_window > 0
+    # --- rotary positions by layer (Gemma 3, SmolLM 3; docs/design.md, "Rotary positions by layer")
+    rope_local_theta: float = 0.0  # the sliding-window layers' rotary base, unscaled (Gemma 3's 10k beside
+    # its global 1M); 0: those layers rotate as the others (rope_theta, rope_scaling)
+    rope_layers: tuple[int, ...] = ()  # per layer 1 (rotary positions) | 0 (none: SmolLM 3's NoPE layers); (): all 1
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -122,6 +127,13 @@ class ModelConfig:
         if not self.sliding_window:
             return (False,) * self.n_layers
         return tuple(t == "sliding_attention" for t in self.layer_types or ("sliding_attention",) * self.n_layers)
+
+    @property
+    def roped_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it rotates q and k (positions "rope" and its rope_layers entry 1)."""
+        if self.positions != "rope":
+            return (False,) * self.n_layers
+        return tuple(bool(r) for r in self.rope_layers or (1,) * self.n_layers)
 
     @property
     def linear_biases(self) -> "LinearBiases":
@@ -230,6 +242,8 @@ FIELD_RULES: dict[str, Rule] = {
     "attn_scalar": Rule("number", low=0, note="0: the head width"),
     "sliding_window": NON_NEGATIVE._replace(note="0: no window"),
     "layer_types": Rule("choices", choices=LAYER_TYPES, note="(): every layer as sliding_window says"),
+    "rope_local_theta": Rule("number", low=0, note="0: as rope_theta and rope_scaling"),
+    "rope_layers": Rule("choices", choices=(0, 1), note="(): every layer rotates"),
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 
