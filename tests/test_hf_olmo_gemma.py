@@ -2,11 +2,12 @@
 random ``Olmo2ForCausalLM`` (norms on the sublayers' outputs, QK-norm over the whole
 projection, with and without attention_bias), ``GemmaForCausalLM`` ((1 + w) norms, the
 embedding times sqrt(hidden_size), a head_dim apart), ``Gemma2ForCausalLM`` (four norms a
-block, query_pre_attn_scalar, both softcaps, sliding layers whose window covers the sequence)
-and ``Gemma3ForCausalLM`` (as Gemma 2 with per-head (1 + w) QK-norm), saved, imported, and
+block, query_pre_attn_scalar, both softcaps, sliding and full layers alternating, a window of 4
+shorter than the sequence) and ``Gemma3ForCausalLM`` (as Gemma 2 with per-head (1 + w) QK-norm,
+the sliding layers' rotary base 10k beside the full layers' 1M scaled 8 times), saved, imported, and
 shown equal in logits (1e-10 relative) and in gradients (jax.grad and manual vs torch autograd,
-1e-10 per leaf); the export writes the same family and reloads with the same logits. Then the
-windows and rotary bases not implemented here, one line each.
+1e-10 per leaf); the export writes the same family and reloads with the same logits. Then what
+is not implemented here, one line each, and the layer kinds read as the configuration classes do.
 
 transformers computes its RMS norms and rotary tables in float32 whatever the model's dtype:
 the reference runs them in float64, the same formulas with the module's own weight, eps and
@@ -40,18 +41,21 @@ CLASSES = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gemma": ("GemmaConfig"
            "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 OFFSET = ("gemma", "gemma2", "gemma3_text")  # (1 + w) norms
 _ROPE = {"rope_type": "default", "rope_theta": 5000.0}
-# name: (model_type, config overrides, what the import must make of it: (norm, norm_offset, qk_norm_scope, attn_scalar))
+_GLOBAL, _LOCAL = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}, {"rope_type": "default", "rope_theta": 1e4}
+W = 4  # Gemma 2 / 3's window, shorter than the batch's 11 positions
+# name: (model_type, config overrides, what the import must make of it: (norm, norm_offset, qk_norm_scope,
+# attn_scalar, sliding_window, rope_local_theta))
 VARIANTS = {
-    "olmo2-bias-gqa": ("olmo2", dict(num_key_value_heads=2, attention_bias=True), ("output", 0.0, "projection", 0.0)),
-    "gemma-wide-mqa-tied": ("gemma", dict(num_key_value_heads=1, head_dim=6), ("pre", 1.0, "head", 0.0)),
+    "olmo2-bias-gqa": ("olmo2", dict(num_key_value_heads=2, attention_bias=True), ("output", 0.0, "projection", 0.0, 0, 0.0)),
+    "gemma-wide-mqa-tied": ("gemma", dict(num_key_value_heads=1, head_dim=6), ("pre", 1.0, "head", 0.0, 0, 0.0)),
     "gemma2-softcaps": ("gemma2", dict(num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=10,
-                                       attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=S,
-                                       tie_word_embeddings=False), ("sandwich", 1.0, "head", 10.0)),
+                                       attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=W,
+                                       tie_word_embeddings=False), ("sandwich", 1.0, "head", 10.0, W, 0.0)),
     "gemma3-qknorm": ("gemma3_text", dict(num_key_value_heads=2, head_dim=6, query_pre_attn_scalar=6,
-                                          sliding_window=S, layer_types=["sliding_attention", "full_attention"],
-                                          rope_parameters={"full_attention": dict(_ROPE),
-                                                           "sliding_attention": dict(_ROPE)}),
-                      ("sandwich", 1.0, "head", 0.0)),
+                                          sliding_window=W, layer_types=["sliding_attention", "full_attention"],
+                                          rope_parameters={"full_attention": dict(_GLOBAL),
+                                                           "sliding_attention": dict(_LOCAL)}),
+                      ("sandwich", 1.0, "head", 0.0, W, 1e4)),
 }
 
 
@@ -84,9 +88,11 @@ def float64_model(kind, folder):
 
     def rotary(self, x, position_ids, layer_type=None):
         rope = self.config.rope_parameters
-        theta = (rope[layer_type] if layer_type else rope)["rope_theta"]
+        rope = rope[layer_type] if layer_type else rope
         dim = self.config.head_dim if kind != "olmo2" else self.config.hidden_size // self.config.num_attention_heads
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        inv_freq = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        if rope["rope_type"] == "linear":
+            inv_freq = inv_freq / rope["factor"]
         angle = position_ids[..., None].double() * inv_freq
         angle = torch.cat((angle, angle), dim=-1)
         return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
@@ -128,7 +134,9 @@ def saved(request, tmp_path_factory):
 def test_import_matches_transformers_logits(saved):
     kind, model, folder, want = saved
     params, config = read_hf(folder, np.float64)
-    assert (config.family, config.norm, config.norm_offset, config.qk_norm_scope, config.attn_scalar) == (kind, *want)
+    assert (config.family, config.norm, config.norm_offset, config.qk_norm_scope, config.attn_scalar,
+            config.sliding_window, config.rope_local_theta) == (kind, *want)
+    assert config.windowed_layers == ((True, False) if config.sliding_window else (False, False))
     assert config.embed_scale == (kind in OFFSET) and config.qk_norm == (kind in ("olmo2", "gemma3_text"))
     assert_forward_matches(model, folder, params, config)
 
@@ -189,11 +197,11 @@ def _write_config(tmp_path, kind, **overrides):
 
 
 @pytest.mark.parametrize("kind, overrides, match", [
-    ("gemma2", dict(sliding_window=8), "sliding_window 8 is shorter than max_position_embeddings 32"),
-    ("gemma3_text", dict(sliding_window=8), "sliding_window 8 is shorter than max_position_embeddings 32"),
-    ("gemma3_text", dict(sliding_window=S, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                                            "sliding_attention": dict(_ROPE)}),
-     "rope_parameters sliding_attention differs from the full-attention layers' rotary positions"),
+    ("gemma3_text", dict(rope_parameters={"full_attention": dict(_GLOBAL), "sliding_attention": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "rope_parameters sliding_attention: a scaled rotary on the sliding layers apart"),
+    ("gemma2", dict(layer_types=["sliding_attention", "local"]), "layer_types must list 2 entries"),
+    ("gemma2", dict(sliding_window=0), "sliding_window must be a positive integer or null, got 0"),
     ("gemma2", dict(query_pre_attn_scalar="x"), "query_pre_attn_scalar must be a positive number, got 'x'"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention true is not supported"),
 ])
@@ -203,9 +211,28 @@ def test_unsupported_configs_are_one_line(tmp_path, kind, overrides, match):
     assert "\n" not in str(e.value)
 
 
-def test_a_window_covering_the_sequence_or_full_layers_only_loads(tmp_path):
-    """Gemma 2 with a short window but every layer full attention reads as full attention."""
-    from jaxformer.checkpoints.hf_olmo_gemma import config_from_hf
+def test_layer_kinds_as_the_configuration_classes_read_them():
+    """Gemma 2 with every layer full is full attention (its window unused); Gemma 3 without
+    layer_types takes sliding_window_pattern (every 2nd layer full here; by default every 6th),
+    and its older keys rope_theta, rope_scaling, rope_local_base_freq; a local base equal to an
+    unscaled global one is no base apart; other families refuse rope_local_theta and rope_layers."""
+    from jaxformer.checkpoints.hf_olmo_gemma import config_from_hf, config_to_hf
     hf = hf_config("gemma2", head_dim=4, sliding_window=8, layer_types=["full_attention"] * L).to_dict()
     config = config_from_hf(hf)
     assert (config.norm, config.attn_scalar, config.logit_softcap, config.attn_softcap) == ("sandwich", 256.0, 30.0, 50.0)
+    assert config.sliding_window == 0
+    old = {k: v for k, v in hf_config("gemma3_text", head_dim=4).to_dict().items() if k not in ("layer_types",
+                                                                                               "rope_parameters")}
+    old.update(sliding_window_pattern=2, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+               rope_local_base_freq=1e4)
+    config = config_from_hf(old)
+    assert (config.windowed_layers, config.rope_theta, config.rope_scaling, config.rope_factor,
+            config.rope_local_theta) == ((True, False), 1e6, "linear", 8.0, 1e4)
+    default = {k: v for k, v in old.items() if k != "sliding_window_pattern"}
+    assert config_from_hf(default).windowed_layers == (True, True)
+    same = config_from_hf({**old, "rope_scaling": None, "rope_local_base_freq": 1e6})
+    assert same.rope_local_theta == 0.0 and config_to_hf(same)["rope_local_base_freq"] == 1e6
+    for family, field in (("gemma2", "rope_local_theta"), ("gemma2", "rope_layers")):
+        with pytest.raises(ValueError, match=f"a Hugging Face Gemma 2 needs ModelConfig.{field} = "):
+            config_to_hf(config.replace(family=family, qk_norm=False, qk_norm_scope="head",
+                                        rope_layers=(0, 1) if field == "rope_layers" else ()))

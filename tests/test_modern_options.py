@@ -5,7 +5,8 @@ custom_vjp model agree to 1e-10 per leaf (dropout with one key), over a pairwise
 that ``covering_rows`` builds greedily: every pair of values of any two fields below appears
 in some model, except the pairs the config refuses (dropout with the Pallas kernel, no norm
 scale with layer norm, rotary scaling without rotary positions, a norm offset without RMS
-scales, QK-norm's scope without QK-norm); test_rows_cover_every_pair checks it. Then the params each option
+scales, QK-norm's scope without QK-norm, rotary options by layer without rotary positions, a
+local rotary base without a sliding layer); test_rows_cover_every_pair checks it. Then the params each option
 makes, the bfloat16 rule, the errors, what grouped-query attention means and what it saves in
 the key/value cache."""
 
@@ -48,6 +49,8 @@ FIELDS = {
     "attn_scalar": (0.0, 10.0),  # scores / sqrt(10) rather than / sqrt(Dh) (Gemma's query_pre_attn_scalar)
     "sliding_window": (0, 3),  # each query reads its 3 newest keys (causal only)
     "layer_types": ((), ("full_attention", "sliding_attention")),  # (): every layer as sliding_window says
+    "rope_local_theta": (0.0, 7.0),  # the sliding layers rotate with base 7, unscaled (Gemma 3's local base)
+    "rope_layers": ((), (0, 1)),  # the first layer without rotary positions (SmolLM 3's NoPE layers)
     # the older ones
     "attention_impl": ("full", "blockwise", "pallas"),
     "loss_chunk": (0, 5),
@@ -72,6 +75,9 @@ REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl",
            # allowed, but a pair cannot say so: bias True is left to test_moe.py)
            (("mlp", "plain"), ("n_experts", 4)), (("bias", True), ("n_experts", 4)),
            (("mlp_bias", True), ("n_experts", 4)),
+           (("rope_local_theta", 7.0), ("sliding_window", 0)), (("causal", False), ("rope_local_theta", 7.0)),
+           *((("positions", p), (name, v)) for p in ("learned", "sinusoidal")
+             for name, v in (("rope_local_theta", 7.0), ("rope_layers", (0, 1)))),
            *((("positions", p), ("rope_scaling", s)) for p in ("learned", "sinusoidal")
              for s in ("llama3", "yarn"))}
 # a bias field equal to bias is the config with None there (ModelConfig keeps one of them):
@@ -153,7 +159,8 @@ def _case_id(config):
             f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
             f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}"
             f"{f'-w{config.sliding_window}' if config.sliding_window else ''}{'-mixed' if config.layer_types else ''}"
-            f"{f'-moe{config.n_experts}-{config.router}' if config.n_experts else ''}")
+            f"{f'-moe{config.n_experts}-{config.router}' if config.n_experts else ''}"
+            f"{'-localrope' if config.rope_local_theta else ''}{'-nope' if config.rope_layers else ''}")
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c, *_ in CASES])

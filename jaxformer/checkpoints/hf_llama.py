@@ -1,6 +1,6 @@
 """Hugging Face Llama-shaped folders in and out: ``LlamaForCausalLM`` and the families that
-differ from it only in biases, QK-norm and the head width (FAMILIES: ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); config.json + safetensors (one file or
+differ from it only in biases, QK-norm, the head width and which layers slide or rotate (FAMILIES:
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``SmolLM3ForCausalLM``); config.json + safetensors (one file or
 sharded), or ``pytorch_model.bin`` read with torch.
 
     read_hf_llama(folder, dtype) -> (params, ModelConfig)
@@ -18,7 +18,8 @@ Qwen 2.5's q, k, v always and nothing else; Qwen 3's ``attention_bias``; Mistral
 ``q_norm`` and ``k_norm`` are ModelConfig.qk_norm. Sliding windows are ModelConfig.sliding_window
 and layer_types: Mistral's ``sliding_window`` on every layer; Qwen's ``use_sliding_window``,
 ``sliding_window``, ``max_window_layers`` and ``layer_types`` as their configuration classes read
-them (Llama has none: exporting a windowed model as Llama is refused). The ModelConfig remembers the family (``family``), which export writes. The rotary layout is the
+them (Llama has none: exporting a windowed model as Llama is refused); SmolLM 3's ``no_rope_layers``
+is ModelConfig.rope_layers (hf_windows.py). The ModelConfig remembers the family (``family``), which export writes. The rotary layout is the
 one transformers stores (rotate-half: feature i pairs with i + Dh/2, rotary.py), so q_proj
 and k_proj load with no permutation. ``rotary_emb.inv_freq`` buffers some older files carry
 are skipped.
@@ -37,7 +38,7 @@ from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatEr
                                             read_config_json, read_tensors)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
                                             params_out, read_flag)
-from jaxformer.checkpoints.hf_windows import mistral_windows, qwen_windows, qwen_windows_out
+from jaxformer.checkpoints.hf_windows import mistral_windows, qwen_windows, qwen_windows_out, smollm3_layers, smollm3_out
 from jaxformer.model.checks import is_int, is_number
 from jaxformer.model.config import LinearBiases, ModelConfig
 
@@ -101,7 +102,8 @@ KEYS = (
 )
 # what every Llama-shaped family is, which config.json does not record (qk_norm: by family)
 FIXED = {"norm": "pre", "norm_type": "rms", "norm_scale": True, "positions": "rope", "mlp": "gated",
-         "causal": True, "embed_scale": False, "head_bias": False, "attn_softcap": 0.0, "logit_softcap": 0.0}
+         "causal": True, "embed_scale": False, "head_bias": False, "attn_softcap": 0.0, "logit_softcap": 0.0,
+         "rope_local_theta": 0.0}
 
 
 def _llama_biases(hf: dict) -> LinearBiases:
@@ -151,6 +153,11 @@ def _qwen3_out(c, b):
     return {"attention_bias": b.qkv, **qwen_windows_out(c)}
 
 
+def _smollm3_out(c, b):
+    _need("SmolLM3", b, b._replace(out=b.qkv), "attention_bias covers q, k, v and o")
+    return {"attention_bias": b.qkv, "mlp_bias": b.mlp, **smollm3_out(c)}
+
+
 FAMILIES = {
     "llama": Family("Llama", "LlamaForCausalLM", False, _llama_biases, lambda hf, n: {}, _llama_out),
     "mistral": Family("Mistral", "MistralForCausalLM", False, lambda hf: LinearBiases(False, False, False),
@@ -160,6 +167,7 @@ FAMILIES = {
     "qwen3": Family("Qwen3", "Qwen3ForCausalLM", True,
                     lambda hf: LinearBiases(read_flag(hf, "attention_bias"), read_flag(hf, "attention_bias"), False),
                     qwen_windows, _qwen3_out),
+    "smollm3": Family("SmolLM3", "SmolLM3ForCausalLM", False, _llama_biases, smollm3_layers, _smollm3_out),
 }
 
 
@@ -284,7 +292,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     """config.json of ``config`` as its family (config.family, or Llama); ValueError naming the
     option the family cannot hold."""
     family = FAMILIES[config.family if config.family in FAMILIES else "llama"]
-    check_fixed({**FIXED, "qk_norm": family.qk_norm}, config, family.name)
+    check_fixed({**FIXED, "qk_norm": family.qk_norm, **({} if family.name == "SmolLM3" else {"rope_layers": ()})},
+                config, family.name)
     if config.activation not in ACTIVATIONS_OUT:
         raise ValueError(f"a Hugging Face {family.name} needs ModelConfig.activation one of "
                          f"{', '.join(ACTIVATIONS_OUT)}, this model has {config.activation!r}")

@@ -10,9 +10,12 @@
                  query_pre_attn_scalar^(-1/2) (attn_scalar), the attention and final softcaps
     gemma3_text  as gemma2, with Gemma's per-head QK-norm (1 + w) and no softcaps by default
 
-Sliding-window layers are read only where their window covers max_position_embeddings (then
-they are full attention), and Gemma 3's local rotary base only where it equals the global one;
-otherwise one line names the key. The tables are hf_table.py's, as hf_llama.py's.
+Gemma 2 and 3's sliding-window layers are ModelConfig.sliding_window and layer_types, as their
+configuration classes read them (layer_types, else Gemma 2 alternating sliding and full, Gemma 3
+five sliding to one full by sliding_window_pattern); Gemma 3's local rotary base
+(rope_parameters sliding_attention, or rope_local_base_freq) is ModelConfig.rope_local_theta,
+the full layers keeping rope_theta with their scaling. What a family lacks is one line naming
+the key. The tables are hf_table.py's, as hf_llama.py's.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from jaxformer.checkpoints.hf_llama import (ACTIVATIONS_IN, ACTIVATIONS_OUT, BUF
                                             config_of_tensors, rope_from_hf, rope_to_hf)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
                                             params_out, read_flag)
+from jaxformer.checkpoints.hf_windows import window_width
 from jaxformer.model.checks import is_int, is_number
 from jaxformer.model.config import ModelConfig
 
 _LAYER = "model.layers.{l}."
+SLIDE, FULL = "sliding_attention", "full_attention"
 _D = lambda c: (c.d_model,)  # noqa: E731
 _ATTN = lambda c: c.linear_biases.qkv  # noqa: E731  attention_bias: q, k, v and o alike
 
@@ -53,7 +58,9 @@ class Family(NamedTuple):
 
 
 _GEMMA = dict(norm_type="rms", norm_scale=True, norm_offset=1.0, positions="rope", mlp="gated", causal=True,
-              embed_scale=True, head_bias=False)
+              embed_scale=True, head_bias=False, rope_layers=())
+_ONE_ROPE = dict(rope_local_theta=0.0)  # no rotary base by layer kind (Gemma 3 has one)
+_NO_WINDOW = dict(sliding_window=0)  # no sliding layers (Gemma 2 and 3 have them)
 _SANDWICH = (("input_layernorm", "ln1"), ("post_attention_layernorm", "ln1_post"),
              ("pre_feedforward_layernorm", "ln2"), ("post_feedforward_layernorm", "ln2_post"))
 FAMILIES = {
@@ -62,12 +69,14 @@ FAMILIES = {
                     dict(norm="output", norm_type="rms", norm_scale=True, norm_offset=0.0, positions="rope",
                          mlp="gated", causal=True, embed_scale=False, head_bias=False, qk_norm=True,
                          qk_norm_scope="projection", attn_scalar=0.0, attn_softcap=0.0,
-                         logit_softcap=0.0), "hidden_act"),
+                         logit_softcap=0.0, rope_layers=(), **_ONE_ROPE, **_NO_WINDOW), "hidden_act"),
     "gemma": Family("Gemma", "GemmaForCausalLM",
                     (("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2")),
-                    dict(_GEMMA, norm="pre", qk_norm=False, attn_scalar=0.0, attn_softcap=0.0, logit_softcap=0.0),
+                    dict(_GEMMA, norm="pre", qk_norm=False, attn_scalar=0.0, attn_softcap=0.0, logit_softcap=0.0,
+                         **_ONE_ROPE, **_NO_WINDOW),
                     "hidden_act"),
-    "gemma2": Family("Gemma 2", "Gemma2ForCausalLM", _SANDWICH, dict(_GEMMA, norm="sandwich", qk_norm=False),
+    "gemma2": Family("Gemma 2", "Gemma2ForCausalLM", _SANDWICH,
+                     dict(_GEMMA, norm="sandwich", qk_norm=False, **_ONE_ROPE),
                      "hidden_activation"),
     "gemma3_text": Family("Gemma 3", "Gemma3ForCausalLM", _SANDWICH,
                           dict(_GEMMA, norm="sandwich", qk_norm=True, qk_norm_scope="head"), "hidden_activation"),
@@ -114,40 +123,42 @@ def _number(hf: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def _windows_cover(hf: dict, max_seq_len: int) -> None:
-    """Gemma 2 / 3's sliding layers: read only where the window covers the sequence."""
+def _gemma_windows(hf: dict, n_layers: int, pattern: int) -> dict:
+    """Gemma 2 / 3's sliding layers, as their configuration classes: layer_types as given, or
+    every ``pattern``-th layer full and the others sliding (Gemma 2: 2; Gemma 3:
+    sliding_window_pattern, default 6); a null window is one that covers the sequence."""
     if read_flag(hf, "use_bidirectional_attention"):
         raise HFFormatError("config.json: use_bidirectional_attention true is not supported (a causal decoder only)")
-    kinds = hf.get("layer_types") or ["sliding_attention"]
-    unknown = [k for k in kinds if k not in ("sliding_attention", "full_attention")]
-    if unknown:
-        raise HFFormatError(f"config.json: layer_types {unknown[0]!r} is not supported")
-    window = hf.get("sliding_window")
-    if "sliding_attention" in kinds and window is not None and not (is_int(window) and window >= max_seq_len):
-        raise HFFormatError(f"config.json: sliding_window {window!r} is shorter than max_position_embeddings "
-                            f"{max_seq_len}: its sliding-window layers are not supported here (a window that "
-                            "covers the sequence, or layer_types all 'full_attention')")
+    pattern = hf.get("sliding_window_pattern", pattern)
+    if not (is_int(pattern) and pattern >= 1):
+        raise HFFormatError(f"config.json: sliding_window_pattern must be a positive integer, got {pattern!r}")
+    types = hf.get("layer_types") or [FULL if (i + 1) % pattern == 0 else SLIDE for i in range(n_layers)]
+    if not (isinstance(types, list) and len(types) == n_layers and set(types) <= {SLIDE, FULL}):
+        raise HFFormatError(f"config.json: layer_types must list {n_layers} entries (num_hidden_layers), each "
+                            f"{SLIDE!r} or {FULL!r}, got {types!r}")
+    window = window_width(hf) or hf.get("max_position_embeddings", 2048)
+    return {"sliding_window": int(window), "layer_types": tuple(types)} if SLIDE in types else {}
 
 
-def _gemma3_rope(hf: dict) -> dict:
-    """Gemma 3's rotary fields: the full layers', where its sliding layers (if any) have the same
-    (rope_parameters by layer kind, or rope_theta and rope_local_base_freq)."""
+def _gemma3_rope(hf: dict, sliding: bool) -> dict:
+    """Gemma 3's rotary fields: the full layers' (rope_parameters full_attention, or rope_theta
+    default 1M with rope_scaling), and the sliding layers' base rope_local_theta (rope_parameters
+    sliding_attention, or rope_local_base_freq default 10k; unscaled, or the same as the full layers')."""
     rope = hf.get("rope_parameters")
     nested = isinstance(rope, dict) and "full_attention" in rope
     full = rope_from_hf({**hf, "rope_parameters": rope["full_attention"]} if nested
                         else {**hf, "rope_theta": hf.get("rope_theta", 1_000_000.0)})
-    if "sliding_attention" not in (hf.get("layer_types") or ["sliding_attention"]):
+    if not sliding:
         return full
     if nested and "sliding_attention" in rope:
-        local, key = rope_from_hf({**hf, "rope_scaling": None, "rope_parameters": rope["sliding_attention"]}), \
-            "rope_parameters sliding_attention"
-    else:
-        local, key = {**full, "rope_theta": hf.get("rope_local_base_freq", 10_000.0), "rope_scaling": "none"}, \
-            "rope_local_base_freq"
-    if local != full:
-        raise HFFormatError(f"config.json: {key} differs from the full-attention layers' rotary positions: "
-                            "a rotary base per layer kind is not supported")
-    return full
+        local = rope_from_hf({**hf, "rope_scaling": None, "rope_parameters": rope["sliding_attention"]})
+        if local == full:
+            return full
+        if local["rope_scaling"] != "none":
+            raise HFFormatError("config.json: rope_parameters sliding_attention: a scaled rotary on the sliding "
+                                "layers apart from the full layers' is not supported (rope_type 'default' only)")
+        return {**full, "rope_local_theta": local["rope_theta"]}
+    return {**full, "rope_local_theta": _number(hf, "rope_local_base_freq", 10_000.0)}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -169,12 +180,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
         n_kv = _count(hf, "num_key_value_heads", H)
         own = {}
         if kind in ("gemma2", "gemma3_text"):
-            _windows_cover(hf, fields["max_seq_len"])
+            own = _gemma_windows(hf, fields["n_layers"], 2 if kind == "gemma2" else 6)
             scalar = _number(hf, "query_pre_attn_scalar", 256.0)
-            own = dict(attn_scalar=0.0 if scalar == head_dim else scalar,
+            own.update(attn_scalar=0.0 if scalar == head_dim else scalar,
                        attn_softcap=_number(hf, "attn_logit_softcapping", 0.0),
                        logit_softcap=_number(hf, "final_logit_softcapping", 0.0))
-        rope = _gemma3_rope(hf) if kind == "gemma3_text" else rope_from_hf(hf)
+        rope = _gemma3_rope(hf, "layer_types" in own) if kind == "gemma3_text" else rope_from_hf(hf)
         biases = read_flag(hf, "attention_bias")
     except HFFormatError:
         raise
@@ -217,11 +228,13 @@ def config_to_hf(config: ModelConfig) -> dict:
         hf.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                   attn_logit_softcapping=config.attn_softcap or None,
                   final_logit_softcapping=config.logit_softcap or None,
-                  sliding_window=config.max_seq_len, layer_types=["full_attention"] * config.n_layers)
+                  sliding_window=config.sliding_window or config.max_seq_len,
+                  layer_types=[SLIDE if w else FULL for w in config.windowed_layers])
     if config.family == "gemma3_text":
         rope = hf["rope_parameters"]
-        hf["rope_parameters"] = {"full_attention": rope, "sliding_attention": dict(rope)}
-        hf["rope_local_base_freq"] = config.rope_theta
+        local = {"rope_type": "default", "rope_theta": config.rope_local_theta} if config.rope_local_theta else rope
+        hf["rope_parameters"] = {"full_attention": rope, "sliding_attention": dict(local)}
+        hf["rope_local_base_freq"] = local["rope_theta"]
     return hf
 
 

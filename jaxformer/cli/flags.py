@@ -83,9 +83,11 @@ def add_model_flags(parser: argparse.ArgumentParser, title: str = "model shape "
         elif kind is float:
             group.add_argument(flag_name(f.name), dest=f.name, default=None, type=number(float),
                                metavar="X", help=helptext)
-        elif typing.get_origin(kind) is tuple:  # layer_types: comma-separated, e.g. a,b,a
+        elif typing.get_origin(kind) is tuple:  # layer_types, rope_layers: comma-separated, e.g. a,b,a or 1,1,0
+            entry = number(int) if typing.get_args(kind)[0] is int else str
             group.add_argument(flag_name(f.name), dest=f.name, default=None, metavar="A,B,...",
-                               type=lambda text: tuple(part.strip() for part in text.split(",") if part.strip()),
+                               type=lambda text, entry=entry: tuple(entry(part.strip()) for part in text.split(",")
+                                                                    if part.strip()),
                                help=helptext)
         else:
             group.add_argument(flag_name(f.name), dest=f.name, default=None, help=helptext)

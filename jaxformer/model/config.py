@@ -29,7 +29,8 @@ ATTENTION_IMPLS = ("full", "blockwise", "pallas", "cudnn")
 REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("topk_softmax", "softmax_topk")  # MoE gates: softmax of the top-k logits | top-k of the softmax
-FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")  # Hugging Face model_types (checkpoints/hf.py)
+FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text",
+            "smollm3")  # Hugging Face model_types (checkpoints/hf.py)
 # The fields that choose how the model is computed, not what it computes: a model read
 # from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
 HOW_FIELDS = ("attention_impl", "attention_block", "pallas_block_q", "pallas_block_k", "loss_chunk",
@@ -115,6 +116,10 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0  # the load-balancing loss E sum_e f_e P_e times this joins the loss
     router_z_loss_coef: float = 0.0  # the router z-loss mean(logsumexp(logits)^2) times this joins the loss
     moe_every: int = 1  # every n-th block an MoE one; only 1 (every block) is implemented
+    # --- rotary positions by layer (Gemma 3, SmolLM 3; docs/design.md, "Rotary positions by layer")
+    rope_local_theta: float = 0.0  # the sliding-window layers' rotary base, unscaled (Gemma 3's 10k beside
+    # its global 1M); 0: those layers rotate as the others (rope_theta, rope_scaling)
+    rope_layers: tuple[int, ...] = ()  # per layer 1 (rotary positions) | 0 (none: SmolLM 3's NoPE layers); (): all 1
     family: str = ""  # the Hugging Face model_type it was imported as, which export writes; "": by its options
 
     def __post_init__(self):
@@ -134,6 +139,13 @@ class ModelConfig:
         if not self.sliding_window:
             return (False,) * self.n_layers
         return tuple(t == "sliding_attention" for t in self.layer_types or ("sliding_attention",) * self.n_layers)
+
+    @property
+    def roped_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it rotates q and k (positions "rope" and its rope_layers entry 1)."""
+        if self.positions != "rope":
+            return (False,) * self.n_layers
+        return tuple(bool(r) for r in self.rope_layers or (1,) * self.n_layers)
 
     @property
     def linear_biases(self) -> "LinearBiases":
@@ -254,6 +266,8 @@ FIELD_RULES: dict[str, Rule] = {
     "norm_topk_prob": BOOL,
     "moe_aux_loss_coef": Rule("number", low=0), "router_z_loss_coef": Rule("number", low=0),
     "moe_every": POSITIVE,
+    "rope_local_theta": Rule("number", low=0, note="0: as rope_theta and rope_scaling"),
+    "rope_layers": Rule("choices", choices=(0, 1), note="(): every layer rotates"),
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),
 }
 

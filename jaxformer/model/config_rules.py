@@ -88,6 +88,28 @@ def sliding_window_fits(c) -> None:
         object.__setattr__(c, "layer_types", ())
 
 
+def rope_by_layer_fits(c) -> None:
+    """rope_local_theta: 0 or above 1, with rotary positions and a sliding-window layer to act on,
+    0 where it is rope_theta unscaled; rope_layers one entry per layer, any 0 with rotary positions,
+    every layer 1 spelled () (one model, one config)."""
+    if c.rope_local_theta:
+        if c.rope_local_theta <= 1 or c.positions != "rope" or True not in c.windowed_layers:
+            raise ValueError(f"ModelConfig.rope_local_theta {c.rope_local_theta} (the sliding-window layers' rotary "
+                             f"base) needs a value above 1, positions 'rope' and a sliding-window layer; got "
+                             f"positions {c.positions!r}, sliding_window {c.sliding_window}, layer_types {c.layer_types}")
+        if c.rope_local_theta == c.rope_theta and c.rope_scaling == "none":
+            object.__setattr__(c, "rope_local_theta", 0.0)
+    object.__setattr__(c, "rope_layers", tuple(int(r) for r in c.rope_layers))  # True, numpy ints: 0 or 1
+    if c.rope_layers and len(c.rope_layers) != c.n_layers:
+        raise ValueError(f"ModelConfig.rope_layers has {len(c.rope_layers)} entries, n_layers is {c.n_layers}: "
+                         "one per layer, or () for every layer rotating")
+    if 0 in c.rope_layers and c.positions != "rope":
+        raise ValueError(f"ModelConfig.rope_layers {c.rope_layers} turns rotary positions off by layer: it needs "
+                         f"positions 'rope', got {c.positions!r}")
+    if c.rope_layers and set(c.rope_layers) == {1}:
+        object.__setattr__(c, "rope_layers", ())
+
+
 def biases_follow_bias(c) -> None:
     """qkv_bias, out_bias, mlp_bias: None where they equal bias, so one model has one config."""
     for name in ("qkv_bias", "out_bias", "mlp_bias"):
@@ -118,4 +140,4 @@ def experts_fit(c) -> None:
 CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads,
                      unscaled_norm_is_rms, fused_attention_has_no_dropout, cudnn_reads_half_precision,
                      rope_scaling_needs_rope, fused_attention_has_no_softcap, norm_options_fit,
-                     sliding_window_fits, experts_fit)
+                     sliding_window_fits, experts_fit, rope_by_layer_fits)

@@ -6,7 +6,9 @@ the angle t * theta^(-2i/Dh) at position t:
     y = x * cos + rotate_half(x) * sin          cos, sin (T, Dh): each angle twice, [a, a]
 
 No parameters: the tables are a function of the positions, Dh and a ``RopeSpec`` (the base
-ModelConfig.rope_theta and the scaling rule, ``rope_spec``). Applied to q and k (B, H, T, Dh)
+ModelConfig.rope_theta and the scaling rule, ``rope_spec``). Layers may differ (layer_kinds.py):
+a layer without rotary positions (rope_layers 0, SmolLM 3's NoPE layers) has no spec, and the
+sliding-window layers rotate unscaled with base rope_local_theta where it is set (Gemma 3). Applied to q and k (B, H, T, Dh)
 after their projections (and after QK-norm), so q_t . k_s depends on t - s alone.
 
 Scaling rules (ModelConfig.rope_scaling; transformers' ``rope_type``, the same formulas as
@@ -50,17 +52,31 @@ class RopeSpec(NamedTuple):
     truncate: bool = True  # yarn
 
 
+MIXED_ROPE = ("ModelConfig.rope_layers {rope} or rope_local_theta {local} with layer_types {types} gives its "
+              "layers different rotary positions: the tables take one layer's config "
+              "(jaxformer.model.layer_kinds.per_layer)")
+
+
 def rope_spec(config) -> RopeSpec | None:
-    """The rotary tables' spec a ModelConfig sets; None without rotary positions."""
-    if config.positions != "rope":
+    """The rotary tables' spec of a ModelConfig whose layers rotate alike (one layer's config,
+    layer_kinds.layer_config): None without rotary positions (positions not "rope", or its
+    rope_layers all 0); RopeSpec(rope_local_theta), unscaled, where that is set (every layer
+    then a sliding one); else rope_theta with the scaling rule. Layers that differ: ValueError."""
+    roped, windowed = set(config.roped_layers), set(config.windowed_layers)
+    if len(roped) > 1 or (config.rope_local_theta and len(windowed) > 1):
+        raise ValueError(MIXED_ROPE.format(rope=config.rope_layers, local=config.rope_local_theta,
+                                           types=config.layer_types))
+    if True not in roped:
         return None
+    if config.rope_local_theta:
+        return RopeSpec(config.rope_local_theta)
     return RopeSpec(*(getattr(config, "rope_" + name) for name in RopeSpec._fields))
 
 
 def rope_base(config) -> float:
-    """The rotary base a ModelConfig sets: rope_theta with positions "rope", else 0 (no
-    rotary positions)."""
-    return config.rope_theta if config.positions == "rope" else 0.0
+    """The rotary base a ModelConfig's layers rotate with (rope_spec's theta), 0 without rotary positions."""
+    spec = rope_spec(config)
+    return spec.theta if spec else 0.0
 
 
 def plain_inv_freq(spec: RopeSpec, head_dim: int):
