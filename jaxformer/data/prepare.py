@@ -301,7 +301,7 @@ def _write_chat(writer: ShardWriter, tok, chat, corpus: str, text_field: str, pr
             writer.add(ids, mask, (np.arange(len(ids)) == 0).astype(np.uint8))  # one conversation: its start
             bar.update(counts["documents"] - bar.n)
         writer.close()
-    extra = {"mask": True, "doc_starts": True, "chat": {"chat_template": chat.chat_template, "bos_token": chat.bos_token,
-                                    "eos_token": chat.eos_token,
-                                    "assistant_tokens": counts["assistant_tokens"]}}
+    extra = {"mask": True, "doc_starts": True,
+             "chat": {"chat_template": chat.chat_template, "bos_token": chat.bos_token,
+                      "eos_token": chat.eos_token, "assistant_tokens": counts["assistant_tokens"]}}
     return counts["documents"], counts["bytes"], extra

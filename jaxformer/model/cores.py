@@ -40,9 +40,10 @@ class AttentionSpec:
     static pytree node (no leaves), so a residual may carry it through scans and custom rules.
 
     A static masking rule (the sliding ``window``) is a field here and a line in ``allowed``;
-    the per-batch one (segment ids) is an argument of every core, ``segment_mask``; a transform of the scores is a field here and a line where the cores make
-    them (``softcap``: ``capped_scores`` here, ``capped_block_scores`` in blockwise.py; the manual
-    backwards undo it beside the softmax's). docs/design.md, "Attention", walks through them."""
+    the per-batch one (segment ids) is an argument of every core, ``segment_mask``; a
+    transform of the scores is a field here and a line where the cores make them (``softcap``:
+    ``capped_scores`` here, ``capped_block_scores`` in blockwise.py; the manual backwards undo
+    it beside the softmax's). docs/design.md, "Attention", walks through them."""
 
     causal: bool = True  # query t reads keys s <= t only
     compute_dtype: str | None = None  # the products' inputs (ModelConfig.compute_dtype); None: q's own
