@@ -181,3 +181,16 @@ def test_bad_segments_are_named():
         forward(params, inputs, config, segments=jnp.zeros((B, T - 1), jnp.int32))
     with pytest.raises(ValueError, match="segments"):
         forward(params, inputs, config, segments=jnp.zeros((B, T)))
+
+
+@pytest.mark.parametrize("platform, call", [("cuda", "@__gpu$xla.gpu.triton"), ("tpu", "@tpu_custom_call")])
+def test_segmented_kernels_lower_for_gpu_and_tpu(platform, call):
+    """jax.value_and_grad through the kernel with segment ids, exported from this CPU process:
+    the four kernels (forward, delta, dK/dV, dQ) lower as Triton / Mosaic calls."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in ("__gpu$xla.gpu.triton", "tpu_custom_call")]
+    loss = lambda q, k, v, s: CORES["pallas"].fn(q, k, v, AttentionSpec(), None, s).sum()  # noqa: E731
+    q, k = jax.ShapeDtypeStruct((1, 4, 40, 8), jnp.float32), jax.ShapeDtypeStruct((1, 2, 40, 8), jnp.float32)
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    text = jax.export.export(f, platforms=[platform], disabled_checks=checks)(
+        q, k, k, jax.ShapeDtypeStruct((1, 40), jnp.int32)).mlir_module()
+    assert text.count(call) == 4
