@@ -15,7 +15,7 @@ backward already returns Hkv heads). Dh is config.d_head (head_dim, or D / H): e
 below is read from the weights' shapes. The b* leaves are there or not as the params have them
 (ModelConfig.linear_biases: bq bk bv and bo apart).
 
-Each core has its pair ``core_fwd(q, k, v, spec, key) -> (O, res)``, ``core_bwd(res, dO) ->
+Each core has its pair ``core_fwd(q, k, v, spec, key, segments=None) -> (O, res)``, ``core_bwd(res, dO) ->
 (dq, dk, dv)``, named by attention_impl in ``MANUAL_CORES``:
     full       the probabilities P (B, H, T, T) kept (below)
     blockwise  FlashAttention-2's backward over blocks, keeping O and lse (blockwise.py)
@@ -23,7 +23,8 @@ Each core has its pair ``core_fwd(q, k, v, spec, key) -> (O, res)``, ``core_bwd(
 cudnn has none (cuDNN's kernel is differentiated by JAX's grad only) and is refused.
 
 The full core, per head (k and v repeated to the H query heads inside it, kept with Hkv):
-    S = q k^T / sqrt(Dh)                                   (B, H, T, T), masked by spec
+    S = q k^T / sqrt(Dh)                                   (B, H, T, T), masked by spec (and by
+                                                           segment ids: P = 0 across documents)
     S = c tanh(S / c)                                      only with spec.softcap c (before the mask)
     P = softmax(S)                                         (B, H, T, T)
     Pd = drop(P)                                           only with a dropout key
@@ -198,10 +199,11 @@ class FullCoreRes(NamedTuple):
     spec: AttentionSpec  # static: the products' dtype
 
 
-def full_core_fwd(q, k, v, spec: AttentionSpec, key=None):
-    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O (B, H, T, Dh), res): the model's ``full`` core."""
+def full_core_fwd(q, k, v, spec: AttentionSpec, key=None, segments=None):
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O (B, H, T, Dh), res): the model's ``full`` core
+    (``segments`` (B, T): the documents; their mask lives on in P's zeros)."""
     cd, G = spec.compute_dtype, q.shape[1] // k.shape[1]
-    probs = attention_probs(q, repeat_kv(k, G), spec)  # (B, H, T, T)
+    probs = attention_probs(q, repeat_kv(k, G), spec, 0, segments)  # (B, H, T, T)
     dropped, drop_res = dropout_fwd(probs, spec.dropout, key)  # (B, H, T, T)
     out = matmul(dropped, repeat_kv(v, G), cd)  # (B, H, T, Dh)
     q, k, v = (cast(a, cd) for a in (q, k, v))  # what the products read
@@ -238,10 +240,11 @@ def full_core_bwd(res: FullCoreRes, dout):
     return dq, sum_groups(dk, Hkv), sum_groups(dv, Hkv)
 
 
-def flash_fwd(q, k, v, spec: AttentionSpec, key=None):
+def flash_fwd(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O, FlashRes): the model's ``flash`` core,
-    the Pallas forward kernel keeping O and lse (no dropout)."""
-    return flash_core_fwd(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype, spec.window)
+    the Pallas forward kernel keeping O, lse and the segment ids (no dropout)."""
+    return flash_core_fwd(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype, spec.window,
+                          segments)
 
 
 # ----------------------------------------------------------------------------
@@ -249,7 +252,7 @@ def flash_fwd(q, k, v, spec: AttentionSpec, key=None):
 
 
 class ManualCore(NamedTuple):
-    fwd: Callable  # (q, k, v, spec, key=None) -> (O (B, H, T, Dh), res)
+    fwd: Callable  # (q, k, v, spec, key=None, segments=None) -> (O (B, H, T, Dh), res)
     bwd: Callable  # (res, dO) -> (dq, dk, dv), k's and v's heads as fwd read them
     res: type  # fwd's residual type: how attention_bwd finds bwd
 
@@ -276,15 +279,16 @@ def _proj(p, name):
     return {"w": p["w" + name], "b": p["b" + name]} if "b" + name in p else {"w": p["w" + name]}
 
 
-def attention_fwd(p, x, config, key=None):
+def attention_fwd(p, x, config, key=None, segments=None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D),
     around the core config.attention_impl names ("cudnn": ValueError, no manual backward).
-    ``key`` (full, blockwise): the probabilities' dropout key."""
+    ``key`` (full, blockwise): the probabilities' dropout key; ``segments`` (B, T): the
+    documents of a packed row (the core's residual keeps what its backward needs of them)."""
     if config.attention_impl not in MANUAL_CORES:
         raise ValueError(CUDNN_REFUSED)
     core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
     (q, k, v), heads_res = heads_fwd(p, x, config)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
-    o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key)  # (B, H, T, Dh)
+    o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key, segments)  # (B, H, T, Dh)
     h = merge_heads(o)  # (B, T, H Dh)
     y, out_res = linear_fwd(_proj(p, "o"), h, config.compute_dtype)  # (B, T, D)
     y, lora_res = adapted_fwd(p, ("wo",), h, y, config.compute_dtype)  # + LoRA's on wo

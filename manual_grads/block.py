@@ -79,11 +79,12 @@ class PostBlockRes(NamedTuple):
     drop_ffn: DropoutRes | None = None  # the feed-forward branch's
 
 
-def block_fwd(p, x, config: ModelConfig, tap=None, key=None):
+def block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
     """One block; p is one layer's slice of params["blocks"]; x (B, T, D) -> y (B, T, D).
     ``tap`` (tap.py) sees each stage: ln1, attn, attn residual, ln2, ffn, ffn residual.
-    ``key``: the layer's dropout key (None: no dropout). With n_experts y is (y, MoeStats)."""
-    y, res = (post_block_fwd if config.norm == "post" else pre_block_fwd)(p, x, config, tap, key)
+    ``key``: the layer's dropout key (None: no dropout); ``segments`` (B, T): the attention's
+    document ids (None: one document a row). With n_experts y is (y, MoeStats)."""
+    y, res = (post_block_fwd if config.norm == "post" else pre_block_fwd)(p, x, config, tap, key, segments)
     return ((y, res.ffn.stats) if config.n_experts else y), res
 
 
@@ -147,10 +148,10 @@ def _branch_bwd(norm_res, drop, name, dy, grads, tap):
     return d, d
 
 
-def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
+def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
     h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, tap)  # (B, T, D)
-    a, attn_res = attention_fwd(p["attn"], h1, config, k_probs)  # (B, T, D)
+    a, attn_res = attention_fwd(p["attn"], h1, config, k_probs, segments)  # (B, T, D)
     a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, k_attn, tap, "attn", h1, p["attn"])
     x1 = x + a  # (B, T, D)
     tap_forward(tap, "attn residual", a, x1)
@@ -182,10 +183,10 @@ def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     return grads, dx
 
 
-def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None):
+def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
     rate = config.dropout
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
-    a, attn_res = attention_fwd(p["attn"], x, config, k_probs)  # (B, T, D)
+    a, attn_res = attention_fwd(p["attn"], x, config, k_probs, segments)  # (B, T, D)
     a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
     tap_forward(tap, "attn", x, a, p["attn"])
     s1 = x + a  # (B, T, D)

@@ -8,7 +8,7 @@ projections around it, and the choice of core, are manual_grads/attention.py's.
 
 Backward, with P_ij = exp(S_ij - lse_i) recomputed one (query block, key block)
 pair at a time (pairs above the causal diagonal, or past a sliding window, skipped, as in
-the forward):
+the forward; with segment ids, pairs of two documents masked as the forward masks them):
     D_i  = rowsum(dO_i * O_i)                 = rowsum(dP_i * P_i), the softmax's correction
     dV_j += P_ij^T dO_i                       undoes O = P v
     dP_ij = dO_i v_j^T
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.blockwise import (block_size, blockwise_attention_core, capped_block_scores, clamp,
                                        from_blocks, if_visible, key_blocks, mask_block, pair_dropout,
-                                       to_blocks)
+                                       pair_segments, segment_blocks, to_blocks)
 from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.dropout import active, dropout
 from jaxformer.model.precision import matmul, stats_dtype
@@ -51,17 +51,20 @@ class BlockwiseCoreRes(NamedTuple):
     length: jax.Array  # (T,) int: arange(T); its length is T, the unpadded sequence length
     key: jax.Array | None  # the key each pair's dropout mask is redrawn from; None: no dropout
     spec: AttentionSpec  # static: the mask rule, the products' dtype, the dropout rate
+    segments: jax.Array | None = None  # (N, B, 1, K) int: segment_blocks of the document ids; None: one document
 
 
-def blockwise_core_fwd(q, k, v, spec: AttentionSpec, key=None):
+def blockwise_core_fwd(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """q, k, v (B, H, T, Dh) -> out (B, H, T, Dh), keeping blocks of q, k, v, out and lse.
     The products run in spec.compute_dtype (None: q's dtype); with a ``key`` the
-    probabilities go through dropout (the residual keeps the key, not the masks)."""
+    probabilities go through dropout (the residual keeps the key, not the masks); ``segments``
+    (B, T): the document ids (kept in blocks)."""
     T = q.shape[2]
     K = block_size(T, spec.block)
-    out, lse = blockwise_attention_core(q, k, v, spec, key)  # (B, H, T, Dh), (B, H, T)
+    out, lse = blockwise_attention_core(q, k, v, spec, key, segments)  # (B, H, T, Dh), (B, H, T)
     blocks = [to_blocks(a, K) for a in (q, k, v, out, lse)]
-    return out, BlockwiseCoreRes(*blocks, jnp.arange(T), key if active(spec.dropout, key) else None, spec)
+    return out, BlockwiseCoreRes(*blocks, jnp.arange(T), key if active(spec.dropout, key) else None, spec,
+                                 segment_blocks(segments, K))
 
 
 def _softmax_correction(dout, out):
@@ -70,15 +73,16 @@ def _softmax_correction(dout, out):
     return jnp.sum(dout.astype(f) * out.astype(f), axis=-1)
 
 
-def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, spec: AttentionSpec, key=None):
+def pair_bwd(carry, q_i, do_i, lse_i, d_i, k_j, v_j, i, j, T, spec: AttentionSpec, key=None, seg=None):
     """One (query block i, key block j) pair: add its share to dq_i, dk_j, dv_j.
     The four products run in spec.compute_dtype with float32 accumulation; ``key``: the
-    probabilities' dropout at spec.dropout, the pair's mask redrawn."""
+    probabilities' dropout at spec.dropout, the pair's mask redrawn; ``seg``: the pair's
+    segment ids (blockwise.pair_segments), or None."""
     dq_i, dk_j, dv_j = carry  # (B, H, K, Dh) each, stats_dtype
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     f, cd = dq_i.dtype, spec.compute_dtype
     s = capped_block_scores(q_i, k_j, spec)  # (B, H, K, K): S_ij, capped with spec.softcap
-    p = jnp.exp(mask_block(s, i, j, T, spec) - lse_i[..., None])  # (B, H, K, K): P_ij
+    p = jnp.exp(mask_block(s, i, j, T, spec, seg) - lse_i[..., None])  # (B, H, K, K): P_ij
     drop = pair_dropout(spec.dropout, key, i, j)
     pd = p if drop is None else dropout(p, *drop)  # (B, H, K, K): drop(P_ij), the mask redrawn
     dv_j = dv_j + matmul(jnp.swapaxes(pd, -1, -2), do_i.astype(f), cd)  # O = drop(P) v
@@ -98,7 +102,7 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
     The outer scan walks the query blocks i (emitting dq_i); the inner scan walks the
     key blocks j (``key_blocks``: those a sliding window reaches, or all), skipping j > i
     when causal, and adds into dk, dv (N, B, H, K, Dh)."""
-    qb, kb, vb, ob, lseb, length, key, spec = res
+    qb, kb, vb, ob, lseb, length, key, spec, sb = res
     T, K = length.shape[0], qb.shape[3]
     f = lseb.dtype
     dob = to_blocks(dout, K)  # (N, B, H, K, Dh); padded rows get dO = 0
@@ -114,7 +118,8 @@ def blockwise_core_bwd(res: BlockwiseCoreRes, dout):
             dq_i, dk, dv = carry
             jc = clamp(j, N)  # j itself where visible
             pair = (dq_i, dk[jc], dv[jc])
-            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[jc], vb[jc], i, j, T, spec, key)  # noqa: E731
+            add_pair = lambda c: pair_bwd(c, q_i, do_i, lse_i, d_i, kb[jc], vb[jc], i, j, T, spec, key,  # noqa: E731
+                                          pair_segments(sb, i, jc))
             dq_i, dk_j, dv_j = if_visible(i, j, spec, add_pair, pair)
             return (dq_i, dk.at[jc].set(dk_j), dv.at[jc].set(dv_j)), None
 

@@ -89,23 +89,24 @@ def activation(name: str, x):
 
 # layers with parameters: (p, x, *static) -> y, cotangents (dp, dx)
 layer_norm = _register(_ln.layer_norm_fwd, _ln.layer_norm_bwd, nondiff_argnums=(2,))
-_block_rule = _register(lambda p, x, key, config: _block.block_fwd(p, x, config, None, key),
-                        lambda res, dy: (*_block.block_bwd(res, dy), None), nondiff_argnums=(3,))
+_block_rule = _register(lambda p, x, key, segments, config: _block.block_fwd(p, x, config, None, key, segments),
+                        lambda res, dy: (*_block.block_bwd(res, dy), None, None), nondiff_argnums=(4,))
 
 
-def block(p, x, config: ModelConfig, key=None):
-    """One block, the hand-derived block_bwd its rule; ``key``: the layer's dropout key."""
-    return _block_rule(p, x, key, config)
-_attention = _register(lambda p, x, key, config: _attn.attention_fwd(p, x, config, key),
-                       lambda res, dy: (*_attn.attention_bwd(res, dy), None), nondiff_argnums=(3,))
+def block(p, x, config: ModelConfig, key=None, segments=None):
+    """One block, the hand-derived block_bwd its rule; ``key``: the layer's dropout key;
+    ``segments`` (B, T): the attention's document ids (no cotangent)."""
+    return _block_rule(p, x, key, segments, config)
+_attention = _register(lambda p, x, key, segments, config: _attn.attention_fwd(p, x, config, key, segments),
+                       lambda res, dy: (*_attn.attention_bwd(res, dy), None, None), nondiff_argnums=(4,))
 _feed_forward = _register(_mlp.feed_forward_fwd, _mlp.feed_forward_bwd, nondiff_argnums=(2, 3))
 
 
-def attention(p, x, config: ModelConfig, key=None):
+def attention(p, x, config: ModelConfig, key=None, segments=None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> (B, T, D), around
     the core config.attention_impl names (full, blockwise or pallas: those with a hand-derived
-    backward); ``key``: the probabilities' dropout key."""
-    return _attention(p, x, key, config)
+    backward); ``key``: the probabilities' dropout key; ``segments``: (B, T) document ids."""
+    return _attention(p, x, key, segments, config)
 
 
 def feed_forward(p, x, activation_name, compute_dtype=None):
@@ -128,25 +129,25 @@ def moe(p, x, config: ModelConfig):
 
 
 # remat "block": the rule keeps (p, x, key) and recomputes the block's forward in its backward
-def _remat_block_fwd(p, x, key, config):
-    y, _ = _block.block_fwd(p, x, config, None, key)
-    return y, (p, x, key)
+def _remat_block_fwd(p, x, key, segments, config):
+    y, _ = _block.block_fwd(p, x, config, None, key, segments)
+    return y, (p, x, key, segments)
 
 
 def _remat_block_bwd(config, res, dy):
-    p, x, key = res
-    _, block_res = _block.block_fwd(p, x, config, None, key)  # y = block(p, x), recomputed
-    return (*_block.block_bwd(block_res, dy), None)
+    p, x, key, segments = res
+    _, block_res = _block.block_fwd(p, x, config, None, key, segments)  # y = block(p, x), recomputed
+    return (*_block.block_bwd(block_res, dy), None, None)
 
 
-_remat_block = jax.custom_vjp(lambda p, x, key, config: _block.block_fwd(p, x, config, None, key)[0],
-                              nondiff_argnums=(3,))
+_remat_block = jax.custom_vjp(
+    lambda p, x, key, segments, config: _block.block_fwd(p, x, config, None, key, segments)[0], nondiff_argnums=(4,))
 _remat_block.defvjp(_remat_block_fwd, _remat_block_bwd)
 
 
-def remat_block(p, x, config: ModelConfig, key=None):
-    """block keeping only (p, x, key) for its backward, which recomputes the forward."""
-    return _remat_block(p, x, key, config)
+def remat_block(p, x, config: ModelConfig, key=None, segments=None):
+    """block keeping only (p, x, key, segments) for its backward, which recomputes the forward."""
+    return _remat_block(p, x, key, segments, config)
 
 # embeddings: integer ids get None
 token_embedding = _register(_emb.token_embed_fwd, _emb.token_embed_bwd)
@@ -221,14 +222,14 @@ LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_entrop
                      rms_norm, softcap)
 
 
-def features(params, inputs, config: ModelConfig, key=None):
+def features(params, inputs, config: ModelConfig, key=None, segments=None):
     """inputs int (B, T) -> the head's input (B, T, D); remat "block" uses remat_block."""
-    return transformer.features(params, inputs, config, LAYERS, key)
+    return transformer.features(params, inputs, config, LAYERS, key, segments)
 
 
-def forward(params, inputs, config: ModelConfig, key=None):
-    """inputs int (B, T) -> logits (B, T, V)."""
-    return transformer.forward(params, inputs, config, LAYERS, key)
+def forward(params, inputs, config: ModelConfig, key=None, segments=None):
+    """inputs int (B, T) -> logits (B, T, V); ``segments`` (B, T): packed documents' ids."""
+    return transformer.forward(params, inputs, config, LAYERS, key, segments)
 
 
 def loss_fn(params, batch, config: ModelConfig, key=None):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import embed_key
 from jaxformer.model.moe import ffn_output, moe_aux_loss
-from jaxformer.model.transformer import head_params
+from jaxformer.model.transformer import check_segments, head_params
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
@@ -96,7 +96,7 @@ def head_loss_bwd(res, dloss, tap=None):
 
 
 def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_stats: bool = False):
-    """(loss, grads) for batch = {"inputs", "targets", "mask"?}; grads has the tree
+    """(loss, grads) for batch = {"inputs", "targets", "mask"?, "segments"?}; grads has the tree
     structure and dtype of params. jit it with ``static_argnums=2`` (and no tap).
     ``key``: dropout's PRNG key for this step (None: no dropout), as in jaxformer.loss_fn.
 
@@ -108,6 +108,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_
     validate_params(params, config)
     check_precision(params, config)
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
+    segments = check_segments(batch.get("segments"), inputs)  # (B, T) or None: packed documents
     emb = embed_params(params)
 
     if not config.dropout:
@@ -118,7 +119,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_
     x, embed_res = embed_fwd(emb, inputs, config, None if key is None else embed_key(key, config.n_layers))
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
-    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key)  # (B, T, D); residuals (L, ...)
+    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments)  # (B, T, D); residuals (L, ...)
     x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics (L, ...)
     if config.norm != "post":
         h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
@@ -141,7 +142,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_
         dx = dh
     if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
         dx = (dx, moe_aux_loss_bwd(stats, config))
-    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key)  # (B, T, D)
+    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments)  # (B, T, D)
     d_embed, _ = embed_bwd(embed_res, dx)  # x = drop(tok_embed[inputs] + positions)
     tap_backward(tap, "embed", dx, d_embed)
     if config.tie_embeddings:  # tok_embed feeds the embedding and the head: the two gradients add

@@ -57,16 +57,17 @@ def _key(key, l):
     return None if key is None else layer_key(key, l)
 
 
-def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None):
+def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None, segments=None):
     """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), kept).
     remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D)
     (unrolled or with a tap: a list of L per-layer residuals or inputs (B, T, D)).
     ``key``: the step's dropout key (None: no dropout); layer l draws from layer_key(key, l).
-    With n_experts y is (y, the MoeStats stacked on L)."""
+    With n_experts y is (y, the MoeStats stacked on L). ``segments`` (B, T): every attention's
+    document ids (None: one document a row)."""
 
     def step(x, p, l, tap=None):
         def run(c):  # layer l's config (layer_kinds.per_layer); a scan keeps only x with mixed kinds
-            out, res = block_fwd(p, x, c, tap, _key(key, l))  # x_{l+1} = block_l(x_l)
+            out, res = block_fwd(p, x, c, tap, _key(key, l), segments)  # x_{l+1} = block_l(x_l)
             y, stats = ffn_output(out, config)
             return y, ((x if config.remat == "block" else res), stats)
         return per_layer(config, l, run)
@@ -83,7 +84,7 @@ def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None):
     return ((x, stats) if config.n_experts else x), kept
 
 
-def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None):
+def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None, segments=None):
     """dy (B, T, D) -> (dblocks with params["blocks"]' stacked layout, dx (B, T, D)):
     a reverse scan; with remat "block" each step first recomputes its block's forward
     (with the same dropout ``key``, hence the same masks). With n_experts dy is (dy, the
@@ -93,7 +94,7 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None):
     def step(dx, p, k, ds, l, tap=None):
         def run(c, k=k):  # layer l's config (layer_kinds.per_layer)
             if config.remat == "block":
-                _, k = block_fwd(p, k, c, None, _key(key, l))  # x_{l+1} = block_l(x_l), recomputed
+                _, k = block_fwd(p, k, c, None, _key(key, l), segments)  # x_{l+1} = block_l(x_l), recomputed
             dp, dx_l = block_bwd(k, dx if ds is None else (dx, ds), tap)  # x_{l+1} = block_l(x_l)
             return dx_l, dp
         return per_layer(config, l, run)

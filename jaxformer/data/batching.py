@@ -8,7 +8,10 @@ a ``Batcher`` serves training batches
     {"inputs": int32 (B, T), "targets": int32 (B, T)}    targets[:, t] == inputs[:, t + 1]
 
 plus ``"mask": int32 (B, T)`` (the loss mask of each target, 0 or 1) when the ids carry
-one (a chat data folder's shards: ``ShardedTokens.mask``, or ``mask=`` given), as a pure
+one (a chat data folder's shards: ``ShardedTokens.mask``, or ``mask=`` given), and with
+``segments=True`` ``"segments": int32 (B, T)``, each input's document within its row (0, 1,
+...: the count of document starts after the row's first token up to it), from the document
+starts a chat data folder's shards carry (``ShardedTokens.docs``), as a pure
 function of ``(seed, index)``, so a run resumed at step ``index`` sees the
 very batches an uninterrupted run would have seen. ``sequential_batches`` gives the
 validation batches, the same every time. ``random_batch`` is a batch of uniform random
@@ -74,12 +77,14 @@ class Batcher:
     """Training batches as a pure function of (seed, index); see the module docstring
     for the windowing and the without-replacement sampling."""
 
-    def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int, mask=None):
+    def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int, mask=None,
+                 segments: bool = False):
         self.batch_size = check_int("batch_size", batch_size)
         self.seq_len = check_int("seq_len", seq_len)
         self.seed = check_int("seed", seed, minimum=0)
         self.ids = _token_source(ids)  # (N,): int32 in memory, or shards.ShardedTokens (memory-mapped)
         self.mask = _mask_source(self.ids, mask)  # (N,) 0/1 loss mask of each token, or None
+        self.docs = _doc_source(self.ids, segments)  # (N,) 1 on each document's first token, or None
         n, t = len(self.ids), self.seq_len
         if n < t + 1:
             raise ValueError(
@@ -118,9 +123,9 @@ class Batcher:
         its devices); the others are left zero. None: every row."""
         starts = self.batch_starts(index)
         if rows is None:
-            return _windows(self.ids, starts, self.seq_len, self.mask)
+            return _windows(self.ids, starts, self.seq_len, self.mask, self.docs)
         rows = np.asarray(rows, dtype=np.int64)
-        part = _windows(self.ids, starts[rows], self.seq_len, self.mask)
+        part = _windows(self.ids, starts[rows], self.seq_len, self.mask, self.docs)
         out = {}
         for key, value in part.items():
             out[key] = np.zeros((self.batch_size, self.seq_len), np.int32)
@@ -169,29 +174,50 @@ def _mask_source(ids, mask):
     return found
 
 
+def _doc_source(ids, segments: bool):
+    """The document starts the shards carry when ``segments`` is asked for (None otherwise);
+    a ValueError when the ids have none."""
+    if not segments:
+        return None
+    check_doc_starts(ids)
+    return ids.docs
+
+
+def check_doc_starts(ids) -> None:
+    """A ValueError when ``ids`` carry no document starts (packed_documents needs them)."""
+    if getattr(ids, "docs", None) is None:
+        raise ValueError("packed_documents needs the document starts a chat data folder carries "
+                         "(`jaxformer prepare` of a chat JSONL file, then --data DATA_DIR)")
+
+
 def _gather(ids, starts: np.ndarray, length: int) -> np.ndarray:
     if isinstance(ids, ShardedTokens):
         return ids.rows(starts, length)  # (B, length), read from the mapped shards
     return ids[starts[:, None] + np.arange(length)]  # (B, length)
 
 
-def _windows(ids, starts: np.ndarray, seq_len: int, mask=None) -> dict:
+def _windows(ids, starts: np.ndarray, seq_len: int, mask=None, docs=None) -> dict:
     rows = _gather(ids, starts, seq_len + 1)  # (B, T + 1)
     out = {"inputs": np.ascontiguousarray(rows[:, :-1]),
            "targets": np.ascontiguousarray(rows[:, 1:])}
     if mask is not None:  # the mask of each target token
         out["mask"] = np.ascontiguousarray(_gather(mask, starts, seq_len + 1)[:, 1:], dtype=np.int32)
+    if docs is not None:  # the document of each input token: starts counted along the row
+        first = _gather(docs, starts, seq_len)  # (B, T)
+        first[:, 0] = 0  # the row's first token continues whatever document it is in
+        out["segments"] = np.cumsum(first, axis=1, dtype=np.int32)
     return out
 
 
 def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
-                       max_batches: int | None = None, mask=None) -> Iterator[dict]:
+                       max_batches: int | None = None, mask=None, segments: bool = False) -> Iterator[dict]:
     """Evaluation batches: the windows of ``Batcher`` (stride T, no offset) in corpus
     order, B at a time, so a validation loss is the same every time it is computed.
 
     Only full batches are yielded, except that a corpus with fewer than B windows gives
     one smaller batch of all of them. ValueError when ids hold fewer than T + 1 tokens.
-    ``mask`` (or the mask of memory-mapped chat shards): each batch's "mask".
+    ``mask`` (or the mask of memory-mapped chat shards): each batch's "mask"; ``segments``:
+    each batch's "segments", as Batcher's.
     """
     batch_size = check_int("batch_size", batch_size)
     seq_len = check_int("seq_len", seq_len)
@@ -199,6 +225,7 @@ def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
         max_batches = check_int("max_batches", max_batches)
     arr = _token_source(ids)
     mask = _mask_source(arr, mask)
+    docs = _doc_source(arr, segments)
     if len(arr) < seq_len + 1:
         raise ValueError(
             f"corpus too short: {len(arr)} tokens, need at least seq_len + 1 = {seq_len + 1}"
@@ -208,4 +235,4 @@ def sequential_batches(ids: np.ndarray, batch_size: int, seq_len: int,
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     for k in range(n_batches):
-        yield _windows(arr, starts[k * batch_size:(k + 1) * batch_size], seq_len, mask)
+        yield _windows(arr, starts[k * batch_size:(k + 1) * batch_size], seq_len, mask, docs)

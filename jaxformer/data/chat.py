@@ -188,13 +188,15 @@ def check_template(chat, tokenizer_spec) -> None:
 
 
 def chat_stream(chat, spec: str, counts: dict) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(ids, mask) of every conversation of ``spec``, joined by the tokenizer's end-of-text
-    id (mask 0); ``counts`` gets "documents", "bytes" and "assistant_tokens"."""
+    """(ids, mask) of every conversation of ``spec``, one conversation a pair, joined by the
+    tokenizer's end-of-text id (mask 0), which opens each conversation but the first (so a
+    document's first token is where a packed row's next segment starts); ``counts`` gets
+    "documents", "bytes" and "assistant_tokens"."""
     eot = getattr(chat.tokenizer, "eot_id", None)
     for where, messages in chat_records(spec):
-        if counts["documents"] and eot is not None:
-            yield np.array([eot], np.int32), np.zeros(1, np.uint8)
         ids, mask = encode_conversation(chat, messages, where)
+        if counts["documents"] and eot is not None:
+            ids, mask = np.concatenate([[eot], ids]).astype(np.int32), np.concatenate([[0], mask]).astype(np.uint8)
         counts["documents"] += 1
         counts["bytes"] += sum(len(m["content"].encode("utf-8")) for m in messages)
         counts["assistant_tokens"] += int(mask.sum())

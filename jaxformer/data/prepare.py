@@ -130,27 +130,31 @@ class ShardWriter:
 
     def __init__(self, out: Path, dtype: np.dtype, span: int, val_fraction: float):
         self.out, self.dtype, self.span, self.val_fraction = out, dtype, span, val_fraction
-        self.parts, self.masks, self.held = [], [], 0
+        self.parts, self.masks, self.docs, self.held = [], [], [], 0
         self.written = {split: [] for split in shards.SPLITS}
 
-    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None, doc: np.ndarray | None = None) -> None:
+        """ids, their loss mask (chat data) and their document starts (1 on a document's first
+        token; chat data), the last two uint8 or None."""
         self.parts.append(ids.astype(self.dtype))
-        if mask is not None:
-            self.masks.append(np.asarray(mask, np.uint8))
+        for held, side in ((self.masks, mask), (self.docs, doc)):
+            if side is not None:
+                held.append(np.asarray(side, np.uint8))
         self.held += len(ids)
         while self.held >= self.span:
             whole = np.concatenate(self.parts)
-            masks = np.concatenate(self.masks) if self.masks else None
-            self._write_span(whole[:self.span], None if masks is None else masks[:self.span])
+            masks, docs = (np.concatenate(h) if h else None for h in (self.masks, self.docs))
+            self._write_span(whole[:self.span], *(None if a is None else a[:self.span] for a in (masks, docs)))
             self.parts, self.held = [whole[self.span:]], len(whole) - self.span
-            self.masks = [] if masks is None else [masks[self.span:]]
+            self.masks, self.docs = ([] if a is None else [a[self.span:]] for a in (masks, docs))
 
     def close(self) -> None:
         if self.held:
-            self._write_span(np.concatenate(self.parts), np.concatenate(self.masks) if self.masks else None)
-        self.parts, self.masks, self.held = [], [], 0
+            self._write_span(np.concatenate(self.parts), *(np.concatenate(h) if h else None
+                                                          for h in (self.masks, self.docs)))
+        self.parts, self.masks, self.docs, self.held = [], [], [], 0
 
-    def _write_span(self, ids: np.ndarray, mask: np.ndarray | None) -> None:
+    def _write_span(self, ids: np.ndarray, mask: np.ndarray | None, doc: np.ndarray | None = None) -> None:
         n_val = int(len(ids) * self.val_fraction)
         for split, cut in (("train", slice(0, len(ids) - n_val)), ("val", slice(len(ids) - n_val, len(ids)))):
             part = ids[cut]
@@ -165,11 +169,16 @@ class ShardWriter:
                 bits = np.ascontiguousarray(mask[cut], dtype=np.uint8).tobytes()
                 shards.write_atomic(self.out / shards.mask_name(split, k), bits)
                 entry.update(mask_file=shards.mask_name(split, k), mask_sha256=hashlib.sha256(bits).hexdigest())
+            if doc is not None:
+                bits = np.ascontiguousarray(doc[cut], dtype=np.uint8).tobytes()
+                shards.write_atomic(self.out / shards.doc_name(split, k), bits)
+                entry.update(doc_file=shards.doc_name(split, k), doc_sha256=hashlib.sha256(bits).hexdigest())
             self.written[split].append(entry)
 
 
 def _leftovers(out: Path) -> list[Path]:
-    names = ("train_*.bin", "val_*.bin", "train_*.mask", "val_*.mask", ".*.tmp", shards.TOKENIZER_FILE)
+    names = ("train_*.bin", "val_*.bin", "train_*.mask", "val_*.mask", "train_*.doc", "val_*.doc", ".*.tmp",
+             shards.TOKENIZER_FILE)
     return sorted(p for pattern in names for p in out.glob(pattern))
 
 
@@ -289,10 +298,10 @@ def _write_chat(writer: ShardWriter, tok, chat, corpus: str, text_field: str, pr
     counts = {"documents": 0, "bytes": 0, "assistant_tokens": 0}
     with tqdm(unit=" conversations", disable=not progress, desc="rendering", dynamic_ncols=True) as bar:
         for ids, mask in chat_data.chat_stream(chat, corpus, counts):
-            writer.add(ids, mask)
+            writer.add(ids, mask, (np.arange(len(ids)) == 0).astype(np.uint8))  # one conversation: its start
             bar.update(counts["documents"] - bar.n)
         writer.close()
-    extra = {"mask": True, "chat": {"chat_template": chat.chat_template, "bos_token": chat.bos_token,
-                                    "eos_token": chat.eos_token,
-                                    "assistant_tokens": counts["assistant_tokens"]}}
+    extra = {"mask": True, "doc_starts": True,
+             "chat": {"chat_template": chat.chat_template, "bos_token": chat.bos_token,
+                      "eos_token": chat.eos_token, "assistant_tokens": counts["assistant_tokens"]}}
     return counts["documents"], counts["bytes"], extra

@@ -7,13 +7,16 @@ Layout of DATA_DIR (written by ``prepare.prepare``)::
     train_00000.bin    token ids, flat, little-endian ``dtype`` (uint16 or uint32)
     val_00000.bin      ...
     train_00000.mask   chat data only: the loss mask of each token, uint8 0/1, one byte a token
+    train_00000.doc    chat data only: 1 on each document's (conversation's) first token, else 0
 
 meta.json fields: ``format`` ("jaxformer-shards"), ``version`` (1), ``dtype``,
 ``tokenizer`` (its ``to_dict``, as runs save it), ``vocab_size``, ``source`` (corpus
 spec, text field, val fraction, shard tokens), ``documents`` and ``bytes`` (of UTF-8 text) read,
 ``splits``: {"train"|"val": {"tokens": n, "shards": [{"file", "tokens", "sha256"}]}}.
 Chat data (data/chat.py) adds ``mask`` (true), ``chat`` (the template and counts) and, per
-shard, ``mask_file`` and ``mask_sha256``; a folder without them has no mask.
+shard, ``mask_file`` and ``mask_sha256``; a folder without them has no mask. ``doc_starts``
+(true) with ``doc_file`` and ``doc_sha256`` per shard: the document starts, from which the
+batcher numbers each row's documents (packed-document attention, batch["segments"]).
 
 ``open_split`` maps a split's shards (``np.memmap``, nothing read until a window is
 asked for) as one ``ShardedTokens`` sequence (its ``mask``: the masks the same way, or
@@ -41,6 +44,10 @@ def mask_name(split: str, k: int) -> str:
     return f"{split}_{k:05d}.mask"
 
 
+def doc_name(split: str, k: int) -> str:
+    return f"{split}_{k:05d}.doc"
+
+
 def _files(meta: dict, split: str):
     """(file, bytes, sha256, what it holds) of each shard of a split and of its mask."""
     itemsize = np.dtype(meta["dtype"]).itemsize
@@ -49,6 +56,8 @@ def _files(meta: dict, split: str):
         yield shard["file"], n * itemsize, shard["sha256"], f"{n} {meta['dtype']} tokens"
         if "mask_file" in shard:
             yield shard["mask_file"], n, shard["mask_sha256"], f"the uint8 mask of {n} tokens"
+        if "doc_file" in shard:
+            yield shard["doc_file"], n, shard["doc_sha256"], f"the uint8 document starts of {n} tokens"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -134,10 +143,12 @@ class ShardedTokens:
 
     ``rows(starts, length)`` gathers int32 (len(starts), length) windows, a window
     running across a shard's end continuing in the next shard. ``mask``: the loss mask
-    of each token (a ShardedTokens of 0/1, the same length), or None."""
+    of each token (a ShardedTokens of 0/1, the same length), or None; ``docs``: 1 on each
+    document's first token (the same way), or None."""
 
-    def __init__(self, arrays: list[np.ndarray], mask: "ShardedTokens | None" = None):
-        self.mask = mask
+    def __init__(self, arrays: list[np.ndarray], mask: "ShardedTokens | None" = None,
+                 docs: "ShardedTokens | None" = None):
+        self.mask, self.docs = mask, docs
         if mask is not None and len(mask) != sum(len(a) for a in arrays):
             raise ValueError(f"the mask holds {len(mask)} entries for {sum(len(a) for a in arrays)} tokens")
         self.arrays = [a for a in arrays if len(a)]
@@ -174,8 +185,9 @@ def open_split(data_dir, meta: dict, split: str) -> ShardedTokens:
     listed = [s for s in meta["splits"][split]["shards"] if s["tokens"]]
     arrays = [np.memmap(Path(data_dir) / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
               for s in listed]
-    mask = None
-    if meta.get("mask"):
-        mask = ShardedTokens([np.memmap(Path(data_dir) / s["mask_file"], dtype=np.uint8, mode="r",
+    def side(field):
+        return ShardedTokens([np.memmap(Path(data_dir) / s[field], dtype=np.uint8, mode="r",
                                         shape=(s["tokens"],)) for s in listed])
-    return ShardedTokens(arrays, mask)
+
+    return ShardedTokens(arrays, side("mask_file") if meta.get("mask") else None,
+                         side("doc_file") if meta.get("doc_starts") else None)

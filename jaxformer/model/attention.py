@@ -37,7 +37,7 @@ from jaxformer.model.rotary import apply_rope, rope_spec, rope_tables
 
 
 class Core(NamedTuple):
-    fn: Callable  # (q, k, v, spec, key=None) -> out (B, H, T, Dh)
+    fn: Callable  # (q, k, v, spec, key=None, segments=None) -> out (B, H, T, Dh)
     grouped: bool  # reads k, v with their Hkv heads; False: k, v repeated to H heads first
 
 
@@ -174,12 +174,18 @@ def attention_out(p, out, compute_dtype=None):
     return adapted(p, ("wo",), h, linear(h, p["wo"], p.get("bo"), compute_dtype), compute_dtype)
 
 
-def attention(p, x, config, key=None, core: Core | None = None):
+def segment_args(segments) -> tuple:
+    """A core's trailing arguments for ``segments``: () for None, so a core without them runs."""
+    return () if segments is None else (segments,)
+
+
+def attention(p, x, config, key=None, core: Core | None = None, segments=None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?} (bq bk bv, bo present as
     config.linear_biases says);
     x (B, T, D) -> (B, T, D). ``core``: CORES[config.attention_impl] unless given; ``key``
-    (full, blockwise): the probabilities' dropout at config.dropout."""
+    (full, blockwise): the probabilities' dropout at config.dropout; ``segments`` (B, T) int:
+    each position's document in a packed row (another document's keys masked; None: one)."""
     core = core or CORES[config.attention_impl]
     q, k, v = attention_qkv(p, x, config)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
-    out = core.fn(q, *core_kv(core, q, k, v), attention_spec(config), key)  # (B, H, T, Dh)
+    out = core.fn(q, *core_kv(core, q, k, v), attention_spec(config), key, *segment_args(segments))  # (B, H, T, Dh)
     return attention_out(p, out, config.compute_dtype)

@@ -25,6 +25,7 @@ backward's mirror of this composition is manual_grads/block.py.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -67,10 +68,10 @@ def output_norms(config: ModelConfig) -> bool:
     return config.norm in ("output", "sandwich")
 
 
-def model_attention(p, x, config: ModelConfig, key=None):
+def model_attention(p, x, config: ModelConfig, key=None, segments=None):
     """attention with the core config.attention_impl names, and no aux: (y, None).
-    ``key``: the probabilities' dropout key (None: no dropout)."""
-    return attention(p, x, config, key), None
+    ``key``: the probabilities' dropout key (None: no dropout); ``segments`` (B, T): document ids."""
+    return attention(p, x, config, key, segments=segments), None
 
 
 def model_feed_forward(p, x, config: ModelConfig):
@@ -84,9 +85,10 @@ def model_feed_forward(p, x, config: ModelConfig):
 BLOCK_LAYERS = BlockLayers(model_attention, model_feed_forward, layer_norm, rms_norm)
 
 
-def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None):
+def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None, segments=None):
     """One block of ``layers``; p is one layer's slice of params["blocks"]; x (B, T, D).
-    ``key``: this layer's dropout key (None: no dropout; a key needs config.dropout > 0).
+    ``key``: this layer's dropout key (None: no dropout; a key needs config.dropout > 0);
+    ``segments`` (B, T): the attention's document ids, passed as its keyword where given.
     Returns (y (B, T, D), the aux that layers.attention returned beside its output); with
     n_experts the aux is (attention's aux, the MoE layer's MoeStats)."""
     attn, ffn = layers.attention, layers.feed_forward
@@ -97,6 +99,8 @@ def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS,
         attn_args = ()
     else:
         attn_args = (sub_key(key, ATTN_PROBS),)
+    if segments is not None:
+        attn = functools.partial(attn, segments=segments)
     drop_a = lambda y: dropout(y, rate, sub_key(key, ATTN_OUT))  # noqa: E731
     drop_f = lambda y: dropout(y, rate, sub_key(key, FFN_OUT))  # noqa: E731
     if config.norm == "pre":
@@ -118,14 +122,15 @@ def compose_block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS,
     return x, ((aux, stats) if config.n_experts else aux)
 
 
-def block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None):
+def block(p, x, config: ModelConfig, layers: BlockLayers = BLOCK_LAYERS, key=None, segments=None):
     """One transformer block. p is one layer's slice of params["blocks"]; x (B, T, D) -> (B, T, D).
-    ``key``: the layer's dropout key, or None. With n_experts: (y, MoeStats)."""
-    y, aux = compose_block(p, x, config, layers, key)
+    ``key``: the layer's dropout key, or None; ``segments`` (B, T): document ids, or None.
+    With n_experts: (y, MoeStats)."""
+    y, aux = compose_block(p, x, config, layers, key, segments)
     return (y, aux[1]) if config.n_experts else y
 
 
-def remat_block(p, x, config: ModelConfig, key=None):
+def remat_block(p, x, config: ModelConfig, key=None, segments=None):
     """block under ``jax.checkpoint`` (remat "block"): JAX's grad keeps only (p, x, key) and
     recomputes the block's forward (the same dropout masks) in the backward."""
-    return jax.checkpoint(lambda p, x, key: block(p, x, config, key=key))(p, x, key)
+    return jax.checkpoint(lambda p, x, key, s: block(p, x, config, key=key, segments=s))(p, x, key, segments)

@@ -8,7 +8,8 @@ block i, an online softmax runs over the key blocks j: it keeps the row max m,
 the row sum l of exp(s - m) and the unnormalized output acc, rescaling them as
 each block raises the max. With ``causal`` the key blocks above the diagonal
 (j > i) are skipped by a ``lax.cond``, never computed; padded keys are masked, and so
-is every pair the spec refuses (``AttentionSpec.allowed``). With a sliding window W
+is every pair the spec refuses (``AttentionSpec.allowed``) and, with segment ids (packed
+documents), every pair of two documents (``segment_blocks``: each block's ids beside it). With a sliding window W
 (spec.window) query block i walks only the key blocks the window reaches
 (``key_blocks``: ceil((W - 1) / K) + 1 of them), so the work is O(T W), not O(T^2). With spec.softcap the
 scores are capped, s -> c tanh(s / c), before the mask (``capped_block_scores``).
@@ -107,9 +108,17 @@ def capped_block_scores(q_i, k_j, spec: AttentionSpec):
     return s  # (B, H, K, K)
 
 
-def mask_block(s, i, j, T: int, spec: AttentionSpec):
+def segment_blocks(segments, K: int):
+    """segments (B, T) int -> (N, B, 1, K) as to_blocks cuts q (padding -1), or None."""
+    if segments is None:
+        return None
+    return to_blocks(segments[:, None, :, None] + 1, K)[..., 0] - 1
+
+
+def mask_block(s, i, j, T: int, spec: AttentionSpec, seg=None):
     """The scores s (B, H, K, K) of block pair (i, j), -inf where the key is padding
-    (position >= T) or spec.allowed refuses the pair (causal: the future)."""
+    (position >= T) or spec.allowed refuses the pair (causal: the future), or with ``seg``
+    (query block i's and key block j's segment ids, (B, 1, K) each) where the two differ."""
     K = s.shape[-1]
     q_pos = i * K + jnp.arange(K)[:, None]  # (K, 1)
     k_pos = j * K + jnp.arange(K)[None, :]  # (1, K)
@@ -117,13 +126,15 @@ def mask_block(s, i, j, T: int, spec: AttentionSpec):
     rule = spec.allowed(q_pos, k_pos)
     if rule is not None:
         allowed = allowed & rule  # (K, K)
+    if seg is not None:
+        allowed = allowed & (seg[0][..., :, None] == seg[1][..., None, :])  # (B, 1, K, K)
     return jnp.where(allowed, s, -jnp.inf)
 
 
-def block_scores(q_i, k_j, i, j, T: int, spec: AttentionSpec):
+def block_scores(q_i, k_j, i, j, T: int, spec: AttentionSpec, seg=None):
     """q_i, k_j (B, H, K, Dh) -> s (B, H, K, K) = q_i k_j^T / sqrt(Dh) in stats_dtype (capped
-    with spec.softcap), -inf where mask_block masks the pair."""
-    return mask_block(capped_block_scores(q_i, k_j, spec), i, j, T, spec)
+    with spec.softcap), -inf where mask_block masks the pair (``seg`` as there)."""
+    return mask_block(capped_block_scores(q_i, k_j, spec), i, j, T, spec, seg)
 
 
 def online_softmax_step(carry, s, v_j, compute_dtype=None, drop=None):
@@ -153,8 +164,15 @@ def pair_dropout(rate, key, i, j):
     return rate, block_pair_key(key, i, j)
 
 
-def _query_block(q_i, i, kb, vb, T: int, spec: AttentionSpec, key=None):
-    """One query block i against every visible key block: (out_i (B, H, K, Dh), lse_i (B, H, K))."""
+def pair_segments(sb, i, j):
+    """(query block i's ids, key block j's ids), (B, 1, K) each, from segment_blocks' sb
+    (N, B, 1, K); None without segments. j: an index made safe with ``clamp``."""
+    return None if sb is None else (sb[i], sb[j])
+
+
+def _query_block(q_i, i, kb, vb, T: int, spec: AttentionSpec, key=None, sb=None):
+    """One query block i against every visible key block: (out_i (B, H, K, Dh), lse_i (B, H, K)).
+    ``sb``: segment_blocks of the segment ids, or None."""
     f = stats_dtype(q_i.dtype)
     shape = q_i.shape[:-1]  # (B, H, K)
     init = (jnp.full(shape, -jnp.inf, f), jnp.zeros(shape, f), jnp.zeros(q_i.shape, f))
@@ -164,7 +182,7 @@ def _query_block(q_i, i, kb, vb, T: int, spec: AttentionSpec, key=None):
     def key_step(carry, j):
         def update(c):
             k_j, v_j = kb[clamp(j, N)], vb[clamp(j, N)]  # (B, H, K, Dh)
-            s = block_scores(q_i, k_j, i, j, T, spec)  # (B, H, K, K)
+            s = block_scores(q_i, k_j, i, j, T, spec, pair_segments(sb, i, clamp(j, N)))
             return online_softmax_step(c, s, v_j, spec.compute_dtype, pair_dropout(spec.dropout, key, i, j))
 
         return if_visible(i, j, spec, update, carry), None
@@ -176,28 +194,30 @@ def _query_block(q_i, i, kb, vb, T: int, spec: AttentionSpec, key=None):
     return (acc / l[..., None]).astype(q_i.dtype), m + jnp.log(l)
 
 
-def blockwise_attention_core(q, k, v, spec: AttentionSpec, key=None):
+def blockwise_attention_core(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """q, k, v (B, H, T, Dh) -> (out (B, H, T, Dh), lse (B, H, T) in stats_dtype).
 
     out = softmax(q k^T / sqrt(Dh)) v (the pairs spec.allowed refuses masked), computed
     K = spec.block query rows and K keys at a time; lse is each row's log-sum-exp of the
     scores. The products run in spec.compute_dtype (None: the inputs' own dtype). With a
     ``key`` the probabilities go through dropout at spec.dropout, block pair (i, j)'s mask
-    drawn from block_pair_key(key, i, j); lse stays that of the undropped scores.
+    drawn from block_pair_key(key, i, j); lse stays that of the undropped scores. ``segments``
+    (B, T): each position's document; a query reads only its own document's keys.
     """
     T = q.shape[2]
     K = block_size(T, spec.block)
     qb, kb, vb = to_blocks(q, K), to_blocks(k, K), to_blocks(v, K)  # (N, B, H, K, Dh)
+    sb = segment_blocks(segments, K)  # (N, B, 1, K) or None
 
     def query_step(_, xs):
         q_i, i = xs
-        return None, _query_block(q_i, i, kb, vb, T, spec, key)
+        return None, _query_block(q_i, i, kb, vb, T, spec, key, sb)
 
     _, (ob, lseb) = jax.lax.scan(query_step, None, (qb, jnp.arange(qb.shape[0])))
     return from_blocks(ob, T), from_blocks(lseb, T)
 
 
-def blockwise(q, k, v, spec: AttentionSpec, key=None):
+def blockwise(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """The blockwise core: q, k, v (B, H, T, Dh) -> out (B, H, T, Dh), blockwise_attention_core's
-    output without its lse."""
-    return blockwise_attention_core(q, k, v, spec, key)[0]
+    output without its lse (``segments``: (B, T) document ids, or None)."""
+    return blockwise_attention_core(q, k, v, spec, key, segments)[0]

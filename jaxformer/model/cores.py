@@ -1,12 +1,15 @@
 """Attention cores: out = softmax(q k^T / sqrt(Dh)) v, and the one description they share.
 
-A core is ``core(q, k, v, spec, key=None) -> out``: q (B, H, T, Dh), k and v (B, H, T, Dh)
+A core is ``core(q, k, v, spec, key=None, segments=None) -> out``: q (B, H, T, Dh), k and v (B, H, T, Dh)
 or, for a core that reads grouped heads, (B, Hkv, T, Dh); out (B, H, T, Dh). It knows
 nothing of projections, QK-norm or rotary positions (attention.py writes those once,
 around whichever core). ``spec`` (an AttentionSpec) is everything else a core reads:
 the mask rule, the products' dtype, the tiles, the probabilities' dropout rate, the
 scores' softcap; ``key``
-(full, blockwise) is the dropout key, None for no dropout.
+(full, blockwise) is the dropout key, None for no dropout; ``segments`` (B, T) int, or None,
+the document each position belongs to (packed rows: a query reads only the keys of its own
+document, on top of spec's rule; ``segment_mask``). Segments are batch data, not a static
+spec field, so they travel beside the spec.
 
 The cores: ``full`` (the (B, H, T, T) probabilities, here), ``blockwise`` (an online
 softmax over key blocks, blockwise.py), ``flash`` (the same as Pallas kernels,
@@ -36,10 +39,11 @@ class AttentionSpec:
     """What a core reads besides q, k and v. Frozen and hashable: a jit static argument, and a
     static pytree node (no leaves), so a residual may carry it through scans and custom rules.
 
-    A masking rule (the sliding ``window``; segment ids would be another) is a field here
-    and a line in ``allowed``; a transform of the scores is a field here and a line where the cores make
-    them (``softcap``: ``capped_scores`` here, ``capped_block_scores`` in blockwise.py; the manual
-    backwards undo it beside the softmax's). docs/design.md, "Attention", walks through them."""
+    A static masking rule (the sliding ``window``) is a field here and a line in ``allowed``;
+    the per-batch one (segment ids) is an argument of every core, ``segment_mask``; a
+    transform of the scores is a field here and a line where the cores make them (``softcap``:
+    ``capped_scores`` here, ``capped_block_scores`` in blockwise.py; the manual backwards undo
+    it beside the softmax's). docs/design.md, "Attention", walks through them."""
 
     causal: bool = True  # query t reads keys s <= t only
     compute_dtype: str | None = None  # the products' inputs (ModelConfig.compute_dtype); None: q's own
@@ -63,6 +67,22 @@ class AttentionSpec:
         if self.window:
             return (k_pos <= q_pos) & (k_pos > q_pos - self.window)
         return k_pos <= q_pos
+
+
+def segment_mask(q_seg, k_seg):
+    """Whether each query may read each key by their documents: q_seg (B, Tq), k_seg (B, Tk)
+    int -> (B, 1, Tq, Tk) bool, True where the two ids are equal (the head axis broadcasts)."""
+    return (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+
+
+def with_segments(mask, segments, start=0, Tq=None):
+    """``mask`` (spec.allowed's, or None) and, with ``segments`` (B, Tk), the segment_mask of
+    queries start .. start + Tq - 1 against every key: a bool array, or None when both are None."""
+    if segments is None:
+        return mask
+    Tq = segments.shape[1] - start if Tq is None else Tq
+    seg = segment_mask(jax.lax.dynamic_slice_in_dim(segments, start, Tq, axis=1), segments)
+    return seg if mask is None else mask & seg
 
 
 def repeat_kv(x, groups):
@@ -95,22 +115,25 @@ def masked_softmax(scores, mask=None):
     return e / jnp.sum(e, axis=-1, keepdims=True)
 
 
-def attention_probs(q, k, spec: AttentionSpec, start=0):
+def attention_probs(q, k, spec: AttentionSpec, start=0, segments=None):
     """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> softmax(q k^T / sqrt(Dh)) (B, H, Tq, Tk) (the
     scores capped first with spec.softcap), the pairs spec.allowed refuses masked; query i
-    sits at position start + i, key s at s (a decoder's cache: start > 0). q k^T runs in
-    spec.compute_dtype, the softmax in float32 or wider."""
+    sits at position start + i, key s at s (a decoder's cache: start > 0). ``segments`` (B, Tk):
+    keys of another document masked too. q k^T runs in spec.compute_dtype, the softmax in
+    float32 or wider."""
     scores = capped_scores(q, k, spec)  # (B, H, Tq, Tk)
     q_pos = start + jnp.arange(q.shape[-2])[:, None]  # (Tq, 1)
-    return masked_softmax(scores, spec.allowed(q_pos, jnp.arange(k.shape[-2])[None, :]))
+    mask = spec.allowed(q_pos, jnp.arange(k.shape[-2])[None, :])  # (Tq, Tk) or None
+    return masked_softmax(scores, with_segments(mask, segments, start, q.shape[-2]))
 
 
-def full(q, k, v, spec: AttentionSpec, key=None):
+def full(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> drop(softmax(q k^T / sqrt(Dh))) v (B, H, T, Dh),
     the (B, H, T, T) probabilities formed whole, k and v repeated to the H query heads here
-    (so that a residual keeps their Hkv heads); ``key``: the probabilities' dropout at spec.dropout."""
+    (so that a residual keeps their Hkv heads); ``key``: the probabilities' dropout at spec.dropout;
+    ``segments`` (B, T): each position's document (another document's keys masked)."""
     G = q.shape[1] // k.shape[1]
-    probs = dropout(attention_probs(q, repeat_kv(k, G), spec), spec.dropout, key)  # (B, H, T, T)
+    probs = dropout(attention_probs(q, repeat_kv(k, G), spec, 0, segments), spec.dropout, key)  # (B, H, T, T)
     return matmul(probs, repeat_kv(v, G), spec.compute_dtype)
 
 
@@ -121,12 +144,14 @@ def check_uncapped(spec: AttentionSpec, impl: str) -> None:
                          "fused kernel takes no softcap); use 'full' or 'blockwise'")
 
 
-def flash(q, k, v, spec: AttentionSpec, key=None):
+def flash(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, T, Dh): the Pallas kernels
     (jaxformer.kernels.pallas.flash_attention, its backward the hand-written kernels), tiles
-    spec.block_q x spec.block_k. No dropout, no softcap (ModelConfig refuses them)."""
+    spec.block_q x spec.block_k; ``segments`` (B, T): the kernels mask other documents' keys
+    tile by tile. No dropout, no softcap (ModelConfig refuses them)."""
     check_uncapped(spec, "pallas")
-    return flash_attention(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype, spec.window)
+    return flash_attention(q, k, v, spec.causal, spec.block_q, spec.block_k, spec.compute_dtype, spec.window,
+                           segments)
 
 
 # ----------------------------------------------------------------------------
@@ -144,15 +169,18 @@ def check_cudnn(products_dtype) -> None:
                          f"{jnp.dtype(products_dtype).name}: set compute_dtype='bfloat16'")
 
 
-def cudnn(q, k, v, spec: AttentionSpec, key=None):
+def cudnn(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, T, Dh): jax.nn.dot_product_attention's
     cuDNN implementation (lowered for cuda only, bfloat16 or float16 products; JAX's grad
-    only). No dropout, no softcap (ModelConfig refuses them)."""
+    only). ``segments`` (B, T) go in as its boolean ``mask`` (B, 1, T, T) (cuDNN adds it as a
+    bias: a (B, T, T) array, unlike the other cores). No dropout, no softcap (ModelConfig
+    refuses them)."""
     check_uncapped(spec, "cudnn")
     dtype = jnp.dtype(spec.compute_dtype or q.dtype)
     check_cudnn(dtype)
     q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
-    return jnp.swapaxes(cudnn_core(q, k, v, spec.causal, spec.window), 1, 2)  # (B, H, T, Dh)
+    mask = None if segments is None else segment_mask(segments, segments)  # (B, 1, T, T)
+    return jnp.swapaxes(cudnn_core(q, k, v, spec.causal, spec.window, mask), 1, 2)  # (B, H, T, Dh)
 
 
 def local_window(window: int):
@@ -165,16 +193,17 @@ OFF_GPU = ("attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention);
            "is lowered for {platform}: use 'pallas', 'blockwise' or 'full'")
 
 
-def cudnn_core(q, k, v, causal, window: int = 0):
+def cudnn_core(q, k, v, causal, window: int = 0, mask=None):
     """q (B, T, H, Dh), k, v (B, T, Hkv, Dh) -> (B, T, H, Dh): cuDNN's attention where the
-    program is lowered for cuda (``window``: AttentionSpec.window, as ``local_window``);
+    program is lowered for cuda (``window``: AttentionSpec.window, as ``local_window``; ``mask``:
+    (B, 1, T, T) bool or None, the pairs allowed besides causal and window);
     lowered for any other platform (or run off a GPU), a
     ValueError naming it. Both branches are traced, so a CPU process can export the cuda
     program; JAX's cuDNN wrapper asks the CUDA plugin for cuDNN's version while tracing,
     and a process without the plugin gets that error at the cuda lowering, not before."""
     def on_cuda(q, k, v):
         try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn",
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn",
                                                 local_window_size=local_window(window))
         except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a shape cuDNN refuses
             hint = (" (JAX reads cuDNN's version from its CUDA plugin while tracing: pip install "

@@ -44,8 +44,9 @@ class ModelLayers(NamedTuple):
     """The layer functions features, forward and loss_fn compose."""
 
     embed: Callable  # (params, inputs int (B, T), config, key=None) -> x (B, T, D)
-    block: Callable  # (p, x (B, T, D), config, key=None) -> (B, T, D); p one layer's slice of params["blocks"]
-    remat_block: Callable  # (p, x, config, key) block keeping only (p, x, key) for its backward (remat "block")
+    block: Callable  # (p, x (B, T, D), config, key=None, segments=None) -> (B, T, D); p one layer's slice
+    # of params["blocks"]; segments (B, T) document ids, given as a keyword only where not None
+    remat_block: Callable  # (p, x, config, key, segments=None) block keeping only its inputs (remat "block")
     layer_norm: Callable  # (p, x, eps) -> (B, T, D): the final norm
     linear: Callable  # (x, w, b or None, compute_dtype) -> x @ w + b: the head
     cross_entropy: Callable  # (logits (B, T, V), targets, mask) -> ()
@@ -59,17 +60,33 @@ MODEL_LAYERS = ModelLayers(embed, block, remat_block, layer_norm, linear, cross_
                            chunked_head_loss, rms_norm)
 
 
-def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
+def check_segments(segments, inputs):
+    """segments (B, T) integer document ids beside inputs (B, T), or None: returned as they
+    are; a ValueError naming the shape or dtype otherwise."""
+    if segments is None:
+        return None
+    if segments.shape != inputs.shape or not jnp.issubdtype(segments.dtype, jnp.integer):
+        raise ValueError(f"batch['segments'] must be integer document ids shaped like inputs "
+                         f"{tuple(inputs.shape)}; got {segments.dtype} {tuple(segments.shape)}")
+    return segments
+
+
+def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None,
+             segments=None):
     """inputs int (B, T) -> the head's input (B, T, D): embeddings, blocks, final norm."""
-    return features_and_stats(params, inputs, config, layers, key)[0]
+    return features_and_stats(params, inputs, config, layers, key, segments)[0]
 
 
-def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
+def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None,
+                       segments=None):
     """(features (B, T, D), the MoE layers' MoeStats stacked over L, or None without experts).
     With remat "block" each scanned block is layers.remat_block (the model's: a
     jax.checkpoint, so JAX's grad keeps only its input and recomputes the rest).
-    ``key``: dropout's PRNG key (None: no dropout)."""
+    ``key``: dropout's PRNG key (None: no dropout); ``segments`` (B, T) int: each position's
+    document in a packed row, every attention masking the keys of other documents (None: one
+    document a row). Positions run on across a row's documents (docs/design.md, "Packed documents")."""
     validate_tokens("inputs", inputs, config)
+    seg = {} if check_segments(segments, inputs) is None else {"segments": segments}
     validate_params(params, config)
     if not config.dropout:
         key = None
@@ -80,7 +97,8 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
     def step(x, xs):
         p, l = xs
         lkey = None if key is None else layer_key(key, l)
-        run = lambda c: ffn_output(layer(p, x, c) if lkey is None else layer(p, x, c, key=lkey), c)  # noqa: E731
+        run = lambda c: ffn_output(layer(p, x, c, **seg) if lkey is None else  # noqa: E731
+                                   layer(p, x, c, key=lkey, **seg), c)
         return per_layer(config, l, run)  # layer l's config: its kind of attention (layer_kinds.py)
 
     x, stats = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
@@ -96,11 +114,12 @@ def head_params(params, config: ModelConfig) -> dict:
     return {"w": w} if b is None else {"w": w, "b": b}
 
 
-def forward(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
+def forward(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None,
+            segments=None):
     """inputs int (B, T) -> logits (B, T, V), in the dtype of the params (float32 when
     config.compute_dtype puts the matmuls of float32 params in bfloat16); capped to
-    c tanh(logits / c) with config.logit_softcap c."""
-    x = features(params, inputs, config, layers, key)  # (B, T, D)
+    c tanh(logits / c) with config.logit_softcap c. ``segments`` (B, T): packed documents' ids."""
+    x = features(params, inputs, config, layers, key, segments)  # (B, T, D)
     return head_logits(params, x, config, layers)
 
 
@@ -113,7 +132,8 @@ def head_logits(params, x, config: ModelConfig, layers: ModelLayers = MODEL_LAYE
 
 
 def loss_fn(params, batch, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None):
-    """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?}, plus the MoE
+    """Mean next-token cross entropy of ``batch`` = {"inputs", "targets", "mask"?, "segments"?}
+    (segments: (B, T) document ids of packed rows, as ``features`` reads them), plus the MoE
     layers' auxiliary loss (moe.moe_aux_loss) with n_experts.
     loss_chunk > 0 runs the head (and the logits' softcap) and the loss chunk by chunk: no
     (B, T, V) logits. ``key``: dropout's PRNG key for this step (None: no dropout)."""
@@ -124,7 +144,7 @@ def loss_and_stats(params, batch, config: ModelConfig, layers: ModelLayers = MOD
     """(loss_fn's loss, the MoE layers' MoeStats stacked over L, or None without experts)."""
     validate_batch(batch, config)
     check_precision(params, config)
-    x, stats = features_and_stats(params, batch["inputs"], config, layers, key)  # (B, T, D)
+    x, stats = features_and_stats(params, batch["inputs"], config, layers, key, batch.get("segments"))  # (B, T, D)
     if config.loss_chunk:
         cap = (config.logit_softcap,) if config.logit_softcap else ()
         loss = layers.chunked_head_loss(head_params(params, config), x, batch["targets"],

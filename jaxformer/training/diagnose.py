@@ -62,7 +62,7 @@ def diagnose_batch(params, batch, config: ModelConfig) -> Diagnosis:
     see the module docstring. Never under jit: every stage's values are inspected."""
     validate_batch(batch, config)  # as given: a list of ids is named, not converted
     params = jax.tree_util.tree_map(jnp.asarray, params)
-    batch = {k: jnp.asarray(batch[k]) for k in ("inputs", "targets", "mask") if batch.get(k) is not None}
+    batch = {k: jnp.asarray(batch[k]) for k in ("inputs", "targets", "mask", "segments") if batch.get(k) is not None}
     recorder = Recorder()
     loss, _ = value_and_grad(params, batch, config, tap=recorder)
     return recorder.diagnosis(float(loss), settings(config))

@@ -123,13 +123,17 @@ def run_data(settings: TrainSettings, run_dir: Path, saved_meta: dict | None = N
                                   where=checkpoint.checkpoint_dir(run_dir), allow_change=allow_change)
     tokenizer, train_ids, val_ids, fingerprint = load_data(settings, tokenizer, check, log)
     check_vocab(settings, tokenizer)
+    if settings.packed_documents:
+        data.batching.check_doc_starts(train_ids)
     try:
-        batcher = data.Batcher(train_ids, settings.batch_size, settings.seq_len, settings.seed)
+        batcher = data.Batcher(train_ids, settings.batch_size, settings.seq_len, settings.seed,
+                               segments=settings.packed_documents)
     except ValueError as e:
         where = settings.data or settings.corpus
         raise ValueError(f"the training split of {where} is too small for one batch: {e}") from None
     val_batches = []
     if len(val_ids) > settings.seq_len:
         val_batches = list(data.sequential_batches(
-            val_ids, settings.batch_size, settings.seq_len, settings.eval_batches))
+            val_ids, settings.batch_size, settings.seq_len, settings.eval_batches,
+            segments=settings.packed_documents))
     return RunData(tokenizer, batcher, val_batches, fingerprint)

@@ -48,6 +48,9 @@ class TrainSettings:
     data: str | None = setting(None, "a folder of token shards written by `jaxformer prepare` "
                                "(memory-mapped, never read whole); replaces --corpus and --tokenizer",
                                group=_DATA, metavar="DATA_DIR")
+    packed_documents: bool = setting(False, "packed-document attention: each token attends only to "
+                                     "its own document (conversation) within a row, from the document "
+                                     "starts a chat --data folder carries (batch['segments'])", group=_DATA)
     max_corpus_bytes: int | None = setting(None, "read at most N bytes of the corpus", group=_DATA,
                                            minimum=1, metavar="N", unset="all")
     val_fraction: float = setting(0.1, "held-out tail of the corpus, for validation", group=_DATA,

@@ -51,7 +51,8 @@ from jax.experimental import pallas as pl
 from jaxformer.kernels.pallas import tune as pallas_tune
 from jaxformer.kernels.pallas.forward import (check_heads, dot, first_key_block, first_query_block, head_spec,
                                               key_blocks_seen, kv_head, launch, pad, padded_inputs,
-                                              query_blocks_seen, query_spec, tile_scores)
+                                              query_blocks_seen, query_segment_spec, query_spec,
+                                              segment_inputs, tile_scores, whole_segment_spec)
 from jaxformer.kernels.pallas.tiling import Tiling, plan
 
 
@@ -68,21 +69,24 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *, products):
     delta_ref[...] = jnp.sum(do * o_ref[...].astype(f), axis=1, keepdims=True)  # O = P v: D = rowsum(dO * O)
 
 
-def _pair(q, k, v, do, lse, delta, i, j, t: Tiling, causal: bool, window: int = 0):
+def _pair(q, k, v, do, lse, delta, i, j, t: Tiling, causal: bool, window: int = 0, seg=None):
     """One tile pair (i, j): (P_ij, dS_ij) (Kq, Kk) in lse's dtype, from q_i (Kq, Dp),
-    k_j, v_j (Kk, Dp), dO_i (Kq, Dp), lse_i, D_i (Kq, 1)."""
+    k_j, v_j (Kk, Dp), dO_i (Kq, Dp), lse_i, D_i (Kq, 1); ``seg``: the tile's segment ids
+    (query (Kq, 1), key (1, Kk)), or None."""
     f = lse.dtype
-    p = jnp.exp(tile_scores(q, k, i, j, t, causal, f, window) - lse)  # P_ij = exp(S_ij - lse_i)
+    p = jnp.exp(tile_scores(q, k, i, j, t, causal, f, window, seg) - lse)  # P_ij = exp(S_ij - lse_i)
     dp = dot(do.astype(q.dtype), v, f, (1, 1))  # O_i = sum_j P_ij v_j: dP_ij = dO_i v_j^T
     ds = p * (dp - delta)  # P_ij = softmax(S_i)_j: dS_ij = P_ij * (dP_ij - D_i)
     return p, ds
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, t: Tiling,
-                 causal: bool, scale: float, window: int = 0):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling,
+                 causal: bool, scale: float, window: int = 0, segmented: bool = False):
     """Program (b, h, j): k_ref, v_ref (Kk, Dp) = k_j, v_j of key/value head h // G; q_ref,
-    do_ref (Tq, Dp), lse_ref, delta_ref (Tq, 1) of query head h; dk_ref, dv_ref (Kk, Dp) <-
-    query head h's share of dK_j, dV_j."""
+    do_ref (Tq, Dp), lse_ref, delta_ref (Tq, 1) of query head h; refs: (qs_ref (Tq, 1), ks_ref
+    (1, Kk): the segment ids, if ``segmented``), dk_ref, dv_ref (Kk, Dp) <- query head h's
+    share of dK_j, dV_j."""
+    qs_ref, ks_ref, dk_ref, dv_ref = refs if segmented else (None, None) + refs
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]  # (Kk, Dp)
     f = lse_ref.dtype
@@ -91,7 +95,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         dk, dv = carry  # (Kk, Dp) each
         rows = pl.ds(i * t.Kq, t.Kq)
         q, do = q_ref[rows, :], do_ref[rows, :]  # (Kq, Dp)
-        p, ds = _pair(q, k, v, do, lse_ref[rows, :], delta_ref[rows, :], i, j, t, causal, window)
+        seg = (qs_ref[rows, :], ks_ref[...]) if segmented else None  # (Kq, 1), (1, Kk)
+        p, ds = _pair(q, k, v, do, lse_ref[rows, :], delta_ref[rows, :], i, j, t, causal, window, seg)
         dv = dv + dot(p.astype(q.dtype), do.astype(q.dtype), f, (0, 0))  # O = P v: dV_j += P_ij^T dO_i
         dk = dk + dot(ds.astype(q.dtype), q, f, (0, 0)) * scale  # S = q k^T scale: dK_j += dS_ij^T q_i
         return dk, dv
@@ -103,10 +108,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t: Tiling, causal: bool,
-               scale: float, window: int = 0):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling, causal: bool,
+               scale: float, window: int = 0, segmented: bool = False):
     """Program (b, h, i): q_ref, do_ref (Kq, Dp) = q_i, dO_i; lse_ref, delta_ref (Kq, 1);
-    k_ref, v_ref (Tk, Dp) of key/value head h // G; dq_ref (Kq, Dp) <- dQ_i."""
+    k_ref, v_ref (Tk, Dp) of key/value head h // G; refs: (qs_ref (Kq, 1), ks_ref (1, Tk): the
+    segment ids, if ``segmented``), dq_ref (Kq, Dp) <- dQ_i."""
+    qs_ref, ks_ref, dq_ref = refs if segmented else (None, None) + refs
     i = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     f = lse.dtype
@@ -114,7 +121,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t: Ti
     def key_block(j, dq):
         cols = pl.ds(j * t.Kk, t.Kk)
         k = k_ref[cols, :]  # (Kk, Dp)
-        _, ds = _pair(q, k, v_ref[cols, :], do, lse, delta, i, j, t, causal, window)
+        seg = (qs_ref[...], ks_ref[:, cols]) if segmented else None  # (Kq, 1), (1, Kk)
+        _, ds = _pair(q, k, v_ref[cols, :], do, lse, delta, i, j, t, causal, window, seg)
         return dq + dot(ds.astype(q.dtype), k, f) * scale  # S = q k^T scale: dQ_i += dS_ij k_j
 
     dq = jax.lax.fori_loop(first_key_block(i, t, window), key_blocks_seen(i, t, causal), key_block,
@@ -127,12 +135,13 @@ def key_spec(t: Tiling, group: int = 1):
     return pl.BlockSpec((None, None, t.Kk, t.Dp), lambda b, h, j: (b, kv_head(h, group), j, 0))
 
 
-def backward_on(device: str, q, k, v, out, lse, dout, *, causal: bool, block_q: int = 0,
+def backward_on(device: str, q, k, v, out, lse, dout, segments=None, *, causal: bool, block_q: int = 0,
                 block_k: int = 0, interpret=None, tuned=None, window: int = 0):
     """One platform's backward: q (B, H, T, Dh), k, v (B, Hkv, T, Dh) (products' dtype),
     out (B, H, T, Dh), lse (B, H, T), dout (B, H, T, Dh) -> dq (B, H, T, Dh), dk, dv
     (B, Hkv, T, Dh) in out's dtype: the delta pass, the dK/dV kernel (per query head,
-    then summed over each group of G) and the dQ kernel, on ``device``'s tiles."""
+    then summed over each group of G) and the dQ kernel, on ``device``'s tiles; ``segments``
+    (B, T): the forward's document ids, or None."""
     (B, H, T, Dh), Hkv, G = q.shape, k.shape[1], check_heads(q, k, v)
     t, how = plan(device, pallas_tune.Shape(T, Dh, q.dtype.name, causal, G), block_q, block_k,
                   interpret, tuned)
@@ -144,17 +153,21 @@ def backward_on(device: str, q, k, v, out, lse, dout, *, causal: bool, block_q: 
     delta = launch(functools.partial(_delta_kernel, products=q.dtype), (B, H, t.Nq),
                    [query_spec(t), query_spec(t)], query_spec(t, 1), rows,
                    "flash_attention_delta", how)(out, do)  # (B, H, Tq, 1)
-    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5, window=window)
+    segs = segment_inputs(segments, t)  # (B, 1, Tq, 1), (B, 1, 1, Tk), or ()
+    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5, window=window, segmented=bool(segs))
     whole_q, whole_rows, whole_kv = head_spec(Tq, t.Dp), head_spec(Tq, 1), head_spec(Tk, t.Dp, G)
     partial_spec = pl.BlockSpec((None, None, t.Kk, t.Dp), lambda b, h, j: (b, h, j, 0))
+    key_segs = pl.BlockSpec((None, None, 1, t.Kk), lambda b, h, j: (b, 0, 0, j))
+    dkdv_segs = [whole_segment_spec((Tq, 1)), key_segs] if segs else []
     dk, dv = launch(functools.partial(_dkdv_kernel, **static), (B, H, t.Nk),
-                    [whole_q, key_spec(t, G), key_spec(t, G), whole_q, whole_rows, whole_rows],
+                    [whole_q, key_spec(t, G), key_spec(t, G), whole_q, whole_rows, whole_rows] + dkdv_segs,
                     [partial_spec] * 2, [jax.ShapeDtypeStruct((B, H, Tk, t.Dp), f)] * 2,
-                    "flash_attention_dkdv", how)(q, k, v, do, lse, delta)  # (B, H, Tk, Dp) partials
+                    "flash_attention_dkdv", how)(q, k, v, do, lse, delta, *segs)  # (B, H, Tk, Dp) partials
+    dq_segs = [query_segment_spec(t), whole_segment_spec((1, Tk))] if segs else []
     dq = launch(functools.partial(_dq_kernel, **static), (B, H, t.Nq),
-                [query_spec(t), whole_kv, whole_kv, query_spec(t), query_spec(t, 1), query_spec(t, 1)],
+                [query_spec(t), whole_kv, whole_kv, query_spec(t), query_spec(t, 1), query_spec(t, 1)] + dq_segs,
                 query_spec(t), jax.ShapeDtypeStruct(q.shape, grad),
-                "flash_attention_dq", how)(q, k, v, do, lse, delta)
+                "flash_attention_dq", how)(q, k, v, do, lse, delta, *segs)
     # query head h read key/value head h // G: its dK, dV are the sum of its G heads' shares
     dk, dv = (g.reshape(B, Hkv, G, Tk, t.Dp).sum(axis=2).astype(grad) for g in (dk, dv))
     return dq[:, :, :T, :Dh], dk[:, :, :T, :Dh], dv[:, :, :T, :Dh]

@@ -36,6 +36,7 @@ class FlashRes(NamedTuple):
     lse: jax.Array  # (B, H, T) row log-sum-exp of S, in stats_dtype
     blocks: jax.Array  # (block_q, block_k, 0) int32, empty: the requested block sizes (0: the device's)
     window: jax.Array  # (window, 0) int32, empty: the sliding window's width (0: none), read from its shape
+    segments: jax.Array | None = None  # (B, T) int: each position's document (packed rows); None: one
 
 
 class CausalFlashRes(FlashRes):
@@ -48,21 +49,23 @@ def res_blocks(res: FlashRes) -> tuple[int, int]:
 
 
 def flash_core_fwd(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0, compute_dtype=None,
-                   window: int = 0):
+                   window: int = 0, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, FlashRes):
     the forward kernel, keeping q, k, v (in the products' dtype), O and lse. ``window``: a
-    sliding window of that many keys (causal only; 0: none)."""
+    sliding window of that many keys (causal only; 0: none); ``segments`` (B, T): each
+    position's document, a query reading its own document's keys only (None: one document)."""
     if window and not causal:
         raise ValueError(f"flash_attention's window {window} needs causal True (a window of past keys)")
     check_heads(q, k, v)
     cd = jnp.dtype(compute_dtype or q.dtype)
     branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k, compute_dtype=cd,
                                window=window)
-    out, lse = on_platform(branch, q, k, v)  # (B, H, T, Dh), (B, H, T)
+    segs = [] if segments is None else [segments]
+    out, lse = on_platform(branch, q, k, v, *segs)  # (B, H, T, Dh), (B, H, T)
     res_type = CausalFlashRes if causal else FlashRes
     blocks = jnp.zeros((block_q, block_k, 0), jnp.int32)
     return out, res_type(q.astype(cd), k.astype(cd), v.astype(cd), out, lse, blocks,
-                         jnp.zeros((window, 0), jnp.int32))
+                         jnp.zeros((window, 0), jnp.int32), segments)
 
 
 def flash_core_bwd(res: FlashRes, dout):
@@ -71,27 +74,29 @@ def flash_core_bwd(res: FlashRes, dout):
     block_q, block_k = res_blocks(res)
     branch = functools.partial(backward_on, causal=isinstance(res, CausalFlashRes),
                                block_q=block_q, block_k=block_k, window=res.window.shape[0])
-    return on_platform(branch, res.q, res.k, res.v, res.out, res.lse, dout)
+    segs = [] if res.segments is None else [res.segments]
+    return on_platform(branch, res.q, res.k, res.v, res.out, res.lse, dout, *segs)
 
 
-def _flash_fwd_rule(q, k, v, causal, block_q, block_k, compute_dtype, window):
-    return flash_core_fwd(q, k, v, causal, block_q, block_k, compute_dtype, window)
+def _flash_fwd_rule(q, k, v, causal, block_q, block_k, compute_dtype, window, segments):
+    return flash_core_fwd(q, k, v, causal, block_q, block_k, compute_dtype, window, segments)
 
 
 def _flash_bwd_rule(causal, block_q, block_k, compute_dtype, window, res, dout):
-    return flash_core_bwd(res, dout)
+    return (*flash_core_bwd(res, dout), None)  # integer segment ids: no cotangent
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def flash_attention(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0, compute_dtype=None,
-                    window: int = 0):
+                    window: int = 0, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), H a multiple of Hkv -> softmax(q k^T / sqrt(Dh)) v
     (B, H, T, Dh), query head h reading key/value head h // (H // Hkv), future masked if
     causal: the forward kernel, differentiable (JAX's grad runs flash_core_bwd; dk, dv come
     back (B, Hkv, T, Dh)). block_q / block_k of 0 take the device's choice (the launch
     table's on a GPU when the shape was tuned, else tiling.DEFAULT_BLOCKS); products in
-    ``compute_dtype``; ``window`` W > 0 (causal): each query reads its W newest keys only."""
-    return pallas_attention_core(q, k, v, causal, block_q, block_k, compute_dtype, window)[0]
+    ``compute_dtype``; ``window`` W > 0 (causal): each query reads its W newest keys only;
+    ``segments`` (B, T) int: each position's document (other documents' keys masked)."""
+    return pallas_attention_core(q, k, v, causal, block_q, block_k, compute_dtype, window, segments)[0]
 
 
 flash_attention.defvjp(_flash_fwd_rule, _flash_bwd_rule)

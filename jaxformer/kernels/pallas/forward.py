@@ -14,7 +14,9 @@ softmax: the running row max m, the row sum l of exp(s - m) and the unnormalised
 acc, rescaled by exp(m_old - m_new) as each block raises the max. With ``causal`` the
 loop stops at the diagonal, so blocks above it are never loaded; with a sliding window W
 it starts at the block of key i Kq - W + 1 (``first_key_block``), so older ones are not either; padded keys (position
->= T) and, if causal, future keys are masked. It writes O_i = acc / l and lse_i = m + log(l).
+>= T) and, if causal, future keys are masked, and with segment ids (packed documents) the keys
+of another document: each program reads its query block's ids (Kq, 1) and each key block's
+(1, Kk) beside q and k (``segment_inputs``). It writes O_i = acc / l and lse_i = m + log(l).
 Row statistics are (Kq, 1) columns and row arrays (B, H, Tq, 1), the layout both Triton
 and Mosaic (TPU) take.
 
@@ -91,10 +93,11 @@ def dot(a, b, acc_dtype, contract=(1, 0)):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=acc_dtype)
 
 
-def tile_scores(q, k, i, j, t: Tiling, causal: bool, acc_dtype, window: int = 0):
+def tile_scores(q, k, i, j, t: Tiling, causal: bool, acc_dtype, window: int = 0, seg=None):
     """q_i (Kq, Dp), k_j (Kk, Dp) -> s_ij (Kq, Kk) = q_i k_j^T / sqrt(Dh) in acc_dtype;
     MASK where the key is padding (position >= T) or, if causal, in the future, or with a
-    sliding ``window`` W (causal) W or more positions back (key <= query - W)."""
+    sliding ``window`` W (causal) W or more positions back (key <= query - W), or with
+    ``seg`` (the query ids (Kq, 1), the key ids (1, Kk)) of another document."""
     s = dot(q, k, acc_dtype, (1, 1)) * (1.0 / math.sqrt(t.Dh))  # (Kq, Kk)
     q_pos = i * t.Kq + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 0)  # (Kq, Kk)
     k_pos = j * t.Kk + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 1)
@@ -103,6 +106,8 @@ def tile_scores(q, k, i, j, t: Tiling, causal: bool, acc_dtype, window: int = 0)
         visible = visible & (k_pos <= q_pos)
     if window:
         visible = visible & (k_pos > q_pos - window)
+    if seg is not None:
+        visible = visible & (seg[0] == seg[1])
     return jnp.where(visible, s, MASK)
 
 
@@ -145,9 +150,12 @@ def query_blocks_seen(j, t: Tiling, window: int):
 # the forward kernel
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: Tiling, causal: bool, acc_dtype, window: int = 0):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, t: Tiling, causal: bool, acc_dtype, window: int = 0,
+                    segmented: bool = False):
     """Program (b, h, i): q_ref (Kq, Dp) = q_i; k_ref, v_ref (Tk, Dp) of key/value head
-    h // G; o_ref (Kq, Dp) <- O_i; lse_ref (Kq, 1) <- lse_i."""
+    h // G; refs: (qs_ref (Kq, 1), ks_ref (1, Tk): the segment ids, if ``segmented``),
+    o_ref (Kq, Dp) <- O_i, lse_ref (Kq, 1) <- lse_i."""
+    qs_ref, ks_ref, o_ref, lse_ref = refs if segmented else (None, None) + refs
     i = pl.program_id(2)
     q = q_ref[...]  # (Kq, Dp)
 
@@ -155,7 +163,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: Tiling, causal: b
         m, l, acc = carry  # (Kq, 1), (Kq, 1), (Kq, Dp)
         k = k_ref[pl.ds(j * t.Kk, t.Kk), :]  # (Kk, Dp)
         v = v_ref[pl.ds(j * t.Kk, t.Kk), :]
-        s = tile_scores(q, k, i, j, t, causal, acc_dtype, window)  # (Kq, Kk)
+        seg = (qs_ref[...], ks_ref[:, pl.ds(j * t.Kk, t.Kk)]) if segmented else None  # (Kq, 1), (1, Kk)
+        s = tile_scores(q, k, i, j, t, causal, acc_dtype, window, seg)  # (Kq, Kk)
         # finite: MASK at worst; a row whose keys in this block are all masked (a window's first
         # block) gets a sum of exp(0) that the first visible key's alpha = exp(MASK - m) zeroes
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -190,6 +199,27 @@ def head_spec(length: int, width: int, group: int = 1):
     return pl.BlockSpec((None, None, length, width), lambda b, h, n: (b, kv_head(h, group), 0, 0))
 
 
+def segment_inputs(segments, t: Tiling):
+    """segments (B, T) int -> the query ids (B, 1, Tq, 1) and the key ids (B, 1, 1, Tk), int32,
+    padded with -1 (padded keys are masked anyway); () for None (no segment ids)."""
+    if segments is None:
+        return ()
+    s = segments.astype(jnp.int32)[:, None, :, None]  # (B, 1, T, 1)
+    qs = jnp.pad(s, ((0, 0), (0, 0), (0, t.Nq * t.Kq - s.shape[2]), (0, 0)), constant_values=-1)
+    ks = jnp.pad(s, ((0, 0), (0, 0), (0, t.Nk * t.Kk - s.shape[2]), (0, 0)), constant_values=-1)
+    return qs, jnp.swapaxes(ks, 2, 3)
+
+
+def query_segment_spec(t: Tiling):
+    """Query block i's ids: (Kq, 1) of the (B, 1, Tq, 1) query ids, for program (b, h, i)."""
+    return pl.BlockSpec((None, None, t.Kq, 1), lambda b, h, i: (b, 0, i, 0))
+
+
+def whole_segment_spec(shape):
+    """All of example b's ids: ``shape`` ((Tq, 1) or (1, Tk)) of a (B, 1, ...) array, any program."""
+    return pl.BlockSpec((None, None) + tuple(shape), lambda b, h, n: (b, 0, 0, 0))
+
+
 def padded_inputs(q, k, v, t: Tiling, compute_dtype=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, H, Tq, Dp), (B, Hkv, Tk, Dp) twice:
     zero-padded and in the products' dtype (compute_dtype, or q's own)."""
@@ -198,20 +228,23 @@ def padded_inputs(q, k, v, t: Tiling, compute_dtype=None):
     return pad(q.astype(cd), Tq, t.Dp), pad(k.astype(cd), Tk, t.Dp), pad(v.astype(cd), Tk, t.Dp)
 
 
-def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype, how: Launch, window: int = 0):
+def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype, how: Launch, window: int = 0, segs=()):
     """The forward kernel on padded inputs: q (B, H, Tq, Dp), k, v (B, Hkv, Tk, Dp) ->
-    O (B, H, Tq, Dp) in ``out_dtype`` and lse (B, H, Tq, 1) in stats_dtype(out_dtype)."""
+    O (B, H, Tq, Dp) in ``out_dtype`` and lse (B, H, Tq, 1) in stats_dtype(out_dtype).
+    ``segs``: segment_inputs' (query ids, key ids), or () without segment ids."""
     B, H = q.shape[:2]
     acc_dtype = stats_dtype(out_dtype)
     whole_kv = head_spec(k.shape[2], t.Dp, H // k.shape[1])
-    kernel = functools.partial(_forward_kernel, t=t, causal=causal, acc_dtype=acc_dtype, window=window)
+    seg_specs = [query_segment_spec(t), whole_segment_spec(segs[1].shape[2:])] if segs else []
+    kernel = functools.partial(_forward_kernel, t=t, causal=causal, acc_dtype=acc_dtype, window=window,
+                               segmented=bool(segs))
     return launch(
-        kernel, (B, H, t.Nq), in_specs=[query_spec(t), whole_kv, whole_kv],
+        kernel, (B, H, t.Nq), in_specs=[query_spec(t), whole_kv, whole_kv] + seg_specs,
         out_specs=[query_spec(t), query_spec(t, 1)],
         out_shape=[jax.ShapeDtypeStruct(q.shape, out_dtype),
                    jax.ShapeDtypeStruct(q.shape[:3] + (1,), acc_dtype)],
         name="flash_attention_forward", how=how,
-    )(q, k, v)
+    )(q, k, v, *segs)
 
 
 def check_heads(q, k, v) -> int:
@@ -224,26 +257,27 @@ def check_heads(q, k, v) -> int:
     return q.shape[1] // k.shape[1]
 
 
-def forward_on(device: str, q, k, v, *, causal: bool, block_q: int = 0, block_k: int = 0,
+def forward_on(device: str, q, k, v, segments=None, *, causal: bool, block_q: int = 0, block_k: int = 0,
                compute_dtype=None, interpret=None, tuned=None, window: int = 0):
     """One platform's forward: q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh)
     in q's dtype, lse (B, H, T) in stats_dtype), padded to ``device``'s tiles inside
-    (``plan``; interpret and tuned as there)."""
+    (``plan``; interpret and tuned as there); ``segments`` (B, T): document ids, or None."""
     T, Dh = q.shape[2:]
     G = check_heads(q, k, v)
     cd = jnp.dtype(compute_dtype or q.dtype)
     t, how = plan(device, pallas_tune.Shape(T, Dh, cd.name, causal, G), block_q, block_k, interpret, tuned)
-    out, lse = flash_forward(*padded_inputs(q, k, v, t, cd), causal, t, q.dtype, how, window)
+    out, lse = flash_forward(*padded_inputs(q, k, v, t, cd), causal, t, q.dtype, how, window,
+                             segment_inputs(segments, t))
     return out[:, :, :T, :Dh], lse[:, :, :T, 0]
 
 
 def pallas_attention_core(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0,
-                          compute_dtype=None, window: int = 0):
+                          compute_dtype=None, window: int = 0, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, lse
     (B, H, T) in stats_dtype): out = softmax(q k^T / sqrt(Dh)) v, query head h reading
     key/value head h // (H // Hkv), future masked if causal (and keys ``window`` or more
-    back, a sliding window), by the forward kernel of the platform lowered for. The raw
-    kernel: no derivative (entry.flash_attention has)."""
+    back, a sliding window; another document's keys with ``segments`` (B, T)), by the forward
+    kernel of the platform lowered for. The raw kernel: no derivative (entry.flash_attention has)."""
     branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k,
                                compute_dtype=compute_dtype, window=window)
-    return on_platform(branch, q, k, v)
+    return on_platform(branch, q, k, v, *([] if segments is None else [segments]))
