@@ -104,12 +104,14 @@ def read_chat(source) -> ModelChat:
 
 def hf_format(config: ModelConfig) -> str:
     """The Hugging Face model_type ``config`` exports to: the family it was imported as
-    (config.family), else "llama" when it has any of the modern block's options (RMS norm,
+    (config.family), else an MoE model's by its router and QK-norm (hf_moe.family_of), else "llama" when it has any of the modern block's options (RMS norm,
     rotary positions, the gated MLP, grouped-query attention, QK-norm, a head_dim, biases
     apart), else
     "gpt2". The format's config_to_hf refuses what it cannot hold."""
     if config.family:
         return config.family
+    if config.n_experts:
+        return hf_moe.family_of(config)
     modern = (config.norm_type == "rms" or config.positions == "rope" or config.mlp == "gated"
               or config.kv_heads != config.n_heads or config.qk_norm or config.head_dim
               or any(b is not None for b in (config.qkv_bias, config.out_bias, config.mlp_bias)))

@@ -133,6 +133,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise HFFormatError(f"config.json: {e}") from None
 
 
+def family_of(config: ModelConfig) -> str:
+    """The family an MoE model without one exports as: Mixtral's router is "mixtral"; a QK-norm
+    over the projection "olmoe"; else "qwen3_moe" (config_to_hf refuses what it cannot hold)."""
+    if config.router == "topk_softmax":
+        return "mixtral"
+    return "olmoe" if config.qk_norm and config.qk_norm_scope == "projection" else "qwen3_moe"
+
+
 def _refuse(config: ModelConfig, family: Family, field: str, want) -> None:
     if getattr(config, field) != want:
         raise ValueError(f"a Hugging Face {family.name} needs ModelConfig.{field} = {want!r}, "
@@ -255,6 +263,7 @@ def read_hf_moe(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
 def write_hf_moe(folder, params, config: ModelConfig) -> Path:
     """Write ``params`` as config.json + model.safetensors (float32, the names save_pretrained writes)."""
     from safetensors.numpy import save_file
+    config = config if config.family else config.replace(family=family_of(config))
     hf = config_to_hf(config)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
