@@ -204,11 +204,17 @@ def test_tiny_moe_trains_alike_with_either_gradient_source(corpus, tmp_path):
         assert math.isfinite(r["moe/balance_loss"]) and r["moe/balance_loss"] > 0
 
 
-def test_hugging_face_export_refuses_experts(tmp_path):
-    from jaxformer.checkpoints.hf import write_hf
-    with pytest.raises(ValueError, match="n_experts 4: a mixture of experts has no Hugging Face export"):
-        write_hf(tmp_path / "out", make_params(TINY, jnp.float32), TINY)
-    assert not (tmp_path / "out" / "config.json").exists()
+def test_hugging_face_export_of_experts_without_a_family_is_mixtral(tmp_path):
+    """Mixtral's router and no QK-norm: exported as mixtral, read back as the same model (Mixtral's
+    intermediate_size is the experts' width: d_ff becomes it), its aux and z-loss coefficients kept."""
+    from jaxformer.checkpoints.hf import read_hf, write_hf
+    folder, kind = write_hf(tmp_path / "out", make_params(TINY, jnp.float32), TINY)
+    assert kind == "mixtral"
+    _, back = read_hf(folder)
+    assert back == TINY.replace(family="mixtral", d_ff=TINY.expert_width, expert_d_ff=0)
+    assert (back.moe_aux_loss_coef, back.router_z_loss_coef) == (TINY.moe_aux_loss_coef, TINY.router_z_loss_coef)
+    with pytest.raises(ValueError, match="OLMoE needs ModelConfig.router = 'softmax_topk'"):
+        write_hf(tmp_path / "o2", make_params(TINY, jnp.float32), TINY.replace(family="olmoe"))
 
 
 HF_BLOCKS = {  # model_type: (transformers module, config class, block class, our router, config kwargs)

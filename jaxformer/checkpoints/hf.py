@@ -1,6 +1,7 @@
 """Hugging Face model folders in and out, whichever architecture: the one place that picks
 GPT-2 (hf_gpt2.py), a Llama-shaped family (hf_llama.py: llama, mistral, qwen2, qwen3, smollm3) or OLMo 2
-and Gemma (hf_olmo_gemma.py: olmo2, gemma, gemma2, gemma3_text), by
+and Gemma (hf_olmo_gemma.py: olmo2, gemma, gemma2, gemma3_text) or a mixture of experts (hf_moe.py:
+mixtral, qwen3_moe, olmoe), by
 config.json's ``model_type`` on the way in and on the way out by the family the ModelConfig
 was imported as (``family``), else by its options; a ``.gguf`` file goes to gguf_file.py.
 `train --init-from`, `compare-grads --init-from`, `generate --init-from` and `export --hf` go
@@ -19,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints import hf_gpt2, hf_llama, hf_olmo_gemma
+from jaxformer.checkpoints import hf_gpt2, hf_llama, hf_moe, hf_olmo_gemma
 from jaxformer.checkpoints.gguf_file import read_gguf, read_gguf_metadata
 from jaxformer.checkpoints.gguf_tokenizer import END_OF_TURN, gguf_chat, gguf_tokenizer
 from jaxformer.checkpoints.hf_files import HFFormatError, read_config_json, read_tensors, resolve_source  # noqa: F401
@@ -28,7 +29,7 @@ from jaxformer.model.config import ModelConfig
 
 # config.json's model_type -> its mapping
 FORMATS = {"gpt2": hf_gpt2, **{kind: hf_llama for kind in hf_llama.FAMILIES},
-           **{kind: hf_olmo_gemma for kind in hf_olmo_gemma.FAMILIES}}
+           **{kind: hf_olmo_gemma for kind in hf_olmo_gemma.FAMILIES}, **{kind: hf_moe for kind in hf_moe.FAMILIES}}
 
 
 def read_hf(folder, dtype=np.float32) -> tuple[dict, ModelConfig]:
@@ -103,12 +104,14 @@ def read_chat(source) -> ModelChat:
 
 def hf_format(config: ModelConfig) -> str:
     """The Hugging Face model_type ``config`` exports to: the family it was imported as
-    (config.family), else "llama" when it has any of the modern block's options (RMS norm,
+    (config.family), else an MoE model's by its router and QK-norm (hf_moe.family_of), else "llama" when it has any of the modern block's options (RMS norm,
     rotary positions, the gated MLP, grouped-query attention, QK-norm, a head_dim, biases
     apart), else
     "gpt2". The format's config_to_hf refuses what it cannot hold."""
     if config.family:
         return config.family
+    if config.n_experts:
+        return hf_moe.family_of(config)
     modern = (config.norm_type == "rms" or config.positions == "rope" or config.mlp == "gated"
               or config.kv_heads != config.n_heads or config.qk_norm or config.head_dim
               or any(b is not None for b in (config.qkv_bias, config.out_bias, config.mlp_bias)))
@@ -118,10 +121,12 @@ def hf_format(config: ModelConfig) -> str:
 def write_hf(folder, params, config: ModelConfig):
     """Write ``params`` as the Hugging Face folder of ``hf_format(config)``: (folder,
     model_type). ValueError (one line, naming the option) when the format cannot hold it."""
-    if config.n_experts:
-        raise ValueError(f"ModelConfig.n_experts {config.n_experts}: a mixture of experts has no Hugging "
-                         "Face export yet (Mixtral, OLMoE, Qwen3-MoE are not written)")
     kind = hf_format(config)
-    write = {"gpt2": hf_gpt2.write_hf_gpt2, **{k: hf_olmo_gemma.write_hf_olmo_gemma for k in hf_olmo_gemma.FAMILIES}
-             }.get(kind, hf_llama.write_hf_llama)
+    if config.n_experts and kind not in hf_moe.FAMILIES:
+        raise ValueError(f"ModelConfig.n_experts {config.n_experts}: a mixture of experts exports as "
+                         f"family {', '.join(map(repr, hf_moe.FAMILIES))}, not {kind!r}")
+    if kind in hf_moe.FAMILIES and not config.n_experts:
+        raise ValueError(f"a Hugging Face {kind} needs ModelConfig.n_experts > 0, this model has 0")
+    write = {"gpt2": hf_gpt2.write_hf_gpt2, **{k: hf_olmo_gemma.write_hf_olmo_gemma for k in hf_olmo_gemma.FAMILIES},
+             **{k: hf_moe.write_hf_moe for k in hf_moe.FAMILIES}}.get(kind, hf_llama.write_hf_llama)
     return write(folder, params, config), kind

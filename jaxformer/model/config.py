@@ -30,7 +30,7 @@ REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("topk_softmax", "softmax_topk")  # MoE gates: softmax of the top-k logits | top-k of the softmax
 FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text",
-            "smollm3")  # Hugging Face model_types (checkpoints/hf.py)
+            "smollm3", "mixtral", "qwen3_moe", "olmoe")  # Hugging Face model_types (checkpoints/hf.py)
 # The fields that choose how the model is computed, not what it computes: a model read
 # from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
 HOW_FIELDS = ("attention_impl", "attention_block", "pallas_block_q", "pallas_block_k", "loss_chunk",
