@@ -7,10 +7,15 @@
   chip and (with JAX's CUDA plugin) one H100 80GB.
 - ``--part moe``: the olmoe-1b-7b preset's train step (its fine-tuning AdamW, bfloat16
   products, batch B x 2048) for one TPU v5e chip, manual and jax.grad gradients; ``--moe-layers``
-  shrinks the stack (all 64 experts of each layer stay on the one chip: no expert parallelism).
+  shrinks the stack (all 64 experts of each layer stay on the one chip: no expert parallelism);
+  ``--targets h100`` compiles it for an H100.
+
+The H100 compiles need JAX's CUDA plugin importable (jax[cuda12], or its own folder on
+PYTHONPATH, e.g. ``PYTHONPATH=$JAXFORMER_AOT_CUDA_PLUGIN``); without it those rows say so.
 
     python experiments/aot_finetune.py --part lora
     python experiments/aot_finetune.py --part moe --moe-layers 16,2 --batch-size 1
+    python experiments/aot_finetune.py --part moe --moe-layers 1 --batch-size 4
 
 Prints one line per compile and a markdown table (docs/finetune.md and docs/moe.md quote them).
 """
