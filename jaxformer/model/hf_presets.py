@@ -65,6 +65,19 @@ FAMILY_PRESETS: dict[str, dict[str, Any]] = {
         _GEMMA, vocab_size=256000, d_model=2304, n_heads=8, n_kv_heads=4, head_dim=256, n_layers=26,
         d_ff=9216, max_seq_len=8192, norm="sandwich", attn_softcap=50.0, logit_softcap=30.0,
         sliding_window=4096, layer_types=("sliding_attention", "full_attention") * 13, family="gemma2"),
+    # allenai/OLMoE-1B-7B-0924's config.json (transformers' OlmoeConfig defaults to its shape but
+    # an expert width of 2048): "hidden_size": 2048, "intermediate_size": 1024 (each expert),
+    # "num_hidden_layers": 16, "num_attention_heads": 16 (= num_key_value_heads), "num_experts": 64,
+    # "num_experts_per_tok": 8, "norm_topk_prob": false (softmax over all 64, top 8, not
+    # renormalised), "router_aux_loss_coef": 0.01, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    # "vocab_size": 50304, "max_position_embeddings": 4096, "tie_word_embeddings": false; QK-norm
+    # over the whole q and k projections as OLMo 2. 6.92B params, 1.28B active per token. No
+    # family value: the olmoe import is not part of the families here.
+    "olmoe-1b-7b": dict(
+        _MODERN, vocab_size=50304, d_model=2048, n_heads=16, n_layers=16, d_ff=1024, max_seq_len=4096,
+        activation="silu", rope_theta=10000.0, qk_norm=True, qk_norm_scope="projection",
+        n_experts=64, experts_per_token=8, expert_d_ff=1024, router="softmax_topk",
+        norm_topk_prob=False, moe_aux_loss_coef=0.01),
 }
 
 # Fine-tuning from the imported weights (train --init-from FOLDER --preset NAME): AdamW at a
