@@ -22,10 +22,12 @@ import pytest
 from helpers import THREE_SOURCES, one_line_error
 from jaxformer.checkpoints import hf_llama
 from jaxformer.checkpoints.gguf_file import permute, read_gguf, unpermute
-from jaxformer.checkpoints.hf import read_chat, read_hf
+from jaxformer.checkpoints.hf import read_chat, read_hf, write_hf
 from jaxformer.inference.stream import render_chat, stream_text, stream_tokens
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.lora import LoraConfig, init_adapters
+from jaxformer.checkpoints.peft import save_peft
+from jaxformer.data.chat import encode_conversation
+from jaxformer.model.lora import LoraConfig, init_adapters, merge
 from jaxformer.model.transformer import forward
 from jaxformer.training.adapters import lora_eval_fn, lora_grad_source
 from jaxformer.training.step import init_state, make_train_step
@@ -161,23 +163,36 @@ def test_real_weights_manual_grads_equal_jax_grad_float64(real):
 
 LAYERS = 3
 
-FACTS = ("The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is Rome. "
-         "The capital of Japan is Tokyo. The capital of Egypt is Cairo. The capital of Peru is Lima. ")
-HELD_OUT = "The capital of Kenya is Nairobi. The capital of Chile is Santiago. "
+CAPITALS = (("Japan", "Tokyo"), ("Egypt", "Cairo"), ("Peru", "Lima"), ("Norway", "Oslo"), ("Kenya", "Nairobi"),
+            ("Chile", "Santiago"))
 
 
-def test_real_model_lora_manual_steps_lower_held_out_loss(real):
-    """LoRA rank 8 on q and v of the real model (all 30 layers, float32): a few Adam steps of
-    the hand-derived adapters' gradient lower the loss of held-out text of the same shape;
-    jax.grad's adapters' gradient agrees with it on the first step."""
-    _, params, config, chat = real
+def _chat_batch(chat, pairs):
+    """The conversations "What is the capital of X?" / "The capital of X is Y." packed in one
+    row, the loss on the assistant's tokens only (as `prepare` writes chat data)."""
+    rows = [encode_conversation(chat, [{"role": "user", "content": f"What is the capital of {c}?"},
+                                       {"role": "assistant", "content": f"The capital of {c} is {k}."}], "test")
+            for c, k in pairs]
+    ids, mask = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+    return {"inputs": jnp.asarray(ids[None, :-1]), "targets": jnp.asarray(ids[None, 1:]),
+            "mask": jnp.asarray(mask[None, 1:].astype(np.int32))}
+
+
+def test_real_model_lora_on_chat_data_peft_and_merged_export(real, hf_model, tmp_path):
+    """LoRA rank 8 on q and v of the real model (all 30 layers, float32) on chat data written
+    here (the loss on the assistant's turns): jax.grad's adapters' gradient agrees with the
+    hand-derived one, a few Adam steps of the hand-derived one lower the loss of held-out
+    conversations; the adapters saved in PEFT's format load with peft onto transformers' own
+    model of the file with the same logits, and the merged export reloads in transformers
+    with them too."""
+    torch, theirs = hf_model
+    import copy
+
+    import peft
+    import transformers
+    path, params, config, chat = real
     lora = LoraConfig(rank=8, alpha=16.0, targets="q,v")
-
-    def batch_of(text):
-        ids = np.asarray(chat.tokenizer.encode(text))
-        return {"inputs": jnp.asarray(ids[None, :-1]), "targets": jnp.asarray(ids[None, 1:])}
-
-    train, held = batch_of(FACTS * 2), batch_of(HELD_OUT)
+    train, held = _chat_batch(chat, CAPITALS[:4]), _chat_batch(chat, CAPITALS[4:])
     adapters = init_adapters(jax.random.PRNGKey(0), params, lora)
     manual = lora_grad_source("manual", config, lora)
     loss_m, g_m = jax.jit(manual)(adapters, train, None, params)
@@ -193,6 +208,19 @@ def test_real_model_lora_manual_steps_lower_held_out_loss(real):
         state, _ = step(state, train)
     after = float(evaluate(state.params, held))
     assert after < before - 0.05, (before, after)
+
+    ids = np.asarray(held["inputs"])[:, :24]
+    ours = np.asarray(forward(merge(params, state.params, lora), jnp.asarray(ids), config))
+    save_peft(tmp_path / "adapter", state.params, lora, path)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(tmp_path / "adapter")).eval()
+        peft_logits = adapted(torch.tensor(ids)).logits.numpy()
+    scale = np.abs(peft_logits).max()
+    np.testing.assert_allclose(ours, peft_logits, atol=2e-4 * scale, rtol=0)  # float32 on both sides
+    write_hf(tmp_path / "merged", merge(params, state.params, lora), config)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(ours, reloaded(torch.tensor(ids)).logits.numpy(), atol=2e-4 * scale, rtol=0)
 
 
 # ------------------------------------------------------------------ a tiny GGUF written here
