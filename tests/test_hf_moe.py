@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import D, F, H, L, S, V, assert_logits_equal, batch, torch_logits  # noqa: E402
+from hf_compare import D, F, H, L, S, V, assert_forward_matches, assert_logits_equal, batch, torch_logits  # noqa: E402
 
 import jaxformer  # noqa: E402
 import manual_grads  # noqa: E402
@@ -121,10 +121,7 @@ def test_import_reads_the_family_and_matches_transformers_logits(saved):
     assert config.moe_aux_loss_coef == COEF and config.qk_norm_scope == ("projection" if kind == "olmoe" else "head")
     ffn = params["blocks"]["ffn"]
     assert (ffn["router"].shape, ffn["w_gate"].shape, ffn["w_down"].shape) == ((L, D, E), (L, E, D, FE), (L, E, FE, D))
-    b = batch()
-    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
-    print(f"\n{kind}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
-    assert_logits_equal(ours, ref)
+    assert_forward_matches(model, folder, params, config)
 
 
 def torch_reference(model, config, b):
