@@ -417,6 +417,92 @@ x, dy = rand(2, 4, D), rand(2, 4, D)
 assert check(swiglu_fwd, swiglu_bwd, lambda p, x: layers.feed_forward(p, x, "silu"), (p, x), dy)
 
 # %% [markdown]
+# ## Mixture of experts: grouped matmuls and the router through top-k
+#
+# A mixture-of-experts layer sends each of its $N$ tokens to $k$ of $E$ expert MLPs. The
+# router scores the experts, $\ell = x R$ and $P = \operatorname{softmax}(\ell)$; top-k picks
+# $k$ of them per token with gate weights $g_{nj}$; the $Nk$ (token, choice) slots are sorted
+# by expert, so that expert $e$'s slots form one contiguous group of rows $X_e$; each group
+# goes through its own gated MLP as *grouped matmuls* (`jax.lax.ragged_dot`); the slots are
+# un-sorted and each token sums its $k$ outputs, $y_n = \sum_j g_{nj}\, y_{nj}$.
+#
+# **A grouped matmul** $Y_e = X_e W_e$ is a linear layer per group of rows, so its backward
+# is the linear backward per group: $\bar X_e = \bar Y_e W_e^\top$, again a grouped matmul,
+# with the weights transposed, and $\bar W_e = X_e^\top \bar Y_e$, the per-group product
+# (`ragged_dot_general` contracting the ragged row axis). An expert that receives no rows
+# gets $\bar W_e = 0$.
+
+# %%
+from jaxformer.model.moe import grouped_matmul
+from manual_grads.moe import grouped_matmul_t
+
+show(grouped_matmul_t)
+sizes = jnp.array([3, 0, 4, 2])  # rows per expert, in order; expert 1 receives none
+w, x, dy = rand(4, 5, 3), rand(9, 5), rand(9, 3)  # w (E, I, O), x (M, I), dy (M, O)
+
+
+def grouped_fwd(w, x):
+    return grouped_matmul(x, w, sizes), (w, x)
+
+
+def grouped_bwd(res, dy):
+    w, x = res
+    return grouped_matmul_t(x, dy, sizes), grouped_matmul(dy, jnp.swapaxes(w, 1, 2), sizes)
+
+
+assert check(grouped_fwd, grouped_bwd, lambda w, x: grouped_matmul(x, w, sizes), (w, x), dy,
+             names=("w", "x"))
+
+# %% [markdown]
+# **The router** learns only through the gates. Top-k is a selection: its transpose
+# scatters the chosen entries' gradients back to their places and leaves zeros
+# everywhere else. Mixtral's router (`topk_softmax`) takes the softmax over the $k$ chosen
+# logits, $g = \operatorname{softmax}(t)$ with $t, i = \operatorname{topk}(\ell)$, so
+#
+# $$\bar g_{nj} = \langle \bar y_n, y_{nj}\rangle, \qquad
+# \bar t = g \odot \bigl(\bar g - \textstyle\sum_j g_j \bar g_j\bigr), \qquad
+# \bar\ell = \operatorname{scatter}_i(\bar t):$$
+#
+# an expert a token did not choose gets no gradient from that token. OLMoE and Qwen3-MoE
+# (`softmax_topk`) take the top $k$ of the full softmax, $g = t$ with $t, i = \operatorname{topk}(P)$;
+# the scatter then lands in $\bar P$, and the softmax's backward
+# $\bar\ell = P \odot (\bar P - \sum_e P_e \bar P_e)$ spreads it over every logit of the
+# row: the experts a token passed over are pushed down. (Qwen3-MoE renormalises,
+# $g = t / \sum t$ with `norm_topk_prob`; that cancels the softmax's denominator, so it is
+# Mixtral's router again and its $\bar\ell$ is zero off the chosen experts.) Top-k has no derivative where two scores tie, but with random weights a tie has
+# probability zero, so the choice is unique and fixed near the point. The layer's whole
+# backward (`manual_grads/moe.py` `moe_bwd`: combine, un-sort, the experts' grouped
+# matmuls, the router) meets `jax.vjp` of `jaxformer.model.moe.moe` for both routers.
+
+# %%
+import dataclasses
+
+from jaxformer.model.config import get_preset
+from jaxformer.model.moe import moe
+from manual_grads.moe import moe_bwd, moe_fwd, router_bwd
+
+show(router_bwd)
+for router in ("topk_softmax", "softmax_topk"):
+    print(f"--- {router}")
+    config = dataclasses.replace(get_preset("tiny-moe"), router=router, norm_topk_prob=False)
+    E, D, F = config.n_experts, config.d_model, config.expert_d_ff
+    p = {"router": rand(D, E), "w_gate": rand(E, D, F), "w_up": rand(E, D, F),
+         "w_down": rand(E, F, D)}
+    x, dy = rand(2, 3, D), rand(2, 3, D)
+    moe_pair = lambda p, x: (lambda out: (out[0][0], out[1]))(moe_fwd(p, x, config))  # noqa: E731  y only
+    assert check(moe_pair, moe_bwd, lambda p, x: moe(p, x, config)[0], (p, x), dy)
+    _, res = moe_fwd(p, x, config)
+    dgates = jnp.einsum("nd,nkd->nk", dy.reshape(-1, D), res.y_slots)  # the combine's transpose
+    d_logits = np.asarray(router_bwd(res, dgates)[0])  # the first token's row of dlogits
+    chosen = sorted(np.asarray(res.idx[0]).tolist())
+    print(f"token 0 chose experts {chosen} of {E}; its dlogits: "
+          f"{np.array2string(d_logits, precision=4, floatmode='fixed', sign=' ')}")
+    if router == "topk_softmax":  # the experts it did not choose get exactly zero
+        assert np.all(np.delete(d_logits, chosen) == 0)
+    else:  # through the full softmax every expert's logit moves
+        assert np.all(d_logits != 0)
+
+# %% [markdown]
 # ## The whole model
 #
 # `manual_grads.value_and_grad` runs the forward keeping each layer's residuals,
