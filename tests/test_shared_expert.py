@@ -29,7 +29,8 @@ KEY = jax.random.PRNGKey(4)
 def _layer_params(config, seed=0):
     p = make_params(config, jnp.float64, seed)["blocks"]["ffn"]
     p = jax.tree_util.tree_map(lambda a: a[0], p)
-    return {**p, "router": p["router"] * 20.0, **({"shared_gate": p["shared_gate"] * 20.0} if "shared_gate" in p else {})}
+    scaled = {name: p[name] * 20.0 for name in ("router", "shared_gate") if name in p}  # gates far from uniform
+    return {**p, **scaled}
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -95,7 +96,8 @@ def test_params_and_the_other_draws():
     assert {k: v.shape for k, v in shapes["shared"].items()} == {"w_gate": (L, D, Fs), "w_up": (L, D, Fs),
                                                                  "w_down": (L, Fs, D)}
     assert shapes["shared_gate"].shape == (L, D, 1)
-    ungated = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), TINY.replace(shared_expert_gate=False)))
+    no_gate = TINY.replace(shared_expert_gate=False)
+    ungated = jax.eval_shape(lambda: jaxformer.init_params(jax.random.PRNGKey(0), no_gate))
     assert "shared_gate" not in ungated["blocks"]["ffn"]
     a = jaxformer.init_params(jax.random.PRNGKey(0), PRESETS["tiny-moe"])
     b = jaxformer.init_params(jax.random.PRNGKey(0), TINY)

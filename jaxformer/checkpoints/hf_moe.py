@@ -231,10 +231,11 @@ def _shared_tensors() -> tuple:
     """Qwen2-MoE's shared expert and its gate (shared_expert_d_ff > 0)."""
     shared = lambda c: c.shared_expert_d_ff > 0  # noqa: E731
     stem = _LAYER + "mlp.shared_expert."
-    return (*(Tensor(f"{stem}{name}_proj.weight", (f"blocks.ffn.shared.w_{name}",),
-                     lambda c: (c.shared_expert_d_ff, c.d_model), transpose=True, when=shared) for name in ("gate", "up")),
-            Tensor(stem + "down_proj.weight", ("blocks.ffn.shared.w_down",), lambda c: (c.d_model, c.shared_expert_d_ff),
-                   transpose=True, when=shared),
+    gate_up = (lambda c: (c.shared_expert_d_ff, c.d_model))  # noqa: E731  nn.Linear's (out, in)
+    return (*(Tensor(f"{stem}{name}_proj.weight", (f"blocks.ffn.shared.w_{name}",), gate_up, transpose=True,
+                     when=shared) for name in ("gate", "up")),
+            Tensor(stem + "down_proj.weight", ("blocks.ffn.shared.w_down",),
+                   lambda c: (c.d_model, c.shared_expert_d_ff), transpose=True, when=shared),
             Tensor(_LAYER + "mlp.shared_expert_gate.weight", ("blocks.ffn.shared_gate",), lambda c: (1, c.d_model),
                    transpose=True, when=lambda c: shared(c) and c.shared_expert_gate))
 
