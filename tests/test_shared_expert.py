@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_sources_agree, decode_one_at_a_time, make_batch, make_params
+from helpers import (assert_bfloat16_within_autodiff, assert_sources_agree, decode_one_at_a_time, make_batch,
+                     make_params)
 
 import jaxformer
 from jaxformer.model.config import PRESETS
@@ -88,6 +89,11 @@ def test_cached_decoder_equals_the_forward():
     params, batch = make_params(TINY, jnp.float64), make_batch(TINY, 2, 9, None)
     want = jaxformer.forward(params, batch["inputs"], TINY)
     np.testing.assert_allclose(decode_one_at_a_time(params, batch["inputs"], TINY, 4), want, rtol=1e-10, atol=1e-12)
+
+
+def test_bfloat16_rule():
+    params, batch = make_params(TINY, jnp.float32), make_batch(TINY, 2, 9, None)
+    assert_bfloat16_within_autodiff(params, batch, TINY)
 
 
 def test_params_and_the_other_draws():
