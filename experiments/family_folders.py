@@ -51,6 +51,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, norm_topk_prob=True,
                                                                head_dim=6, **MOE)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, **MOE)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, shared_expert_intermediate_size=10,
+                                                               **MOE)),
 }
 
 

@@ -123,7 +123,7 @@ _moe_rule = _register(_moe.moe_fwd, _moe_bwd, nondiff_argnums=(2,))
 
 
 def moe(p, x, config: ModelConfig):
-    """The mixture-of-experts layer p = {router, w_gate, w_up, w_down}; x (..., D) ->
+    """The mixture-of-experts layer p = {router, w_gate, w_up, w_down, shared?, shared_gate?}; x (..., D) ->
     (y (..., D), MoeStats), the hand-derived moe_bwd its rule (jaxformer.model.moe.moe)."""
     return _moe_rule(p, x, config)
 

@@ -36,6 +36,7 @@ from jaxformer.model.precision import cast, stats_dtype, upcast
 from manual_grads.activations import activation_bwd, activation_fwd
 from manual_grads.linear import LinearRes, backward_dtype, linear_bwd, linear_fwd
 from manual_grads.mlp import feed_forward_bwd, feed_forward_fwd
+from manual_grads.shared_expert import SharedExpertRes, shared_expert_bwd, shared_expert_fwd
 
 
 class ExpertRes(NamedTuple):
@@ -62,6 +63,7 @@ class MoeRes(NamedTuple):
     y_slots: jax.Array  # (N, k, D) each chosen expert's output
     stats: MoeStats
     dstats: MoeStats | None = None  # the statistics' cotangents (block_bwd sets them); None: zero
+    shared: SharedExpertRes | None = None  # the shared expert's (shared_expert_d_ff); None: none
 
 
 def moe_fwd(p, x, config):
@@ -89,6 +91,9 @@ def moe_fwd(p, x, config):
     experts = ExpertRes(xs, act_res, a, up, m, p["w_gate"], p["w_up"], p["w_down"])
     res = MoeRes(router_res, probs, jax.nn.logsumexp(logits, axis=-1), gates, idx, top, top_sum, d,
                  experts, y_slots, stats)
+    if config.shared_expert_d_ff:  # y = y + shared_expert(p, x2, config)
+        y_shared, shared_res = shared_expert_fwd(p, x2, config)
+        y, res = y + y_shared, res._replace(shared=shared_res)
     return (y.reshape(x.shape[:-1] + (D,)), stats), res
 
 
@@ -156,7 +161,12 @@ def moe_bwd(res: MoeRes, dy):
     dlogits = router_bwd(res, dgates)  # (N, E)
     d_router, dx_router = linear_bwd(res.router, dlogits)  # logits = x @ router
     dp["router"] = d_router["w"]
-    return dp, (dx + dx_router).reshape(dy.shape)
+    dx = dx + dx_router
+    if res.shared is not None:  # y = y + shared_expert(p, x2, config)
+        d_shared, dx_shared = shared_expert_bwd(res.shared, dy2)
+        dp.update(d_shared)
+        dx = dx + dx_shared
+    return dp, dx.reshape(dy.shape)
 
 
 def ffn_fwd(p, x, config):

@@ -153,6 +153,26 @@ def test_matmul_params_of_the_modern_block():
     assert flops.matmul_params(c) == 134_515_008 - norms
 
 
+def test_moe_flops_count_the_active_experts_by_hand():
+    """A mixture of experts counts the weights a token goes through: the router, k of the E
+    gated experts, the shared expert and its sigmoid gate."""
+    tiny_moe = get_preset("tiny-moe")  # L2 D16 H4 Hkv2 (Dh 4), E4 k2 Fe12, V256, gated experts
+    L, D, Dkv, E, k, Fe, V = 2, 16, 8, 4, 2, 12, 256
+    attn = 2 * D * D + 2 * D * Dkv  # wq, wo (D, D); wk, wv (D, Hkv Dh)
+    active = L * (attn + D * E + k * 3 * D * Fe) + D * V  # router + k gated experts; the head
+    assert flops.matmul_params(tiny_moe) == active == 8064
+    assert flops.matmul_params(tiny_moe, active=False) == L * (attn + D * E + E * 3 * D * Fe) + D * V
+    assert flops.flops_per_token(tiny_moe, 16) == 6 * active + 12 * L * 16 * D // 2
+    Fs = 8
+    shared = tiny_moe.replace(shared_expert_d_ff=Fs)
+    assert flops.matmul_params(shared) == active + L * (3 * D * Fs + D)  # the shared MLP and its sigmoid gate
+    assert flops.matmul_params(shared.replace(shared_expert_gate=False)) == active + L * 3 * D * Fs
+    report = flops.flops_breakdown(shared, 16)
+    assert report["matmul_params"] == active + L * (3 * D * Fs + D)
+    assert report["matmul_params_all_experts"] == report["matmul_params"] + L * (E - k) * 3 * D * Fe
+    assert "matmul_params_all_experts" not in flops.flops_breakdown(get_preset("llama-tiny"), 16)
+
+
 def test_mfu_uses_the_datasheet_peak_of_a_known_gpu():
     c = get_preset("tiny")
     h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")

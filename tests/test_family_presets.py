@@ -1,6 +1,6 @@
 """The presets shaped like public Hugging Face models (config.PRESETS: llama3.2-1b, mistral-7b,
-qwen2.5-0.5b, qwen3-0.6b, olmo2-1b, gemma-2b, gemma2-2b): each equals the ModelConfig that the
-family's import (checkpoints/hf_llama.py, hf_olmo_gemma.py) reads from the model's published
+qwen2.5-0.5b, qwen3-0.6b, olmo2-1b, gemma-2b, gemma2-2b, olmoe-1b-7b): each equals the ModelConfig
+that the family's import (checkpoints/hf_llama.py, hf_olmo_gemma.py, hf_moe.py) reads from the model's published
 config.json, written out below with the keys the import reads; the counts are taken from shapes
 only (jax.eval_shape), so no preset's weights are built."""
 
@@ -11,9 +11,10 @@ import math
 import jax
 import pytest
 
-from jaxformer.checkpoints import hf_llama, hf_olmo_gemma
+from jaxformer.checkpoints import hf_llama, hf_moe, hf_olmo_gemma
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, SMALL_PRESETS
 from jaxformer.model.params import init_params
+from jaxformer.observe.flops import matmul_params
 
 # huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json
 LLAMA32_1B = {
@@ -70,6 +71,15 @@ GEMMA2_2B = {
     "num_hidden_layers": 26, "num_key_value_heads": 4, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
     "rope_theta": 10000.0, "sliding_window": 4096, "vocab_size": 256000,
 }
+# huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json
+OLMOE_1B_7B = {
+    "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "attention_bias": False, "clip_qkv": None,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 1024, "max_position_embeddings": 4096,
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 16, "num_key_value_heads": 16, "output_router_logits": False, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+    "vocab_size": 50304,
+}
 LLAMA_SHAPED = {"llama3.2-1b": LLAMA32_1B, "mistral-7b": MISTRAL_7B, "qwen2.5-0.5b": QWEN25_05B,
                 "qwen3-0.6b": QWEN3_06B}
 OLMO_GEMMA = {"olmo2-1b": OLMO2_1B, "gemma-2b": GEMMA_2B}
@@ -100,6 +110,18 @@ def test_the_gemma2_preset_is_its_config_json_with_the_windows_of_transformers()
     assert PRESETS["gemma2-2b"] == hf_olmo_gemma.config_from_hf(GEMMA2_2B)
     assert PRESETS["gemma2-2b"].sliding_window == 4096 and PRESETS["gemma2-2b"].max_seq_len == 8192
     assert PRESETS["gemma2-2b"].windowed_layers[:3] == (True, False, True)
+
+
+def test_the_olmoe_preset_is_its_config_json_with_the_load_balancing_loss_on():
+    """OLMoE-1B-7B's import, its load-balancing loss turned on at router_aux_loss_coef (its
+    output_router_logits false leaves it out of transformers' loss); 6.92B params, 1.28B
+    active per token (the matmul weights of 8 of the 64 experts, and the embedding)."""
+    config = PRESETS["olmoe-1b-7b"]
+    imported = hf_moe.config_from_hf(OLMOE_1B_7B)
+    assert imported.moe_aux_loss_coef == 0.0
+    assert config == imported.replace(moe_aux_loss_coef=OLMOE_1B_7B["router_aux_loss_coef"])
+    assert n_params(config) / 1e9 == pytest.approx(6.92, abs=0.011)
+    assert (matmul_params(config) + config.vocab_size * config.d_model) / 1e9 == pytest.approx(1.28, abs=0.011)
 
 
 @pytest.mark.parametrize("name", FAMILY_PRESETS)

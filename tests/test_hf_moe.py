@@ -1,7 +1,8 @@
 """The mixture-of-experts Hugging Face families against transformers itself (float64, nothing
 downloaded): one small random ``MixtralForCausalLM`` (a sliding window of 5 on every layer),
 ``Qwen3MoeForCausalLM`` (per-head QK-norm, norm_topk_prob, an expert width apart from the dense
-one) and ``OlmoeForCausalLM`` (QK-norm over the whole projection), each with 4 experts, 2 per
+one), ``OlmoeForCausalLM`` (QK-norm over the whole projection) and ``Qwen2MoeForCausalLM``
+(q, k, v biases, a shared expert of width 10 with its sigmoid gate), each with 4 experts, 2 per
 token, output_router_logits true; saved, imported, and shown equal in logits (1e-10 relative),
 in gradients (jax.grad and manual vs torch autograd, 1e-10 per leaf, the router's included,
 the load-balancing loss in both losses) and in the load-balancing loss; the export writes the
@@ -37,7 +38,7 @@ from jaxformer.model.transformer import loss_and_stats  # noqa: E402
 from manual_grads.check import assert_trees_close  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-E, K, FE, COEF = 4, 2, 12, 0.02  # experts, per token, expert width, router_aux_loss_coef
+E, K, FE, FS, COEF = 4, 2, 12, 10, 0.02  # experts, per token, expert width, shared expert width, router_aux_loss_coef
 CLASSES = {  # model_type: (config class, model class, its own keys, what the import makes of them)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=E, intermediate_size=FE, sliding_window=5),
                 dict(router="topk_softmax", norm_topk_prob=False, expert_width=FE, sliding_window=5, qk_norm=False)),
@@ -46,6 +47,11 @@ CLASSES = {  # model_type: (config class, model class, its own keys, what the im
                   dict(router="softmax_topk", norm_topk_prob=True, expert_width=FE, sliding_window=0, qk_norm=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=E, intermediate_size=FE),
               dict(router="softmax_topk", norm_topk_prob=False, expert_width=FE, sliding_window=0, qk_norm=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=E, moe_intermediate_size=FE, intermediate_size=F, shared_expert_intermediate_size=FS,
+                       norm_topk_prob=False),
+                  dict(router="softmax_topk", norm_topk_prob=False, expert_width=FE, sliding_window=0, qk_norm=False,
+                       shared_expert_d_ff=FS, shared_expert_gate=True)),
 }
 
 
@@ -118,6 +124,7 @@ def test_import_reads_the_family_and_matches_transformers_logits(saved):
     want = CLASSES[kind][3]
     assert config.family == kind and config.n_experts == E and config.experts_per_token == K
     assert {k: getattr(config, k) for k in want} == want
+    assert tuple(config.linear_biases) == ((True, False, False) if kind == "qwen2_moe" else (False, False, False))
     assert config.moe_aux_loss_coef == COEF and config.qk_norm_scope == ("projection" if kind == "olmoe" else "head")
     ffn = params["blocks"]["ffn"]
     assert (ffn["router"].shape, ffn["w_gate"].shape, ffn["w_down"].shape) == ((L, D, E), (L, E, D, FE), (L, E, FE, D))
@@ -193,6 +200,19 @@ def test_refused_configs_are_one_line(saved):
             hf_moe.config_from_hf({**hf, "mlp_only_layers": [1]})
         with pytest.raises(HFFormatError, match=r"decoder_sparse_step 2 .* layers \[0\]"):
             hf_moe.config_from_hf({**hf, "decoder_sparse_step": 2})
+    if kind == "qwen2_moe":
+        with pytest.raises(HFFormatError, match=r"mlp_only_layers \[0\]: layers \[0\] have a dense MLP"):
+            hf_moe.config_from_hf({**hf, "mlp_only_layers": [0]})
+        with pytest.raises(HFFormatError, match=r"decoder_sparse_step 2 .* layers \[0\]"):
+            hf_moe.config_from_hf({**hf, "decoder_sparse_step": 2})
+        with pytest.raises(HFFormatError, match="use_sliding_window true is not supported for qwen2_moe"):
+            hf_moe.config_from_hf({**hf, "use_sliding_window": True})
+        with pytest.raises(ValueError, match="Qwen2-MoE needs ModelConfig.shared_expert_gate = True"):
+            hf_moe.config_to_hf(config.replace(shared_expert_gate=False))
+        with pytest.raises(ValueError, match="Qwen2-MoE has a shared expert: ModelConfig.shared_expert_d_ff"):
+            hf_moe.config_to_hf(config.replace(shared_expert_d_ff=0))
+        with pytest.raises(ValueError, match="Qwen3-MoE needs ModelConfig.shared_expert_d_ff = 0"):
+            hf_moe.config_to_hf(config.replace(family="qwen3_moe"))
     if kind == "olmoe":
         with pytest.raises(HFFormatError, match="clip_qkv 8.0 is not supported"):
             hf_moe.config_from_hf({**hf, "clip_qkv": 8.0})

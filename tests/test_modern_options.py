@@ -64,6 +64,8 @@ FIELDS = {
     # random weights has ties of measure zero, so the chosen experts are the same for every source
     "n_experts": (0, 4),
     "router": ("topk_softmax", "softmax_topk"),
+    "shared_expert_d_ff": (0, 8),  # Qwen2-MoE's shared expert beside the routed ones
+    "shared_expert_gate": (True, False),  # its sigmoid gate (False: the shared expert ungated)
 }
 REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl", "pallas"), ("attn_softcap", 0.05)),
            (("norm_scale", False), ("norm_type", "layer")),
@@ -75,6 +77,11 @@ REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl",
            # allowed, but a pair cannot say so: bias True is left to test_moe.py)
            (("mlp", "plain"), ("n_experts", 4)), (("bias", True), ("n_experts", 4)),
            (("mlp_bias", True), ("n_experts", 4)),
+           # the shared expert needs the experts; ungated needs the shared expert
+           *(_p for shared in (("shared_expert_d_ff", 8), ("shared_expert_gate", False))
+             for _p in ((("n_experts", 0), shared), (("mlp", "plain"), shared), (("bias", True), shared),
+                        (("mlp_bias", True), shared))),
+           (("shared_expert_d_ff", 0), ("shared_expert_gate", False)),
            (("rope_local_theta", 7.0), ("sliding_window", 0)), (("causal", False), ("rope_local_theta", 7.0)),
            *((("positions", p), (name, v)) for p in ("learned", "sinusoidal")
              for name, v in (("rope_local_theta", 7.0), ("rope_layers", (0, 1)))),
@@ -143,7 +150,7 @@ CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 22  # a covering set, not the product
+    assert len(ROWS) <= 23  # a covering set, not the product
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
@@ -160,6 +167,8 @@ def _case_id(config):
             f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}"
             f"{f'-w{config.sliding_window}' if config.sliding_window else ''}{'-mixed' if config.layer_types else ''}"
             f"{f'-moe{config.n_experts}-{config.router}' if config.n_experts else ''}"
+            f"{f'-shared{config.shared_expert_d_ff}' if config.shared_expert_d_ff else ''}"
+            f"{'' if config.shared_expert_gate else '-ungated'}"
             f"{'-localrope' if config.rope_local_theta else ''}{'-nope' if config.rope_layers else ''}")
 
 

@@ -1,7 +1,7 @@
 """Hugging Face model folders in and out, whichever architecture: the one place that picks
 GPT-2 (hf_gpt2.py), a Llama-shaped family (hf_llama.py: llama, mistral, qwen2, qwen3, smollm3) or OLMo 2
 and Gemma (hf_olmo_gemma.py: olmo2, gemma, gemma2, gemma3_text) or a mixture of experts (hf_moe.py:
-mixtral, qwen3_moe, olmoe), by
+mixtral, qwen3_moe, olmoe, qwen2_moe), by
 config.json's ``model_type`` on the way in and on the way out by the family the ModelConfig
 was imported as (``family``), else by its options; a ``.gguf`` file goes to gguf_file.py.
 `train --init-from`, `compare-grads --init-from`, `generate --init-from` and `export --hf` go

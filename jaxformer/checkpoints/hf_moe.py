@@ -1,5 +1,5 @@
 """Hugging Face mixture-of-experts folders in and out: ``MixtralForCausalLM``,
-``Qwen3MoeForCausalLM`` and ``OlmoeForCausalLM``. Each is a dense family's block (attention,
+``Qwen3MoeForCausalLM``, ``OlmoeForCausalLM`` and ``Qwen2MoeForCausalLM``. Each is a dense family's block (attention,
 norms, rotary, windows: read and written by hf_llama.py) with its feed-forward layer replaced
 by the MoE layer of model/moe.py (ModelConfig.n_experts):
 
@@ -13,6 +13,13 @@ by the MoE layer of model/moe.py (ModelConfig.n_experts):
                decoder_sparse_step other than 1 or a non-empty mlp_only_layers is refused by name
     olmoe      Llama's attention with OLMo's QK-norm over all of q and of k (qk_norm_scope
                "projection"), no window, clip_qkv null only; router "softmax_topk", norm_topk_prob
+    qwen2_moe  Qwen 2's attention (q, k, v biases: qkv_bias true only), no window
+               (use_sliding_window false only); router "softmax_topk", norm_topk_prob; the experts
+               as qwen3_moe's (moe_intermediate_size; every layer MoE) and a shared expert of width
+               shared_expert_intermediate_size with its sigmoid gate (shared_expert_d_ff,
+               shared_expert_gate; model/shared_expert.py): ``mlp.shared_expert.gate_proj /
+               up_proj / down_proj`` = blocks.ffn.shared.w_*^T, ``mlp.shared_expert_gate.weight``
+               (1, D) = blocks.ffn.shared_gate^T
 
 Tensors: the router ``gate.weight`` (E, D) is blocks.ffn.router^T; the experts are stored one
 per expert as save_pretrained writes them (Mixtral ``block_sparse_moe.experts.{e}.w1 / w3 / w2``,
@@ -64,7 +71,10 @@ FAMILIES = {
                         ("gate_proj", "up_proj", "down_proj")),
     "olmoe": Family("OLMoE", "OlmoeForCausalLM", "llama", "softmax_topk", "num_experts", "mlp",
                     ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": Family("Qwen2-MoE", "Qwen2MoeForCausalLM", "qwen2", "softmax_topk", "num_experts", "mlp",
+                        ("gate_proj", "up_proj", "down_proj")),
 }
+QWEN_MOE = ("qwen3_moe", "qwen2_moe")  # every layer MoE unless decoder_sparse_step / mlp_only_layers say not
 
 
 def _positive(hf: dict, key: str, default=None) -> int:
@@ -82,7 +92,7 @@ def _coef(hf: dict, key: str) -> float:
 
 
 def _all_layers_moe(hf: dict, n_layers: int) -> None:
-    """Qwen3-MoE's layers without experts (decoder_sparse_step, mlp_only_layers) refused by name."""
+    """Qwen2- and Qwen3-MoE's layers without experts (decoder_sparse_step, mlp_only_layers) refused by name."""
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if not (is_int(step) and step >= 1):
         raise HFFormatError(f"config.json: decoder_sparse_step must be a positive integer, got {step!r}")
@@ -96,6 +106,8 @@ def _dense_json(hf: dict, kind: str) -> dict:
     """config.json as its dense base family reads it (the MoE keys aside)."""
     dense = {**hf, "model_type": FAMILIES[kind].base}
     if kind == "qwen3_moe":  # the window goes on every layer, read below
+        dense.update(use_sliding_window=False, layer_types=None)
+    if kind == "qwen2_moe":  # no window (read below: only its absence)
         dense.update(use_sliding_window=False, layer_types=None)
     if kind == "olmoe":  # head_dim is hidden_size / heads; no MLP bias, no window
         dense = {k: v for k, v in dense.items() if k not in ("head_dim", "mlp_bias", "sliding_window")}
@@ -118,9 +130,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if kind == "mixtral" and _coef(hf, "router_jitter_noise"):
         raise HFFormatError(f"config.json: router_jitter_noise {hf['router_jitter_noise']!r} is not supported "
                             "(the router takes no noise here; 0.0 only)")
-    if kind == "qwen3_moe":
+    if kind in QWEN_MOE:
         _all_layers_moe(hf, dense.n_layers)
-        fields["expert_d_ff"] = _positive(hf, "moe_intermediate_size", 768)
+        fields["expert_d_ff"] = _positive(hf, "moe_intermediate_size", 768 if kind == "qwen3_moe" else 1408)
+    if kind == "qwen2_moe":
+        fields.update(_qwen2_moe_fields(hf))
+    if kind == "qwen3_moe":
         if read_flag(hf, "use_sliding_window") and window_width(hf) is not None:
             fields["sliding_window"] = int(window_width(hf))
     if kind == "olmoe":
@@ -133,9 +148,21 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise HFFormatError(f"config.json: {e}") from None
 
 
+def _qwen2_moe_fields(hf: dict) -> dict:
+    """The shared expert of a Qwen2-MoE config.json; its window and qkv_bias false refused by name."""
+    if read_flag(hf, "use_sliding_window"):
+        raise HFFormatError("config.json: use_sliding_window true is not supported for qwen2_moe (false only)")
+    if hf.get("qkv_bias", True) is not True:
+        raise HFFormatError(f"config.json: qkv_bias {hf['qkv_bias']!r} is not supported for qwen2_moe (true only)")
+    return dict(shared_expert_d_ff=_positive(hf, "shared_expert_intermediate_size", 5632), shared_expert_gate=True)
+
+
 def family_of(config: ModelConfig) -> str:
-    """The family an MoE model without one exports as: Mixtral's router is "mixtral"; a QK-norm
-    over the projection "olmoe"; else "qwen3_moe" (config_to_hf refuses what it cannot hold)."""
+    """The family an MoE model without one exports as: a shared expert is "qwen2_moe";
+    Mixtral's router "mixtral"; a QK-norm over the projection "olmoe"; else "qwen3_moe"
+    (config_to_hf refuses what it cannot hold)."""
+    if config.shared_expert_d_ff:
+        return "qwen2_moe"
     if config.router == "topk_softmax":
         return "mixtral"
     return "olmoe" if config.qk_norm and config.qk_norm_scope == "projection" else "qwen3_moe"
@@ -153,8 +180,11 @@ def config_to_hf(config: ModelConfig) -> dict:
     family = FAMILIES[config.family]
     _refuse(config, family, "router", family.router)
     _refuse(config, family, "moe_every", 1)
+    if config.family != "qwen2_moe":
+        _refuse(config, family, "shared_expert_d_ff", 0)
     dense = dict(family=family.base, n_experts=0, experts_per_token=2, expert_d_ff=0, router="topk_softmax",
-                 norm_topk_prob=False, moe_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+                 norm_topk_prob=False, moe_aux_loss_coef=0.0, router_z_loss_coef=0.0, shared_expert_d_ff=0,
+                 shared_expert_gate=True)
     own = {family.experts_key: config.n_experts, "num_experts_per_tok": config.experts_per_token,
            "router_aux_loss_coef": config.moe_aux_loss_coef, "output_router_logits": config.moe_aux_loss_coef > 0,
            "router_z_loss_coef": config.router_z_loss_coef}
@@ -167,6 +197,8 @@ def config_to_hf(config: ModelConfig) -> dict:
         own.update(moe_intermediate_size=config.expert_width, norm_topk_prob=config.norm_topk_prob,
                    decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=bool(config.sliding_window),
                    sliding_window=config.sliding_window or None)
+    elif config.family == "qwen2_moe":
+        own.update(_qwen2_moe_out(config, family))
     else:
         dense["d_ff"] = config.expert_width  # intermediate_size is each expert's width
     if config.family == "mixtral":
@@ -183,6 +215,31 @@ def config_to_hf(config: ModelConfig) -> dict:
     return {**hf, "model_type": config.family, "architectures": [family.architecture], **own}
 
 
+def _qwen2_moe_out(config: ModelConfig, family: Family) -> dict:
+    """A Qwen2-MoE's own keys: it always has a gated shared expert, and no window here."""
+    if not config.shared_expert_d_ff:
+        raise ValueError("a Hugging Face Qwen2-MoE has a shared expert: ModelConfig.shared_expert_d_ff must "
+                         "be > 0, this model has 0")
+    _refuse(config, family, "shared_expert_gate", True)
+    _refuse(config, family, "sliding_window", 0)
+    return dict(moe_intermediate_size=config.expert_width, norm_topk_prob=config.norm_topk_prob,
+                shared_expert_intermediate_size=config.shared_expert_d_ff, decoder_sparse_step=1,
+                mlp_only_layers=[], use_sliding_window=False, sliding_window=None, qkv_bias=True)
+
+
+def _shared_tensors() -> tuple:
+    """Qwen2-MoE's shared expert and its gate (shared_expert_d_ff > 0)."""
+    shared = lambda c: c.shared_expert_d_ff > 0  # noqa: E731
+    stem = _LAYER + "mlp.shared_expert."
+    gate_up = (lambda c: (c.shared_expert_d_ff, c.d_model))  # noqa: E731  nn.Linear's (out, in)
+    return (*(Tensor(f"{stem}{name}_proj.weight", (f"blocks.ffn.shared.w_{name}",), gate_up, transpose=True,
+                     when=shared) for name in ("gate", "up")),
+            Tensor(stem + "down_proj.weight", ("blocks.ffn.shared.w_down",),
+                   lambda c: (c.d_model, c.shared_expert_d_ff), transpose=True, when=shared),
+            Tensor(_LAYER + "mlp.shared_expert_gate.weight", ("blocks.ffn.shared_gate",), lambda c: (1, c.d_model),
+                   transpose=True, when=lambda c: shared(c) and c.shared_expert_gate))
+
+
 def tensors_of(config: ModelConfig) -> tuple:
     """The table of everything but the experts: the dense family's attention, norms, embedding
     and head (hf_llama.TENSORS without its MLP), the QK-norm at its scope's width, the router."""
@@ -194,7 +251,8 @@ def tensors_of(config: ModelConfig) -> tuple:
             Tensor(_LAYER + "self_attn.k_norm.weight", ("blocks.attn.k_norm.scale",),
                    lambda c: _qk_width(c, c.kv_heads), when=lambda c: c.qk_norm),
             Tensor(f"{_LAYER}{family.moe}.gate.weight", ("blocks.ffn.router",), lambda c: (c.n_experts, c.d_model),
-                   transpose=True))
+                   transpose=True),
+            *_shared_tensors())
 
 
 def _take(raw: dict, name: str, shape: tuple, dtype, where: str) -> np.ndarray:

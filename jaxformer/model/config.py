@@ -30,7 +30,7 @@ REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("topk_softmax", "softmax_topk")  # MoE gates: softmax of the top-k logits | top-k of the softmax
 FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text",
-            "smollm3", "mixtral", "qwen3_moe", "olmoe")  # Hugging Face model_types (checkpoints/hf.py)
+            "smollm3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")  # Hugging Face model_types (checkpoints/hf.py)
 # The fields that choose how the model is computed, not what it computes: a model read
 # from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
 HOW_FIELDS = ("attention_impl", "attention_block", "pallas_block_q", "pallas_block_k", "loss_chunk",
@@ -116,6 +116,9 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0  # the load-balancing loss E sum_e f_e P_e times this joins the loss
     router_z_loss_coef: float = 0.0  # the router z-loss mean(logsumexp(logits)^2) times this joins the loss
     moe_every: int = 1  # every n-th block an MoE one; only 1 (every block) is implemented
+    shared_expert_d_ff: int = 0  # > 0: a gated MLP of this width every token passes beside the routed
+    # experts (Qwen2-MoE's shared expert; jaxformer/model/shared_expert.py); 0: none
+    shared_expert_gate: bool = True  # the shared expert's output times sigmoid(x @ shared_gate) (Qwen2-MoE)
     # --- rotary positions by layer (Gemma 3, SmolLM 3; docs/design.md, "Rotary positions by layer")
     rope_local_theta: float = 0.0  # the sliding-window layers' rotary base, unscaled (Gemma 3's 10k beside
     # its global 1M); 0: those layers rotate as the others (rope_theta, rope_scaling)
@@ -266,6 +269,8 @@ FIELD_RULES: dict[str, Rule] = {
     "norm_topk_prob": BOOL,
     "moe_aux_loss_coef": Rule("number", low=0), "router_z_loss_coef": Rule("number", low=0),
     "moe_every": POSITIVE,
+    "shared_expert_d_ff": NON_NEGATIVE._replace(note="0: no shared expert"),
+    "shared_expert_gate": BOOL,
     "rope_local_theta": Rule("number", low=0, note="0: as rope_theta and rope_scaling"),
     "rope_layers": Rule("choices", choices=(0, 1), note="(): every layer rotates"),
     "family": Rule("choice", choices=FAMILIES, note="'': export picks by the options"),

@@ -137,7 +137,17 @@ def experts_fit(c) -> None:
                          f"(router {c.router!r} already sums its gates to 1)")
 
 
+def shared_expert_fits(c) -> None:
+    if c.shared_expert_d_ff and not c.n_experts:
+        raise ValueError(f"ModelConfig.shared_expert_d_ff {c.shared_expert_d_ff} needs n_experts > 0 "
+                         "(the shared expert sits beside the routed ones)")
+    if not c.shared_expert_gate and not c.shared_expert_d_ff:
+        raise ValueError("ModelConfig.shared_expert_gate False needs shared_expert_d_ff > 0 "
+                         "(it gates the shared expert)")
+
+
 CROSS_FIELD_RULES = (heads_divide_width, biases_follow_bias, kv_heads_divide_heads, rope_needs_even_heads,
                      unscaled_norm_is_rms, fused_attention_has_no_dropout, cudnn_reads_half_precision,
                      rope_scaling_needs_rope, fused_attention_has_no_softcap, norm_options_fit,
-                     sliding_window_fits, experts_fit, rope_by_layer_fits)
+                     sliding_window_fits, experts_fit, rope_by_layer_fits,
+                     shared_expert_fits)

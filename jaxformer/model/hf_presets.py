@@ -71,13 +71,14 @@ FAMILY_PRESETS: dict[str, dict[str, Any]] = {
     # "num_experts_per_tok": 8, "norm_topk_prob": false (softmax over all 64, top 8, not
     # renormalised), "router_aux_loss_coef": 0.01, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
     # "vocab_size": 50304, "max_position_embeddings": 4096, "tie_word_embeddings": false; QK-norm
-    # over the whole q and k projections as OLMo 2. 6.92B params, 1.28B active per token. No
-    # family value: the olmoe import is not part of the families here.
+    # over the whole q and k projections as OLMo 2. 6.92B params, 1.28B active per token. Its
+    # "output_router_logits": false leaves the load-balancing loss out of transformers' loss (the
+    # import reads moe_aux_loss_coef 0); fine-tuning here turns it on at router_aux_loss_coef.
     "olmoe-1b-7b": dict(
         _MODERN, vocab_size=50304, d_model=2048, n_heads=16, n_layers=16, d_ff=1024, max_seq_len=4096,
         activation="silu", rope_theta=10000.0, qk_norm=True, qk_norm_scope="projection",
-        n_experts=64, experts_per_token=8, expert_d_ff=1024, router="softmax_topk",
-        norm_topk_prob=False, moe_aux_loss_coef=0.01),
+        n_experts=64, experts_per_token=8, router="softmax_topk",
+        norm_topk_prob=False, moe_aux_loss_coef=0.01, family="olmoe"),
 }
 
 # Fine-tuning from the imported weights (train --init-from FOLDER --preset NAME): AdamW at a

@@ -11,7 +11,8 @@
 
 Every token reaches its k experts (no capacity, no dropped token): the group sizes are the
 bincount of the chosen experts. p = {"router" (D, E), "w_gate", "w_up" (E, D, F), "w_down"
-(E, F, D)} (F = expert_d_ff or d_ff; no biases), the block's "ffn" slot.
+(E, F, D)} (F = expert_d_ff or d_ff; no biases), the block's "ffn" slot; with shared_expert_d_ff
+also Qwen2-MoE's shared expert (model/shared_expert.py), whose output y adds.
 
 Beside y the layer returns its router statistics (``MoeStats``); the model averages them over
 the layers and adds ``moe_aux_loss`` to the training loss: the load-balancing loss of Switch
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 from jaxformer.model.activations import activation
 from jaxformer.model.linear import linear
 from jaxformer.model.precision import cast, stats_dtype, upcast
+from jaxformer.model.shared_expert import shared_expert
 
 
 class MoeStats(NamedTuple):
@@ -108,6 +110,8 @@ def moe(p, x, config):
     ys = expert_mlp(p, xs, d.sizes, config.activation, config.compute_dtype)  # (N k, D)
     y_slots = ys[d.inverse].reshape(n, k, D)  # (N, k, D): the un-sort
     y = jnp.einsum("nk,nkd->nd", gates.astype(y_slots.dtype), y_slots)  # (N, D)
+    if config.shared_expert_d_ff:  # Qwen2-MoE: + sigmoid(x @ shared_gate) * gated_mlp(x)
+        y = y + shared_expert(p, x2, config)
     return y.reshape(x.shape[:-1] + (D,)), moe_stats(logits, probs, d.sizes)
 
 

@@ -17,7 +17,8 @@ The layouts ``norm`` "output" and "sandwich" add ln1_post and ln2_post to the bl
 has no ln1, ln2); every layout but "post" has ln_f. With ``norm_offset`` an RMS scale w is
 applied as (norm_offset + w), so it starts at 1 - norm_offset (Gemma's: 0).
 attn.k_norm, each {"scale": (Dh,)} per layer. ``n_experts`` > 0 puts the MoE layer in the ffn slot:
-router (L, D, E), w_gate, w_up (L, E, D, F), w_down (L, E, F, D) (jaxformer/model/moe.py).
+router (L, D, E), w_gate, w_up (L, E, D, F), w_down (L, E, F, D) (jaxformer/model/moe.py); with
+shared_expert_d_ff Fs also shared {w_gate, w_up (L, D, Fs), w_down (L, Fs, D)} and shared_gate (L, D, 1).
 """
 
 from __future__ import annotations
@@ -109,12 +110,22 @@ def _init_params(key, config: ModelConfig, dtype) -> dict:
 
 
 def moe_params(key, config: ModelConfig, dtype, out_std: float) -> dict:
-    """The MoE feed-forward's leaves: router (L, D, E), w_gate, w_up (L, E, D, F), w_down (L, E, F, D)."""
+    """The MoE feed-forward's leaves: router (L, D, E), w_gate, w_up (L, E, D, F), w_down (L, E, F, D);
+    the shared expert's (shared_expert_d_ff Fs): shared {w_gate, w_up (L, D, Fs), w_down (L, Fs, D)},
+    shared_gate (L, D, 1)."""
     L, D, E, F = config.n_layers, config.d_model, config.n_experts, config.expert_width
     k = jax.random.split(key, 4)
     normal = lambda i, shape, std=INIT_STD: (std * jax.random.normal(k[i], shape)).astype(dtype)  # noqa: E731
-    return {"router": normal(0, (L, D, E)), "w_gate": normal(1, (L, E, D, F)),
-            "w_up": normal(2, (L, E, D, F)), "w_down": normal(3, (L, E, F, D), out_std)}
+    ffn = {"router": normal(0, (L, D, E)), "w_gate": normal(1, (L, E, D, F)),
+           "w_up": normal(2, (L, E, D, F)), "w_down": normal(3, (L, E, F, D), out_std)}
+    if config.shared_expert_d_ff:  # Qwen2-MoE's shared expert, from its own key: the draws above do not move
+        Fs, ks = config.shared_expert_d_ff, jax.random.split(jax.random.fold_in(key, 4), 4)
+        shared = lambda i, shape, std=INIT_STD: (std * jax.random.normal(ks[i], shape)).astype(dtype)  # noqa: E731
+        ffn["shared"] = {"w_gate": shared(0, (L, D, Fs)), "w_up": shared(1, (L, D, Fs)),
+                         "w_down": shared(2, (L, Fs, D), out_std)}
+        if config.shared_expert_gate:
+            ffn["shared_gate"] = shared(3, (L, D, 1))
+    return ffn
 
 
 def head_weights(params, config: ModelConfig):

@@ -15,6 +15,12 @@ The convention (docs/design.md, "FLOPs and MFU"), per token of a training step
   / 2 when causal              a causal model uses only the lower triangle of
                                the scores, so half of the attention term counts
 
+A mixture of experts (n_experts E > 0) counts the weights a token goes through, its
+active parameters: each layer's 2 D F (3 D F gated) becomes the router's D E, the k
+chosen experts' k * 3 D F_e, and with a shared expert its 3 D Fs and its gate's D; the
+other E - k experts hold parameters but do no work for the token (``active=False``
+counts all E, for reports). The MFU of an MoE model is then its active-parameter MFU.
+
 MFU = achieved model FLOP/s / the device's peak FLOP/s, where achieved =
 tokens/s * FLOPs per token. The masked half of a causal attention that the
 "full" implementation still computes is not counted: MFU measures useful work.
@@ -38,7 +44,9 @@ from jaxformer.model.config import ModelConfig
 
 CONVENTION = (
     "training FLOPs per token = 6*N + 12*L*T*D (attention), the attention term halved when "
-    "causal; N = matmul params L*(4*D^2 + 2*D*F) + D*V (no biases, norms or embedding gather)"
+    "causal; N = matmul params L*(4*D^2 + 2*D*F) + D*V (no biases, norms or embedding gather); "
+    "a mixture of experts counts its active params: the router D*E, k experts' 3*D*F_e, "
+    "a shared expert's 3*D*Fs + D, in place of 2*D*F"
 )
 
 TFLOP = 1e12
@@ -76,14 +84,26 @@ FP32_NON_TENSOR = {"H100 PCIe": 51.2e12, "H100 NVL": 60e12, "H200 NVL": 60e12, "
                    "H100": 66.9e12, "H200": 66.9e12, "A100": 19.5e12}
 
 
-def matmul_params(config: ModelConfig) -> int:
-    """N: weights that take part in a matmul (q, k, v, o, w_in, w_out per layer; the head).
-    Grouped-query attention narrows k and v to Hkv * Dh columns; the gated MLP has three
-    weights (w_gate, w_up, w_down) where the plain one has two."""
-    D, F, L, V = config.d_model, config.d_ff, config.n_layers, config.vocab_size
+def ffn_matmul_params(config: ModelConfig, active: bool = True) -> int:
+    """One layer's feed-forward weights that a token's matmuls use: 2 D F, 3 D F gated; a
+    mixture of experts: the router D E, k experts' 3 D F_e (all E with ``active`` False), a
+    shared expert's 3 D Fs and its sigmoid gate's D."""
+    D = config.d_model
+    if not config.n_experts:
+        return (3 if config.mlp == "gated" else 2) * D * config.d_ff
+    experts = config.experts_per_token if active else config.n_experts
+    shared = 3 * D * config.shared_expert_d_ff + (D if config.shared_expert_d_ff and config.shared_expert_gate else 0)
+    return D * config.n_experts + experts * 3 * D * config.expert_width + shared
+
+
+def matmul_params(config: ModelConfig, active: bool = True) -> int:
+    """N: weights that take part in a token's matmuls (q, k, v, o, the feed-forward's per
+    layer; the head). Grouped-query attention narrows k and v to Hkv * Dh columns; the gated
+    MLP has three weights (w_gate, w_up, w_down) where the plain one has two; an MoE layer
+    counts its k active experts (ffn_matmul_params; ``active`` False: all E)."""
+    D, L, V = config.d_model, config.n_layers, config.vocab_size
     q, kv = config.n_heads * config.d_head, config.kv_heads * config.d_head  # D, D unless head_dim or GQA
-    ffn = (3 if config.mlp == "gated" else 2) * D * F
-    return L * (2 * D * q + 2 * D * kv + ffn) + D * V
+    return L * (2 * D * q + 2 * D * kv + ffn_matmul_params(config, active)) + D * V
 
 
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
@@ -101,8 +121,10 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
 
 def flops_breakdown(config: ModelConfig, seq_len: int) -> dict:
     """The terms of flops_per_token, for reports."""
+    moe = {"matmul_params_all_experts": matmul_params(config, active=False)} if config.n_experts else {}
     return {
         "matmul_params": matmul_params(config),
+        **moe,
         "dense_6N": 6 * matmul_params(config),
         "attention": attention_flops_per_token(config, seq_len),
         "per_token": flops_per_token(config, seq_len),

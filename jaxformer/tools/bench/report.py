@@ -26,9 +26,17 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def moe_shape(c: dict) -> str:
+    """" E8 k2 Fe512 Fs256" for a mixture of experts (experts, per token, widths), else ""."""
+    if not c.get("n_experts"):
+        return ""
+    shared = f" Fs{c['shared_expert_d_ff']}" if c.get("shared_expert_d_ff") else ""
+    return f" E{c['n_experts']} k{c['experts_per_token']} Fe{c.get('expert_d_ff') or c['d_ff']}{shared}"
+
+
 def shape_line(report: dict) -> str:
     c, sh = report["shape"]["config"], report["shape"]
-    return (f"L{c['n_layers']} D{c['d_model']} H{c['n_heads']} F{c['d_ff']} "
+    return (f"L{c['n_layers']} D{c['d_model']} H{c['n_heads']} F{c['d_ff']}{moe_shape(c)} "
             f"B{sh['batch_size']} T{sh['seq_len']} V{c['vocab_size']} ({c['norm']}-LN, {c['activation']}, "
             f"{c['positions']} positions, compute {c.get('compute_dtype') or 'float32'}, "
             f"{sh['params']:,} params)")
@@ -79,7 +87,10 @@ def format_markdown(report: dict) -> str:
         lines += grad_fn_lines(report["grad_fns"])
     peak = "unknown" if p["flops_per_s"] is None else f"{p['flops_per_s'] / 1e9:,.1f} GFLOP/s"
     lines += ["", f"Model FLOPs per token: {f['per_token']:,} ({f['convention']}); "
-              f"6N = {f['dense_6N']:,}, attention = {f['attention']:,}.",
+              f"6N = {f['dense_6N']:,}, attention = {f['attention']:,}."
+              + (f" Mixture of experts: N counts the active parameters ({f['matmul_params']:,} of the "
+                 f"{f['matmul_params_all_experts']:,} matmul params of all experts), so MFU is the "
+                 "active-parameter MFU." if "matmul_params_all_experts" in f else ""),
               f"Peak ({p['dtype']}): {peak} ({p['source']}).", ""]
     lines += [f"Note: {n}." for n in report["notes"]]
     return "\n".join(lines).rstrip() + "\n"

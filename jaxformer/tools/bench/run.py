@@ -13,7 +13,9 @@ warm-up steps (compilation included, timed apart), rounds run the contestants in
 (A B C A B C ...) so machine drift hits all of them alike; each round times
 ``steps`` steps between two ``block_until_ready``. Reported per contestant:
 median ms/step and tokens/s with min-max over rounds, model FLOP/s and MFU
-(``observe.flops``) against the device's peak in the matmul dtype, compile time, and
+(``observe.flops``; a mixture of experts counts its active parameters, the k chosen
+experts', so its MFU is the active-parameter MFU) against the device's peak in the matmul
+dtype, compile time, and
 for JAX XLA's memory analysis of the compiled step; for the full-attention gradient
 functions, compile time at two depths (beyond manual_grads.remat.UNROLL_MAX_LAYERS
 layers the blocks run under lax.scan, so it should not grow with depth). ``run(settings)`` returns the report dict that
@@ -50,6 +52,9 @@ from jaxformer.training.step import grad_source
 TARGETS = {"manual_over_auto_step_time": ("<=", 0.6),
            "manual_over_torch_eager_tokens_per_s": (">=", 1.0),
            "manual_over_torch_compile_tokens_per_s": (">=", 1.0)}
+
+
+MOE_TORCH = "the PyTorch reference model has no mixture-of-experts layer (n_experts > 0)"
 
 
 class Settings(NamedTuple):
@@ -173,6 +178,8 @@ def choose(s: Settings) -> tuple[list[Spec], list[Skip], str | None]:
     device or None)."""
     backend = jax.default_backend()
     device, torch_problem = torch_device(backend) if s.torch else (None, None)
+    if s.torch and s.config.n_experts:
+        device, torch_problem = None, MOE_TORCH
     specs, skipped = select(s.attention, backend, s.config.compute_dtype, torch_device=device,
                             torch_problem=torch_problem, with_torch=s.torch,
                             with_torch_compile=s.torch_compile, torch_compile_off=s.torch_compile_off)
