@@ -167,20 +167,22 @@ def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
 def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     grads = {}
     # y = x1 + drop(ln2_post(ffn(ln2(x1)))): x1 gets dy through the skip and through the branch
-    df, seen = _branch_bwd(res.ln2_post, res.drop_ffn, "ln2_post", dy, grads, tap)
-    grads["ffn"], dh2 = ffn_bwd(res.ffn, df)
-    tap_backward(tap, "ffn", seen, grads["ffn"], dh2)
-    dx1_branch = _norm_bwd(res.ln2, "ln2", dh2, grads, tap)
-    dx1 = dy + dx1_branch
-    tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
+    dx1 = _sublayer_bwd(res, "ffn", ffn_bwd, "ln2", dy, grads, tap)
     # x1 = x + drop(ln1_post(attn(ln1(x))))
-    da, seen = _branch_bwd(res.ln1_post, res.drop_attn, "ln1_post", dx1, grads, tap)
-    grads["attn"], dh1 = attention_bwd(res.attn, da)
-    tap_backward(tap, "attn", seen, grads["attn"], dh1)
-    dx_branch = _norm_bwd(res.ln1, "ln1", dh1, grads, tap)
-    dx = dx1 + dx_branch
-    tap_backward(tap, "attn residual", dx_branch, None, dx)
+    dx = _sublayer_bwd(res, "attn", attention_bwd, "ln1", dx1, grads, tap)
     return grads, dx
+
+
+def _sublayer_bwd(res: PreBlockRes, stage, stage_bwd, norm, dy, grads, tap):
+    """Undoes one residual sublayer, y = x + drop(<norm>_post(<stage>(<norm>(x)))) (a norm the
+    layout lacks is None in ``res``): dy (B, T, D) -> dx, the gradients into ``grads``."""
+    d, seen = _branch_bwd(getattr(res, f"{norm}_post"), getattr(res, f"drop_{stage}"), f"{norm}_post", dy, grads, tap)
+    grads[stage], dh = stage_bwd(getattr(res, stage), d)  # <stage>(h)
+    tap_backward(tap, stage, seen, grads[stage], dh)
+    dx_branch = _norm_bwd(getattr(res, norm), norm, dh, grads, tap)  # h = <norm>(x)
+    dx = dy + dx_branch  # y = x + branch: the skip's gradient and the branch's add
+    tap_backward(tap, f"{stage} residual", dx_branch, None, dx)
+    return dx
 
 
 def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
