@@ -37,9 +37,9 @@ import numpy as np
 from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors,
                                             read_config_json, read_tensors)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
-                                            params_out, read_flag)
+                                            params_out, read_count, read_flag)
 from jaxformer.checkpoints.hf_windows import mistral_windows, qwen_windows, qwen_windows_out, smollm3_layers, smollm3_out
-from jaxformer.model.checks import is_int, is_number
+from jaxformer.model.checks import is_number
 from jaxformer.model.config import LinearBiases, ModelConfig
 
 # hidden_act -> activation of the gated MLP (silu: SwiGLU; the gelus: GeGLU)
@@ -275,11 +275,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def _count(hf: dict, key: str, default: int) -> int:
     """config.json's positive integer ``key`` (null or absent: ``default``); one line naming it otherwise."""
     value = hf.get(key)
-    if value is None:
-        return default
-    if not is_int(value) or value < 1:
-        raise HFFormatError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return int(value)
+    return default if value is None else read_count(key, value)
 
 
 def config_to_hf(config: ModelConfig) -> dict:

@@ -31,9 +31,9 @@ from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatEr
 from jaxformer.checkpoints.hf_llama import (ACTIVATIONS_IN, ACTIVATIONS_OUT, BUFFERS, HEAD, LINEARS, ROPE_UNREADABLE, _count,
                                             config_of_tensors, rope_from_hf, rope_to_hf)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
-                                            params_out, read_flag)
+                                            params_out, read_count, read_flag)
 from jaxformer.checkpoints.hf_windows import window_width
-from jaxformer.model.checks import is_int, is_number
+from jaxformer.model.checks import is_number
 from jaxformer.model.config import ModelConfig
 
 _LAYER = "model.layers.{l}."
@@ -130,9 +130,7 @@ def _gemma_windows(hf: dict, n_layers: int, pattern: int) -> dict:
     sliding_window_pattern, default 6); a null window is one that covers the sequence."""
     if read_flag(hf, "use_bidirectional_attention"):
         raise HFFormatError("config.json: use_bidirectional_attention true is not supported (a causal decoder only)")
-    pattern = hf.get("sliding_window_pattern", pattern)
-    if not (is_int(pattern) and pattern >= 1):
-        raise HFFormatError(f"config.json: sliding_window_pattern must be a positive integer, got {pattern!r}")
+    pattern = read_count("sliding_window_pattern", hf.get("sliding_window_pattern", pattern))
     types = hf.get("layer_types") or [FULL if (i + 1) % pattern == 0 else SLIDE for i in range(n_layers)]
     if not (isinstance(types, list) and len(types) == n_layers and set(types) <= {SLIDE, FULL}):
         raise HFFormatError(f"config.json: layer_types must list {n_layers} entries (num_hidden_layers), each "
