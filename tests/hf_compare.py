@@ -4,9 +4,9 @@ against transformers' logits and torch autograd's gradients.
 
 transformers computes its RMS norms and rotary tables in float32 whatever the model's dtype:
 ``float64_model`` runs them in float64, the same formulas with the module's own weight, eps
-and theta (the rotary base per layer type where the config has several, linear scaling
-divided out), and attention through SDPA, which keeps float64 (or the eager attention a
-test patches in). Unpatched, the two agree to ~1e-7, float32's round-off."""
+and theta (the rotary base per layer type where the config has several; linear scaling's
+frequencies divided by its factor), and attention through SDPA, which keeps float64 (or the
+eager attention a test patches in). Unpatched, the two agree to ~1e-7, float32's round-off."""
 
 import json
 import types
