@@ -58,17 +58,13 @@ FAMILIES = {
 
 def random_folder(family: str, folder: Path) -> None:
     """Save a random model of ``family`` (transformers' classes) in ``folder``."""
-    import torch
     import transformers
+
+    from jaxformer.tools.compare.hf_random import random_hf_model
     config_class, model_class, own = FAMILIES[family]
     transformers.utils.logging.disable_progress_bar()
     config = getattr(transformers, config_class)(**{**COMMON, **own})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(folder)
+    random_hf_model(model_class, config).save_pretrained(folder)
 
 
 def compare(folder: Path, out: Path) -> dict:

@@ -167,56 +167,61 @@ def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
 def pre_block_bwd(res: PreBlockRes, dy, tap=None):
     grads = {}
     # y = x1 + drop(ln2_post(ffn(ln2(x1)))): x1 gets dy through the skip and through the branch
-    df, seen = _branch_bwd(res.ln2_post, res.drop_ffn, "ln2_post", dy, grads, tap)
-    grads["ffn"], dh2 = ffn_bwd(res.ffn, df)
-    tap_backward(tap, "ffn", seen, grads["ffn"], dh2)
-    dx1_branch = _norm_bwd(res.ln2, "ln2", dh2, grads, tap)
-    dx1 = dy + dx1_branch
-    tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
+    dx1 = _sublayer_bwd(res, "ffn", ffn_bwd, "ln2", dy, grads, tap)
     # x1 = x + drop(ln1_post(attn(ln1(x))))
-    da, seen = _branch_bwd(res.ln1_post, res.drop_attn, "ln1_post", dx1, grads, tap)
-    grads["attn"], dh1 = attention_bwd(res.attn, da)
-    tap_backward(tap, "attn", seen, grads["attn"], dh1)
-    dx_branch = _norm_bwd(res.ln1, "ln1", dh1, grads, tap)
-    dx = dx1 + dx_branch
-    tap_backward(tap, "attn residual", dx_branch, None, dx)
+    dx = _sublayer_bwd(res, "attn", attention_bwd, "ln1", dx1, grads, tap)
     return grads, dx
 
 
+def _sublayer_bwd(res: PreBlockRes, stage, stage_bwd, norm, dy, grads, tap):
+    """Undoes one residual sublayer, y = x + drop(<norm>_post(<stage>(<norm>(x)))) (a norm the
+    layout lacks is None in ``res``): dy (B, T, D) -> dx, the gradients into ``grads``."""
+    d, seen = _branch_bwd(getattr(res, f"{norm}_post"), getattr(res, f"drop_{stage}"), f"{norm}_post", dy, grads, tap)
+    grads[stage], dh = stage_bwd(getattr(res, stage), d)  # <stage>(h)
+    tap_backward(tap, stage, seen, grads[stage], dh)
+    dx_branch = _norm_bwd(getattr(res, norm), norm, dh, grads, tap)  # h = <norm>(x)
+    dx = dy + dx_branch  # y = x + branch: the skip's gradient and the branch's add
+    tap_backward(tap, f"{stage} residual", dx_branch, None, dx)
+    return dx
+
+
 def post_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
-    rate = config.dropout
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
     a, attn_res = attention_fwd(p["attn"], x, config, k_probs, segments)  # (B, T, D)
-    a, drop_attn = dropout_fwd(a, rate, k_attn)  # (B, T, D)
-    tap_forward(tap, "attn", x, a, p["attn"])
-    s1 = x + a  # (B, T, D)
-    tap_forward(tap, "attn residual", a, s1)
-    x1, ln1_res = norm_fwd(p["ln1"], s1, config)  # (B, T, D)
-    tap_forward(tap, "ln1", s1, x1, p["ln1"])
+    x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, k_attn, tap)
     f, ffn_res = ffn_fwd(p["ffn"], x1, config)  # (B, T, D)
     f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
-    f, drop_ffn = dropout_fwd(f, rate, k_ffn)  # (B, T, D)
-    tap_forward(tap, "ffn", x1, f, p["ffn"])
-    s2 = x1 + f  # (B, T, D)
-    tap_forward(tap, "ffn residual", f, s2)
-    y, ln2_res = norm_fwd(p["ln2"], s2, config)  # (B, T, D)
-    tap_forward(tap, "ln2", s2, y, p["ln2"])
+    y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, k_ffn, tap)
     return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
+
+
+def _post_sublayer_fwd(p, stage, norm, x, out, config: ModelConfig, key, tap):
+    """The rest of one post-layout sublayer, y = <norm>(x + drop(out)) with out = <stage>(x)
+    (B, T, D): (y, the norm's res, the dropout's res)."""
+    out, drop = dropout_fwd(out, config.dropout, key)  # (B, T, D)
+    tap_forward(tap, stage, x, out, p[stage])
+    s = x + out  # (B, T, D)
+    tap_forward(tap, f"{stage} residual", out, s)
+    y, norm_res = norm_fwd(p[norm], s, config)  # (B, T, D)
+    tap_forward(tap, norm, s, y, p[norm])
+    return y, norm_res, drop
 
 
 def post_block_bwd(res: PostBlockRes, dy, tap=None):
     # y = ln2(x1 + drop(ffn(x1))): x1 gets ds2 through the skip and through the branch
-    d_ln2, ds2 = norm_bwd(res.ln2, dy)
-    tap_backward(tap, "ln2", dy, d_ln2, ds2)
-    d_ffn, dx1_branch = ffn_bwd(res.ffn, dropout_bwd(res.drop_ffn, ds2))
-    tap_backward(tap, "ffn", ds2, d_ffn, dx1_branch)
-    dx1 = ds2 + dx1_branch
-    tap_backward(tap, "ffn residual", dx1_branch, None, dx1)
+    d_ln2, d_ffn, dx1 = _post_sublayer_bwd(res.ln2, "ln2", res.drop_ffn, res.ffn, ffn_bwd, "ffn", dy, tap)
     # x1 = ln1(x + drop(attn(x)))
-    d_ln1, ds1 = norm_bwd(res.ln1, dx1)
-    tap_backward(tap, "ln1", dx1, d_ln1, ds1)
-    d_attn, dx_branch = attention_bwd(res.attn, dropout_bwd(res.drop_attn, ds1))
-    tap_backward(tap, "attn", ds1, d_attn, dx_branch)
-    dx = ds1 + dx_branch
-    tap_backward(tap, "attn residual", dx_branch, None, dx)
+    d_ln1, d_attn, dx = _post_sublayer_bwd(res.ln1, "ln1", res.drop_attn, res.attn, attention_bwd, "attn", dx1, tap)
     return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx
+
+
+def _post_sublayer_bwd(norm_res, norm, drop, stage_res, stage_bwd, stage, dy, tap):
+    """Undoes one post-layout sublayer, y = <norm>(x + drop(<stage>(x))): dy (B, T, D) ->
+    (the norm's gradients, the stage's, dx)."""
+    d_norm, ds = norm_bwd(norm_res, dy)  # y = <norm>(s)
+    tap_backward(tap, norm, dy, d_norm, ds)
+    d_stage, dx_branch = stage_bwd(stage_res, dropout_bwd(drop, ds))  # s = x + drop(<stage>(x))
+    tap_backward(tap, stage, ds, d_stage, dx_branch)
+    dx = ds + dx_branch  # the skip's gradient and the branch's add
+    tap_backward(tap, f"{stage} residual", dx_branch, None, dx)
+    return d_norm, d_stage, dx

@@ -13,10 +13,7 @@ window keys of the wrong type, each one line naming the file and key.
 
 As in test_hf_llama.py, transformers computes its RMS norms (the q_norm and k_norm too) and
 rotary tables in float32 whatever the model's dtype: the reference runs them in float64, the
-same formulas with the module's own weight, eps and theta (``float64_model``)."""
-
-import json
-import types
+same formulas with the module's own weight, eps and theta (hf_compare.float64_model)."""
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +24,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import (D, F, H, L, S, V, assert_forward_matches, assert_grads_match_torch, assert_logits_equal, batch, torch_logits)  # noqa: E402
+import hf_compare  # noqa: E402
+from hf_compare import (D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
+                        assert_grads_match_torch, assert_logits_equal, batch, copy_folder, random_folder, torch_logits)
 
 import jaxformer  # noqa: E402
-from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
+from jaxformer.checkpoints.hf import HFFormatError, read_hf, write_hf  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -65,45 +64,15 @@ def hf_config(kind, **overrides):
     return getattr(transformers, CLASSES[kind][0])(**{**kw, **overrides})
 
 
-def random_model(kind, cfg, seed=0):
-    """The family's model with every leaf random: unit norm scales or zero biases would hide errors."""
-    torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[kind][1])(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0))
-    return model
-
-
 def float64_model(kind, folder):
-    """The family's transformers model from ``folder`` in float64 end to end: SDPA attention,
-    and every RMS norm and the rotary tables (float32 inside transformers) in float64."""
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        dim, theta = 2 * self.inv_freq.shape[0], self.config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angle = position_ids[..., None].double() * inv_freq
-        angle = torch.cat((angle, angle), dim=-1)
-        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-
-    cls = getattr(transformers, CLASSES[kind][1])
-    model = cls.from_pretrained(folder, attn_implementation="sdpa").double().eval()
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNorm"):
-            module.forward = types.MethodType(rms_norm, module)
-        elif name.endswith("RotaryEmbedding"):
-            module.forward = types.MethodType(rotary, module)
-    return model
+    return hf_compare.float64_model(CLASSES[kind][1], folder)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def saved(request, tmp_path_factory):
     kind, overrides, want = VARIANTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    random_model(kind, hf_config(kind, **overrides)).save_pretrained(folder)
+    random_folder(folder, CLASSES[kind][1], hf_config(kind, **overrides))
     return kind, float64_model(kind, folder), folder, want
 
 
@@ -128,18 +97,7 @@ def test_gradients_match_torch_autograd(saved, source):
 def test_export_writes_the_family_and_reloads(saved, tmp_path):
     kind, _, folder, _ = saved
     params, config = read_hf(folder, np.float64)
-    params = jax.tree_util.tree_map(lambda a: a * 1.01, params)  # a "trained" model
-    assert hf_format(config) == kind
-    out, written = write_hf(tmp_path / "out", params, config)
-    hf = json.loads((out / "config.json").read_text())
-    assert written == hf["model_type"] == kind and hf["architectures"] == [CLASSES[kind][1]]
-    back = float64_model(kind, out)
-    b = batch(2)
-    ref = torch_logits(back, b["inputs"])
-    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), ref, rtol=1e-4)  # float32 file
-    again, config2 = read_hf(out, np.float64)
-    assert config2 == config
-    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), ref)
+    assert_export_reloads(tmp_path, params, config, kind, CLASSES[kind][1], lambda out: float64_model(kind, out))
 
 
 def test_export_refuses_biases_the_family_lacks(saved, tmp_path):
@@ -157,21 +115,8 @@ def test_export_refuses_biases_the_family_lacks(saved, tmp_path):
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama-tied")
-    random_model("llama", hf_config("llama", num_key_value_heads=2, tie_word_embeddings=True), 4).save_pretrained(folder)
-    return folder
-
-
-def copy_folder(tmp_path, folder, name, config=None, tensors=None):
-    """A copy of ``folder`` as tmp_path/name, config.json and tensors edited."""
-    from safetensors.numpy import load_file, save_file
-    out = tmp_path / name
-    out.mkdir()
-    hf = json.loads((folder / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**hf, **(config or {})}))
-    t = load_file(str(folder / "model.safetensors"))
-    save_file(tensors(t) if tensors else t, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return random_folder(tmp_path_factory.mktemp("llama-tied"), CLASSES["llama"][1],
+                         hf_config("llama", num_key_value_heads=2, tie_word_embeddings=True), 4)
 
 
 def test_tied_config_with_its_own_head_loads_as_transformers_does(llama_folder, tmp_path):
@@ -262,9 +207,8 @@ def run_cli(*argv):
 
 
 def test_fine_tune_export_generate_qwen3(corpus, tmp_path, capsys):
-    folder = tmp_path / "qwen3"
-    random_model("qwen3", hf_config("qwen3", vocab_size=256, num_key_value_heads=2, head_dim=6,
-                                    tie_word_embeddings=False), 5).save_pretrained(folder)
+    folder = random_folder(tmp_path / "qwen3", CLASSES["qwen3"][1], hf_config(
+        "qwen3", vocab_size=256, num_key_value_heads=2, head_dim=6, tie_word_embeddings=False), 5)
     out = tmp_path / "ft"
     assert run_cli("train", "--init-from", folder, "--grads", "manual", "--steps", 3, "--seq-len", 16,
                    "--batch-size", 4, "--corpus", corpus, "--out", out, "--no-progress",

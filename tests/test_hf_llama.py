@@ -12,7 +12,6 @@ and attention through SDPA, which keeps float64. Unpatched, the two agree to ~1e
 round-off."""
 
 import json
-import types
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +22,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import (D, F, H, L, S, V, assert_forward_matches, assert_grads_match_torch, assert_logits_equal, batch, torch_logits, torch_reference)  # noqa: E402
+from hf_compare import (D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
+                        assert_grads_equal, assert_grads_match_torch, assert_logits_equal, batch, copy_folder,
+                        default_rope, float64_model, random_folder, torch_logits, torch_reference)
 
 import jaxformer  # noqa: E402
-import manual_grads  # noqa: E402
 from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
 from jaxformer.model.config import PRESETS  # noqa: E402
-from manual_grads.check import assert_trees_close  # noqa: E402
+from jaxformer.tools.compare.hf_random import random_hf_model  # noqa: E402
 from test_rope_scaling import transformers_rope  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -50,37 +50,21 @@ def llama_config(**overrides):
 
 def random_llama(cfg, seed=0):
     """A LlamaForCausalLM with every leaf random: unit norm scales or zero biases would hide errors."""
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0))
-    return model
+    return random_hf_model("LlamaForCausalLM", cfg, seed)
+
+
+def llama_rope(module, rope, dim):
+    """The default rotary in float64, or transformers' own rule (llama3, linear, yarn) in float64."""
+    if module.rope_type == "default":
+        return default_rope(module, rope, dim)
+    inv_freq, scale = transformers_rope(module.config)
+    return torch.from_numpy(inv_freq), scale
 
 
 def float64_llama(folder):
     """transformers' Llama from ``folder`` in float64 end to end: SDPA attention, and the
     RMS norms and rotary tables (float32 inside transformers) computed in float64."""
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        dim, theta = 2 * self.inv_freq.shape[0], self.config.rope_parameters["rope_theta"]
-        inv_freq, scale = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim), 1.0
-        if self.rope_type != "default":  # transformers' own rule (llama3, linear, yarn) in float64
-            inv_freq, scale = transformers_rope(self.config)
-            inv_freq = torch.from_numpy(inv_freq)
-        angle = position_ids[..., None].double() * inv_freq
-        angle = torch.cat((angle, angle), dim=-1)
-        return (angle.cos() * scale).to(x.dtype), (angle.sin() * scale).to(x.dtype)
-
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").double().eval()
-    for module in model.modules():
-        if isinstance(module, transformers.models.llama.modeling_llama.LlamaRMSNorm):
-            module.forward = types.MethodType(rms_norm, module)
-        elif isinstance(module, transformers.models.llama.modeling_llama.LlamaRotaryEmbedding):
-            module.forward = types.MethodType(rotary, module)
-    return model
+    return float64_model("LlamaForCausalLM", folder, rope=llama_rope)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -111,19 +95,9 @@ def test_gradients_match_torch_autograd(saved, source):
 def test_export_reloads_in_transformers(saved, tmp_path):
     model, folder = saved
     params, config = read_hf(folder, np.float64)
-    params = jax.tree_util.tree_map(lambda a: a * 1.01, params)  # a "trained" model
-    assert hf_format(config) == "llama"
-    out, kind = write_hf(tmp_path / "out", params, config)
-    assert kind == "llama"
-    back = float64_llama(out)
-    b = batch(2)
-    ref = torch_logits(back, b["inputs"])
-    # the file holds float32: equal to float32 round-off to the params written ...
-    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), ref, rtol=1e-4)
-    # ... and to float64 round-off to the params read back
-    again, config2 = read_hf(out, np.float64)
-    assert config2 == config
-    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), ref)
+    # the file holds float32: equal to float32 round-off to the params written, and to float64
+    # round-off to the params read back
+    _, _, out = assert_export_reloads(tmp_path, params, config, "llama", "LlamaForCausalLM", float64_llama)
     assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_theta"] == 5000.0
 
 
@@ -145,18 +119,6 @@ def test_sharded_bf16_and_torch_bin(tmp_path):
     np.testing.assert_array_equal(from_bin["blocks"]["ffn"]["w_down"], half["blocks"]["ffn"]["w_down"])
 
 
-def edited(tmp_path, folder, name, config=None, tensors=None):
-    """A copy of the saved ``folder`` as tmp_path/name, config.json and tensors edited."""
-    from safetensors.numpy import load_file, save_file
-    out = tmp_path / name
-    out.mkdir()
-    hf = json.loads((folder / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**hf, **(config or {})}))
-    t = load_file(str(folder / "model.safetensors"))
-    save_file(tensors(t) if tensors else t, str(out / "model.safetensors"))
-    return out
-
-
 def test_bad_folders_are_one_named_line(saved, tmp_path):
     _, folder = saved
     cases = [
@@ -172,7 +134,7 @@ def test_bad_folders_are_one_named_line(saved, tmp_path):
     ]
     for i, (edit, message) in enumerate(cases):
         with pytest.raises(HFFormatError, match=message) as e:
-            read_hf(edited(tmp_path, folder, f"case{i}", **edit), np.float64)
+            read_hf(copy_folder(tmp_path, folder, f"case{i}", **edit), np.float64)
         assert "\n" not in str(e.value)
 
 
@@ -205,10 +167,8 @@ def run_cli(*argv):
 @pytest.fixture(scope="module")
 def byte_llama(tmp_path_factory):
     """A random Llama (grouped-query, untied) with the byte tokenizer's 256-token vocabulary, saved."""
-    folder = tmp_path_factory.mktemp("llama256")
-    random_llama(llama_config(vocab_size=256, num_key_value_heads=2, tie_word_embeddings=False),
-                 seed=3).save_pretrained(folder)
-    return folder
+    return random_folder(tmp_path_factory.mktemp("llama256"), "LlamaForCausalLM",
+                         llama_config(vocab_size=256, num_key_value_heads=2, tie_word_embeddings=False), 3)
 
 
 @pytest.mark.parametrize("grads", ["auto", "manual"])
@@ -282,11 +242,8 @@ def test_scaled_rope_imports_with_transformers_logits_and_grads(scaled):
     unscaled = np.asarray(jaxformer.forward(params, b["inputs"], config.replace(rope_scaling="none")))
     assert not np.allclose(unscaled, ref, rtol=1e-3)  # the rule matters at these positions
     ref_loss, ref_grads = torch_reference(model, config, b)
-    for source, grad_fn in [("jax.grad", jax.value_and_grad(jaxformer.loss_fn)),
-                            ("manual", manual_grads.value_and_grad)]:
-        loss, grads = grad_fn(params, b, config)
-        np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-12)
-        rows = assert_trees_close(ref_grads, grads)  # 1e-10 per leaf
+    for source in ("jax.grad", "manual"):
+        rows = assert_grads_equal(params, b, config, source, ref_loss, ref_grads)  # 1e-10 per leaf
         worst = max(rows, key=lambda r: r.rel)
         print(f"{kind} {source}: worst leaf {worst.path} relative {worst.rel:.1e}")
 

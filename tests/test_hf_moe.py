@@ -17,7 +17,6 @@ the others so that the routing is not near-uniform; random weights make ties in 
 measure-zero."""
 
 import json
-import types
 
 import jax
 import numpy as np
@@ -27,15 +26,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import D, F, H, L, S, V, assert_forward_matches, assert_logits_equal, batch, torch_logits  # noqa: E402
+import hf_compare  # noqa: E402
+from hf_compare import D, F, H, L, S, V, assert_export_reloads, assert_forward_matches, assert_grads_equal, batch  # noqa: E402
 
-import jaxformer  # noqa: E402
-import manual_grads  # noqa: E402
 from jaxformer.checkpoints import hf_moe  # noqa: E402
-from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
+from jaxformer.checkpoints.hf import HFFormatError, read_hf, write_hf  # noqa: E402
 from jaxformer.model.moe import moe_aux_loss  # noqa: E402
 from jaxformer.model.transformer import loss_and_stats  # noqa: E402
-from manual_grads.check import assert_trees_close  # noqa: E402
+from jaxformer.tools.compare.hf_random import random_hf_model  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 E, K, FE, FS, COEF = 4, 2, 12, 10, 0.02  # experts, per token, expert width, shared expert width, router_aux_loss_coef
@@ -65,27 +63,12 @@ def hf_config(kind, **overrides):
 
 def random_model(kind, cfg, seed=0):
     """Every leaf random: norm scales around 1 (not 1), the router's 5 times the projections'."""
-    torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[kind][1])(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 0.3 if p.ndim == 1 else (1.0 if name.endswith("gate.weight") else 0.2)
-            p.copy_(torch.randn_like(p) * scale + (1.0 if "norm" in name else 0.0))
-    return model
+    return random_hf_model(CLASSES[kind][1], cfg, seed, router_scale=1.0)
 
 
 def float64_model(kind, folder):
     """The family's model from ``folder`` in float64 end to end: SDPA attention, and the RMS
     norms, rotary tables and router softmax (float32 inside transformers) in float64."""
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        dim, theta = 2 * self.inv_freq.shape[0], self.config.rope_parameters["rope_theta"]
-        angle = position_ids[..., None].double() / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angle = torch.cat((angle, angle), dim=-1)
-        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-
     def router(self, hidden):  # the family's TopKRouter.forward without its float32 cast
         logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
         top, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
@@ -93,13 +76,8 @@ def float64_model(kind, folder):
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, top, idx
 
-    model = getattr(transformers, CLASSES[kind][1]).from_pretrained(
-        folder, attn_implementation="sdpa", experts_implementation="eager").double().eval()
-    for module in model.modules():
-        for suffix, forward in (("RMSNorm", rms_norm), ("RotaryEmbedding", rotary), ("TopKRouter", router)):
-            if type(module).__name__.endswith(suffix):
-                module.forward = types.MethodType(forward, module)
-    return model
+    return hf_compare.float64_model(CLASSES[kind][1], folder, patches=[("TopKRouter", router)],
+                                    experts_implementation="eager")
 
 
 def aux_loss64(router_logits, top_k):
@@ -151,10 +129,7 @@ def test_gradients_match_torch_autograd(saved, source):
     kind, model, _, params, config = saved
     b = batch(1)
     ref_loss, ref = torch_reference(model, config, b)
-    grad_fn = jax.value_and_grad(jaxformer.loss_fn) if source == "jax.grad" else manual_grads.value_and_grad
-    loss, grads = grad_fn(params, b, config)
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-12)
-    rows = assert_trees_close(ref, grads)
+    rows = assert_grads_equal(params, b, config, source, ref_loss, ref)
     worst = max(rows, key=lambda r: r.rel)
     router = max(r.rel for r in rows if "router" in str(r.path))
     print(f"\n{kind} {source}: worst leaf {worst.path} relative {worst.rel:.1e}, router {router:.1e}")
@@ -177,18 +152,10 @@ def test_aux_loss_is_transformers_router_aux_loss(saved):
 
 def test_export_writes_the_family_and_reloads(saved, tmp_path):
     kind, _, _, params, config = saved
-    params = jax.tree_util.tree_map(lambda a: a * 1.01, params)  # a "trained" model
-    assert hf_format(config) == kind
-    out, written = write_hf(tmp_path / "out", params, config)
-    hf = json.loads((out / "config.json").read_text())
-    assert written == hf["model_type"] == kind and hf["architectures"] == [CLASSES[kind][1]]
-    back = float64_model(kind, out)
+    params, back, out = assert_export_reloads(tmp_path, params, config, kind, CLASSES[kind][1],
+                                              lambda out: float64_model(kind, out))
     assert back.config.output_router_logits and back.router_aux_loss_coef == COEF
-    b = batch(2)
-    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(back, b["inputs"]),
-                        rtol=1e-4)  # a float32 file
-    again, config2 = read_hf(out, np.float64)
-    assert config2 == config
+    again, _ = read_hf(out, np.float64)
     jax.tree_util.tree_map(lambda a, c: np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7), again, params)
 
 

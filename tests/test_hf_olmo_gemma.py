@@ -11,13 +11,12 @@ is not implemented here, one line each, and the layer kinds read as the configur
 
 transformers computes its RMS norms and rotary tables in float32 whatever the model's dtype:
 the reference runs them in float64, the same formulas with the module's own weight, eps and
-theta (``float64_model``); Gemma's (1 + w) is its own formula. Its eager attention (which the
+theta (hf_compare.float64_model); Gemma's (1 + w) is its own formula. Its eager attention (which the
 softcaps need) takes the softmax in float32 too: ``eager_float64`` is the same without. The embedding's sqrt(16) = 4 is
 exact in any dtype (transformers casts it to the weights' dtype, as the model here does)."""
 
 import importlib
 import json
-import types
 
 import jax
 import numpy as np
@@ -27,14 +26,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import (D, F, H, L, S, V, assert_forward_matches, assert_logits_equal, batch,  # noqa: E402
-                        torch_logits)
+import hf_compare  # noqa: E402
+from hf_compare import (D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
+                        assert_grads_match_torch, random_folder)
 
-import jaxformer  # noqa: E402
-import manual_grads  # noqa: E402
-from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
-from jaxformer.checkpoints.hf_olmo_gemma import params_from_hf  # noqa: E402
-from manual_grads.check import assert_trees_close  # noqa: E402
+from jaxformer.checkpoints.hf import HFFormatError, read_hf, write_hf  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 CLASSES = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
@@ -67,47 +63,12 @@ def hf_config(kind, **overrides):
     return getattr(transformers, CLASSES[kind][0])(**{**kw, **overrides})
 
 
-def random_model(kind, cfg, seed=0):
-    """Every leaf random; the norms' effective scales away from 1 ((1 + w): w about 0.3 from 0)."""
-    torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[kind][1])(cfg)
-    shift = 0.0 if kind in OFFSET else 1.0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (shift if "norm" in name else 0.0))
-    return model
-
-
 def float64_model(kind, folder):
     """The family's transformers model from ``folder`` in float64 end to end (eager attention:
     the softcaps), its RMS norms and rotary tables in float64."""
-    def rms_norm(self, x):
-        eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
-        xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return xhat * (1.0 + self.weight) if kind in OFFSET else self.weight * xhat
-
-    def rotary(self, x, position_ids, layer_type=None):
-        rope = self.config.rope_parameters
-        rope = rope[layer_type] if layer_type else rope
-        dim = self.config.head_dim if kind != "olmo2" else self.config.hidden_size // self.config.num_attention_heads
-        inv_freq = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        if rope["rope_type"] == "linear":
-            inv_freq = inv_freq / rope["factor"]
-        angle = position_ids[..., None].double() * inv_freq
-        angle = torch.cat((angle, angle), dim=-1)
-        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-
     modeling = importlib.import_module(f"transformers.models.{kind.split('_')[0]}.modeling_{kind.split('_')[0]}")
     modeling.eager_attention_forward = eager_float64  # looked up at each call
-    model = getattr(transformers, CLASSES[kind][1]).from_pretrained(folder, attn_implementation="eager")
-    model = model.double().eval()
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNorm"):
-            module.forward = types.MethodType(rms_norm, module)
-        elif name.endswith("RotaryEmbedding"):
-            module.forward = types.MethodType(rotary, module)
-    return model
+    return hf_compare.float64_model(CLASSES[kind][1], folder, offset=kind in OFFSET, attn="eager")
 
 
 def eager_float64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
@@ -127,7 +88,7 @@ def eager_float64(module, query, key, value, attention_mask, dropout=0.0, scalin
 def saved(request, tmp_path_factory):
     kind, overrides, want = VARIANTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    random_model(kind, hf_config(kind, **overrides)).save_pretrained(folder)
+    random_folder(folder, CLASSES[kind][1], hf_config(kind, **overrides), norm_center=0.0 if kind in OFFSET else 1.0)
     return kind, float64_model(kind, folder), folder, want
 
 
@@ -145,37 +106,13 @@ def test_import_matches_transformers_logits(saved):
 def test_gradients_match_torch_autograd(saved, source):
     """The loss equals torch autograd's to 1e-12 and every gradient leaf to 1e-10."""
     _, model, folder, _ = saved
-    params, config = read_hf(folder, np.float64)
-    b = batch(1)
-    model.zero_grad()
-    logits = model(torch.tensor(np.asarray(b["inputs"], np.int64))).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.tensor(np.asarray(b["targets"], np.int64)).reshape(-1))
-    ref_loss.backward()
-    ref = params_from_hf({n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None},
-                         config, np.float64, "torch grads")
-    grad_fn = jax.value_and_grad(jaxformer.loss_fn) if source == "jax.grad" else manual_grads.value_and_grad
-    loss, grads = grad_fn(params, b, config)
-    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=1e-12)
-    rows = assert_trees_close(ref, grads)
-    worst = max(rows, key=lambda r: r.rel)
-    print(f"\n{folder.name} {source}: worst leaf {worst.path} relative {worst.rel:.1e}")
+    assert_grads_match_torch(model, folder, source)
 
 
 def test_export_writes_the_family_and_reloads(saved, tmp_path):
     kind, _, folder, _ = saved
     params, config = read_hf(folder, np.float64)
-    params = jax.tree_util.tree_map(lambda a: a * 1.01, params)  # a "trained" model
-    assert hf_format(config) == kind
-    out, written = write_hf(tmp_path / "out", params, config)
-    hf = json.loads((out / "config.json").read_text())
-    assert written == hf["model_type"] == kind and hf["architectures"] == [CLASSES[kind][1]]
-    back = float64_model(kind, out)
-    b = batch(2)
-    ref = torch_logits(back, b["inputs"])
-    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), ref, rtol=1e-4)  # float32 file
-    again, config2 = read_hf(out, np.float64)
-    assert config2 == config
-    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), ref)
+    assert_export_reloads(tmp_path, params, config, kind, CLASSES[kind][1], lambda out: float64_model(kind, out))
 
 
 def test_export_refuses_what_the_family_lacks(saved, tmp_path):

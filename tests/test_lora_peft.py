@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from hf_compare import assert_logits_equal, batch, torch_logits  # noqa: E402
-from test_hf_llama import float64_llama, llama_config, random_llama, run_cli  # noqa: E402
+from hf_compare import assert_logits_equal, batch, random_folder, torch_logits  # noqa: E402
+from test_hf_llama import float64_llama, llama_config, run_cli  # noqa: E402
 
 import jaxformer  # noqa: E402
 from jaxformer.checkpoints.hf import read_hf  # noqa: E402
@@ -31,10 +31,8 @@ jax.config.update("jax_enable_x64", True)
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A random grouped-query Llama (2 key/value heads of 4), untied, with the byte vocabulary."""
-    folder = tmp_path_factory.mktemp("llama")
-    random_llama(llama_config(vocab_size=256, num_key_value_heads=2, tie_word_embeddings=False),
-                 seed=5).save_pretrained(folder)
-    return folder
+    return random_folder(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM",
+                         llama_config(vocab_size=256, num_key_value_heads=2, tie_word_embeddings=False), 5)
 
 
 def trained_adapters(params, lc, seed=1):

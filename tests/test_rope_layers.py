@@ -130,28 +130,8 @@ def _smollm3_float64(folder):
     """transformers' SmolLM3ForCausalLM from ``folder`` in float64 end to end (SDPA attention),
     its RMS norms and rotary tables (float32 inside transformers) run in float64: the same
     formulas with the module's own weight, eps and theta."""
-    import types
-
-    import torch
-    import transformers
-
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        dim, theta = 2 * self.inv_freq.shape[0], self.config.rope_parameters["rope_theta"]
-        angle = position_ids[..., None].double() / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angle = torch.cat((angle, angle), dim=-1)
-        return angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-
-    model = transformers.SmolLM3ForCausalLM.from_pretrained(folder, attn_implementation="sdpa").double().eval()
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNorm"):
-            module.forward = types.MethodType(rms_norm, module)
-        elif name.endswith("RotaryEmbedding"):
-            module.forward = types.MethodType(rotary, module)
-    return model
+    from hf_compare import float64_model
+    return float64_model("SmolLM3ForCausalLM", folder)
 
 
 @pytest.fixture(scope="module")
@@ -159,22 +139,16 @@ def smollm3(tmp_path_factory):
     """A random SmolLM3 of two layers: the second without rotary positions (no_rope_layer_interval 2)
     and sliding (use_sliding_window: transformers slides the NoPE layers), a window of 4 over the
     batch's 11 positions, attention biases, an untied head, every leaf random."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from hf_compare import D, F, H, L, S, V
+    from hf_compare import D, F, H, L, S, V, random_folder
     cfg = transformers.SmolLM3Config(vocab_size=V, hidden_size=D, intermediate_size=F, num_attention_heads=H,
                                      num_key_value_heads=2, num_hidden_layers=L, max_position_embeddings=S,
                                      rms_norm_eps=1e-5, rope_theta=5000.0, no_rope_layer_interval=2,
                                      use_sliding_window=True, sliding_window=4, attention_bias=True,
                                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.SmolLM3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.2) + (1.0 if "norm" in name else 0.0))
-    folder = tmp_path_factory.mktemp("smollm3")
-    model.save_pretrained(folder)
+    folder = random_folder(tmp_path_factory.mktemp("smollm3"), "SmolLM3ForCausalLM", cfg)
     return _smollm3_float64(folder), folder
 
 

@@ -5,71 +5,65 @@ import json
 import statistics
 import time
 
+import pytest
 from helpers import tiny_settings
 
 from jaxformer.observe import flops, run_log
 from jaxformer.training.loop import train
 
 
-def test_cpu_peak_is_measured_once_per_machine(tmp_path, monkeypatch):
+@pytest.fixture
+def peak_cache(tmp_path, monkeypatch):
+    """The CPU peak's cache under tmp_path, emptied before and after, the machine quiet; the
+    test sets what cpu_matmul_flops measures."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    calls = []
-    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=10: calls.append(n) or 123e9)
     monkeypatch.setattr(flops, "machine_is_busy", lambda: False)
     flops.measure_cpu_peak.cache_clear()
-    try:
-        assert flops.measure_cpu_peak(64) == 123e9
-        flops.measure_cpu_peak.cache_clear()  # a new process
-        assert flops.measure_cpu_peak(64) == 123e9
-        assert calls == [64]
-        saved = json.loads((tmp_path / "jaxformer" / "peak.json").read_text())
-        assert list(saved.values()) == [123e9] and "cores" in next(iter(saved))
-        peak, source = flops.device_peak(cpu_matmul=64)
-        assert peak == 123e9 and "cached in" in source and str(tmp_path) in source
-    finally:
-        flops.measure_cpu_peak.cache_clear()
+    yield tmp_path / "jaxformer" / "peak.json"
+    flops.measure_cpu_peak.cache_clear()
 
 
-def test_a_peak_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_cpu_peak_is_measured_once_per_machine(peak_cache, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=10: calls.append(n) or 123e9)
+    assert flops.measure_cpu_peak(64) == 123e9
+    flops.measure_cpu_peak.cache_clear()  # a new process
+    assert flops.measure_cpu_peak(64) == 123e9
+    assert calls == [64]
+    saved = json.loads(peak_cache.read_text())
+    assert list(saved.values()) == [123e9] and "cores" in next(iter(saved))
+    peak, source = flops.device_peak(cpu_matmul=64)
+    assert peak == 123e9 and "cached in" in source and str(tmp_path) in source
+
+
+def test_a_peak_measured_on_a_busy_machine_is_not_cached(peak_cache, monkeypatch):
     calls = []
     monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=10: calls.append(n) or 8e9)
     monkeypatch.setattr(flops, "machine_is_busy", lambda: True)
-    flops.measure_cpu_peak.cache_clear()
-    try:
-        assert flops.measure_cpu_peak(64) == 8e9
-        assert not (tmp_path / "jaxformer" / "peak.json").exists()
-        flops.measure_cpu_peak.cache_clear()  # a new process on a quiet machine measures again
-        monkeypatch.setattr(flops, "machine_is_busy", lambda: False)
-        assert flops.measure_cpu_peak(64) == 8e9 and calls == [64, 64]
-        assert (tmp_path / "jaxformer" / "peak.json").exists()
-    finally:
-        flops.measure_cpu_peak.cache_clear()
+    assert flops.measure_cpu_peak(64) == 8e9
+    assert not peak_cache.exists()
+    flops.measure_cpu_peak.cache_clear()  # a new process on a quiet machine measures again
+    monkeypatch.setattr(flops, "machine_is_busy", lambda: False)
+    assert flops.measure_cpu_peak(64) == 8e9 and calls == [64, 64]
+    assert peak_cache.exists()
 
 
-def test_an_impossible_cpu_peak_is_neither_cached_nor_used(tmp_path, monkeypatch):
+def test_an_impossible_cpu_peak_is_neither_cached_nor_used(peak_cache, monkeypatch):
     """A matmul "measured" faster than any CPU runs one (or such a figure left in the
     cache) is dropped: measured again, and with no plausible figure MFU is n/a."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(flops, "machine_is_busy", lambda: False)
     impossible = flops.CPU_CORE_CEILING * (flops.os.cpu_count() or 1) * 2
     figures = [impossible, impossible, impossible, 90e9]
     monkeypatch.setattr(flops, "cpu_matmul_flops", lambda n, reps=10: figures.pop(0))
+    peak, source = flops.device_peak(cpu_matmul=64)
+    assert peak is None and "faster than any CPU" in source
+    assert not peak_cache.exists()
+    flops.measure_cpu_peak.cache_clear()  # a new process: one more bad figure, then a good one
+    assert flops.measure_cpu_peak(64) == 90e9 and figures == []
+    peak_cache.write_text(json.dumps({flops.cpu_key(64): impossible}))  # left by an older version
     flops.measure_cpu_peak.cache_clear()
-    try:
-        peak, source = flops.device_peak(cpu_matmul=64)
-        assert peak is None and "faster than any CPU" in source
-        assert not (tmp_path / "jaxformer" / "peak.json").exists()
-        flops.measure_cpu_peak.cache_clear()  # a new process: one more bad figure, then a good one
-        assert flops.measure_cpu_peak(64) == 90e9 and figures == []
-        path = tmp_path / "jaxformer" / "peak.json"
-        path.write_text(json.dumps({flops.cpu_key(64): impossible}))  # left by an older version
-        flops.measure_cpu_peak.cache_clear()
-        figures.append(80e9)
-        assert flops.measure_cpu_peak(64) == 80e9
-        assert json.loads(path.read_text()) == {flops.cpu_key(64): 80e9}
-    finally:
-        flops.measure_cpu_peak.cache_clear()
+    figures.append(80e9)
+    assert flops.measure_cpu_peak(64) == 80e9
+    assert json.loads(peak_cache.read_text()) == {flops.cpu_key(64): 80e9}
 
 
 def test_steady_state_counts_step_times_only(corpus, tmp_path, monkeypatch):  # noqa: F811

@@ -5,6 +5,7 @@ the weights (``model.safetensors``, a sharded ``model.safetensors.index.json`` o
     resolve_source(spec) -> Path               a local folder, or a hub id downloaded
     read_config_json(folder) -> dict
     read_tensors(folder) -> {name: np.ndarray}
+    with config_errors(): ...                  config.json's values read: what fails, one line
 
 The architectures (hf_gpt2.py, hf_llama.py) map these to the params pytree; hf.py picks one
 by config.json's ``model_type``.
@@ -13,6 +14,7 @@ by config.json's ``model_type``.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,22 @@ def resolve_source(spec: str) -> Path:
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, ...: one line, the cause named
         raise HFFormatError(f"{spec} is not a folder and could not be downloaded from the Hugging "
                             f"Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+@contextmanager
+def config_errors(unreadable: str = ""):
+    """Reading config.json's values (or building the ModelConfig of them) inside: a KeyError
+    becomes the HFFormatError "config.json: 'key' is missing", a TypeError or ValueError
+    "config.json: <unreadable> (<error>)" (without ``unreadable``: the error's own line); an
+    HFFormatError passes unchanged."""
+    try:
+        yield
+    except HFFormatError:
+        raise
+    except KeyError as e:
+        raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise HFFormatError(f"config.json: {unreadable} ({e})" if unreadable else f"config.json: {e}") from None
 
 
 def read_config_json(folder) -> dict:

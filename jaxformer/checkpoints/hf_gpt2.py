@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError,  # noqa: F401
+from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors,  # noqa: F401
                                             read_config_json, read_tensors, resolve_source)
 from jaxformer.checkpoints.hf_table import Key, Tensor, check_fixed, fields_in, keys_out, params_in, params_out
 from jaxformer.model.config import ModelConfig
@@ -86,14 +86,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        ("add_cross_attention", False)):
         if hf.get(name, want) != want:
             raise HFFormatError(f"config.json: {name} = {hf[name]!r} is not supported (needs {want!r})")
-    try:
+    with config_errors():
         fields = fields_in(KEYS, hf)
         fields["d_ff"] = fields["d_ff"] or 4 * fields["d_model"]
         return ModelConfig(**fields, **FIXED)
-    except KeyError as e:
-        raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as e:
-        raise HFFormatError(f"config.json: {e}") from None
 
 
 def config_to_hf(config: ModelConfig) -> dict:

@@ -34,12 +34,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError,
+from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors,
                                             read_config_json, read_tensors)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
-                                            params_out, read_flag)
+                                            params_out, read_count, read_flag)
 from jaxformer.checkpoints.hf_windows import mistral_windows, qwen_windows, qwen_windows_out, smollm3_layers, smollm3_out
-from jaxformer.model.checks import is_int, is_number
+from jaxformer.model.checks import is_number
 from jaxformer.model.config import LinearBiases, ModelConfig
 
 # hidden_act -> activation of the gated MLP (silu: SwiGLU; the gelus: GeGLU)
@@ -181,6 +181,8 @@ ROPE_NUMBERS = {
     "yarn": (("factor", "rope_factor", None), ("beta_fast", "rope_beta_fast", 32.0),
              ("beta_slow", "rope_beta_slow", 1.0)),
 }
+# what a TypeError or ValueError while reading a config.json's values means (in the rotary's numbers)
+ROPE_UNREADABLE = "rope_theta or rope_parameters cannot be read"
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -255,7 +257,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if act not in ACTIVATIONS_IN:
         raise HFFormatError(f"config.json: hidden_act {act!r} is not one of {', '.join(ACTIVATIONS_IN)}")
-    try:
+    with config_errors(ROPE_UNREADABLE):
         fields = fields_in(KEYS, hf)
         D, H = fields["d_model"], fields["n_heads"]
         windows = family.windows(hf, fields["n_layers"])
@@ -263,29 +265,17 @@ def config_from_hf(hf: dict) -> ModelConfig:
         n_kv = _count(hf, "num_key_value_heads", H)
         qkv, out, mlp = family.biases(hf)
         rope = rope_from_hf(hf)
-    except HFFormatError:
-        raise
-    except KeyError as e:
-        raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as e:
-        raise HFFormatError(f"config.json: rope_theta or rope_parameters cannot be read ({e})") from None
-    try:
+    with config_errors():
         return ModelConfig(**fields, **FIXED, qk_norm=family.qk_norm, family=kind,
                            head_dim=0 if D % H == 0 and head_dim == D // H else head_dim,
                            n_kv_heads=0 if n_kv == H else n_kv, **rope,
                            bias=qkv, qkv_bias=qkv, out_bias=out, mlp_bias=mlp, **windows)
-    except ValueError as e:
-        raise HFFormatError(f"config.json: {e}") from None
 
 
 def _count(hf: dict, key: str, default: int) -> int:
     """config.json's positive integer ``key`` (null or absent: ``default``); one line naming it otherwise."""
     value = hf.get(key)
-    if value is None:
-        return default
-    if not is_int(value) or value < 1:
-        raise HFFormatError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return int(value)
+    return default if value is None else read_count(key, value)
 
 
 def config_to_hf(config: ModelConfig) -> dict:

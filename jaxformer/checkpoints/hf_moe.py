@@ -44,7 +44,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxformer.checkpoints import hf_llama
-from jaxformer.checkpoints.hf_files import CONFIG_JSON, SAFETENSORS, HFFormatError, read_config_json, read_tensors
+from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors, read_config_json,
+                                           read_tensors)
 from jaxformer.checkpoints.hf_olmo_gemma import _qk_width
 from jaxformer.checkpoints.hf_table import Tensor, params_in, params_out, read_flag
 from jaxformer.checkpoints.hf_windows import window_width
@@ -142,10 +143,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         if hf.get("clip_qkv") is not None:
             raise HFFormatError(f"config.json: clip_qkv {hf['clip_qkv']!r} is not supported (null only)")
         fields.update(qk_norm=True, qk_norm_scope="projection")
-    try:
+    with config_errors():
         return dense.replace(**fields)
-    except ValueError as e:
-        raise HFFormatError(f"config.json: {e}") from None
 
 
 def _qwen2_moe_fields(hf: dict) -> dict:

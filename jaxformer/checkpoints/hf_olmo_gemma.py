@@ -26,13 +26,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import CONFIG_JSON, SAFETENSORS, HFFormatError, read_config_json, read_tensors
-from jaxformer.checkpoints.hf_llama import (ACTIVATIONS_IN, ACTIVATIONS_OUT, BUFFERS, HEAD, LINEARS, _count,
+from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors, read_config_json,
+                                            read_tensors)
+from jaxformer.checkpoints.hf_llama import (ACTIVATIONS_IN, ACTIVATIONS_OUT, BUFFERS, HEAD, LINEARS, ROPE_UNREADABLE, _count,
                                             config_of_tensors, rope_from_hf, rope_to_hf)
 from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
-                                            params_out, read_flag)
+                                            params_out, read_count, read_flag)
 from jaxformer.checkpoints.hf_windows import window_width
-from jaxformer.model.checks import is_int, is_number
+from jaxformer.model.checks import is_number
 from jaxformer.model.config import ModelConfig
 
 _LAYER = "model.layers.{l}."
@@ -129,9 +130,7 @@ def _gemma_windows(hf: dict, n_layers: int, pattern: int) -> dict:
     sliding_window_pattern, default 6); a null window is one that covers the sequence."""
     if read_flag(hf, "use_bidirectional_attention"):
         raise HFFormatError("config.json: use_bidirectional_attention true is not supported (a causal decoder only)")
-    pattern = hf.get("sliding_window_pattern", pattern)
-    if not (is_int(pattern) and pattern >= 1):
-        raise HFFormatError(f"config.json: sliding_window_pattern must be a positive integer, got {pattern!r}")
+    pattern = read_count("sliding_window_pattern", hf.get("sliding_window_pattern", pattern))
     types = hf.get("layer_types") or [FULL if (i + 1) % pattern == 0 else SLIDE for i in range(n_layers)]
     if not (isinstance(types, list) and len(types) == n_layers and set(types) <= {SLIDE, FULL}):
         raise HFFormatError(f"config.json: layer_types must list {n_layers} entries (num_hidden_layers), each "
@@ -173,7 +172,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         hf = {**hf, "hidden_act": "gelu_pytorch_tanh"}
     elif act is not None and act not in ACTIVATIONS_IN:
         raise HFFormatError(f"config.json: {family.activation_key} {act!r} is not one of {', '.join(ACTIVATIONS_IN)}")
-    try:
+    with config_errors(ROPE_UNREADABLE):
         fields = fields_in(_keys(family, kind != "olmo2"), hf)
         D, H = fields["d_model"], fields["n_heads"]
         head_dim = D // H if kind == "olmo2" else _count(hf, "head_dim", D // H)
@@ -187,19 +186,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        logit_softcap=_number(hf, "final_logit_softcapping", 0.0))
         rope = _gemma3_rope(hf, "layer_types" in own) if kind == "gemma3_text" else rope_from_hf(hf)
         biases = read_flag(hf, "attention_bias")
-    except HFFormatError:
-        raise
-    except KeyError as e:
-        raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as e:
-        raise HFFormatError(f"config.json: rope_theta or rope_parameters cannot be read ({e})") from None
-    try:
+    with config_errors():
         return ModelConfig(**fields, **{**family.fixed, **own}, family=kind,
                            head_dim=0 if D % H == 0 and head_dim == D // H else head_dim,
                            n_kv_heads=0 if n_kv == H else n_kv, **rope,
                            bias=biases, qkv_bias=biases, out_bias=biases, mlp_bias=False)
-    except ValueError as e:
-        raise HFFormatError(f"config.json: {e}") from None
 
 
 def config_to_hf(config: ModelConfig) -> dict:

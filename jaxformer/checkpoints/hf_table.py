@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from jaxformer.checkpoints.hf_files import HFFormatError
+from jaxformer.model.checks import check_int
 from jaxformer.model.config import FIELD_RULES, ModelConfig, judge
 
 
@@ -140,6 +141,14 @@ def read_flag(hf: dict, key: str, default: bool = False) -> bool:
     if not isinstance(value, bool):
         raise HFFormatError(f"config.json: {key} must be true or false, got {value!r}")
     return value
+
+
+def read_count(key: str, value, minimum: int = 1) -> int:
+    """config.json's ``key`` (its ``value``) as an int >= ``minimum``; HFFormatError naming it otherwise."""
+    try:
+        return check_int(f"config.json: {key}", value, minimum)
+    except ValueError as e:
+        raise HFFormatError(str(e)) from None
 
 
 def keys_out(keys, config: ModelConfig) -> dict:

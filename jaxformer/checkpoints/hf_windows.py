@@ -10,7 +10,7 @@ configuration classes read them, and back.
 from __future__ import annotations
 
 from jaxformer.checkpoints.hf_files import HFFormatError
-from jaxformer.checkpoints.hf_table import read_flag
+from jaxformer.checkpoints.hf_table import read_count, read_flag
 from jaxformer.model.checks import is_int
 from jaxformer.model.config import LAYER_TYPES
 
@@ -37,9 +37,7 @@ def qwen_windows(hf: dict, n_layers: int) -> dict:
     window = window_width(hf) if read_flag(hf, "use_sliding_window") else None
     types = hf.get("layer_types")
     if types is None:
-        first = hf.get("max_window_layers", 28)
-        if not (is_int(first) and first >= 0):
-            raise HFFormatError(f"config.json: max_window_layers must be a non-negative integer, got {first!r}")
+        first = read_count("max_window_layers", hf.get("max_window_layers", 28), 0)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                  for i in range(n_layers)]
     if not (isinstance(types, list) and len(types) == n_layers and set(types) <= set(LAYER_TYPES)):
@@ -67,9 +65,7 @@ def smollm3_layers(hf: dict, n_layers: int) -> dict:
     layers without rotary positions."""
     rope = hf.get("no_rope_layers")
     if rope is None:
-        every = hf.get("no_rope_layer_interval", 4)
-        if not (is_int(every) and every >= 1):
-            raise HFFormatError(f"config.json: no_rope_layer_interval must be a positive integer, got {every!r}")
+        every = read_count("no_rope_layer_interval", hf.get("no_rope_layer_interval", 4))
         rope = [int((i + 1) % every != 0) for i in range(n_layers)]
     if not (isinstance(rope, list) and len(rope) == n_layers and all(r in (0, 1) for r in rope)):
         raise HFFormatError(f"config.json: no_rope_layers must list {n_layers} entries (num_hidden_layers), each "

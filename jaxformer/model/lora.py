@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxformer.model.checks import check_int, check_number, is_number, refuse
 from jaxformer.model.dropout import dropout
 from jaxformer.model.precision import matmul
 
@@ -62,12 +63,10 @@ class LoraConfig:
     targets: tuple[str, ...] = ("q", "v")
 
     def __post_init__(self):
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"lora_rank must be a positive integer, got {self.rank!r}")
-        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise ValueError(f"lora_alpha must be a positive number, got {self.alpha!r}")
-        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"lora_dropout must be in [0, 1), got {self.dropout!r}")
+        object.__setattr__(self, "rank", check_int("lora_rank", self.rank))
+        if not is_number(self.alpha) or not math.isfinite(self.alpha) or self.alpha <= 0:
+            refuse("lora_alpha", "a positive number", self.alpha)
+        check_number("lora_dropout", self.dropout, 0, 1, high_open=True)
         object.__setattr__(self, "targets", parse_targets(self.targets))
 
     @property

@@ -3,7 +3,8 @@
 A gradient source is any function ``(params, batch, key=None) -> (loss, grads)``
 (``key``: the step's dropout key, ignored by a model without dropout):
 ``grad_source("auto", config)`` wraps ``jax.value_and_grad(loss_fn)``,
-``grad_source("manual", config)`` the hand-derived ``manual_grads.value_and_grad``.
+``grad_source("manual", config)`` the hand-derived ``manual_grads.value_and_grad``
+(grad_sources.py; imported from here too).
 ``make_train_step(grad_fn, optimizer)`` turns either, with any optax
 ``GradientTransformation``, into the same jitted step
 
@@ -17,23 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-import manual_grads
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.lora import LoraConfig, init_adapters
 from jaxformer.model.params import init_params, validate_params
-from jaxformer.model.moe import moe_metrics
-from jaxformer.model.transformer import loss_and_stats, loss_fn
+from jaxformer.model.transformer import loss_fn
 from jaxformer.training.adapters import lora_grad_source
+from jaxformer.training.grad_sources import GradFn, check_grad_fn, grad_source, moe_grad_source  # noqa: F401
 from jaxformer.training.optim import current_muon_lr, injected_lr, make_optimizer
-from jaxformer.training.settings import GRAD_SOURCES, TrainSettings
+from jaxformer.training.settings import TrainSettings
 from jaxformer.training.sharding import make_mesh, mesh_shardings, state_shardings
 
 
@@ -73,56 +72,6 @@ def with_params(state: TrainState, params, config: ModelConfig) -> TrainState:
     validate_params(params, config)
     return state._replace(params=jax.tree_util.tree_map(
         lambda new, old: jax.device_put(jnp.asarray(new, old.dtype), old.sharding), params, state.params))
-
-
-GradFn = Callable[..., tuple[jax.Array, Any]]  # (params, batch, key=None) -> (loss, grads)
-
-
-def grad_source(kind: str, config: ModelConfig) -> GradFn:
-    """The gradient source ``(params, batch, key=None) -> (loss, grads)`` named ``kind``:
-    "auto" (``jax.value_and_grad`` of the loss) or "manual" (``manual_grads``). The
-    training step hands it a key split off TrainState.rng (dropout uses it; key None:
-    no dropout)."""
-    if config.n_experts and kind in GRAD_SOURCES:
-        return moe_grad_source(kind, config)
-    if kind == "auto":
-        value_and_grad = jax.value_and_grad(loss_fn)
-        return lambda params, batch, key=None: value_and_grad(params, batch, config, key=key)
-    if kind == "manual":
-        return lambda params, batch, key=None: manual_grads.value_and_grad(params, batch, config, key=key)
-    raise ValueError(f"unknown gradient source {kind!r}; choose one of {', '.join(GRAD_SOURCES)}")
-
-
-def moe_grad_source(kind: str, config: ModelConfig) -> GradFn:
-    """An MoE model's gradient source: (loss, grads, moe_metrics) (the router's load in the metrics)."""
-    if kind == "auto":
-        value_and_grad = jax.value_and_grad(loss_and_stats, has_aux=True)
-
-        def auto(params, batch, key=None):
-            (loss, stats), grads = value_and_grad(params, batch, config, key=key)
-            return loss, grads, moe_metrics(stats, config)
-        return auto
-
-    def manual(params, batch, key=None):
-        loss, grads, stats = manual_grads.value_and_grad(params, batch, config, key=key, with_stats=True)
-        return loss, grads, moe_metrics(stats, config)
-    return manual
-
-
-def check_grad_fn(grad_fn: GradFn) -> None:
-    """ValueError unless ``grad_fn`` can be called as ``(params, batch, key)``."""
-    if not callable(grad_fn):
-        raise ValueError(f"grad_fn must be a function (params, batch, key=None) -> (loss, grads), "
-                         f"got {type(grad_fn).__name__}")
-    try:
-        signature = inspect.signature(grad_fn)
-    except (TypeError, ValueError):  # no signature to read (a builtin): the call will tell
-        return
-    try:
-        signature.bind(None, None, None)
-    except TypeError:
-        raise ValueError(f"grad_fn {getattr(grad_fn, '__name__', grad_fn)}{signature} must take "
-                         "(params, batch, key=None): the step passes this step's dropout key") from None
 
 
 def layer_grad_norms(grads) -> dict:

@@ -1,2 +1,2 @@
 """`jaxformer doctor`: the kernels, gradients, training and speed on the device JAX sees.
-``checks`` runs each check, ``run`` gathers them, ``report`` tells."""
+``checks`` and ``kernel_checks`` run each check, ``run`` gathers them, ``report`` tells."""

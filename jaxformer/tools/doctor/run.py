@@ -3,7 +3,7 @@
     jaxformer doctor              # a few minutes on a 2-core CPU
     jaxformer doctor --quick      # tiny shapes, about a minute
 
-Four sections of checks (doctor_checks.py), run on device 0 in turn, each a list of
+Four sections of checks (checks.py, kernel_checks.py), run on device 0 in turn, each a list of
 checks that passed, failed or could not be run here (with the reason):
 
     kernels     the Pallas attention kernels, compiled for this device, and on a GPU
@@ -33,8 +33,8 @@ import optax
 import jaxformer
 from jaxformer.tools.doctor.checks import (FAILED, NOT_CHECKED, PASSED, TRAIN_DROP, TRAIN_STEPS, Check,
                                            bench_checks, bench_settings, gpt2_shaped, gradient_checks,
-                                           judged, kernel_checks, kernel_shape, shape_text,
-                                           train_config, training_checks)
+                                           judged, shape_text, train_config, training_checks)
+from jaxformer.tools.doctor.kernel_checks import kernel_checks, kernel_shape
 
 
 class Settings(NamedTuple):
