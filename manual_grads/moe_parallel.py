@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.moe import MoeStats, dispatch, moe_stats, route
-from jaxformer.model.moe_parallel import (EXPERT_AXIS, Exchange, Received, capacity, expert_mesh, param_specs,
-                                          send, send_back)
+from jaxformer.model.moe_parallel import (EXPERT_AXIS, EXPERT_WEIGHTS, Exchange, Received, capacity, expert_mesh,
+                                          param_specs, send, send_back)
 from jaxformer.model.precision import cast, upcast
 from manual_grads import moe as _moe
 from manual_grads.activations import activation_fwd
@@ -174,9 +174,8 @@ def moe_parallel_bwd(res: ParallelMoeRes, dy):
     def bwd(local, dy, dstats):
         return local_bwd(jax.tree_util.tree_map(lambda a: a[0], local), dy, dstats, axes, mesh.size)
 
-    specs = param_specs({"router": None, **{name: None for name in ("w_gate", "w_up", "w_down")}})
     return jax.shard_map(bwd, mesh=mesh, in_specs=(rows, rows, PartitionSpec()),
-                         out_specs=(specs, rows))(res.local, dy, res.dstats)
+                         out_specs=(param_specs(("router",) + EXPERT_WEIGHTS), rows))(res.local, dy, res.dstats)
 
 
 def moe_layer_fwd(p, x, config):

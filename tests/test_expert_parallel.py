@@ -85,8 +85,9 @@ SCRIPT = textwrap.dedent("""
 
         p_on = jax.device_put(p, NamedSharding(mesh, P()))
         x_on = jax.device_put(x, NamedSharding(mesh, P(mesh.axis_names)))
-        out, grads, auto = jax.jit(sharded)(p_on, x_on)
-        hlo = jax.jit(sharded).lower(p_on, x_on).as_text()
+        step = jax.jit(sharded)
+        out, grads, auto = step(p_on, x_on)
+        hlo = step.lower(p_on, x_on).as_text()
         result["layer"][text] = {"forward": errors(out, one[0]), "manual": errors(grads, one[1]),
                                  "auto": errors(auto, one[1]), "all_to_all": hlo.count("all_to_all")}
 

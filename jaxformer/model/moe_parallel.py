@@ -71,9 +71,10 @@ def expert_mesh(x, config):
     return mesh if x.shape[0] % mesh.size == 0 else None
 
 
-def param_specs(p) -> dict:
-    """The layer's params under shard_map: experts split over "expert" along E, the rest replicated."""
-    return {name: PartitionSpec(EXPERT_AXIS) if name in EXPERT_WEIGHTS else PartitionSpec() for name in p}
+def param_specs(names) -> dict:
+    """The layer's params (``names``: their keys) under shard_map: experts split over "expert"
+    along E, the rest replicated."""
+    return {name: PartitionSpec(EXPERT_AXIS) if name in EXPERT_WEIGHTS else PartitionSpec() for name in names}
 
 
 def capacity(n_tokens: int, config, n_shards: int) -> int:
