@@ -29,7 +29,9 @@ from jaxformer.training.sharding import leaf_spec, mesh_shape, parse_mesh
 LAYER_CASES = [("expert=8", dict(router="topk_softmax")),
                ("data=2,expert=4", dict(router="softmax_topk", norm_topk_prob=True)),
                ("data=2,fsdp=2,expert=2", dict(router="softmax_topk"))]
-TRAIN_CASES = [("data=2,expert=4", "auto"), ("data=2,fsdp=2,expert=2", "manual"), ("fsdp=2,expert=4", "custom_vjp")]
+# (mesh, gradient source, remat): block recompute runs the exchange again in the backward
+TRAIN_CASES = [("data=2,expert=4", "auto", "none"), ("data=2,fsdp=2,expert=2", "manual", "none"),
+               ("fsdp=2,expert=4", "custom_vjp", "none"), ("expert=4,data=2", "manual", "block")]
 STEPS = 3
 
 SCRIPT = textwrap.dedent("""
@@ -91,14 +93,14 @@ SCRIPT = textwrap.dedent("""
         result["layer"][text] = {"forward": errors(out, one[0]), "manual": errors(grads, one[1]),
                                  "auto": errors(auto, one[1]), "all_to_all": hlo.count("all_to_all")}
 
-    config = PRESETS["tiny-moe"]  # 4 experts, 2 per token
     optimizer = optax.adam(1e-2)
-    tokens = jax.random.randint(jax.random.PRNGKey(2), (8, 17), 0, config.vocab_size)  # one batch, every step
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (8, 17), 0, 256)  # one batch, every step
     custom = jax.value_and_grad(custom_vjp.loss_fn)  # jax.grad of the model whose layers are the manual pairs
-    sources = {"auto": grad_source("auto", config), "manual": grad_source("manual", config),
-               "custom_vjp": lambda params, batch, key=None: custom(params, batch, config)}
 
-    def run(grads, text=None):
+    def run(grads, text=None, remat="none"):
+        config = PRESETS["tiny-moe"].replace(remat=remat)  # 4 experts, 2 per token
+        sources = {"auto": grad_source("auto", config), "manual": grad_source("manual", config),
+                   "custom_vjp": lambda params, batch, key=None: custom(params, batch, config)}
         state = init_state(init_params(jax.random.PRNGKey(0), config, dtype=jnp.float64), optimizer)
         mesh = make_mesh(jax.devices()[:1] if text is None else None, text)
         layout = state_shardings(state, mesh)
@@ -110,8 +112,8 @@ SCRIPT = textwrap.dedent("""
         return state, records
 
     result["train"]["one"] = run("manual")[1]
-    for text, grads in train_cases:
-        state, result["train"][f"{text} {grads}"] = run(grads, text)
+    for text, grads, remat in train_cases:
+        state, result["train"][f"{text} {grads} {remat}"] = run(grads, text, remat)
         w = state.params["blocks"]["ffn"]["w_gate"]
         moments = [m for k, m in jax.tree_util.tree_leaves_with_path(state.opt_state)
                    if jax.tree_util.keystr(k).endswith("['w_gate']")]
@@ -154,16 +156,17 @@ def test_layer_equals_one_device(sharded, text):
 
 def test_training_on_an_expert_mesh_equals_one_device(sharded):
     """3 float64 steps of tiny-moe (4 experts) on expert meshes with each gradient source (jax.grad,
-    the manual backward, jax.grad of the custom_vjp model): the one-device (manual) losses, gradient
-    and update norms and router statistics within 1e-10 (on one device the sources agree: test_moe.py)."""
+    the manual backward, also with block recompute, and jax.grad of the custom_vjp model): the
+    one-device (manual) losses, gradient and update norms and router statistics within 1e-10 (on
+    one device the sources agree: test_moe.py)."""
     runs = sharded["train"]
-    for text, grads in TRAIN_CASES:
-        one, records = runs["one"], runs[f"{text} {grads}"]
+    for text, grads, remat in TRAIN_CASES:
+        one, records = runs["one"], runs[f"{text} {grads} {remat}"]
         assert len(records) == len(one) == STEPS
         for key in ("loss", "grad_norm", "update_norm") + (("moe/balance_loss", "moe/z_loss", "moe/load0")
                                                            if grads != "custom_vjp" else ()):
             np.testing.assert_allclose([r[key] for r in records], [r[key] for r in one], rtol=1e-10,
-                                       err_msg=f"{text} {grads} {key}")
+                                       err_msg=f"{text} {grads} {remat} {key}")
     assert runs["one"][-1]["loss"] < runs["one"][0]["loss"] - 0.1  # the same batch each step: learned
 
 
