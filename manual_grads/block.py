@@ -34,7 +34,8 @@ from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes
-from manual_grads.moe import MoeRes, ffn_bwd, ffn_fwd
+from manual_grads.moe import MoeRes
+from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.tap import tap_backward, tap_forward
 

@@ -29,7 +29,7 @@ from manual_grads import layer_norm as _ln
 from manual_grads import linear as _lin
 from manual_grads import losses as _loss
 from manual_grads import mlp as _mlp
-from manual_grads import moe as _moe
+from manual_grads import moe_parallel as _moe_parallel
 from manual_grads import softcap as _cap
 from manual_grads.model import embed_params
 
@@ -116,15 +116,16 @@ def feed_forward(p, x, activation_name, compute_dtype=None):
 
 def _moe_bwd(res, dout):
     dy, dstats = dout  # the output is (y, MoeStats): the statistics' cotangents join the residual
-    return _moe.moe_bwd(res._replace(dstats=dstats), dy)
+    return _moe_parallel.moe_layer_bwd(res._replace(dstats=dstats), dy)
 
 
-_moe_rule = _register(_moe.moe_fwd, _moe_bwd, nondiff_argnums=(2,))
+_moe_rule = _register(_moe_parallel.moe_layer_fwd, _moe_bwd, nondiff_argnums=(2,))
 
 
 def moe(p, x, config: ModelConfig):
     """The mixture-of-experts layer p = {router, w_gate, w_up, w_down, shared?, shared_gate?}; x (..., D) ->
-    (y (..., D), MoeStats), the hand-derived moe_bwd its rule (jaxformer.model.moe.moe)."""
+    (y (..., D), MoeStats), the hand-derived moe_bwd its rule (jaxformer.model.moe.moe; expert
+    parallel on a trace mesh with an expert axis, jaxformer.model.moe_parallel.moe_layer)."""
     return _moe_rule(p, x, config)
 
 

@@ -35,7 +35,8 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, dropout, sub_key
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
-from jaxformer.model.moe import ffn_output, moe
+from jaxformer.model.moe import ffn_output
+from jaxformer.model.moe_parallel import moe_layer
 from jaxformer.model.rms_norm import rms_norm
 
 
@@ -78,7 +79,7 @@ def model_feed_forward(p, x, config: ModelConfig):
     """feed_forward with config's activation and compute dtype; with n_experts the MoE layer,
     (y, MoeStats)."""
     if config.n_experts:
-        return moe(p, x, config)
+        return moe_layer(p, x, config)
     return feed_forward(p, x, config.activation, config.compute_dtype)
 
 

@@ -1,11 +1,15 @@
-"""Data x FSDP parallelism from JAX's own sharding: a two-axis ``Mesh`` of devices
-("data", "fsdp") and the ``NamedSharding`` of each array on it. jit inserts the
-collectives (the gradient reduction, the parameter all-gathers); nothing here
-moves data by hand.
+"""Data x FSDP (x expert) parallelism from JAX's own sharding: a ``Mesh`` of devices
+("data", "fsdp"), or ("data", "fsdp", "expert") when the mesh text names an expert axis,
+and the ``NamedSharding`` of each array on it. jit inserts the collectives (the gradient
+reduction, the parameter all-gathers); the MoE layer's token exchange over "expert" is
+its own (jaxformer/model/moe_parallel.py, under shard_map).
 
-- a batch is split along its first axis over both axes: PartitionSpec(("data", "fsdp"))
-- each parameter and optimizer-state leaf is split over "fsdp" along its largest
-  dimension that the fsdp size divides (replicated when none does, and on fsdp=1)
+- a batch is split along its first axis over every axis: PartitionSpec(("data", "fsdp"))
+  or PartitionSpec(("data", "fsdp", "expert")) (outside the MoE layers the expert axis is
+  more data parallelism)
+- the MoE experts (blocks.ffn.w_gate, w_up, w_down: (L, E, ...)) are split over "expert"
+  along E; every leaf is also split over "fsdp" along its largest other dimension that the
+  fsdp size divides (replicated when none does, and on fsdp=1)
 - scalars, the step counters and the rng key are replicated
 """
 
@@ -20,15 +24,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.observe.words import plural, verb
 
-AXES = ("data", "fsdp")
-BATCH_SPEC = PartitionSpec(AXES)  # the batch axis over data x fsdp
+AXES = ("data", "fsdp", "expert")  # a mesh has the first two, or all three
+EXPERT_LEAVES = ("w_gate", "w_up", "w_down")  # an MoE layer's experts: (L, E, ...) under blocks.ffn
 
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$")
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:
-    """``"data=2,fsdp=4"`` -> {"data": 2, "fsdp": 4}; "" or None -> {}. An axis left
-    out gets the devices the others leave (data) or 1 (fsdp)."""
+    """``"data=2,fsdp=4,expert=2"`` -> {"data": 2, "fsdp": 4, "expert": 2}; "" or None -> {}.
+    An axis left out gets the devices the others leave (data) or 1 (fsdp, expert)."""
     if text is None or not str(text).strip():
         return {}
     sizes: dict[str, int] = {}
@@ -36,7 +40,7 @@ def parse_mesh(text: str | None) -> dict[str, int]:
         match = _ITEM.match(item)
         if not match:
             raise ValueError(f"malformed mesh {text!r}: expected AXIS=SIZE items separated by "
-                             f"commas, e.g. data=2,fsdp=4 (axes: {', '.join(AXES)})")
+                             f"commas, e.g. data=2,fsdp=4 or data=2,expert=4 (axes: {', '.join(AXES)})")
         name, size = match.group(1), int(match.group(2))
         if name not in AXES:
             raise ValueError(f"unknown mesh axis {name!r} in {text!r}; axes are {', '.join(AXES)}")
@@ -48,57 +52,86 @@ def parse_mesh(text: str | None) -> dict[str, int]:
     return sizes
 
 
-def mesh_shape(text: str | None, n_devices: int) -> tuple[int, int]:
-    """(data, fsdp) sizes of the mesh ``text`` over ``n_devices`` devices."""
+def mesh_shape(text: str | None, n_devices: int) -> tuple[int, ...]:
+    """(data, fsdp) sizes of the mesh ``text`` over ``n_devices`` devices; (data, fsdp,
+    expert) when the text names an expert axis."""
     sizes = parse_mesh(text)
-    fsdp = sizes.get("fsdp", 1)
+    fsdp, expert = sizes.get("fsdp", 1), sizes.get("expert", 1)
+    named = "data x fsdp" + (" x expert" if "expert" in sizes else "")
     if "data" in sizes:
         data = sizes["data"]
-    elif n_devices % fsdp == 0:
-        data = n_devices // fsdp
+    elif n_devices % (fsdp * expert) == 0:
+        data = n_devices // (fsdp * expert)
     else:
-        raise ValueError(f"mesh {text!r}: fsdp={fsdp} does not divide the {plural(n_devices, 'device')}")
-    if data * fsdp != n_devices:
-        raise ValueError(f"mesh {text!r} has data x fsdp = {data} x {fsdp} = {data * fsdp} "
+        rest = " x ".join(f"{a}={sizes[a]}" for a in AXES[1:] if a in sizes)
+        raise ValueError(f"mesh {text!r}: {rest} does not divide the {plural(n_devices, 'device')}")
+    shape = (data, fsdp, expert) if "expert" in sizes else (data, fsdp)
+    if math.prod(shape) != n_devices:
+        raise ValueError(f"mesh {text!r} has {named} = {' x '.join(map(str, shape))} = {math.prod(shape)} "
                          f"devices, but {plural(n_devices, 'device')} {verb(n_devices, 'is')} in use")
-    return data, fsdp
+    return shape
 
 
-def make_mesh(devices=None, shape: str | tuple[int, int] | None = None) -> Mesh:
-    """A ("data", "fsdp") mesh over ``devices`` (default: all devices of all processes).
-    ``shape``: (data, fsdp) or mesh text (``parse_mesh``); default: every device on data."""
+def make_mesh(devices=None, shape: str | tuple[int, ...] | None = None) -> Mesh:
+    """A ("data", "fsdp") mesh over ``devices`` (default: all devices of all processes), or
+    ("data", "fsdp", "expert") for a three-size shape. ``shape``: (data, fsdp), (data, fsdp,
+    expert) or mesh text (``parse_mesh``); default: every device on data."""
     devices = jax.devices() if devices is None else list(devices)
     if shape is None or isinstance(shape, str):
         shape = mesh_shape(shape, len(devices))
-    return Mesh(np.array(devices).reshape(shape), AXES)
+    return Mesh(np.array(devices).reshape(shape), AXES[:len(shape)])
 
 
-def mesh_size(mesh: Mesh) -> tuple[int, int]:
-    """(data, fsdp) sizes of ``mesh``."""
-    return mesh.shape["data"], mesh.shape["fsdp"]
+def mesh_size(mesh: Mesh) -> tuple[int, ...]:
+    """The sizes of ``mesh``'s axes: (data, fsdp) or (data, fsdp, expert)."""
+    return tuple(mesh.shape[a] for a in AXES if a in mesh.axis_names)
+
+
+def describe(mesh: Mesh) -> str:
+    """``"data=2 x fsdp=2 x expert=2"``: the mesh's axes and sizes, for messages."""
+    return " x ".join(f"{a}={mesh.shape[a]}" for a in AXES if a in mesh.axis_names)
 
 
 def mesh_shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
-    """(replicated, batch: split along the first axis over data x fsdp) on ``mesh``."""
-    return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, BATCH_SPEC)
+    """(replicated, batch: split along the first axis over every mesh axis) on ``mesh``."""
+    batch = PartitionSpec(tuple(a for a in AXES if a in mesh.axis_names))
+    return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, batch)
 
 
-def leaf_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
+def leaf_spec(shape: tuple[int, ...], fsdp: int, expert_axis: int | None = None) -> PartitionSpec:
     """Split over "fsdp" along the largest dimension ``fsdp`` divides (the first of
-    equal ones); replicated when none does or fsdp is 1."""
-    if fsdp == 1:
-        return PartitionSpec()
-    fits = [(size, -axis) for axis, size in enumerate(shape) if size % fsdp == 0]
-    if not fits:
-        return PartitionSpec()
-    axis = -max(fits)[1]
-    return PartitionSpec(*([None] * axis + ["fsdp"]))
+    equal ones); replicated when none does or fsdp is 1. ``expert_axis``: that dimension
+    is split over "expert" (an MoE expert leaf) and fsdp takes another."""
+    spec = [None] * len(shape)
+    if expert_axis is not None:
+        spec[expert_axis] = "expert"
+    fits = [(size, -axis) for axis, size in enumerate(shape) if size % fsdp == 0 and axis != expert_axis]
+    if fsdp > 1 and fits:
+        spec[-max(fits)[1]] = "fsdp"
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def expert_axis(path, shape: tuple[int, ...], expert: int) -> int | None:
+    """The E dimension of an MoE expert leaf (blocks.ffn.w_gate / w_up / w_down, (L, E, ...),
+    in the params or the optimizer state) on a mesh with expert > 1; None for any other leaf.
+    E must divide over the expert axis: a ValueError naming both otherwise."""
+    keys = [getattr(k, "key", None) for k in path]
+    if expert == 1 or len(shape) != 4 or not keys or keys[-1] not in EXPERT_LEAVES or "ffn" not in keys:
+        return None
+    if shape[1] % expert:
+        raise ValueError(f"n_experts {shape[1]} does not divide over the mesh's expert axis (expert={expert}): "
+                         f"give an expert size that divides {shape[1]}")
+    return 1
 
 
 def tree_shardings(tree, mesh: Mesh):
-    """A NamedSharding per leaf of ``tree`` (arrays or ShapeDtypeStructs) by ``leaf_spec``."""
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, leaf_spec(x.shape, fsdp)), tree)
+    """A NamedSharding per leaf of ``tree`` (arrays or ShapeDtypeStructs) by ``leaf_spec``;
+    the MoE experts split over "expert" along E on a mesh with that axis."""
+    fsdp, expert = mesh.shape["fsdp"], dict(mesh.shape).get("expert", 1)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, leaf_spec(x.shape, fsdp, expert_axis(path, x.shape, expert))), tree)
 
 
 def state_shardings(state, mesh: Mesh):
@@ -112,11 +145,10 @@ def state_shardings(state, mesh: Mesh):
 
 
 def check_batch_size(batch_size: int, mesh: Mesh) -> None:
-    data, fsdp = mesh_size(mesh)
-    if batch_size % (data * fsdp):
-        raise ValueError(
-            f"batch_size {batch_size} must be divisible by the number of devices ({data * fsdp}: "
-            f"mesh data={data} x fsdp={fsdp})")
+    n = math.prod(mesh_size(mesh))
+    if batch_size % n:
+        raise ValueError(f"batch_size {batch_size} must be divisible by the number of devices ({n}: "
+                         f"mesh {describe(mesh)})")
 
 
 def local_rows(batch_size: int, mesh: Mesh) -> np.ndarray | None:
@@ -132,7 +164,7 @@ def local_rows(batch_size: int, mesh: Mesh) -> np.ndarray | None:
 
 
 def put_batch(batch: dict, mesh: Mesh, replicate_short: bool = False) -> dict:
-    """The host batch on the mesh, split along the batch axis over data x fsdp. A
+    """The host batch on the mesh, split along the batch axis over every mesh axis. A
     batch that does not divide over the mesh is a ValueError naming both sizes,
     unless ``replicate_short`` (a short evaluation batch, asked for by name): then
     it is replicated. Each process places only the rows of its own devices
@@ -143,9 +175,8 @@ def put_batch(batch: dict, mesh: Mesh, replicate_short: bool = False) -> dict:
     for key, value in batch.items():
         value = np.asarray(value)
         if value.shape[0] % n and not replicate_short:
-            data, fsdp = mesh_size(mesh)
             raise ValueError(f"batch {key!r} has {value.shape[0]} rows, which do not divide over the "
-                             f"{n} devices of the mesh (data={data} x fsdp={fsdp})")
+                             f"{n} devices of the mesh ({describe(mesh)})")
         sharding = split if value.shape[0] % n == 0 else replicated
         out[key] = jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
     return out

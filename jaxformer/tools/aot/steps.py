@@ -146,7 +146,7 @@ def build(config: ModelConfig, variant: Variant, batch_size: int, seq_len: int,
             one = SingleDeviceSharding(devices[0])
             state, batch = (_placed(t, jax.tree_util.tree_map(lambda _: one, t)) for t in (state, batch))
         return make_train_step(grad_fn, optimizer), (state, batch)
-    mesh = AbstractMesh(variant.mesh, AXES) if devices is None else make_mesh(devices, variant.mesh)
+    mesh = AbstractMesh(variant.mesh, AXES[:len(variant.mesh)]) if devices is None else make_mesh(devices, variant.mesh)
     layout = state_shardings(state, mesh)
     _, split = mesh_shardings(mesh)
     state, batch = _placed(state, layout), _placed(batch, {k: split for k in batch})
