@@ -167,17 +167,21 @@ def compiled(target: str, todo) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_every_variant_compiles_for_a_tpu_v5e():
-    """libtpu compiles every variant for a v5e chip (the mesh ones for four), Mosaic kernels
-    included, and XLA's memory plan is sane: the arguments are the state and the batch
+TPU_ATTENTIONS = [a for a in aot.ATTENTIONS if any(aot.absent(v, "tpu") is None for v in aot.variants(attentions=(a,)))]
+
+
+@pytest.mark.parametrize("attention", TPU_ATTENTIONS)
+def test_every_variant_compiles_for_a_tpu_v5e(attention):
+    """libtpu compiles every variant of each attention for a v5e chip (the mesh ones for four),
+    Mosaic kernels included, and XLA's memory plan is sane: the arguments are the state and the batch
     (fsdp=2 halves them on each chip), the donated state is written in place (aliased),
     and the manual backward's scratch is positive. At this size jax.grad's temporaries
     all fit in the chip's VMEM (temp 0 bytes of HBM), so manual vs jax.grad is compared at
     GPT-2's size in docs/benchmark.md, not here."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jaxformer[tpu]'): the TPU compile check needs it")
-    todo = [v for v in aot.variants() if aot.absent(v, "tpu") is None]
-    out = compiled("tpu-v5e", todo)
+    todo = [v for v in aot.variants(attentions=(attention,)) if aot.absent(v, "tpu") is None]
+    out = compiled("tpu-v5e", todo)  # one subprocess per attention: the suite's workers share them
     state = aot.abstract_state(CONFIG, OPTIMIZER)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state))
     one = {}
