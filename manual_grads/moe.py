@@ -66,18 +66,25 @@ class MoeRes(NamedTuple):
     shared: SharedExpertRes | None = None  # the shared expert's (shared_expert_d_ff); None: none
 
 
-def moe_fwd(p, x, config):
-    """x (..., D) -> ((y (..., D), MoeStats), MoeRes)."""
-    k, D, cd = config.experts_per_token, x.shape[-1], config.compute_dtype
-    x2 = x.reshape(-1, D)  # (N, D)
-    n = x2.shape[0]
-    logits, router_res = linear_fwd({"w": p["router"]}, x2, cd)  # (N, E)
+def router_fwd(p, x2, config):
+    """The router of moe_fwd with what its backward keeps: x2 (N, D) -> (logits (N, E),
+    LinearRes, gates (N, k), idx (N, k), probs (N, E), top, top_sum (MoeRes' fields))."""
+    logits, router_res = linear_fwd({"w": p["router"]}, x2, config.compute_dtype)  # (N, E)
     logits = upcast(logits)
     gates, idx, probs = route(logits, config)  # (N, k), (N, k), (N, E)
     top = top_sum = None
     if config.router == "softmax_topk":
         top = jnp.take_along_axis(probs, idx, axis=-1)  # (N, k)
         top_sum = jnp.sum(top, axis=-1, keepdims=True) if config.norm_topk_prob else None
+    return logits, router_res, gates, idx, probs, top, top_sum
+
+
+def moe_fwd(p, x, config):
+    """x (..., D) -> ((y (..., D), MoeStats), MoeRes)."""
+    k, D, cd = config.experts_per_token, x.shape[-1], config.compute_dtype
+    x2 = x.reshape(-1, D)  # (N, D)
+    n = x2.shape[0]
+    logits, router_res, gates, idx, probs, top, top_sum = router_fwd(p, x2, config)
     d = dispatch(idx, config.n_experts)
     xs = cast(x2[d.order // k], cd)  # (M, D)
     gate = grouped_matmul(xs, p["w_gate"], d.sizes, cd)  # (M, F)

@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxformer.model.moe import MoeStats, dispatch, moe_stats, route
+from jaxformer.model.moe import MoeStats, dispatch, moe_stats
 from jaxformer.model.moe_parallel import (EXPERT_AXIS, EXPERT_WEIGHTS, Exchange, Received, capacity, expert_mesh,
                                           param_specs, send, send_back)
 from jaxformer.model.precision import cast, upcast
 from manual_grads import moe as _moe
 from manual_grads.activations import activation_fwd
-from manual_grads.linear import linear_bwd, linear_fwd
+from manual_grads.linear import linear_bwd
 from manual_grads.moe import ExpertRes, MoeRes, experts_bwd, grouped_matmul, router_bwd
 from manual_grads.shared_expert import shared_expert_bwd, shared_expert_fwd
 
@@ -85,13 +85,7 @@ def local_fwd(p, x, config, axes):
     x2 = x.reshape(-1, D)  # (N, D)
     n = x2.shape[0]
     n_shards = config.n_experts // p["w_gate"].shape[0]
-    logits, router_res = linear_fwd({"w": p["router"]}, x2, cd)  # (N, E)
-    logits = upcast(logits)
-    gates, idx, probs = route(logits, config)  # (N, k)
-    top = top_sum = None
-    if config.router == "softmax_topk":
-        top = jnp.take_along_axis(probs, idx, axis=-1)  # (N, k)
-        top_sum = jnp.sum(top, axis=-1, keepdims=True) if config.norm_topk_prob else None
+    logits, router_res, gates, idx, probs, top, top_sum = _moe.router_fwd(p, x2, config)  # as moe_fwd
     d = dispatch(idx, config.n_experts)
     xs = cast(x2[d.order // k], cd)  # (M, D)
     rows, plan, got = send(xs, idx.reshape(-1)[d.order], d.sizes, n_shards, capacity(n, config, n_shards))

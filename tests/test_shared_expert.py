@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from helpers import (assert_bfloat16_within_autodiff, assert_sources_agree, decode_one_at_a_time, make_batch,
                      make_params)
+from test_moe import assert_layer_sources_agree
 
 import jaxformer
 from jaxformer.model.config import PRESETS
 from jaxformer.model.mlp import gated_feed_forward
-from jaxformer.model.moe import MoeStats, moe
-from manual_grads import check, custom_vjp
+from jaxformer.model.moe import moe
 from manual_grads.moe import moe_bwd, moe_fwd
 
 jax.config.update("jax_enable_x64", True)
@@ -51,24 +51,7 @@ def test_layer_is_the_routed_experts_plus_the_gated_shared_mlp(gated):
 @pytest.mark.parametrize("gated", [True, False])
 def test_layer_backward_equals_autodiff_and_custom_vjp(gated):
     config = TINY.replace(shared_expert_gate=gated, router="softmax_topk", norm_topk_prob=True)
-    p = _layer_params(config)
-    x = jax.random.normal(KEY, (2, 6, 16), jnp.float64)
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(9), 3)
-    dy = jax.random.normal(k1, x.shape, jnp.float64)
-    dstats = MoeStats(jnp.zeros(4), jax.random.normal(k2, (4,), jnp.float64), jax.random.normal(k3, ()))
-
-    def objective(layer):
-        def f(p, x):
-            y, s = layer(p, x, config)
-            return jnp.sum(y * dy) + jnp.sum(s.probs * dstats.probs) + s.z * dstats.z
-        return f
-
-    ref = jax.grad(objective(moe), argnums=(0, 1))(p, x)
-    via_rule = jax.grad(objective(custom_vjp.moe), argnums=(0, 1))(p, x)
-    (_, _), res = moe_fwd(p, x, config)
-    manual = moe_bwd(res._replace(dstats=dstats), dy)
-    check.assert_trees_close(ref, manual)
-    check.assert_trees_close(ref, via_rule)
+    manual = assert_layer_sources_agree(config, _layer_params(config), KEY)
     want = {"router", "w_gate", "w_up", "w_down", "shared"} | ({"shared_gate"} if gated else set())
     assert set(manual[0]) == want and set(manual[0]["shared"]) == {"w_gate", "w_up", "w_down"}
 
