@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent("""
     from jaxformer.model.moe_parallel import moe_layer
     from jaxformer.model.params import init_params
     from jaxformer.training.sharding import make_mesh, put_batch, state_shardings
-    from jaxformer.training.step import grad_source, init_state, make_train_step
+    from jaxformer.training.step import grad_source, init_state, make_eval_step, make_train_step
     from manual_grads import custom_vjp
     from manual_grads.moe_parallel import moe_layer_bwd, moe_layer_fwd
 
@@ -108,9 +108,13 @@ SCRIPT = textwrap.dedent("""
         layout = state_shardings(state, mesh)
         step = make_train_step(sources[grads], optimizer, mesh=mesh, state_sharding=layout)
         state, records = jax.device_put(state, layout), []
+        batch = put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
         for _ in range(steps):
-            state, metrics = step(state, put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh))
+            state, metrics = step(state, batch)
             records.append({k: float(v) for k, v in metrics.items() if k in KEYS})
+        evaluate = make_eval_step(config, mesh)  # the trained params' loss, the experts still split
+        records.append({"eval": float(evaluate(state.params, batch)),
+                        "eval_all_to_all": evaluate.lower(state.params, batch).as_text().count("all_to_all")})
         return state, records
 
     result["train"]["one"] = run("manual")[1]
@@ -161,7 +165,7 @@ def test_training_on_an_expert_mesh_equals_one_device(sharded):
     the manual backward, also with block recompute, and jax.grad of the custom_vjp model): the
     one-device (manual) losses, gradient and update norms and router statistics within 1e-10 (on
     one device the sources agree: test_moe.py)."""
-    runs = sharded["train"]
+    runs = {name: records[:-1] for name, records in sharded["train"].items()}  # the last: evaluation
     for text, grads, remat in TRAIN_CASES:
         one, records = runs["one"], runs[f"{text} {grads} {remat}"]
         assert len(records) == len(one) == STEPS
@@ -170,6 +174,19 @@ def test_training_on_an_expert_mesh_equals_one_device(sharded):
             np.testing.assert_allclose([r[key] for r in records], [r[key] for r in one], rtol=1e-10,
                                        err_msg=f"{text} {grads} {remat} {key}")
     assert runs["one"][-1]["loss"] < runs["one"][0]["loss"] - 0.1  # the same batch each step: learned
+
+
+def test_evaluation_on_an_expert_mesh_exchanges_tokens_and_equals_one_device(sharded):
+    """The evaluation step of each expert-mesh run is traced under its mesh: its program holds the
+    MoE layers' all_to_all (the experts stay split, none gathered whole), and the trained params'
+    loss is the one-device run's within 1e-10."""
+    runs = sharded["train"]
+    one = runs["one"][-1]
+    assert one["eval_all_to_all"] == 0  # one device: the plain layer
+    for text, grads, remat in TRAIN_CASES:
+        evaluation = runs[f"{text} {grads} {remat}"][-1]
+        assert evaluation["eval_all_to_all"] > 0, text
+        np.testing.assert_allclose(evaluation["eval"], one["eval"], rtol=1e-10, err_msg=text)
 
 
 def test_experts_are_split_over_the_expert_axis(sharded):
