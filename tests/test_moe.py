@@ -251,12 +251,21 @@ def test_layer_is_transformers_sparse_moe_block(model_type):
     hf = getattr(hf_module, block_class)(hf_config).double()
     config = TINY.replace(**router)
     p = _layer_params(config, scale=20.0)
+    assert_layer_is_hf_block(torch, hf, p, config, KEY)
+
+
+def assert_layer_is_hf_block(torch, hf, p, config, key):
+    """Copies the routed layer's weights into transformers' MoE block ``hf`` (gate = router^T,
+    gate_up_proj[e] = [w_gate[e] | w_up[e]]^T, down_proj[e] = w_down[e]^T), runs both on random x
+    (2, 6, D) with a random cotangent, and checks the output and the gradients of x, the router and
+    the experts within 1e-6 of each one's largest entry (transformers' router softmax runs in
+    float32). Returns our dp, for the caller's other leaves."""
     t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
     with torch.no_grad():
         hf.gate.weight.copy_(t(p["router"].T))
         hf.experts.gate_up_proj.copy_(t(jnp.concatenate([p["w_gate"], p["w_up"]], axis=2).transpose(0, 2, 1)))
         hf.experts.down_proj.copy_(t(p["w_down"].transpose(0, 2, 1)))
-    x = jax.random.normal(KEY, (2, 6, 16), jnp.float64)
+    x = jax.random.normal(key, (2, 6, config.d_model), jnp.float64)
     dy = jax.random.normal(jax.random.PRNGKey(5), x.shape, jnp.float64)
     x_t = t(x).requires_grad_(True)
     y_t = hf(x_t)
@@ -266,8 +275,10 @@ def test_layer_is_transformers_sparse_moe_block(model_type):
     assert np.max(np.abs(np.asarray(y) - y_hf)) <= 1e-6 * np.max(np.abs(y_hf))
     dp, dx = moe_bwd(res, dy)  # no statistics' cotangents: the block alone
     gate_up = hf.experts.gate_up_proj.grad.numpy().transpose(0, 2, 1)  # (E, D, 2F)
-    for ours, theirs in [(dx, x_t.grad), (dp["router"], hf.gate.weight.grad.T),
-                         (dp["w_gate"], gate_up[..., :12]), (dp["w_up"], gate_up[..., 12:]),
-                         (dp["w_down"], hf.experts.down_proj.grad.numpy().transpose(0, 2, 1))]:
+    F = p["w_gate"].shape[-1]
+    for name, ours, theirs in [("x", dx, x_t.grad), ("router", dp["router"], hf.gate.weight.grad.T),
+                               ("w_gate", dp["w_gate"], gate_up[..., :F]), ("w_up", dp["w_up"], gate_up[..., F:]),
+                               ("w_down", dp["w_down"], hf.experts.down_proj.grad.numpy().transpose(0, 2, 1))]:
         theirs = np.asarray(theirs)
-        assert np.max(np.abs(ours - theirs)) <= 1e-6 * np.max(np.abs(theirs)), model_type
+        assert np.max(np.abs(ours - theirs)) <= 1e-6 * np.max(np.abs(theirs)), (type(hf).__name__, name)
+    return dp
