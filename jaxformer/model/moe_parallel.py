@@ -65,11 +65,15 @@ def expert_mesh(x, config):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or dict(mesh.shape).get(EXPERT_AXIS, 1) == 1:
         return None
-    size = mesh.shape[EXPERT_AXIS]
-    if config.n_experts % size:
-        raise ValueError(f"n_experts {config.n_experts} does not divide over the mesh's expert axis "
-                         f"(expert={size})")
+    check_experts_divide(config.n_experts, mesh.shape[EXPERT_AXIS])
     return mesh if x.shape[0] % mesh.size == 0 else None
+
+
+def check_experts_divide(n_experts: int, size: int) -> None:
+    """A ValueError naming both unless the n_experts split evenly over an expert axis of ``size``."""
+    if n_experts % size:
+        raise ValueError(f"n_experts {n_experts} does not divide over the mesh's expert axis (expert={size}): "
+                         f"give an expert size that divides {n_experts}")
 
 
 def param_specs(names) -> dict:

@@ -22,10 +22,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxformer.model.moe_parallel import EXPERT_WEIGHTS, check_experts_divide
 from jaxformer.observe.words import plural, verb
 
 AXES = ("data", "fsdp", "expert")  # a mesh has the first two, or all three
-EXPERT_LEAVES = ("w_gate", "w_up", "w_down")  # an MoE layer's experts: (L, E, ...) under blocks.ffn
 
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$")
 
@@ -118,11 +118,9 @@ def expert_axis(path, shape: tuple[int, ...], expert: int) -> int | None:
     in the params or the optimizer state) on a mesh with expert > 1; None for any other leaf.
     E must divide over the expert axis: a ValueError naming both otherwise."""
     keys = [getattr(k, "key", None) for k in path]
-    if expert == 1 or len(shape) != 4 or not keys or keys[-1] not in EXPERT_LEAVES or "ffn" not in keys:
+    if expert == 1 or len(shape) != 4 or not keys or keys[-1] not in EXPERT_WEIGHTS or "ffn" not in keys:
         return None
-    if shape[1] % expert:
-        raise ValueError(f"n_experts {shape[1]} does not divide over the mesh's expert axis (expert={expert}): "
-                         f"give an expert size that divides {shape[1]}")
+    check_experts_divide(shape[1], expert)
     return 1
 
 
