@@ -1,0 +1,154 @@
+"""Where one training step's device time goes: the bench's contestants (same model, batch and
+AdamW as `jaxformer bench`), each traced over a few steps, their kernels summed by name.
+
+    python experiments/step_profile.py --preset gpt2 --compute-dtype bfloat16 --batch-size 16 \
+        --seq-len 1024 --contestants manual_pallas,auto_cudnn,torch_eager
+
+For a JAX contestant the trace is ``jax.profiler.trace`` read back with ``jax.profiler.ProfileData``:
+each line of the device plane with its event count and busy time per step (the stream lines hold
+the kernels), then the slowest kernels of the busiest stream line. For PyTorch it is
+``torch.profiler`` (device time per kernel). Wall ms/step is measured on the same steps, so
+busy / wall says how much of the step the device sat idle (launches, host work, gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer import get_preset, init_params
+from jaxformer.tools.bench.contestants import jax_contestant, torch_contestant
+from jaxformer.tools.bench.select import Spec
+from jaxformer.data.batching import random_batch
+
+
+def kernel_family(name: str) -> str:
+    """A coarse class of a kernel name: matmul, attention kernel, fusion, copy, other."""
+    n = name.lower()
+    for key, fam in (("gemm", "matmul"), ("nvjet", "matmul"), ("cutlass", "matmul"), ("cublas", "matmul"),
+                     ("flash", "attention"), ("fmha", "attention"), ("cudnn", "attention"),
+                     ("pallas", "attention"), ("triton", "triton"), ("memcpy", "copy"), ("memset", "copy"),
+                     ("copy", "copy"), ("fusion", "fusion"), ("reduce", "fusion"), ("loop", "fusion")):
+        if key in n:
+            return fam
+    return "other"
+
+
+def report(title: str, kernels: dict[str, list[float]], steps: int, wall_ms: float, top: int) -> None:
+    """Print per-family and per-kernel busy ms per step (kernels: name -> durations in ms)."""
+    busy = sum(sum(d) for d in kernels.values()) / steps
+    print(f"\n== {title}: wall {wall_ms:.2f} ms/step, device busy {busy:.2f} ms/step "
+          f"({100 * busy / wall_ms:.0f}%)")
+    fam = collections.Counter()
+    for name, d in kernels.items():
+        fam[kernel_family(name)] += sum(d) / steps
+    print("  " + ", ".join(f"{k} {v:.2f} ms" for k, v in fam.most_common()))
+    rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for name, d in rows:
+        print(f"  {sum(d) / steps:8.3f} ms  {len(d) / steps:6.1f}x  {kernel_family(name):9s}  {name[:110]}")
+
+
+def jax_profile(c, steps: int, top: int) -> None:
+    c.run(3)  # warm
+    t0 = time.perf_counter()
+    c.run(steps)
+    wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            c.run(steps)
+        path = max(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+        data = jax.profiler.ProfileData.from_file(path)
+    planes = [p for p in data.planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
+    if not planes:
+        print(f"\n{c.name}: wall {wall_ms:.2f} ms/step; the trace has no GPU or TPU plane, so no kernel times")
+        return
+    for plane in planes[:1]:
+        lines = [(line.name, [(e.name, e.duration_ns / 1e6) for e in line.events]) for line in plane.lines]
+        print(f"\n{c.name}: plane {plane.name}")
+        for name, ev in lines:
+            print(f"  line {name[:60]!r}: {len(ev) / steps:.1f} events/step, {sum(t for _, t in ev) / steps:.2f} ms/step")
+        streams = [l for l in lines if "stream" in l[0].lower() and l[1]] or [l for l in lines if l[1]]
+        name, ev = max(streams, key=lambda l: sum(t for _, t in l[1]))
+        kernels = collections.defaultdict(list)
+        for n, t in ev:
+            kernels[n].append(t)
+        report(f"{c.name} ({name})", kernels, steps, wall_ms, top)
+        ops = [l for l in lines if l[0] == "XLA Ops"]
+        if ops:
+            by_op = collections.defaultdict(list)
+            for n, t in ops[0][1]:
+                by_op[n].append(t)
+            report(f"{c.name} (XLA Ops)", by_op, steps, wall_ms, top)
+
+
+def torch_profile(c, steps: int, top: int) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"\n{c.name}: torch sees no CUDA device, so no kernel times")
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    c.run(3)
+    t0 = time.perf_counter()
+    c.run(steps)
+    wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        c.run(steps)  # blocks at the end
+    kernels = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name].append(e.device_time / 1e3)
+    report(f"{c.name}", kernels, steps, wall_ms, top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--compute-dtype", default="bfloat16")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--n-layers", type=int, default=None)
+    p.add_argument("--contestants", default="manual_pallas,auto_cudnn,torch_eager")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--unroll-max-layers", type=int, default=None,
+                   help="manual_grads.remat.UNROLL_MAX_LAYERS for this run: models of at most this many "
+                        "layers run their blocks as a Python loop rather than a lax.scan")
+    a = p.parse_args()
+    if a.unroll_max_layers is not None:
+        from manual_grads import remat
+
+        remat.UNROLL_MAX_LAYERS = a.unroll_max_layers
+    overrides = {"compute_dtype": a.compute_dtype, "max_seq_len": a.seq_len}
+    if a.n_layers:
+        overrides["n_layers"] = a.n_layers
+    config = get_preset(a.preset, **overrides)
+    params = init_params(jax.random.PRNGKey(0), config, dtype=jnp.float32)
+    batch = random_batch(config, a.batch_size, a.seq_len, 0)
+    print(f"{a.preset} B{a.batch_size} T{a.seq_len} {a.compute_dtype} on {jax.devices()[0].device_kind}")
+    for name in a.contestants.split(","):
+        grads, attention = name.split("_", 1)
+        if grads == "torch":
+            import torch
+
+            torch.set_float32_matmul_precision("high")
+            device = "cuda" if jax.devices()[0].platform == "gpu" else "cpu"
+            c = torch_contestant(Spec(name, "torch", "sdpa"), config, params, batch, device)
+        else:
+            c = jax_contestant(Spec(name, grads, attention), config, params, batch)
+        if c.error:
+            print(f"{name}: {c.error}")
+            continue
+        (torch_profile if grads == "torch" else jax_profile)(c, a.steps, a.top)
+
+
+if __name__ == "__main__":
+    main()
