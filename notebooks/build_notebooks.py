@@ -100,13 +100,15 @@ def sources(names=()) -> list[Path]:
     return [p for p in paths if not names or any(p.stem.startswith(n) for n in names)]
 
 
-def execute(nb, workdir=None):
+def execute(nb, workdir=None, settings=None):
     """Run ``nb`` in a fresh kernel (in ``workdir``, default a temporary folder) and
-    normalise what it saved; raises nbclient's CellExecutionError, naming the cell."""
+    normalise what it saved; raises nbclient's CellExecutionError, naming the cell.
+    ``settings``: JAX_ / XLA_ variables for the kernel (default none: JAX's own defaults)."""
     import nbclient
 
     env = {k: v for k, v in os.environ.items()  # no JAX or XLA settings of the caller's
            if not k.startswith(("JAX_", "XLA_")) and k != "MPLBACKEND"}
+    env.update(settings or {})
     env.update(JAX_PLATFORMS="cpu", PYDEVD_DISABLE_FILE_VALIDATION="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@
   compiling many tiny programs, and without those passes it compiles about 5x
   faster on CPU. Every comparison in the suite compiles both of its sides the
   same way; the benchmark scripts (experiments/) keep the optimizations on, and
-  so do the notebooks, whose kernels start without the JAX_ and XLA_ settings.
+  so does notebook 02 (tests/test_notebooks.py says why; the others compile as the suite does).
 - XLA's CPU fusion emitters are off (``--xla_cpu_use_fusion_emitters=false``: the
   elemental emitter XLA used before them), which halves the compile time of a
   model's gradient at the suite's sizes; again both sides of every comparison,

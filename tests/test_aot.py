@@ -1,7 +1,7 @@
 """Every train-step variant (attention full / blockwise / pallas / cudnn x manual / auto
 gradients x float32 / bfloat16 products x one device / a 2 x 2 data x fsdp mesh) lowers
-for cuda and for tpu from this CPU machine, and compiles for a TPU v5e topology when
-jax[tpu] is installed (in one subprocess, so the TPU plugin stays out of this one), and
+for cuda and for tpu from this CPU machine, and a pairwise covering set of them compiles
+for a TPU v5e topology when jax[tpu] is installed (in one subprocess, so the TPU plugin stays out of this one), and
 for an H100 when JAX's CUDA plugin is (jaxformer/tools/aot/steps.py). A block size Triton
 cannot take fails the cuda lowering by name. The model is GPT-2's block at a small size:
 2 layers, width 128, two heads of 64, T = 128, batch 4."""
@@ -167,12 +167,27 @@ def compiled(target: str, todo) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# (gradients, products, mesh): every pair of two of the three takes all four value pairs in
+# these four rows (with the attention, a pairwise covering set of the variants; every variant
+# still lowers for tpu in test_every_variant_lowers)
+PAIRWISE = [("manual", "float32", None), ("manual", "bfloat16", aot.MESH),
+            ("auto", "float32", aot.MESH), ("auto", "bfloat16", None)]
+
+
+def test_pairwise_rows_cover_every_pair():
+    assert {v[1:] for v in aot.variants(attentions=("full",))} >= set(PAIRWISE)
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        values = [sorted({v[k] for v in aot.variants(attentions=("full",))}, key=repr) for k in (i + 1, j + 1)]
+        assert {(r[i], r[j]) for r in PAIRWISE} == {(a, b) for a in values[0] for b in values[1]}, (i, j)
+
+
 TPU_ATTENTIONS = [a for a in aot.ATTENTIONS if any(aot.absent(v, "tpu") is None for v in aot.variants(attentions=(a,)))]
 
 
 @pytest.mark.parametrize("attention", TPU_ATTENTIONS)
 def test_every_variant_compiles_for_a_tpu_v5e(attention):
-    """libtpu compiles every variant of each attention for a v5e chip (the mesh ones for four),
+    """libtpu compiles each attention's variants (PAIRWISE: every pair of gradients, products
+    and mesh values) for a v5e chip (the mesh ones for four),
     Mosaic kernels included, and XLA's memory plan is sane: the arguments are the state and the batch
     (fsdp=2 halves them on each chip), the donated state is written in place (aliased),
     and the manual backward's scratch is positive. At this size jax.grad's temporaries
@@ -180,7 +195,8 @@ def test_every_variant_compiles_for_a_tpu_v5e(attention):
     GPT-2's size in docs/benchmark.md, not here."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jaxformer[tpu]'): the TPU compile check needs it")
-    todo = [v for v in aot.variants(attentions=(attention,)) if aot.absent(v, "tpu") is None]
+    todo = [aot.Variant(attention, *row) for row in PAIRWISE]
+    assert all(aot.absent(v, "tpu") is None for v in todo)
     out = compiled("tpu-v5e", todo)  # one subprocess per attention: the suite's workers share them
     state = aot.abstract_state(CONFIG, OPTIMIZER)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state))

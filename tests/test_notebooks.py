@@ -49,6 +49,14 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = {"01_backprop_by_hand", "02_training", "03_the_seed_story", "04_memory_and_recompute",
             "05_mixed_precision"}
 NONDETERMINISTIC = build_notebooks.NONDETERMINISTIC
+# The kernels compile as the suite does (tests/conftest.py: XLA's optimizations and CPU fusion
+# emitters off; 01, 03, 04 and 05 then run in about half the time and print the same), while the
+# committed outputs come from JAX's defaults (build_notebooks.py --execute). 02 keeps the
+# defaults: its two 150-step float64 Adam runs (manual and jax.grad) agree to 6e-12 with them,
+# and without XLA's optimizations they part from step 2 on (1e-3 by step 150), though one step's
+# gradients still agree to 3e-17 and each run repeats bit for bit.
+FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "true", "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false"}
+NEEDS_XLA_OPTIMIZATIONS = {"02_training"}
 ROUNDOFF = re.compile(r"(?<![\w.])-?(?:\d(?:\.\d+)?e-0*(?:9|[1-9]\d+)|0(?:\.0+)?e[+-]0+)\b")
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 EXACT = re.compile(r"exact: (?:True |False)")
@@ -205,7 +213,8 @@ def test_notebook_runs_and_matches_its_outputs(path):
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     t0 = time.perf_counter()
-    build_notebooks.execute(fresh)  # raises CellExecutionError, naming the cell, on any error
+    settings = None if path.stem in NEEDS_XLA_OPTIMIZATIONS else FAST_COMPILE
+    build_notebooks.execute(fresh, settings=settings)  # raises CellExecutionError, naming the cell
     print(f"{path.name}: {time.perf_counter() - t0:.1f} s")
     found = differences(path, committed, fresh)
     assert not found, ("a fresh execution prints other results than the committed notebook:\n"
