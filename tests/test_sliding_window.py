@@ -173,12 +173,13 @@ def test_layer_types_give_each_layer_its_own_mask():
         assert np.max(np.abs(forward(params, inputs, other) - logits)) > 1e-3
 
 
-@pytest.mark.parametrize("impl, remat, layers", [("full", "none", MIXED), ("blockwise", "block", (FULL, SLIDE))])
-def test_three_gradient_sources_agree(impl, remat, layers):
-    """manual value_and_grad (unrolled; remat "block": a scan with a lax.cond per layer), jax.grad and
-    the custom_vjp model, float64, 1e-10 per leaf (every core and option: test_modern_options.py)."""
-    config = BASE.replace(attention_impl=impl, remat=remat, layer_types=layers)
-    assert_sources_agree(config, 2, 13, "mostly_zero", None)
+def test_three_gradient_sources_agree():
+    """The sliding layer first, then the full one: manual value_and_grad (unrolled), jax.grad and
+    the custom_vjp model, float64, 1e-10 per leaf. The other order (full, sliding) is the pairwise
+    option matrix's (test_modern_options.py, layer_types ("full_attention", "sliding_attention")),
+    with every core and every option, remat "block" (the manual scan with a lax.cond per layer)
+    and attention_impl "blockwise" among them: each of those pairs is in a row it checks."""
+    assert_sources_agree(BASE.replace(layer_types=MIXED), 2, 13, "mostly_zero", None)
 
 
 @pytest.mark.parametrize("layers", [(), MIXED])
