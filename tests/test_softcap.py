@@ -139,6 +139,8 @@ def test_softcap_pair():
 
 BASE = ModelConfig(vocab_size=29, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=16, attention_block=4,
                    attn_softcap=0.05, logit_softcap=0.3)
+LOSS = jax.jit(loss_fn, static_argnums=2)
+FORWARD = jax.jit(forward, static_argnums=2)
 
 
 @pytest.mark.parametrize("impl, chunk", [("full", 0), ("blockwise", 5)])
@@ -151,8 +153,8 @@ def test_caps_change_the_models_loss(impl, chunk):
     row that it checks."""
     config = BASE.replace(attention_impl=impl, loss_chunk=chunk)
     params, batch = make_params(config, jnp.float64), make_batch(config, 2, 13, "mostly_zero")
-    loss = jax.jit(loss_fn, static_argnums=2)(params, batch, config)
-    uncapped = loss_fn(params, batch, config.replace(attn_softcap=0.0, logit_softcap=0.0))
+    loss = LOSS(params, batch, config)
+    uncapped = LOSS(params, batch, config.replace(attn_softcap=0.0, logit_softcap=0.0))
     assert abs(float(loss) - float(uncapped)) > 1e-3
 
 
@@ -173,8 +175,8 @@ def test_cache_decoder_caps_as_forward():
     params = make_params(config, jnp.float64)
     params = jax.tree_util.tree_map(lambda a: 5 * a, params)  # scores and logits past the caps' bend
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 29, (2, 9)), jnp.int32)
-    full = forward(params, ids, config)
-    assert np.max(np.abs(full)) < 2.0 and np.max(np.abs(full - forward(params, ids, BASE.replace(
+    full = FORWARD(params, ids, config)
+    assert np.max(np.abs(full)) < 2.0 and np.max(np.abs(full - FORWARD(params, ids, BASE.replace(
         positions="rope", attn_softcap=0.0, logit_softcap=0.0)))) > 0.1
     np.testing.assert_allclose(decode_one_at_a_time(params, ids, config, 5), full, rtol=1e-12, atol=1e-13)
 
