@@ -148,9 +148,9 @@ def test_caps_change_the_models_loss(impl, chunk):
     """Both caps on, the loss moves by more than 1e-3 from the uncapped model's: the caps bend
     these scores and logits. That the three gradient sources (manual value_and_grad, jax.grad,
     the custom_vjp model) agree with the caps on, 1e-10 per leaf, is the pairwise option matrix's
-    (test_modern_options.py, on this BASE and this batch shape): every pair of attention_impl
-    {full, blockwise}, loss_chunk {0, 5}, attn_softcap 0.05 and logit_softcap 0.3 is in some
-    row that it checks."""
+    (test_modern_options.py, whose BASE is this one without the caps, with the caps' values here):
+    every pair of attention_impl {full, blockwise}, loss_chunk {0, 5}, attn_softcap 0.05 and
+    logit_softcap 0.3 is in some row that it checks."""
     config = BASE.replace(attention_impl=impl, loss_chunk=chunk)
     params, batch = make_params(config, jnp.float64), make_batch(config, 2, 13, "mostly_zero")
     loss = LOSS(params, batch, config)
