@@ -155,6 +155,7 @@ BASE = ModelConfig(vocab_size=23, d_model=16, n_heads=4, n_kv_heads=2, n_layers=
                    norm_type="rms", positions="rope", mlp="gated", activation="silu", attention_block=4,
                    pallas_block_q=8, pallas_block_k=4, sliding_window=3)
 MIXED = (SLIDE, FULL)
+FORWARD = jax.jit(forward, static_argnums=2)
 
 
 def test_layer_types_give_each_layer_its_own_mask():
@@ -165,20 +166,22 @@ def test_layer_types_give_each_layer_its_own_mask():
     inputs = make_batch(config, 2, 16, None)["inputs"]
     x = embed(params, inputs, config)
     for l, windowed in enumerate(config.windowed_layers):
-        x = block(jax.tree_util.tree_map(lambda a: a[l], params["blocks"]), x, layer_config(config, windowed))
+        x = jax.jit(block, static_argnums=2)(jax.tree_util.tree_map(lambda a: a[l], params["blocks"]), x,
+                                             layer_config(config, windowed))
     x = rms_norm(params["ln_f"], x, config.ln_eps)
-    np.testing.assert_allclose(features(params, inputs, config), x, rtol=1e-12, atol=1e-12)
-    logits = forward(params, inputs, config)
+    np.testing.assert_allclose(jax.jit(features, static_argnums=2)(params, inputs, config), x, rtol=1e-12, atol=1e-12)
+    logits = FORWARD(params, inputs, config)
     for other in (BASE, BASE.replace(sliding_window=0)):
-        assert np.max(np.abs(forward(params, inputs, other) - logits)) > 1e-3
+        assert np.max(np.abs(FORWARD(params, inputs, other) - logits)) > 1e-3
 
 
-@pytest.mark.parametrize("impl, remat, layers", [("full", "none", MIXED), ("blockwise", "block", (FULL, SLIDE))])
-def test_three_gradient_sources_agree(impl, remat, layers):
-    """manual value_and_grad (unrolled; remat "block": a scan with a lax.cond per layer), jax.grad and
-    the custom_vjp model, float64, 1e-10 per leaf (every core and option: test_modern_options.py)."""
-    config = BASE.replace(attention_impl=impl, remat=remat, layer_types=layers)
-    assert_sources_agree(config, 2, 13, "mostly_zero", None)
+def test_three_gradient_sources_agree():
+    """The sliding layer first, then the full one: manual value_and_grad (unrolled), jax.grad and
+    the custom_vjp model, float64, 1e-10 per leaf. The other order (full, sliding) is the pairwise
+    option matrix's (test_modern_options.py, layer_types ("full_attention", "sliding_attention")),
+    with every core and every option, remat "block" (the manual scan with a lax.cond per layer)
+    and attention_impl "blockwise" among them: each of those pairs is in a row it checks."""
+    assert_sources_agree(BASE.replace(layer_types=MIXED), 2, 13, "mostly_zero", None)
 
 
 @pytest.mark.parametrize("layers", [(), MIXED])
@@ -189,8 +192,8 @@ def test_cached_decoding_equals_the_forward(layers):
     params = make_params(config, jnp.float64)
     inputs = make_batch(config, 2, 16, None)["inputs"]
     got = decode_one_at_a_time(params, inputs, config, 5)
-    np.testing.assert_allclose(got, forward(params, inputs, config), rtol=1e-11, atol=1e-11)
-    assert np.max(np.abs(got - forward(params, inputs, config.replace(sliding_window=0, layer_types=())))) > 1e-3
+    np.testing.assert_allclose(got, FORWARD(params, inputs, config), rtol=1e-11, atol=1e-11)
+    assert np.max(np.abs(got - FORWARD(params, inputs, config.replace(sliding_window=0, layer_types=())))) > 1e-3
 
 
 def test_every_layer_sliding_is_one_config():

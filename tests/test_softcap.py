@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (Layer, assert_bfloat16_within_autodiff, assert_layer_matches_vjp, assert_sources_agree, decode_one_at_a_time, equations,
-                     layer_and_vjp, make_params, masks)
+from helpers import (Layer, assert_bfloat16_within_autodiff, assert_layer_matches_vjp, decode_one_at_a_time, equations,
+                     layer_and_vjp, make_batch, make_params, masks)
 
 import jaxformer
 
@@ -139,14 +139,22 @@ def test_softcap_pair():
 
 BASE = ModelConfig(vocab_size=29, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=16, attention_block=4,
                    attn_softcap=0.05, logit_softcap=0.3)
+LOSS = jax.jit(loss_fn, static_argnums=2)
+FORWARD = jax.jit(forward, static_argnums=2)
 
 
 @pytest.mark.parametrize("impl, chunk", [("full", 0), ("blockwise", 5)])
-def test_capped_model_three_sources_agree(impl, chunk):
-    """manual value_and_grad == jax.grad == the custom_vjp model, 1e-10 per leaf, both caps on."""
+def test_caps_change_the_models_loss(impl, chunk):
+    """Both caps on, the loss moves by more than 1e-3 from the uncapped model's: the caps bend
+    these scores and logits. That the three gradient sources (manual value_and_grad, jax.grad,
+    the custom_vjp model) agree with the caps on, 1e-10 per leaf, is the pairwise option matrix's
+    (test_modern_options.py, whose BASE is this one without the caps, with the caps' values here):
+    every pair of attention_impl {full, blockwise}, loss_chunk {0, 5}, attn_softcap 0.05 and
+    logit_softcap 0.3 is in some row that it checks."""
     config = BASE.replace(attention_impl=impl, loss_chunk=chunk)
-    params, batch, loss = assert_sources_agree(config, 2, 13, "mostly_zero", jax.random.PRNGKey(0))
-    uncapped = loss_fn(params, batch, config.replace(attn_softcap=0.0, logit_softcap=0.0))
+    params, batch = make_params(config, jnp.float64), make_batch(config, 2, 13, "mostly_zero")
+    loss = LOSS(params, batch, config)
+    uncapped = LOSS(params, batch, config.replace(attn_softcap=0.0, logit_softcap=0.0))
     assert abs(float(loss) - float(uncapped)) > 1e-3
 
 
@@ -167,8 +175,8 @@ def test_cache_decoder_caps_as_forward():
     params = make_params(config, jnp.float64)
     params = jax.tree_util.tree_map(lambda a: 5 * a, params)  # scores and logits past the caps' bend
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 29, (2, 9)), jnp.int32)
-    full = forward(params, ids, config)
-    assert np.max(np.abs(full)) < 2.0 and np.max(np.abs(full - forward(params, ids, BASE.replace(
+    full = FORWARD(params, ids, config)
+    assert np.max(np.abs(full)) < 2.0 and np.max(np.abs(full - FORWARD(params, ids, BASE.replace(
         positions="rope", attn_softcap=0.0, logit_softcap=0.0)))) > 0.1
     np.testing.assert_allclose(decode_one_at_a_time(params, ids, config, 5), full, rtol=1e-12, atol=1e-13)
 
