@@ -1,6 +1,6 @@
 """The modern block's options (RMS norm with and without a scale, rotary positions, the gated
-MLP, SiLU and ReLU^2, grouped- and multi-query attention, QK-norm) against every older option,
-in float64: manual_grads.value_and_grad, jax.grad of the configured model and jax.grad of the
+MLP, SiLU and ReLU^2, grouped- and multi-query attention, QK-norm) against every older option
+(the head bias and the embedding scale among them), in float64: manual_grads.value_and_grad, jax.grad of the configured model and jax.grad of the
 custom_vjp model agree to 1e-10 per leaf (dropout with one key), over a pairwise covering set
 that ``covering_rows`` builds greedily: every pair of values of any two fields below appears
 in some model, except the pairs the config refuses (dropout with the Pallas kernel, no norm
@@ -58,6 +58,8 @@ FIELDS = {
     "norm": ("pre", "post", "output", "sandwich"),  # output: OLMo 2's; sandwich: Gemma 2 / 3's
     "causal": (True, False),
     "tie_embeddings": (False, True),
+    "head_bias": (True, False),
+    "embed_scale": (False, True),  # token rows times sqrt(D) (Gemma's)
     "bias": (True, False),
     "dropout": (0.0, 0.2),
     # mixture of experts (BASE's aux and z-loss coefficients make both losses count); top-k over
@@ -150,7 +152,7 @@ CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 23  # a covering set, not the product
+    assert len(ROWS) <= 22  # a covering set, not the product
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
@@ -163,6 +165,7 @@ def _case_id(config):
             f"{config.activation}-kv{config.kv_heads}{'-qkn' if config.qk_norm else ''}-"
             f"{config.attention_impl}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
             f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
+            f"{'' if config.head_bias else '-nohb'}{'-escale' if config.embed_scale else ''}"
             f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
             f"{'' if config.rope_scaling == 'none' else '-' + config.rope_scaling}"
             f"{f'-w{config.sliding_window}' if config.sliding_window else ''}{'-mixed' if config.layer_types else ''}"
