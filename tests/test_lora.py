@@ -61,8 +61,8 @@ def _rows():
             for i, model in enumerate(pairs) for k in (i, 7 - i)]
 
 
-# one compile per model: eight, the fewest that let norm's four values meet both values of a
-# LoRA option; with the model options spread over the pairs (a model holding many of them
+# one compile per row: eight, the fewest that let norm's four values meet both values of a
+# LoRA option; the model options spread over the four pairs (a model holding many of them
 # compiles superlinearly longer)
 ROWS = _rows()
 
