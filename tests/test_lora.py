@@ -45,9 +45,11 @@ def _rows():
     LoRA options meet each other too (test_rows_cover_every_pair_with_lora checks every pair)."""
     pairs = [  # norm "pre" (FIELDS' first) in the first pair
         dict(positions="sinusoidal", mlp="gated", bias=False, n_experts=4, shared_expert_d_ff=8,
-             shared_expert_gate=False, dropout=0.2, activation="silu", qkv_bias=True, loss_chunk=5),
+             shared_expert_gate=False, dropout=0.2, activation="silu", qkv_bias=True, loss_chunk=5,
+             head_bias=False),
         dict(norm="post", causal=False, bias=False, mlp_bias=True, norm_type="rms", norm_offset=1.0,
-             attention_impl="blockwise", attn_softcap=0.05, head_dim=6, out_bias=True, router="softmax_topk"),
+             attention_impl="blockwise", attn_softcap=0.05, head_dim=6, out_bias=True, router="softmax_topk",
+             embed_scale=True),
         dict(norm="output", positions="rope", rope_scaling="llama3", rope_layers=(0, 1), norm_type="rms",
              norm_scale=False, attention_impl="pallas", activation="relu2", n_kv_heads=2, attn_scalar=10.0,
              tie_embeddings=True),
