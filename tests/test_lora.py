@@ -49,7 +49,7 @@ def _rows():
              head_bias=False),
         dict(norm="post", causal=False, bias=False, mlp_bias=True, norm_type="rms", norm_offset=1.0,
              attention_impl="blockwise", attn_softcap=0.05, head_dim=6, out_bias=True, router="softmax_topk",
-             embed_scale=True),
+             embed_scale=True, attention_block=5),
         dict(norm="output", positions="rope", rope_scaling="llama3", rope_layers=(0, 1), norm_type="rms",
              norm_scale=False, attention_impl="pallas", activation="relu2", n_kv_heads=2, attn_scalar=10.0,
              tie_embeddings=True),

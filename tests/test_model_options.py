@@ -1,11 +1,13 @@
 """The GPT-2 options (tie_embeddings, bias, head_bias, dropout) with every memory and
 shape option, in float64: manual_grads.value_and_grad, jax.grad of the configured model
-and jax.grad of the custom_vjp model agree to 1e-10 per leaf, dropout with the same key;
-over a pairwise covering set (every other row of test_lean_model's covering set twice,
-with a bit vector of the new options and its complement: 8 models whose every pair of
-an old and a new field, or of two new fields, takes all its value pairs;
-test_cases_cover_every_pair checks it). The params tree each option leaves
-out, the bfloat16 rule with each option, and dropout's keys."""
+and jax.grad of the custom_vjp model agree to 1e-10 per leaf, dropout with the same key.
+Every pair of one of these options' values with a value of another of them or of a memory
+option (attention_impl, attention_block, loss_chunk, remat, norm, causal, positions) is in
+test_modern_options' pairwise matrix; here are the pairs it does not hold, these options
+with the activations it leaves out (gelu_tanh, relu, tanh): test_lean_model's rows of
+those activations, each with a bit vector of the four options and its complement
+(test_cases_cover_every_pair checks both parts). The params tree each option leaves out,
+the bfloat16 rule with each option, and dropout's keys."""
 
 import itertools
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import LEAN_CASES, LEAN_FIELDS, assert_bfloat16_within_autodiff, assert_sources_agree
+from test_modern_options import FIELDS as MODERN_FIELDS
 
 import jaxformer
 from jaxformer.model.config import PRESETS, ModelConfig
@@ -33,18 +36,26 @@ def new_row(bits):
 
 CASES = []
 for (config, B, T, mask), v in list(zip(LEAN_CASES, VECTORS))[::2]:
+    if config.activation in MODERN_FIELDS["activation"]:
+        continue  # gelu: test_modern_options' rows
     for bits in (v, tuple(1 - b for b in v)):
         CASES.append((config.replace(**new_row(bits)), B, T, mask))
 
 
 def test_cases_cover_every_pair():
+    fields = {**LEAN_FIELDS, **NEW}
+    for name, values in fields.items():  # the matrix's pairs: these values are among its fields'
+        if name != "activation":
+            assert set(values) <= set(MODERN_FIELDS[name]), name
     configs = [c for c, *_ in CASES]
-    fields = {**{k: v for k, v in LEAN_FIELDS.items()}, **NEW}
-    for a, b in itertools.combinations(fields, 2):
-        if a in LEAN_FIELDS and b in LEAN_FIELDS:
-            continue  # test_lean_model's own rows
+    left = [a for a in LEAN_FIELDS["activation"] if a not in MODERN_FIELDS["activation"]]
+    assert left == ["gelu_tanh", "relu", "tanh"]
+    for name in NEW:  # and the activations the matrix leaves out, here
+        seen = {(c.activation, getattr(c, name)) for c in configs}
+        assert seen == set(itertools.product(left, NEW[name])), name
+    for a, b in itertools.combinations(NEW, 2):  # (also in the matrix)
         seen = {(getattr(c, a), getattr(c, b)) for c in configs}
-        assert seen == set(itertools.product(fields[a], fields[b])), (a, b)
+        assert seen == set(itertools.product(NEW[a], NEW[b])), (a, b)
 
 
 

@@ -68,6 +68,8 @@ FIELDS = {
     "router": ("topk_softmax", "softmax_topk"),
     "shared_expert_d_ff": (0, 8),  # Qwen2-MoE's shared expert beside the routed ones
     "shared_expert_gate": (True, False),  # its sigmoid gate (False: the shared expert ungated)
+    # blockwise attention's key/query blocks: 5 leaves T = 13 and 7 a ragged last block
+    "attention_block": (4, 5),
 }
 REFUSED = {(("attention_impl", "pallas"), ("dropout", 0.2)), (("attention_impl", "pallas"), ("attn_softcap", 0.05)),
            (("norm_scale", False), ("norm_type", "layer")),
@@ -147,12 +149,12 @@ def _fill(fields, row, missing, rng):
     return row
 
 
-ROWS = covering_rows()
+ROWS = covering_rows(seed=1)  # seed 1: 20 rows, the fewest of seeds 0-15 (seed 0 gives 21)
 CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate(ROWS)]
 
 
 def test_rows_cover_every_pair():
-    assert len(ROWS) <= 22  # a covering set, not the product
+    assert len(ROWS) <= 20  # a covering set, not the product
     for a, b in itertools.combinations(FIELDS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         wanted = {(va, vb) for va in FIELDS[a] for vb in FIELDS[b] if allowed((a, va), (b, vb))}
@@ -163,7 +165,7 @@ def test_rows_cover_every_pair():
 def _case_id(config):
     return (f"{config.norm_type}{'' if config.norm_scale else '-noscale'}-{config.positions}-{config.mlp}-"
             f"{config.activation}-kv{config.kv_heads}{'-qkn' if config.qk_norm else ''}-"
-            f"{config.attention_impl}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
+            f"{config.attention_impl}{'' if config.attention_block == 4 else config.attention_block}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
             f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
             f"{'' if config.head_bias else '-nohb'}{'-escale' if config.embed_scale else ''}"
             f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
