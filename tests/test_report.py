@@ -2,11 +2,14 @@
 compile time apart from the steady state, TensorBoard events, bits per byte, the
 presets table, --version and python -m jaxformer."""
 
+import contextlib
+import io
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -57,15 +60,24 @@ def test_a_given_warmup_is_kept_and_an_error_names_the_flags():
         make_schedule(1.0, "cosine", warmup_steps=5, total_steps=5)
 
 
+def _main(*args):
+    """`jaxformer ARGS` in this process: its exit code, stdout and stderr."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(list(args))
+    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
+
+
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """A 4-step tiny run through the command line in a subprocess, its corpus capped."""
+    """A 4-step tiny run through the command line (jaxformer.cli.main.main in this process;
+    `python -m jaxformer` itself is test_python_m_jaxformer_and_version's), its corpus capped."""
     tmp = tmp_path_factory.mktemp("report")
     corpus = write_corpus(tmp / "text.txt")
     out = tmp / "run"
-    result = _cli("train", "--preset", "tiny", "--corpus", corpus, "--max-corpus-bytes", "6000",
-                  "--steps", "4", "--log-every", "1", "--eval-every", "2", "--eval-batches", "2",
-                  "--out", str(out), "--no-progress")
+    result = _main("train", "--preset", "tiny", "--corpus", corpus, "--max-corpus-bytes", "6000",
+                   "--steps", "4", "--log-every", "1", "--eval-every", "2", "--eval-batches", "2",
+                   "--out", str(out), "--no-progress")
     assert result.returncode == 0, result.stderr
     return corpus, out, result
 
@@ -175,12 +187,12 @@ def test_python_m_jaxformer_and_version():
 
 def test_generate_samples_with_top_p_and_reports_time_per_token(cli_run):
     _, out, _ = cli_run
-    result = _cli("generate", "--run", str(out), "--prompt", "the ", "--max-new-tokens", "6",
-                  "--top-p", "0.9", "--num-samples", "2", "--seed", "1")
+    result = _main("generate", "--run", str(out), "--prompt", "the ", "--max-new-tokens", "6",
+                   "--top-p", "0.9", "--num-samples", "2", "--seed", "1")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "--- sample 1 of 2" and "--- sample 2 of 2" in lines
     assert "2 x 6 tokens in" in result.stderr and "ms per token position (key/value cache" \
         in result.stderr
-    bad = _cli("generate", "--run", str(out), "--prompt", "x", "--top-p", "1.5")
+    bad = _main("generate", "--run", str(out), "--prompt", "x", "--top-p", "1.5")
     assert bad.returncode == 2 and "error: top_p must be in (0, 1], got 1.5" in bad.stderr

@@ -1,5 +1,10 @@
 """Stopping safely (subprocesses): SIGINT and SIGTERM checkpoint the step reached and
-a --resume continues bit-exactly; a second Ctrl-C aborts without harming a checkpoint."""
+a --resume continues bit-exactly; a second Ctrl-C aborts without harming a checkpoint.
+
+The runs that are stopped are subprocesses; the resumes and the straight runs they are
+compared with are `jaxformer train` in this process (jaxformer.cli.main.main, the same
+environment and XLA flags as the subprocesses), which compile the train step once for
+all of them."""
 
 import json
 import os
@@ -12,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from jaxformer.checkpoints import checkpoint
+from jaxformer.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,13 +72,10 @@ def test_a_signal_checkpoints_the_step_reached_and_resume_is_exact(corpus, tmp_p
     assert stopped_in < 30, stopped_in  # the step in flight and one save on a busy 2-core machine
     # resume to two steps further; a straight run to there gives the very same losses
     target = reached + 2
-    done = subprocess.run([sys.executable, "-m", "jaxformer", *_argv(corpus, out, target, "--resume")],
-                          capture_output=True, text=True, env=_env(), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(_argv(corpus, out, target, "--resume")) == 0
     straight = tmp_path / "straight"
-    ref = subprocess.run([sys.executable, "-m", "jaxformer", *_argv(corpus, straight, target)],
-                         capture_output=True, text=True, env=_env(), timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert main(_argv(corpus, straight, target)) == 0
+    assert sorted(_losses(straight)) == list(range(1, target + 1))
     assert _losses(out) == _losses(straight)
 
 
@@ -95,19 +98,14 @@ def test_a_second_ctrl_c_aborts_and_harms_no_checkpoint(corpus, tmp_path):
     for step in finished:
         checkpoint.read_meta(out, step)
         checkpoint.verify_files(step, checkpoint.checkpoint_dir(out) / str(step))
-    done = subprocess.run([sys.executable, "-m", "jaxformer",
-                           *_argv(corpus, out, max(checkpoint.all_steps(out)) + 1, "--resume")],
-                          capture_output=True, text=True, env=_env(), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(_argv(corpus, out, max(checkpoint.all_steps(out)) + 1, "--resume")) == 0
 
 
 @pytest.fixture(scope="module")
 def tiny_run(corpus, tmp_path_factory):
     """A one-step run folder with a checkpoint, for generate."""
     out = tmp_path_factory.mktemp("tiny") / "run"
-    done = subprocess.run([sys.executable, "-m", "jaxformer", *_argv(corpus, out, 1)],
-                          capture_output=True, text=True, env=_env(), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(_argv(corpus, out, 1)) == 0
     return out
 
 
