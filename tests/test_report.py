@@ -129,6 +129,23 @@ def test_validation_in_bits_per_byte_and_tensorboard_events(cli_run):
     assert [s for s, _ in scalars["train/tokens_per_s"]] == [2, 3, 4]
 
 
+def test_event_files_load_tensorboardx_without_torch(tmp_path):
+    """A fresh process writes and reads an event file without importing torch (tensorboardX's
+    package would, for type annotations only); torch still imports after it, and where torch is
+    already loaded the events are the same."""
+    code = ("import os, sys\nfrom jaxformer.observe import tb\nos.makedirs(sys.argv[1])\n"
+            "log = tb.EventLog(sys.argv[1]); log.write({'step': 1, 'loss': 2.5}); log.close()\n"
+            "assert tb.read_scalars(sys.argv[1])['train/loss'] == [(1, 2.5)]\n"
+            "print('torch' in sys.modules)\nimport torch\nprint(torch.tensor([1.0]).sum().item())\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "1.0"]
+    done = subprocess.run([sys.executable, "-c", "import torch\n" + code, str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "1.0"], done.stderr[-3000:]
+
+
 def test_resume_is_marked_in_metrics_and_events(cli_run, tmp_path, capsys):
     import shutil
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,26 @@ TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
         "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
         "val_bits_per_byte": "val/bits_per_byte", "val_bits_per_char": "val/bits_per_char",
         "resumed": "run/resumed"}
+
+
+def tensorboardx():
+    """tensorboardX's (Event, SessionLog, Summary, RecordWriter). Its package ``__init__``
+    imports its SummaryWriter module, which imports torch where torch is installed: over a
+    second of every training start, for type annotations only (tensorboardX imports torch
+    again in the functions that use it). The event file needs neither, so while tensorboardX
+    first loads, ``import torch`` fails as where torch is missing; afterwards torch imports
+    as usual (``python -X importtime -m jaxformer train ...`` shows it gone)."""
+    refuse = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if refuse:
+        sys.modules["torch"] = None  # import torch raises ImportError, which tensorboardX catches
+    try:
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.record_writer import RecordWriter
+    finally:
+        if refuse and sys.modules.get("torch", False) is None:
+            del sys.modules["torch"]
+    return Event, SessionLog, Summary, RecordWriter
 
 
 class EventLog:
@@ -33,9 +54,7 @@ class EventLog:
     FLUSH_S = 30.0
 
     def __init__(self, run_dir, purge_step: int | None = None):
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.record_writer import RecordWriter
-
+        Event, SessionLog, _, RecordWriter = tensorboardx()
         stem = Path(run_dir) / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
         self.path, n = stem, 0
         while self.path.exists():  # a resumed run within the same second: a file of its own
@@ -57,9 +76,7 @@ class EventLog:
         self.flushed = time.monotonic()
 
     def write(self, record: dict) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.proto.summary_pb2 import Summary
-
+        Event, _, Summary, _ = tensorboardx()
         values = [Summary.Value(tag=tag, simple_value=float(record[key])) for key, tag in TAGS.items()
                   if record.get(key) is not None and not (key == "tokens_per_s" and "compile_s" in record)]
         if values:
@@ -100,8 +117,7 @@ def open_event_log(run_dir, purge_step: int | None = None, log=None) -> EventLog
 def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value)] from the run folder's event files, parsed from their
     TFRecord framing (length, crc, Event proto, crc) with tensorboardX's protobufs."""
-    from tensorboardX.proto.event_pb2 import Event
-
+    Event = tensorboardx()[0]
     out: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
         data = path.read_bytes()
