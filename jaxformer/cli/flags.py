@@ -22,7 +22,7 @@ import typing
 
 from jaxformer.cli.args import UsageError, nonneg_int, number, positive_int
 from jaxformer.model import config as _config
-from jaxformer.training.fields import declared, default_text, value_type
+from jaxformer.training.fields import declared, default_text, type_hints, value_type
 
 # Allowed values of the string fields, for --help and for argparse's own check.
 CHOICES = {
@@ -51,7 +51,7 @@ def flag_name(field_name: str) -> str:
 
 def _field_type(field: dataclasses.Field):
     """The field's type, an optional one's (``bool | None``: unset follows another field) unwrapped."""
-    hint = typing.get_type_hints(_config.ModelConfig)[field.name]
+    hint = type_hints(_config.ModelConfig)[field.name]
     kinds = [k for k in typing.get_args(hint) if k is not type(None)]
     return kinds[0] if len(kinds) == 1 else hint
 

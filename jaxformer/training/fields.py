@@ -13,6 +13,7 @@ their --help are derived (cli/flags.py ``add_setting_flags``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 
@@ -31,9 +32,16 @@ def setting(default, help: str, *, group: str | None = None, minimum: int | None
     return dataclasses.field(default=default, metadata=meta)
 
 
+@functools.cache
+def type_hints(cls) -> dict:
+    """``typing.get_type_hints(cls)``, resolved once per class: it evaluates every annotation,
+    and a parser asks for each of several hundred fields."""
+    return typing.get_type_hints(cls)
+
+
 def value_type(cls, name: str) -> tuple[type, bool]:
     """(the type of field ``name`` of ``cls``, whether None is allowed): int | None -> (int, True)."""
-    kind = typing.get_type_hints(cls)[name]
+    kind = type_hints(cls)[name]
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         return args[0], True
