@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer import get_preset, init_params
-from jaxformer.tools.bench.contestants import jax_contestant, torch_contestant
-from jaxformer.tools.bench.select import Spec
+from jaxformer.tools.bench.contestants import make_contestants
+from jaxformer.tools.bench.select import TORCH_KINDS, Spec, torch_device
 from jaxformer.data.batching import random_batch
 
 
@@ -55,11 +55,24 @@ def report(title: str, kernels: dict[str, list[float]], steps: int, wall_ms: flo
         print(f"  {sum(d) / steps:8.3f} ms  {len(d) / steps:6.1f}x  {kernel_family(name):9s}  {name[:110]}")
 
 
-def jax_profile(c, steps: int, top: int) -> None:
-    c.run(3)  # warm
+def wall_ms(c, steps: int) -> float:
+    """ms per step of ``c`` over ``steps`` steps, after 3 untimed ones."""
+    c.run(3)
     t0 = time.perf_counter()
     c.run(steps)
-    wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def by_name(events) -> dict[str, list[float]]:
+    """(name, ms) pairs -> name -> [ms, ...]."""
+    out = collections.defaultdict(list)
+    for name, ms in events:
+        out[name].append(ms)
+    return out
+
+
+def jax_profile(c, steps: int, top: int) -> None:
+    wall = wall_ms(c, steps)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             c.run(steps)
@@ -67,25 +80,18 @@ def jax_profile(c, steps: int, top: int) -> None:
         data = jax.profiler.ProfileData.from_file(path)
     planes = [p for p in data.planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
     if not planes:
-        print(f"\n{c.name}: wall {wall_ms:.2f} ms/step; the trace has no GPU or TPU plane, so no kernel times")
+        print(f"\n{c.name}: wall {wall:.2f} ms/step; the trace has no GPU or TPU plane, so no kernel times")
         return
-    for plane in planes[:1]:
-        lines = [(line.name, [(e.name, e.duration_ns / 1e6) for e in line.events]) for line in plane.lines]
-        print(f"\n{c.name}: plane {plane.name}")
-        for name, ev in lines:
-            print(f"  line {name[:60]!r}: {len(ev) / steps:.1f} events/step, {sum(t for _, t in ev) / steps:.2f} ms/step")
-        streams = [l for l in lines if "stream" in l[0].lower() and l[1]] or [l for l in lines if l[1]]
-        name, ev = max(streams, key=lambda l: sum(t for _, t in l[1]))
-        kernels = collections.defaultdict(list)
-        for n, t in ev:
-            kernels[n].append(t)
-        report(f"{c.name} ({name})", kernels, steps, wall_ms, top)
-        ops = [l for l in lines if l[0] == "XLA Ops"]
-        if ops:
-            by_op = collections.defaultdict(list)
-            for n, t in ops[0][1]:
-                by_op[n].append(t)
-            report(f"{c.name} (XLA Ops)", by_op, steps, wall_ms, top)
+    lines = {line.name: [(e.name, e.duration_ns / 1e6) for e in line.events] for line in planes[0].lines}
+    print(f"\n{c.name}: plane {planes[0].name}")
+    for name, ev in lines.items():
+        print(f"  line {name[:60]!r}: {len(ev) / steps:.1f} events/step, "
+              f"{sum(t for _, t in ev) / steps:.2f} ms/step")
+    streams = [n for n, ev in lines.items() if "stream" in n.lower() and ev] or [n for n, ev in lines.items() if ev]
+    busiest = max(streams, key=lambda n: sum(t for _, t in lines[n]))
+    report(f"{c.name} ({busiest})", by_name(lines[busiest]), steps, wall, top)
+    if lines.get("XLA Ops"):
+        report(f"{c.name} (XLA Ops)", by_name(lines["XLA Ops"]), steps, wall, top)
 
 
 def torch_profile(c, steps: int, top: int) -> None:
@@ -96,17 +102,11 @@ def torch_profile(c, steps: int, top: int) -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    c.run(3)
-    t0 = time.perf_counter()
-    c.run(steps)
-    wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    wall = wall_ms(c, steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         c.run(steps)  # blocks at the end
-    kernels = collections.defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name].append(e.device_time / 1e3)
-    report(f"{c.name}", kernels, steps, wall_ms, top)
+    report(c.name, by_name((e.name, e.device_time / 1e3) for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA), steps, wall, top)
 
 
 def main() -> None:
@@ -134,21 +134,17 @@ def main() -> None:
     params = init_params(jax.random.PRNGKey(0), config, dtype=jnp.float32)
     batch = random_batch(config, a.batch_size, a.seq_len, 0)
     print(f"{a.preset} B{a.batch_size} T{a.seq_len} {a.compute_dtype} on {jax.devices()[0].device_kind}")
-    for name in a.contestants.split(","):
-        grads, attention = name.split("_", 1)
-        if grads == "torch":
-            import torch
-
-            torch.set_float32_matmul_precision("high")
-            device = "cuda" if jax.devices()[0].platform == "gpu" else "cpu"
-            c = torch_contestant(Spec(name, "torch", "sdpa"), config, params, batch, device)
-        else:
-            c = jax_contestant(Spec(name, grads, attention), config, params, batch)
+    specs = [Spec(name, "torch", "sdpa") if name in TORCH_KINDS else Spec(name, *name.split("_", 1))
+             for name in a.contestants.split(",")]
+    device, why = torch_device(jax.devices()[0].platform)
+    if why and any(spec.grads == "torch" for spec in specs):
+        print(f"PyTorch contestants: {why}")
+        specs = [spec for spec in specs if spec.grads != "torch"]
+    for c in make_contestants(specs, config, params, batch, torch_device=device):
         if c.error:
-            print(f"{name}: {c.error}")
-            continue
-        (torch_profile if grads == "torch" else jax_profile)(c, a.steps, a.top)
-
+            print(f"{c.name}: {c.error}")
+        else:
+            (torch_profile if c.spec.grads == "torch" else jax_profile)(c, a.steps, a.top)
 
 if __name__ == "__main__":
     main()
