@@ -1,14 +1,14 @@
 """The modern block's options (RMS norm with and without a scale, rotary positions, the gated
 MLP, SiLU and ReLU^2, grouped- and multi-query attention, QK-norm) against every older option
-(the head bias and the embedding scale among them), in float64: manual_grads.value_and_grad, jax.grad of the configured model and jax.grad of the
-custom_vjp model agree to 1e-10 per leaf (dropout with one key), over a pairwise covering set
-that ``covering_rows`` builds greedily: every pair of values of any two fields below appears
-in some model, except the pairs the config refuses (dropout with the Pallas kernel, no norm
-scale with layer norm, rotary scaling without rotary positions, a norm offset without RMS
-scales, QK-norm's scope without QK-norm, rotary options by layer without rotary positions, a
-local rotary base without a sliding layer); test_rows_cover_every_pair checks it. Then the params each option
-makes, the bfloat16 rule, the errors, what grouped-query attention means and what it saves in
-the key/value cache."""
+(the head bias and the embedding scale among them), in float64: manual_grads.value_and_grad,
+jax.grad of the configured model and jax.grad of the custom_vjp model agree to 1e-10 per leaf
+(dropout with one key), over a pairwise covering set that ``covering_rows`` builds greedily:
+every pair of values of any two fields below appears in some model, except the pairs the
+config refuses (dropout with the Pallas kernel, no norm scale with layer norm, rotary scaling
+without rotary positions, a norm offset without RMS scales, QK-norm's scope without QK-norm,
+rotary options by layer without rotary positions, a local rotary base without a sliding
+layer); test_rows_cover_every_pair checks it. Then the params each option makes, the bfloat16
+rule, the errors, what grouped-query attention means and what it saves in the key/value cache."""
 
 import collections
 import itertools
@@ -165,7 +165,8 @@ def test_rows_cover_every_pair():
 def _case_id(config):
     return (f"{config.norm_type}{'' if config.norm_scale else '-noscale'}-{config.positions}-{config.mlp}-"
             f"{config.activation}-kv{config.kv_heads}{'-qkn' if config.qk_norm else ''}-"
-            f"{config.attention_impl}{'' if config.attention_block == 4 else config.attention_block}-chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
+            f"{config.attention_impl}{'' if config.attention_block == 4 else config.attention_block}-"
+            f"chunk{config.loss_chunk}-{config.remat}-{config.norm}-"
             f"{'causal' if config.causal else 'bidir'}{'-tied' if config.tie_embeddings else ''}"
             f"{'' if config.head_bias else '-nohb'}{'-escale' if config.embed_scale else ''}"
             f"{'' if config.bias else '-nobias'}-drop{config.dropout}"
