@@ -18,17 +18,28 @@
   (about 250 a second under test_modern_options, measured with /proc/PID/maps). Past the
   kernel's vm.max_map_count (65530) XLA's next compile cannot map its code and the worker
   dies of a segmentation fault, in whichever test happens to compile then.
-- JAX's persistent compilation cache is off (JAX's default): one fewer native code path
-  in every process the suite starts.
+- JAX's persistent compilation cache holds the run's compiled programs, in a folder of
+  this run (made by pytest's first process, inherited by its xdist workers and by the
+  subprocesses the tests start; removed at the end): a `jaxformer` subprocess that trains
+  a config another process compiled, and a worker compiling again what it released at a
+  module's end (init_params of a preset, the helpers' jitted comparisons, each small eager
+  operation), load the executable instead. A cached executable is the one XLA compiled.
+  Two suite runs of four once crashed inside the cache, before the caches were cleared
+  after each module: reading an executable maps its code, and those crashes were the
+  mappings' limit above.
 """
 
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite's runs cache what they measure (the CPU peak) apart from the user's cache
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxformer-test-cache-")
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # the suite's processes compile for themselves
+# the run's compilation cache: made by the first process, inherited by the workers
+JIT_CACHE = os.environ.get("JAXFORMER_TEST_JIT_CACHE") or tempfile.mkdtemp(prefix="jaxformer-test-jit-")
+os.environ["JAXFORMER_TEST_JIT_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = JIT_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")  # the subprocesses' too
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
@@ -55,3 +66,8 @@ def release_compiled_programs():
     worker's compiled code (and its memory mappings) does not grow with the whole suite."""
     yield
     jax.clear_caches()
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller, after every worker
+        shutil.rmtree(JIT_CACHE, ignore_errors=True)

@@ -27,6 +27,12 @@ V, D, H, L, F, S = 64, 16, 4, 2, 24, 32  # vocab, width, heads, layers, d_ff, ma
 B, T = 2, 11
 
 
+# jitted: one compile per model and shape, where run eagerly each operation compiles on its own
+FORWARD = jax.jit(jaxformer.forward, static_argnums=2)
+GRAD_FNS = {"jax.grad": jax.jit(jax.value_and_grad(jaxformer.loss_fn), static_argnums=2),
+            "manual": jax.jit(manual_grads.value_and_grad, static_argnums=2)}
+
+
 def batch(seed=0):
     rng = np.random.default_rng(seed)
     return {"inputs": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
@@ -45,7 +51,7 @@ def assert_logits_equal(ours, ref, rtol=1e-10):
 def assert_forward_matches(model, folder, params, config):
     """Our logits of a batch equal the Hugging Face model's (1e-10 of the largest), printed."""
     b = batch()
-    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
+    ours, ref = np.asarray(FORWARD(params, b["inputs"], config)), torch_logits(model, b["inputs"])
     print(f"\n{folder.name}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
     assert_logits_equal(ours, ref)
 
@@ -116,10 +122,10 @@ def assert_export_reloads(tmp_path, params, config, kind, model_class, reload):
     back = reload(out)
     b = batch(2)
     ref = torch_logits(back, b["inputs"])
-    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)), ref, rtol=1e-4)  # float32 file
+    assert_logits_equal(np.asarray(FORWARD(params, b["inputs"], config)), ref, rtol=1e-4)  # float32 file
     again, config2 = read_hf(out, np.float64)
     assert config2 == config
-    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), ref)
+    assert_logits_equal(np.asarray(FORWARD(again, b["inputs"], config)), ref)
     return params, back, out
 
 
@@ -147,7 +153,6 @@ def assert_grads_match_torch(model, folder, source):
 def assert_grads_equal(params, b, config, source, ref_loss, ref):
     """The loss of ``source`` ("jax.grad" or "manual") on batch ``b`` equals ``ref_loss`` to
     1e-12 and every gradient leaf the tree ``ref`` to 1e-10; the rows of the comparison."""
-    grad_fn = jax.value_and_grad(jaxformer.loss_fn) if source == "jax.grad" else manual_grads.value_and_grad
-    loss, grads = grad_fn(params, b, config)
+    loss, grads = GRAD_FNS[source](params, b, config)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-12)
     return assert_trees_close(ref, grads)

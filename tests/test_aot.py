@@ -161,6 +161,8 @@ def compiled(target: str, todo) -> dict:
     env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
     if CUDA_PLUGIN_DIR and target == "h100":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [CUDA_PLUGIN_DIR, env.get("PYTHONPATH")]))
+        # a process with the plugin keeps its CPU executables out of the suite's shared cache
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
     args = [json.dumps(CONFIG.to_dict()), target, json.dumps([list(v) for v in todo]), str(B)]
     done = subprocess.run([sys.executable, "-c", COMPILE, *args], env=env, capture_output=True, text=True,
                           timeout=900)

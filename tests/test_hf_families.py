@@ -25,10 +25,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import hf_compare  # noqa: E402
-from hf_compare import (D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
+from hf_compare import (FORWARD, D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
                         assert_grads_match_torch, assert_logits_equal, batch, copy_folder, random_folder, torch_logits)
 
-import jaxformer  # noqa: E402
 from jaxformer.checkpoints.hf import HFFormatError, read_hf, write_hf  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -127,7 +126,7 @@ def test_tied_config_with_its_own_head_loads_as_transformers_does(llama_folder, 
     params, config = read_hf(own, np.float64)
     assert not config.tie_embeddings and np.array_equal(params["head"]["w"], head.T)
     b = batch(3)
-    assert_logits_equal(np.asarray(jaxformer.forward(params, b["inputs"], config)),
+    assert_logits_equal(np.asarray(FORWARD(params, b["inputs"], config)),
                         torch_logits(float64_model("llama", own), b["inputs"]))
     same = copy_folder(tmp_path, llama_folder, "same",
                        tensors=lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"]})
@@ -219,6 +218,6 @@ def test_fine_tune_export_generate_qwen3(corpus, tmp_path, capsys):
     assert config == read_hf(folder, np.float64)[1]
     ids = np.arange(20)[None] % 256
     ref = torch_logits(float64_model("qwen3", tmp_path / "hf"), ids)
-    assert_logits_equal(np.asarray(jaxformer.forward(params, jnp.asarray(ids, jnp.int32), config)), ref)
+    assert_logits_equal(np.asarray(FORWARD(params, jnp.asarray(ids, jnp.int32), config)), ref)
     assert run_cli("generate", "--run", out, "--prompt", "the", "--max-new-tokens", 5) == 0
     assert capsys.readouterr().out.strip()

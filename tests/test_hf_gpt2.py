@@ -15,8 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import jaxformer  # noqa: E402
-import manual_grads  # noqa: E402
+from hf_compare import FORWARD, GRAD_FNS  # noqa: E402
 from jaxformer.checkpoints.hf_gpt2 import (HFFormatError, params_from_hf, read_hf_gpt2,  # noqa: E402
                                            write_hf_gpt2)
 from manual_grads.check import assert_trees_close  # noqa: E402
@@ -60,7 +59,7 @@ def test_import_matches_transformers_logits(saved):
     assert (config.tie_embeddings, config.head_bias, config.activation) == (True, False, "gelu_tanh")
     assert "head" not in params
     b = batch()
-    ours = np.asarray(jaxformer.forward(params, b["inputs"], config))
+    ours = np.asarray(FORWARD(params, b["inputs"], config))
     with torch.no_grad():
         ref = model(torch.tensor(np.asarray(b["inputs"]))).logits.numpy()
     np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
@@ -76,8 +75,8 @@ def test_gradients_match_torch_autograd(saved):
     loss.backward()
     torch_grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
     ref = params_from_hf(torch_grads, config, np.float64, "torch grads")
-    loss_m, manual = manual_grads.value_and_grad(params, b, config)
-    loss_a, auto = jax.value_and_grad(jaxformer.loss_fn)(params, b, config)
+    loss_m, manual = GRAD_FNS["manual"](params, b, config)
+    loss_a, auto = GRAD_FNS["jax.grad"](params, b, config)
     np.testing.assert_allclose([float(loss_m), float(loss_a)], loss.item(), rtol=1e-12)
     assert_trees_close(ref, manual)  # 1e-10 per leaf; tok_embed holds embedding + tied head
     assert_trees_close(ref, auto)
@@ -91,7 +90,7 @@ def test_export_reloads_in_transformers(saved, tmp_path):
     back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager")
     back = back.double().eval()
     b = batch(2)
-    ours = np.asarray(jaxformer.forward(params, b["inputs"], config))
+    ours = np.asarray(FORWARD(params, b["inputs"], config))
     with torch.no_grad():
         ref = back(torch.tensor(np.asarray(b["inputs"]))).logits.numpy()
     # the file holds float32: equal to float32 round-off
@@ -108,7 +107,7 @@ def test_untied_and_torch_bin(tmp_path):
     b = batch()
     with torch.no_grad():
         ref = model(torch.tensor(np.asarray(b["inputs"]))).logits.numpy()
-    np.testing.assert_allclose(jaxformer.forward(params, b["inputs"], config), ref, rtol=1e-10,
+    np.testing.assert_allclose(FORWARD(params, b["inputs"], config), ref, rtol=1e-10,
                                atol=1e-10 * np.abs(ref).max())
 
 
@@ -169,7 +168,7 @@ def test_fine_tune_export_generate(byte_gpt2, corpus, tmp_path, grads, capsys):
     ids = np.arange(20, dtype=np.int64)[None] % 256
     with torch.no_grad():
         ref = back(torch.tensor(ids)).logits.numpy()
-    ours = np.asarray(jaxformer.forward(params, jnp.asarray(ids, jnp.int32), config))
+    ours = np.asarray(FORWARD(params, jnp.asarray(ids, jnp.int32), config))
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     # fine-tuning moved the weights away from the imported ones
     start, _ = read_hf_gpt2(byte_gpt2, np.float32)

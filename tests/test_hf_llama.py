@@ -22,11 +22,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_compare import (D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
+from hf_compare import (FORWARD, D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
                         assert_grads_equal, assert_grads_match_torch, assert_logits_equal, batch, copy_folder,
                         default_rope, float64_model, random_folder, torch_logits, torch_reference)
 
-import jaxformer  # noqa: E402
 from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
 from jaxformer.model.config import PRESETS  # noqa: E402
 from jaxformer.tools.compare.hf_random import random_hf_model  # noqa: E402
@@ -108,7 +107,7 @@ def test_sharded_bf16_and_torch_bin(tmp_path):
     params, config = read_hf(tmp_path / "sharded", np.float64)
     assert config.kv_heads == 1
     ref = torch_logits(float64_llama(tmp_path / "sharded"), batch()["inputs"])
-    assert_logits_equal(np.asarray(jaxformer.forward(params, batch()["inputs"], config)), ref)
+    assert_logits_equal(np.asarray(FORWARD(params, batch()["inputs"], config)), ref)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     half, _ = read_hf(tmp_path / "bf16", np.float32)
     np.testing.assert_array_equal(half["tok_embed"],
@@ -185,7 +184,7 @@ def test_fine_tune_export_generate(byte_llama, corpus, tmp_path, grads, capsys):
     assert not np.allclose(start["tok_embed"], params["tok_embed"])  # fine-tuning moved it
     ids = np.arange(20)[None] % 256
     ref = torch_logits(float64_llama(tmp_path / "hf"), ids)
-    assert_logits_equal(np.asarray(jaxformer.forward(params, jnp.asarray(ids, jnp.int32), config)), ref)
+    assert_logits_equal(np.asarray(FORWARD(params, jnp.asarray(ids, jnp.int32), config)), ref)
     assert run_cli("generate", "--run", out, "--prompt", "the", "--max-new-tokens", 5) == 0
     assert capsys.readouterr().out.strip()
 
@@ -236,10 +235,10 @@ def test_scaled_rope_imports_with_transformers_logits_and_grads(scaled):
     kind = model.config.rope_parameters["rope_type"]
     assert config.rope_scaling == kind and config.rope_factor == SCALED[kind]["factor"]
     b = long_batch(0)
-    ours, ref = np.asarray(jaxformer.forward(params, b["inputs"], config)), torch_logits(model, b["inputs"])
+    ours, ref = np.asarray(FORWARD(params, b["inputs"], config)), torch_logits(model, b["inputs"])
     print(f"\n{kind}: logits max |diff| / max |ref| {np.abs(ours - ref).max() / np.abs(ref).max():.1e}")
     assert_logits_equal(ours, ref)
-    unscaled = np.asarray(jaxformer.forward(params, b["inputs"], config.replace(rope_scaling="none")))
+    unscaled = np.asarray(FORWARD(params, b["inputs"], config.replace(rope_scaling="none")))
     assert not np.allclose(unscaled, ref, rtol=1e-3)  # the rule matters at these positions
     ref_loss, ref_grads = torch_reference(model, config, b)
     for source in ("jax.grad", "manual"):
@@ -259,4 +258,4 @@ def test_scaled_rope_export_reloads_in_transformers(scaled, tmp_path):
     again, config2 = read_hf(out, np.float64)
     assert config2 == config
     b = long_batch(1)
-    assert_logits_equal(np.asarray(jaxformer.forward(again, b["inputs"], config)), torch_logits(back, b["inputs"]))
+    assert_logits_equal(np.asarray(FORWARD(again, b["inputs"], config)), torch_logits(back, b["inputs"]))

@@ -10,6 +10,7 @@ chosen experts are the same for every source and for each finite-difference prob
 gradients compared are those of one fixed routing.
 """
 
+import functools
 import math
 
 import jax
@@ -112,6 +113,22 @@ def test_layer_backward_equals_autodiff_and_custom_vjp(router):
     assert set(manual[0]) == {"router", "w_gate", "w_up", "w_down"}
 
 
+@functools.partial(jax.jit, static_argnums=2)  # one compile per config, not one per operation
+def _layer_sources(p, x, config, dy, dstats):
+    """(jax.grad of moe, jax.grad of custom_vjp.moe, moe_bwd) of sum(y dy) + the statistics'
+    cotangent terms, each as (dp, dx)."""
+    def objective(layer):
+        def f(p, x):
+            y, s = layer(p, x, config)
+            return jnp.sum(y * dy) + jnp.sum(s.probs * dstats.probs) + s.z * dstats.z
+        return f
+
+    ref = jax.grad(objective(moe), argnums=(0, 1))(p, x)
+    via_rule = jax.grad(objective(custom_vjp.moe), argnums=(0, 1))(p, x)
+    (_, _), res = moe_fwd(p, x, config)
+    return ref, via_rule, moe_bwd(res._replace(dstats=dstats), dy)
+
+
 def assert_layer_sources_agree(config, p, key=KEY):
     """The layer p on random x (2, 6, D), with cotangents on y and on the statistics (probs, z):
     moe_bwd, jax.grad of jaxformer's moe and jax.grad of custom_vjp.moe agree to 1e-10 per leaf;
@@ -122,16 +139,7 @@ def assert_layer_sources_agree(config, p, key=KEY):
     dy = jax.random.normal(k1, x.shape, jnp.float64)
     dstats = MoeStats(jnp.zeros(E), jax.random.normal(k2, (E,), jnp.float64), jax.random.normal(k3, ()))
 
-    def objective(layer):
-        def f(p, x):
-            y, s = layer(p, x, config)
-            return jnp.sum(y * dy) + jnp.sum(s.probs * dstats.probs) + s.z * dstats.z
-        return f
-
-    ref = jax.grad(objective(moe), argnums=(0, 1))(p, x)
-    via_rule = jax.grad(objective(custom_vjp.moe), argnums=(0, 1))(p, x)
-    (_, _), res = moe_fwd(p, x, config)
-    manual = moe_bwd(res._replace(dstats=dstats), dy)
+    ref, via_rule, manual = _layer_sources(p, x, config, dy, dstats)
     check.assert_trees_close(ref, manual)
     check.assert_trees_close(ref, via_rule)
     return manual
