@@ -24,9 +24,10 @@
   a config another process compiled, and a worker compiling again what it released at a
   module's end (init_params of a preset, the helpers' jitted comparisons, each small eager
   operation), load the executable instead. A cached executable is the one XLA compiled.
-  Two suite runs of four once crashed inside the cache, before the caches were cleared
-  after each module: reading an executable maps its code, and those crashes were the
-  mappings' limit above.
+  Two suite runs of four once crashed inside the cache (reading and writing an
+  executable), before the caches were cleared after each module; runs without the cache
+  then crashed the same way in other places, until the clearing. Reading an executable
+  maps its code: most likely the mappings' limit above.
 """
 
 import os

@@ -262,6 +262,13 @@ def test_layer_is_transformers_sparse_moe_block(model_type):
     assert_layer_is_hf_block(torch, hf, p, config, KEY)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _pair(p, x, config, dy):
+    """moe_fwd's y and moe_bwd's (dp, dx) for the cotangent dy on y alone, in one program."""
+    (y, _), res = moe_fwd(p, x, config)
+    return y, moe_bwd(res, dy)
+
+
 def assert_layer_is_hf_block(torch, hf, p, config, key):
     """Copies the routed layer's weights into transformers' MoE block ``hf`` (gate = router^T,
     gate_up_proj[e] = [w_gate[e] | w_up[e]]^T, down_proj[e] = w_down[e]^T), runs both on random x
@@ -278,10 +285,9 @@ def assert_layer_is_hf_block(torch, hf, p, config, key):
     x_t = t(x).requires_grad_(True)
     y_t = hf(x_t)
     (y_t * t(dy)).sum().backward()
-    (y, _), res = moe_fwd(p, x, config)
+    y, (dp, dx) = _pair(p, x, config, dy)  # no statistics' cotangents: the block alone
     y_hf = y_t.detach().numpy()
     assert np.max(np.abs(np.asarray(y) - y_hf)) <= 1e-6 * np.max(np.abs(y_hf))
-    dp, dx = moe_bwd(res, dy)  # no statistics' cotangents: the block alone
     gate_up = hf.experts.gate_up_proj.grad.numpy().transpose(0, 2, 1)  # (E, D, 2F)
     F = p["w_gate"].shape[-1]
     for name, ours, theirs in [("x", dx, x_t.grad), ("router", dp["router"], hf.gate.weight.grad.T),
