@@ -35,8 +35,9 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# the suite's runs cache what they measure (the CPU peak) apart from the user's cache
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxformer-test-cache-")
+# the suite's runs cache what they measure (the CPU peak) apart from the user's cache: a
+# folder for each of pytest's processes, removed at its end
+CACHE_HOME = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxformer-test-cache-")
 # the run's compilation cache: made by the first process, inherited by the workers
 JIT_CACHE = os.environ.get("JAXFORMER_TEST_JIT_CACHE") or tempfile.mkdtemp(prefix="jaxformer-test-jit-")
 os.environ["JAXFORMER_TEST_JIT_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = JIT_CACHE
@@ -70,5 +71,6 @@ def release_compiled_programs():
 
 
 def pytest_sessionfinish(session):
+    shutil.rmtree(CACHE_HOME, ignore_errors=True)  # each process's own
     if not hasattr(session.config, "workerinput"):  # the controller, after every worker
         shutil.rmtree(JIT_CACHE, ignore_errors=True)
