@@ -77,10 +77,17 @@ def assert_layer_matches_vjp(layer: Layer, primals, dy, consts=(), static=(), *,
     return (y, out), (y_ref, grads_ref)
 
 
-# ---------------------------------------------------------------- bfloat16 against autodiff
+# ---------------------------------------------------------------- the model's functions, jitted
 
+# config static: one compile per config and shape, where run eagerly each operation compiles
+# on its own
+FORWARD = jax.jit(jaxformer.forward, static_argnums=2)
+LOSS = jax.jit(loss_fn, static_argnums=2)
 auto_vg = jax.jit(jax.value_and_grad(loss_fn), static_argnums=2)
 manual_vg = jax.jit(value_and_grad, static_argnums=2)
+
+
+# ---------------------------------------------------------------- bfloat16 against autodiff
 
 
 def leaf_rels(ref, got):

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from helpers import FORWARD, auto_vg, manual_vg
 
-import jaxformer
-import manual_grads
 from jaxformer.checkpoints.hf import FORMATS, hf_format, read_hf, write_hf
 from jaxformer.tools.compare.hf_random import random_hf_model
 from manual_grads.check import assert_trees_close
@@ -27,10 +26,7 @@ V, D, H, L, F, S = 64, 16, 4, 2, 24, 32  # vocab, width, heads, layers, d_ff, ma
 B, T = 2, 11
 
 
-# jitted: one compile per model and shape, where run eagerly each operation compiles on its own
-FORWARD = jax.jit(jaxformer.forward, static_argnums=2)
-GRAD_FNS = {"jax.grad": jax.jit(jax.value_and_grad(jaxformer.loss_fn), static_argnums=2),
-            "manual": jax.jit(manual_grads.value_and_grad, static_argnums=2)}
+GRAD_FNS = {"jax.grad": auto_vg, "manual": manual_vg}  # jitted (helpers.py)
 
 
 def batch(seed=0):

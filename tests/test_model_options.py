@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LEAN_CASES, LEAN_FIELDS, assert_bfloat16_within_autodiff, assert_sources_agree
+from helpers import LOSS, LEAN_CASES, LEAN_FIELDS, assert_bfloat16_within_autodiff, assert_sources_agree
 from test_modern_options import FIELDS as MODERN_FIELDS
 
 import jaxformer
@@ -56,10 +56,6 @@ def test_cases_cover_every_pair():
     for a, b in itertools.combinations(NEW, 2):  # (also in the matrix)
         seen = {(getattr(c, a), getattr(c, b)) for c in configs}
         assert seen == set(itertools.product(NEW[a], NEW[b])), (a, b)
-
-
-
-LOSS = jax.jit(jaxformer.loss_fn, static_argnums=2)  # one compile per config and key's presence
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import attention_params as make
-from helpers import dot_generals, leaf_rels, make_batch, make_params
+from helpers import auto_vg, dot_generals, leaf_rels, make_batch, make_params, manual_vg
 
 import jaxformer
 import manual_grads
@@ -285,8 +285,6 @@ def test_custom_vjp_drop_in_equals_the_full_layer():
 
 MODEL = ModelConfig(vocab_size=24, d_model=D, n_heads=H, n_layers=2, d_ff=24, max_seq_len=40,
                     attention_impl="pallas", pallas_block_q=BLOCKS[0], pallas_block_k=BLOCKS[1])
-auto_vg = jax.jit(jax.value_and_grad(jaxformer.loss_fn), static_argnums=2)
-manual_vg = jax.jit(manual_grads.value_and_grad, static_argnums=2)
 
 
 @pytest.mark.parametrize("options,sources", [

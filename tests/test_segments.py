@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import THREE_SOURCES, Layer, assert_layer_matches_vjp, make_batch, make_params
+from helpers import FORWARD, LOSS, THREE_SOURCES, Layer, assert_layer_matches_vjp, make_batch, make_params
 
 from manual_grads import check
 from jaxformer.model.attention import CORES
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.cores import AttentionSpec, full, segment_mask
-from jaxformer.model.transformer import forward, loss_fn
+from jaxformer.model.transformer import forward
 from manual_grads.attention import MANUAL_CORES
 
 B, H, T, Dh = 2, 4, 13, 4  # T = 13 leaves the last block of 4 padded
@@ -117,10 +117,6 @@ MODEL_OPTIONS = {
     "modern, remat block, loss chunks": {**MODERN, "remat": "block", "loss_chunk": 5},
     "post, dropout": {"norm": "post", "dropout": 0.1},
 }
-
-
-LOSS = jax.jit(loss_fn, static_argnums=2)
-FORWARD = jax.jit(forward, static_argnums=2)
 
 
 def model_config(impl, **options):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Layer, assert_layer_matches_vjp, assert_sources_agree, decode_one_at_a_time, make_batch, make_params
+from helpers import FORWARD, Layer, assert_layer_matches_vjp, assert_sources_agree, decode_one_at_a_time, make_batch, make_params
 
 from jaxformer.kernels.pallas import forward as pa
 from jaxformer.kernels.pallas import tiling as pt
@@ -22,7 +22,7 @@ from jaxformer.model.layer_kinds import layer_config
 from jaxformer.model.block import block
 from jaxformer.model.embedding import embed
 from jaxformer.model.rms_norm import rms_norm
-from jaxformer.model.transformer import features, forward
+from jaxformer.model.transformer import features
 from manual_grads.attention import MANUAL_CORES
 
 B, H, T, Dh = 2, 4, 13, 4  # T = 13 leaves the last block of 4 padded
@@ -155,7 +155,6 @@ BASE = ModelConfig(vocab_size=23, d_model=16, n_heads=4, n_kv_heads=2, n_layers=
                    norm_type="rms", positions="rope", mlp="gated", activation="silu", attention_block=4,
                    pallas_block_q=8, pallas_block_k=4, sliding_window=3)
 MIXED = (SLIDE, FULL)
-FORWARD = jax.jit(forward, static_argnums=2)
 
 
 def test_layer_types_give_each_layer_its_own_mask():

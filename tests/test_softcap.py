@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (Layer, assert_bfloat16_within_autodiff, assert_layer_matches_vjp, decode_one_at_a_time, equations,
+from helpers import (FORWARD, LOSS, Layer, assert_bfloat16_within_autodiff, assert_layer_matches_vjp, decode_one_at_a_time, equations,
                      layer_and_vjp, make_batch, make_params, masks)
 
 import jaxformer
@@ -21,7 +21,7 @@ from jaxformer.model.cores import AttentionSpec, attention_probs
 from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
 from jaxformer.model.softcap import softcap
-from jaxformer.model.transformer import forward, loss_fn
+from jaxformer.model.transformer import loss_fn
 from manual_grads.attention import MANUAL_CORES, attention_bwd, attention_fwd
 from manual_grads.model import head_loss_bwd, head_loss_fwd
 from manual_grads.softcap import softcap_bwd, softcap_fwd
@@ -139,8 +139,6 @@ def test_softcap_pair():
 
 BASE = ModelConfig(vocab_size=29, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=16, attention_block=4,
                    attn_softcap=0.05, logit_softcap=0.3)
-LOSS = jax.jit(loss_fn, static_argnums=2)
-FORWARD = jax.jit(forward, static_argnums=2)
 
 
 @pytest.mark.parametrize("impl, chunk", [("full", 0), ("blockwise", 5)])
