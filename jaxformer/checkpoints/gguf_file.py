@@ -19,6 +19,7 @@ rotate-half layout rotary.py computes.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +57,30 @@ KEYS = {
 }
 
 
+@functools.cache
+def _reader_class():
+    """gguf.GGUFReader reading through a plain ndarray view of its np.memmap (the same bytes,
+    still mapped): the reader slices the file once per metadata value, 100,000 times for a
+    49,152-token vocabulary, and numpy's memmap subclass adds a Python call to each slice
+    and each view (SmolLM2-135M's file: 2.1 s to parse, 0.7 s through the plain view)."""
+    import gguf  # ImportError (not cached): _reader names the package to install
+
+    class PlainReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, memmap):  # GGUFReader.__init__: self.data = np.memmap(path, mode=mode)
+            self._plain = memmap.view(np.ndarray)
+
+    return PlainReader
+
+
 def _reader(path):
     """A gguf.GGUFReader of ``path``; one line naming the file when it is not GGUF."""
     try:
-        import gguf
+        reader_class = _reader_class()
     except ImportError:
         raise HFFormatError(f"{path}: reading GGUF needs the gguf package "
                             f"(pip install 'jaxformer[gguf]')") from None
@@ -70,7 +91,7 @@ def _reader(path):
         if f.read(4) != MAGIC:
             raise HFFormatError(f"{path} is not a GGUF file (it does not start with {MAGIC!r})")
     try:
-        return gguf.GGUFReader(str(path))
+        return reader_class(str(path))
     except Exception as e:  # noqa: BLE001 - the package's own errors: one line, the cause named
         raise HFFormatError(f"{path} is not a readable GGUF file ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
