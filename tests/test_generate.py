@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import FORWARD
 
-from jaxformer import forward, get_preset, init_params
+from jaxformer import get_preset, init_params
 from jaxformer.checkpoints import checkpoint
 from jaxformer.data import CharTokenizer
 from jaxformer.inference.generate import generate, generate_many, sample_logits
@@ -36,15 +37,12 @@ def params():
     return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
-_forward = jax.jit(forward, static_argnums=2)
-
-
 def _greedy_reference(params, prompt, n):
     """Token by token, the model on the last max_seq_len tokens."""
     ids = list(prompt)
     for _ in range(n):
         window = jnp.asarray(ids[-CONFIG.max_seq_len:], jnp.int32)[None]
-        ids.append(int(jnp.argmax(_forward(params, window, CONFIG)[0, -1])))
+        ids.append(int(jnp.argmax(FORWARD(params, window, CONFIG)[0, -1])))
     return ids
 
 
@@ -129,11 +127,10 @@ def _greedy_sliding_reference(params, config, prompt, n):
     max_seq_len // 2 tokens. Each step pads the context to max_seq_len (one compile;
     causal, so the padding is unseen) and takes the argmax after its last token."""
     S = config.max_seq_len
-    fwd = jax.jit(forward, static_argnums=2)
     ids, context = list(prompt), list(prompt[-S:])
     for _ in range(n):
         window = jnp.asarray(context + [0] * (S - len(context)), jnp.int32)[None]
-        token = int(jnp.argmax(fwd(params, window, config)[0, len(context) - 1]))
+        token = int(jnp.argmax(FORWARD(params, window, config)[0, len(context) - 1]))
         ids.append(token)
         context.append(token)
         if len(context) > S:

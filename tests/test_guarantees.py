@@ -25,7 +25,7 @@ from jaxformer.training.loop import NonFiniteLossError, train
 from jaxformer.training.resume import DataChangedError
 from jaxformer.training.settings import TrainSettings
 from jaxformer.training.step import state_template
-from helpers import tiny_settings, write_corpus
+from helpers import LOSS, tiny_settings, write_corpus
 
 
 def _losses(run_dir, steps):
@@ -197,7 +197,7 @@ def test_params_that_do_not_fit_are_named(params):
     missing = {**params, "blocks": {**params["blocks"], "ln2": {"scale": params["blocks"]["ln2"]["scale"]}}}
     for fn in (lambda p: loss_fn(p, _batch(), CONFIG),
                lambda p: manual_grads.value_and_grad(p, _batch(), CONFIG),
-               lambda p: jax.jit(loss_fn, static_argnums=2)(p, _batch(), CONFIG)):
+               lambda p: LOSS(p, _batch(), CONFIG)):
         with pytest.raises(ValueError, match=r"params\['blocks'\]\['ln2'\]\['bias'\] is missing"):
             fn(missing)
 
@@ -212,7 +212,7 @@ def test_bad_mask_values_are_named(params, bad, message):
         with pytest.raises(ValueError, match=rf"batch\['mask'\] holds {message}"):
             fn(params, batch, CONFIG)
     # under jit the values cannot be seen: the check leaves the traced call alone
-    jax.jit(loss_fn, static_argnums=2)(params, dict(_batch(), mask=jnp.ones((2, 8))), CONFIG)
+    LOSS(params, dict(_batch(), mask=jnp.ones((2, 8))), CONFIG)
 
 
 # ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import manual_grads
+from helpers import auto_vg, manual_vg
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.model.transformer import loss_fn
@@ -75,8 +75,8 @@ def test_torch_loss_and_grads_equal_jaxformer_float64(name):
     config = CASES[name]
     key_p, key_b = jax.random.split(jax.random.PRNGKey(3))
     params, batch = perturbed_params(config, key_p), make_batch(config, key_b)
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=2)(params, batch, config)
-    m_loss, m_grads = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
+    loss, grads = auto_vg(params, batch, config)
+    m_loss, m_grads = manual_vg(params, batch, config)
 
     t_loss, t_grads = torch_loss_and_grads(params, batch, config)
     np.testing.assert_allclose(t_loss, float(loss), rtol=1e-12)
