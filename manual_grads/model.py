@@ -25,6 +25,7 @@ the backward redraws every mask from its key (per layer: fold_in of the layer in
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -43,7 +44,7 @@ from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.moe import moe_aux_loss_bwd
-from manual_grads.remat import blocks_bwd, blocks_fwd
+from manual_grads.remat import blocks_bwd, blocks_fwd, may_unroll, unrolled
 from manual_grads.softcap import softcap_bwd, softcap_fwd
 from manual_grads.tap import tap_backward, tap_forward
 
@@ -107,6 +108,26 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_
     validate_batch(batch, config)
     validate_params(params, config)
     check_precision(params, config)
+    compose = functools.partial(_value_and_grad, config=config, key=key, tap=tap, with_stats=with_stats)
+    if tap is None and not unrolled(config) and may_unroll(config):
+        return unroll_on_gpu(compose, params, batch)
+    return compose(params, batch)
+
+
+def unroll_on_gpu(compose, params, batch):
+    """compose(params, batch, unroll=...) with the layers unrolled in a program lowered for a
+    GPU and scanned elsewhere (``jax.lax.platform_dependent``: both are traced, the platform
+    lowered for keeps its own). On a GPU the scan's reads and writes of the stacked
+    residuals and gradients are copies of their own (8 of the 42 ms of GPT-2's step on an
+    H200, docs/benchmark.md); a TPU and the CPU keep the scan (compile time flat in depth)."""
+    unrolled_, scanned = (functools.partial(compose, unroll=u) for u in (True, False))
+    return jax.lax.platform_dependent(params, batch, cuda=unrolled_, rocm=unrolled_, default=scanned)
+
+
+def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_stats: bool = False,
+                    unroll: bool = False):
+    """value_and_grad's composition, its inputs checked; ``unroll``: the layers as a Python
+    loop at any depth (remat.blocks_fwd)."""
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
     segments = check_segments(batch.get("segments"), inputs)  # (B, T) or None: packed documents
     emb = embed_params(params)
@@ -119,7 +140,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_
     x, embed_res = embed_fwd(emb, inputs, config, None if key is None else embed_key(key, config.n_layers))
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
-    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments)  # (B, T, D); residuals (L, ...)
+    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments, unroll)  # (B, T, D); residuals (L, ...)
     x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics (L, ...)
     if config.norm != "post":
         h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
@@ -142,7 +163,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_
         dx = dh
     if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
         dx = (dx, moe_aux_loss_bwd(stats, config))
-    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments)  # (B, T, D)
+    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments, unroll)  # (B, T, D)
     d_embed, _ = embed_bwd(embed_res, dx)  # x = drop(tok_embed[inputs] + positions)
     tap_backward(tap, "embed", dx, d_embed)
     if config.tie_embeddings:  # tok_embed feeds the embedding and the head: the two gradients add

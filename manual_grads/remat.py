@@ -7,9 +7,9 @@ With remat "block" the forward keeps each block's input x_l (L, B, T, D), nothin
               dp_l, dx_l = block_bwd(res_l, dx_{l+1})     then undoes it
 Only one block's residuals are alive at a time, in the forward and in the backward.
 
-With a ``tap`` (tap.py), or with at most UNROLL_MAX_LAYERS layers and no recompute, the
-layers run as a Python loop (the tap inspects values eagerly; a shallow model runs faster
-unrolled),
+With a ``tap`` (tap.py), with at most UNROLL_MAX_LAYERS layers and no recompute, or when the
+caller asks (``unroll=True``: model.py does for a program lowered for a GPU), the layers run
+as a Python loop (the tap inspects values eagerly; a shallow model runs faster unrolled),
 the kept values are a list with one entry per layer and the parameter gradients are
 stacked at the end; layer l's stages are named under "blocks[l]." for the tap; a
 recomputed forward is not shown to the tap again.
@@ -38,13 +38,21 @@ from manual_grads.tap import within
 # forward is the same expression as the original one, XLA merges the two, and the
 # residuals are kept after all (the memory saving measured 1.0x, tests/test_memory.py);
 # inside the backward scan's body the recompute cannot be merged away.
+# On a GPU every depth runs unrolled (model.py, ``unroll_on_gpu``): there the scan's copies of
+# the stacked residuals and gradients cost 8 ms of a 42 ms GPT-2 step (docs/benchmark.md).
 UNROLL_MAX_LAYERS = 4
 
 
 def unrolled(config: ModelConfig) -> bool:
-    """Whether the blocks run as a Python loop: n_layers <= UNROLL_MAX_LAYERS, or layers of
-    two attention kinds (layer_kinds.py: their residuals differ), with remat "none"."""
+    """Whether the blocks run as a Python loop at any platform: n_layers <= UNROLL_MAX_LAYERS,
+    or layers of two attention kinds (layer_kinds.py: their residuals differ), with remat "none"."""
     return (config.n_layers <= UNROLL_MAX_LAYERS or mixed(config)) and config.remat == "none"
+
+
+def may_unroll(config: ModelConfig) -> bool:
+    """Whether the blocks may run as a Python loop when asked (remat "none": a recompute
+    always scans, see above)."""
+    return config.remat == "none"
 
 
 def _layer(blocks, l):
@@ -57,13 +65,14 @@ def _key(key, l):
     return None if key is None else layer_key(key, l)
 
 
-def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None, segments=None):
+def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None, segments=None, unroll=False):
     """blocks: params["blocks"] (leading axis L); x (B, T, D) -> (y (B, T, D), kept).
     remat "none": kept are each block's residuals, stacked on L; "block": the inputs x_l (L, B, T, D)
     (unrolled or with a tap: a list of L per-layer residuals or inputs (B, T, D)).
     ``key``: the step's dropout key (None: no dropout); layer l draws from layer_key(key, l).
     With n_experts y is (y, the MoeStats stacked on L). ``segments`` (B, T): every attention's
-    document ids (None: one document a row)."""
+    document ids (None: one document a row). ``unroll``: a Python loop at any depth (remat
+    "none" only)."""
 
     def step(x, p, l, tap=None):
         def run(c):  # layer l's config (layer_kinds.per_layer); a scan keeps only x with mixed kinds
@@ -72,7 +81,7 @@ def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None, segments=None
             return y, ((x if config.remat == "block" else res), stats)
         return per_layer(config, l, run)
 
-    if tap is None and not unrolled(config):
+    if tap is None and not (unrolled(config) or (unroll and may_unroll(config))):
         x, (kept, stats) = jax.lax.scan(lambda x, xs: step(x, *xs), x, (blocks, jnp.arange(config.n_layers)))
     else:
         kept, stats = [], []
@@ -84,11 +93,17 @@ def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None, segments=None
     return ((x, stats) if config.n_experts else x), kept
 
 
-def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None, segments=None):
+def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None, segments=None, unroll=False):
     """dy (B, T, D) -> (dblocks with params["blocks"]' stacked layout, dx (B, T, D)):
     a reverse scan; with remat "block" each step first recomputes its block's forward
     (with the same dropout ``key``, hence the same masks). With n_experts dy is (dy, the
-    stacked MoeStats' cotangents)."""
+    stacked MoeStats' cotangents). ``unroll``: as blocks_fwd's (the two must agree).
+
+    Unrolled, each layer's backward reads its kept values through an optimization barrier:
+    the forward and the backward are then one program, and without it XLA merges what a
+    backward recomputes from its residuals (gelu_tanh's tanh, a norm's normalized x) with
+    the forward's own expression and keeps that too, in float32, for every layer (GPT-2
+    on an H100: 12 x 192 MiB more temporaries). The backward keeps to its residuals."""
     dy, dstats = ffn_output(dy, config)
 
     def step(dx, p, k, ds, l, tap=None):
@@ -99,7 +114,7 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None, segmen
             return dx_l, dp
         return per_layer(config, l, run)
 
-    if tap is None and not unrolled(config):
+    if tap is None and not (unrolled(config) or (unroll and may_unroll(config))):
         p = blocks if config.remat == "block" else None  # only a recompute reads the params
         dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy,
                                    (p, kept, dstats, jnp.arange(config.n_layers)), reverse=True)
@@ -108,5 +123,6 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None, segmen
     dx = dy
     for l in reversed(range(config.n_layers)):
         ds = None if dstats is None else _layer(dstats, l)
-        dx, dps[l] = step(dx, _layer(blocks, l), kept[l], ds, l, within(tap, f"blocks[{l}].") if tap else None)
+        k = kept[l] if tap else jax.lax.optimization_barrier(kept[l])  # only its residuals, see above
+        dx, dps[l] = step(dx, _layer(blocks, l), k, ds, l, within(tap, f"blocks[{l}].") if tap else None)
     return jax.tree_util.tree_map(lambda *g: jnp.stack(g), *dps), dx

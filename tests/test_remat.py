@@ -73,3 +73,34 @@ def test_recompute_scans_at_any_depth():
     """Unrolled, XLA would merge the recomputed forward with the original and keep the
     residuals; the scan keeps recompute's saving (tests/test_memory.py measures it)."""
     assert remat.unrolled(CONFIG) and not remat.unrolled(CONFIG.replace(remat="block"))
+
+
+DEEP = CONFIG.replace(n_layers=remat.UNROLL_MAX_LAYERS + 1, attention_impl="full")
+
+
+def test_the_gpu_program_unrolls_every_depth_to_the_scans_gradients():
+    """A model deeper than UNROLL_MAX_LAYERS scans on the CPU and a TPU and runs as a Python
+    loop in a program lowered for a GPU (model.unroll_on_gpu): the loop's loss and gradients
+    equal the scan's to float64 rounding, stacked alike."""
+    from manual_grads.model import _value_and_grad
+    from helpers import make_batch
+    params, batch = make_params(DEEP, jnp.float64), make_batch(DEEP, 2, 9, None)
+    scanned, unrolled_ = (jax.jit(lambda p, b, u=u: _value_and_grad(p, b, DEEP, unroll=u))(params, batch)
+                          for u in (False, True))
+    assert jax.tree_util.tree_structure(scanned) == jax.tree_util.tree_structure(unrolled_)
+    assert_trees_close(scanned, unrolled_, rtol=1e-12)
+
+
+@pytest.mark.parametrize("platform,loops", [("cpu", 2), ("tpu", 2), ("cuda", 0)])
+def test_the_layer_loop_follows_the_platform_lowered_for(platform, loops):
+    """jax.export of the manual gradients for each platform: the CPU's and a TPU's programs
+    keep the forward and backward scans (two while loops), a GPU's has none; recompute
+    scans everywhere."""
+    from manual_grads import value_and_grad
+    from helpers import make_batch
+    with jax.enable_x64(False):
+        params, batch = make_params(DEEP, jnp.float32), make_batch(DEEP, 2, 9, None)
+        for config, want in ((DEEP, loops), (DEEP.replace(remat="block"), 2)):
+            exported = jax.export.export(jax.jit(lambda p, b, c=config: value_and_grad(p, b, c)),
+                                         platforms=[platform])(params, batch)
+            assert exported.mlir_module().count("stablehlo.while") == want, (platform, config.remat)
