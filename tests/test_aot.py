@@ -136,7 +136,7 @@ config = ModelConfig.from_dict(json.loads(sys.argv[1]))
 target, todo = sys.argv[2], [aot.Variant(*v[:3], tuple(v[3]) if v[3] else None) for v in json.loads(sys.argv[3])]
 optimizer = make_optimizer(**settings_for("gpt2").optimizer_kwargs())
 out = aot.run(config, todo, [target], optimizer, batch_size=int(sys.argv[4]))
-print(json.dumps({o.variant.name: dict(stage=o.stage, kernels=o.kernels, reason=o.reason,
+print(json.dumps({o.variant.name: dict(stage=o.stage, kernels=o.kernels, reason=o.reason, launches=o.launches,
                                        memory=o.memory and o.memory._asdict()) for o in out}))
 """
 
@@ -154,7 +154,7 @@ def h100_compiler() -> bool:
     return cuda_plugin() is not None or bool(apart)
 
 
-def compiled(target: str, todo) -> dict:
+def compiled(target: str, todo, config=CONFIG, batch: int = B) -> dict:
     """{variant name: outcome} of aot.run compiling ``todo`` for ``target`` in a subprocess
     (JAX_PLATFORMS=cpu: the TPU plugin only compiles; no cloud metadata queries; the CUDA
     plugin's folder on its path where it sits apart)."""
@@ -163,7 +163,7 @@ def compiled(target: str, todo) -> dict:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [CUDA_PLUGIN_DIR, env.get("PYTHONPATH")]))
         # a process with the plugin keeps its CPU executables out of the suite's shared cache
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    args = [json.dumps(CONFIG.to_dict()), target, json.dumps([list(v) for v in todo]), str(B)]
+    args = [json.dumps(config.to_dict()), target, json.dumps([list(v) for v in todo]), str(batch)]
     done = subprocess.run([sys.executable, "-c", COMPILE, *args], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -219,18 +219,44 @@ def test_every_variant_compiles_for_a_tpu_v5e(attention):
     assert max(one[aot.MESH]) < min(one[None]), one
 
 
-def test_pallas_and_a_mesh_compile_for_an_h100():
-    """With JAX's CUDA plugin, XLA compiles for an H100 it does not have (a GPU target
-    config, no GPU opened): the manual step with the four Triton kernels, and a data x
-    fsdp mesh of four H100s."""
+def skip_without_h100_compiler():
     if not h100_compiler():
         pytest.skip("JAX's CUDA plugin is not installed (pip install 'jaxformer[cuda]', or a folder of "
                     "its own named by JAXFORMER_AOT_CUDA_PLUGIN): the GPU compile check needs it; the "
                     "cuda lowering above still runs")
-    todo = [aot.Variant("pallas", "manual", "bfloat16"), aot.Variant("full", "manual", "float32", aot.MESH)]
-    out = compiled("h100", todo)
-    assert all(o["stage"] == "compiled" and o["memory"]["temp"] > 0 for o in out.values()), out
-    assert out["manual_pallas_bf16"]["kernels"] >= 4, out
+
+
+def test_a_mesh_compiles_for_an_h100():
+    """With JAX's CUDA plugin, XLA compiles for an H100 it does not have (a GPU target
+    config, no GPU opened): a data x fsdp mesh of four H100s (the manual step with the
+    Triton kernels at GPT-2's and SmolLM's sizes: test_the_gpu_steps_launches_and_memory)."""
+    skip_without_h100_compiler()
+    out = compiled("h100", [aot.Variant("full", "manual", "float32", aot.MESH)])
+    assert all(o["stage"] == "compiled" and o["memory"]["temp"] > 0 and o["launches"] > 0
+               for o in out.values()), out
+
+
+# The manual + Pallas bf16 step compiled for an H100 at the issue's two shapes (make_optimizer's
+# AdamW with clipping and a cosine schedule; jax 0.10.2): kernels launched per step
+# (launches.py: the layer loops counted per trip) and XLA's temporaries, MiB. Before the layers
+# were unrolled on a GPU they were 1,417 / 3,370 launches and 7,899 / 16,835 MiB (plain AdamW).
+# A change that adds kernels or memory fails here; one that removes them lowers the figures.
+GPU_STEPS = {"gpt2": (16, 1024, 974, 7_278), "smollm": (8, 2048, 2_233, 16_340)}
+
+
+def test_the_gpu_steps_launches_and_memory():
+    """GPT-2 small (B16 T1024) and SmolLM-135M (B8 T2048): the manual step with the four
+    Triton kernels a layer compiles for an H100, and launches no more kernels and plans no
+    more temporaries than GPU_STEPS says (docs/benchmark.md, "Kernels per step")."""
+    skip_without_h100_compiler()
+    for preset, (batch, seq_len, most_launches, most_mib) in GPU_STEPS.items():
+        config = get_preset(preset)
+        assert config.max_seq_len == seq_len
+        o = compiled("h100", [aot.Variant("pallas", "manual", "bfloat16")], config, batch)["manual_pallas_bf16"]
+        assert o["stage"] == "compiled" and o["kernels"] >= 4 * config.n_layers, (preset, o)
+        temp_mib = o["memory"]["temp"] / 2**20
+        assert 0.5 * most_launches < o["launches"] <= most_launches, (preset, o["launches"])
+        assert 0.5 * most_mib < temp_mib <= most_mib, (preset, temp_mib)
 
 
 def test_cudnn_compiles_for_an_h100():
@@ -240,3 +266,62 @@ def test_cudnn_compiles_for_an_h100():
         pytest.skip(f"cuDNN's attention cannot be traced here: {cudnn_problem()}")
     out = compiled("h100", [aot.Variant("cudnn", "auto", "bfloat16")])
     assert out["auto_cudnn_bf16"]["stage"] == "compiled" and out["auto_cudnn_bf16"]["kernels"] == 2, out
+
+
+HLO = """HloModule step
+
+%fused_add (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %add = f32[4]{0} add(f32[4]{0} %p0, f32[4]{0} %p0)
+}
+
+%body (arg: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %arg = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %arg), index=1
+  %f = f32[4]{0} fusion(f32[4]{0} %x), kind=kLoop, calls=%fused_add
+  %g = f32[4]{0} custom-call(f32[4]{0} %f), custom_call_target="__cublas$gemm"
+  %i = s32[] get-tuple-element((s32[], f32[4]{0}) %arg), index=0
+  ROOT %t = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %g)
+}
+
+%cond (arg.1: (s32[], f32[4])) -> pred[] {
+  %arg.1 = (s32[], f32[4]{0}) parameter(0)
+  ROOT %lt = pred[] fusion((s32[], f32[4]{0}) %arg.1), kind=kLoop, calls=%fused_add
+}
+
+%small (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} copy(f32[4]{0} %a)
+}
+
+%large (b: f32[4]) -> f32[4] {
+  %b = f32[4]{0} parameter(0)
+  %c1 = f32[4]{0} copy(f32[4]{0} %b)
+  ROOT %c2 = f32[4]{0} fusion(f32[4]{0} %c1), kind=kLoop, calls=%fused_add
+}
+
+ENTRY %main (x: f32[4], k: s32[]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %k = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(s32[] %zero, f32[4]{0} %x)
+  %w = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %y = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %w), index=1
+  %z = f32[4]{0} bitcast(f32[4]{0} %y)
+  ROOT %r = f32[4]{0} conditional(s32[] %k, f32[4]{0} %z, f32[4]{0} %z), branch_computations={%small, %large}
+}
+"""
+
+
+def test_launches_count_loops_per_trip_and_the_largest_branch():
+    """launches.py on a hand-written program: the loop body's fusion and GEMM 12 times, its
+    condition 13 times, the conditional's larger branch (a copy and a fusion); parameters,
+    constants, tuples, get-tuple-element and bitcasts launch nothing; a fusion's own
+    computation is not walked."""
+    from jaxformer.tools.aot.launches import kinds, launches
+    assert kinds(HLO) == {"fusion": 12 + 13 + 1, "custom-call": 12, "copy": 1}
+    assert launches(HLO) == 39
+    with pytest.raises(ValueError, match="known trip count"):
+        launches(HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', ""))
+    with pytest.raises(ValueError, match="no ENTRY"):
+        launches(HLO.replace("ENTRY ", ""))

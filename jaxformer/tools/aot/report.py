@@ -10,7 +10,8 @@ def describe(o) -> str:
     head = f"{o.variant.name} {o.target} B={o.batch_size}: {o.stage} in {o.seconds:.1f}s"
     if o.memory:
         m = o.memory
-        return (f"{head}, {o.kernels} kernels, temp {m.temp / GiB:.2f} GiB, argument "
+        launched = f", {o.launches:,} launches per step" if o.launches else ""
+        return (f"{head}, {o.kernels} kernels{launched}, temp {m.temp / GiB:.2f} GiB, argument "
                 f"{m.argument / GiB:.2f} GiB, total {m.total / GiB:.2f} GiB")
     return f"{head}: {o.reason}" if o.reason else f"{head}, {o.kernels} kernels"
 

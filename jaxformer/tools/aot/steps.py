@@ -18,7 +18,8 @@ full size ever exists. Two checks, of different strength:
   JAX's CUDA plugin with a GPU target config: JAX 0.10.2 compiles for a GPU it does not
   have (``topologies.get_topology_desc("h100", "cuda", target_config=...)``, deviceless;
   jax[cuda12], no GPU opened). It proves XLA and the kernel compilers (Mosaic, Triton,
-  cuDNN's) take the program, and reads XLA's memory plan (``memory_analysis``).
+  cuDNN's) take the program, and reads XLA's memory plan (``memory_analysis``) and, for
+  the GPU, the kernels the program launches per step (launches.py).
   Without the plugin, the GPU check is the cuda lowering above.
 
 ``largest_batch`` bisects the batch size over compile + memory_analysis against the
@@ -42,6 +43,7 @@ from jax.sharding import AbstractMesh, SingleDeviceSharding
 
 from jaxformer.model.config import ATTENTION_IMPLS, ModelConfig
 from jaxformer.model.params import init_params
+from jaxformer.tools.aot.launches import launches
 from jaxformer.tools.aot.report import describe
 from jaxformer.tools.aot.targets import TARGETS, Target, cudnn_problem, missing, target_devices
 from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_shardings
@@ -114,6 +116,7 @@ class Outcome(NamedTuple):
     memory: Memory | None = None
     reason: str = ""  # why skipped, too big or failed
     batch_size: int = 0
+    launches: int = 0  # kernels the compiled GPU program launches per step (launches.py); 0 otherwise
 
 
 def variant_config(config: ModelConfig, variant: Variant) -> ModelConfig:
@@ -206,8 +209,9 @@ def compile_for(config: ModelConfig, variant: Variant, target: str | Target,
                 raise
             return Outcome(variant, target.name, "too big", time.perf_counter() - start,
                            reason=oom_line(said), batch_size=batch_size)
+    count = launches(compiled.as_text()) if target.platform == "cuda" else 0
     return Outcome(variant, target.name, "compiled", time.perf_counter() - start,
-                   kernel_count(lowered.as_text()), Memory.of(compiled), batch_size=batch_size)
+                   kernel_count(lowered.as_text()), Memory.of(compiled), batch_size=batch_size, launches=count)
 
 
 def oom_line(message: str) -> str:

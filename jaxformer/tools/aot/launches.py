@@ -1,0 +1,112 @@
+"""Kernel launches per step, read from a compiled program's HLO text (``compiled.as_text()``).
+
+A proxy for a GPU step's speed that needs no GPU: XLA's GPU compiler turns a program into
+kernels (fusions, library calls such as cuBLAS's GEMMs and the Triton kernels, copies,
+collectives); every kernel is one more launch and, for the elementwise ones, one more pass
+over HBM. ``launches(text)`` counts them as the device runs them: the instructions of the
+entry computation and of the computations it calls, a while loop's body once per trip (its
+``known_trip_count``), a conditional's largest branch. Bookkeeping instructions that run no
+kernel (parameters, constants, tuples, get-tuple-element, bitcasts) are not counted.
+
+    python -m jaxformer.tools.aot.launches FILE.hlo     prints the count and its kinds
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+
+FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+                  "partition-id", "replica-id", "opt-barrier", "add-dependency"})
+CONTROL = frozenset({"while", "conditional", "call"})
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_OPCODE = re.compile(r"[\]})]\s([a-z][a-z0-9\-]*)\(")  # "f32[2,3]{1,0} fusion(" -> fusion
+
+
+def computations(text: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
+    """({computation: [(opcode, line), ...]}, the entry computation's name) of HLO text."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    current, entry = None, None
+    for line in text.splitlines():
+        if not line.startswith((" ", "}")):
+            m = _COMPUTATION.match(line)
+            if m:
+                current = m.group(2)
+                out[current] = []
+                entry = current if m.group(1) else entry
+            continue
+        if line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            m = _OPCODE.search(line.split(" = ", 1)[1])
+            if m:
+                out[current].append((m.group(1), line))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return out, entry
+
+
+def _called(line: str, *attributes: str) -> list[str]:
+    """The computations an instruction names in ``attributes`` (one name, or a {list})."""
+    names = []
+    for attribute in attributes:
+        m = re.search(rf"\b{attribute}=(\{{[^}}]*\}}|%?[\w.\-]+)", line)
+        if m:
+            names += [n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", m.group(1))]
+    return names
+
+
+def _trips(line: str) -> int:
+    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', line)
+    if m is None:
+        raise ValueError(f"a while loop without a known trip count: {line.strip()[:200]}")
+    return int(m.group(1))
+
+
+def kinds(text: str) -> collections.Counter:
+    """{opcode: kernels launched per run of the program} (fusion, custom-call, copy, ...)."""
+    comps, entry = computations(text)
+    count: collections.Counter = collections.Counter()
+
+    def walk(name: str, times: int, into: collections.Counter) -> None:
+        for opcode, line in comps[name]:
+            if opcode == "while":
+                trips = _trips(line)
+                for body in _called(line, "body"):
+                    walk(body, times * trips, into)
+                for cond in _called(line, "condition"):
+                    walk(cond, times * (trips + 1), into)
+            elif opcode == "conditional":
+                branches = []
+                for branch in _called(line, "branch_computations", "true_computation", "false_computation"):
+                    branches.append(collections.Counter())
+                    walk(branch, times, branches[-1])
+                into.update(max(branches, key=lambda c: sum(c.values()), default=collections.Counter()))
+            elif opcode == "call":
+                for callee in _called(line, "to_apply"):
+                    walk(callee, times, into)
+            elif opcode not in FREE:
+                into[opcode] += times
+
+    walk(entry, 1, count)
+    return count
+
+
+def launches(text: str) -> int:
+    """Kernels launched per run of the compiled program whose HLO text is ``text``."""
+    return sum(kinds(text).values())
+
+
+def main(argv=None) -> int:
+    for path in (argv if argv is not None else sys.argv[1:]):
+        with open(path) as f:
+            found = kinds(f.read())
+        detail = ", ".join(f"{n:,} {op}" for op, n in found.most_common())
+        print(f"{path}: {sum(found.values()):,} kernels per run ({detail})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
