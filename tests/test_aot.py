@@ -21,6 +21,7 @@ import pytest
 from jaxformer.model.attention import cudnn_core
 from jaxformer.model.config import get_preset
 from jaxformer.tools.aot import steps as aot
+from jaxformer.tools.aot.plugin import plugin_dir
 from jaxformer.tools.aot.report import describe, table
 from jaxformer.tools.aot.targets import CUDA_PLUGINS, cuda_plugin, cudnn_problem
 from jaxformer.training.optim import make_optimizer
@@ -141,11 +142,12 @@ print(json.dumps({o.variant.name: dict(stage=o.stage, kernels=o.kernels, reason=
 """
 
 
-# JAX's CUDA plugin may sit apart from this environment, in a folder of its own named by
-# JAXFORMER_AOT_CUDA_PLUGIN (.ci/run: pip install --target DIR): on a machine without a GPU
-# the plugin prints its driver warnings at every start of jax, which would reach the stderr
-# of every command the other tests run. Then only the H100 compiles' subprocess has it.
-CUDA_PLUGIN_DIR = os.environ.get("JAXFORMER_AOT_CUDA_PLUGIN", "")
+# JAX's CUDA plugin may sit apart from this environment, in a folder of its own
+# (``python -m jaxformer.tools.aot.plugin``: .venv/cuda-plugin, or the folder
+# JAXFORMER_AOT_CUDA_PLUGIN names): on a machine without a GPU the plugin prints its driver
+# warnings at every start of jax, which would reach the stderr of every command the other
+# tests run. Then only the H100 compiles' subprocess has it.
+CUDA_PLUGIN_DIR = plugin_dir()
 
 
 def h100_compiler() -> bool:
@@ -221,9 +223,9 @@ def test_every_variant_compiles_for_a_tpu_v5e(attention):
 
 def skip_without_h100_compiler():
     if not h100_compiler():
-        pytest.skip("JAX's CUDA plugin is not installed (pip install 'jaxformer[cuda]', or a folder of "
-                    "its own named by JAXFORMER_AOT_CUDA_PLUGIN): the GPU compile check needs it; the "
-                    "cuda lowering above still runs")
+        pytest.skip("JAX's CUDA plugin is not installed (python -m jaxformer.tools.aot.plugin, or "
+                    "pip install 'jaxformer[cuda]'): the GPU compile check needs it; the cuda lowering "
+                    "above still runs")
 
 
 def test_a_mesh_compiles_for_an_h100():

@@ -1,0 +1,52 @@
+"""JAX's CUDA plugin in a folder of its own, for the H100 compiles on a machine without a GPU.
+
+    python -m jaxformer.tools.aot.plugin [DIR]
+
+installs ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at the installed jax's version (about
+180 MB of wheels: no CUDA libraries, no GPU needed) into DIR, by default ``cuda-plugin`` in
+this environment's prefix (``.venv/cuda-plugin``). Kept apart from the environment's
+packages: installed beside jax, the plugin would print its driver warnings at every start of
+jax on a GPU-less machine. The tests (tests/test_aot.py) and ``plugin_dir()`` find it there,
+or wherever ``JAXFORMER_AOT_CUDA_PLUGIN`` names, and put it on the path of the compiling
+subprocess alone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ENV = "JAXFORMER_AOT_CUDA_PLUGIN"
+PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
+
+
+def default_dir() -> str:
+    return os.path.join(sys.prefix, "cuda-plugin")
+
+
+def plugin_dir() -> str:
+    """The folder the CUDA plugin is installed in apart: $JAXFORMER_AOT_CUDA_PLUGIN, else
+    default_dir() ("" when neither holds the plugin)."""
+    for folder in (os.environ.get(ENV, ""), default_dir()):
+        if folder and os.path.isdir(os.path.join(folder, "jax_plugins")):
+            return folder
+    return os.environ.get(ENV, "")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 or (argv and argv[0].startswith("-")):
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    import jax  # the plugin must match the installed jax exactly
+
+    target = argv[0] if argv else default_dir()
+    wheels = [f"{name}=={jax.__version__}" for name in PACKAGES]
+    print(f"installing {', '.join(wheels)} into {target}")
+    return subprocess.call([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                            "--target", target, *wheels])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
