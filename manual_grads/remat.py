@@ -38,9 +38,11 @@ from manual_grads.tap import within
 # forward is the same expression as the original one, XLA merges the two, and the
 # residuals are kept after all (the memory saving measured 1.0x, tests/test_memory.py);
 # inside the backward scan's body the recompute cannot be merged away.
-# On a GPU every depth runs unrolled (model.py, ``unroll_on_gpu``): there the scan's copies of
-# the stacked residuals and gradients cost 8 ms of a 42 ms GPT-2 step (docs/benchmark.md).
+# On a GPU every depth runs unrolled (model.py, ``unroll_on_gpu``; GPU_UNROLL False keeps the
+# scan there too, for measuring): there the scan's copies of the stacked residuals and
+# gradients cost 8 ms of a 42 ms GPT-2 step (docs/benchmark.md).
 UNROLL_MAX_LAYERS = 4
+GPU_UNROLL = True
 
 
 def unrolled(config: ModelConfig) -> bool:

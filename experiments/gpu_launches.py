@@ -1,0 +1,54 @@
+"""The manual + Pallas bf16 train step compiled for an H100 without one (JAX's CUDA plugin,
+deviceless; ``python -m jaxformer.tools.aot.plugin`` installs it): kernels launched per step
+(jaxformer/tools/aot/launches.py), XLA's temporaries and the compile time, with the layers as
+a GPU program runs them (unrolled) and as a scan (manual_grads.remat.GPU_UNROLL False): the
+figures of docs/benchmark.md, "Kernels per step".
+
+    PYTHONPATH=.venv/cuda-plugin python experiments/gpu_launches.py
+    PYTHONPATH=.venv/cuda-plugin python experiments/gpu_launches.py --shapes gpt2:16:1024 --n-layers 12,30
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin only compiles here
+
+import argparse  # noqa: E402
+
+from jaxformer.model.config import get_preset  # noqa: E402
+from jaxformer.tools.aot import steps as aot  # noqa: E402
+from jaxformer.tools.aot.targets import TARGETS, missing  # noqa: E402
+from jaxformer.training.optim import make_optimizer  # noqa: E402
+from jaxformer.training.settings import settings_for  # noqa: E402
+from manual_grads import remat  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_launches.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="gpt2:16:1024,smollm:8:2048", help="PRESET:BATCH:SEQ_LEN,...")
+    parser.add_argument("--n-layers", default="", help="depths to compile each shape at (default: the preset's)")
+    parser.add_argument("--vocab-size", type=int, default=0, help="default: the preset's")
+    parser.add_argument("--layers", default="unrolled,scan", help="unrolled, scan or both")
+    args = parser.parse_args(argv)
+    if missing(TARGETS["h100"]):
+        parser.error(missing(TARGETS["h100"]))
+    optimizer = make_optimizer(**settings_for("gpt2").optimizer_kwargs())
+    print("| shape | layers | kernels per step | temp MiB | compile s |")
+    print("|---|---|---:|---:|---:|")
+    for shape in args.shapes.split(","):
+        preset, batch, seq_len = shape.split(":")
+        base = get_preset(preset, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
+        for depth in [int(n) for n in args.n_layers.split(",") if n] or [base.n_layers]:
+            config = base.replace(n_layers=depth)
+            for how in args.layers.split(","):
+                remat.GPU_UNROLL = how == "unrolled"
+                o = aot.compile_for(config, aot.Variant("pallas", "manual", "bfloat16"), "h100", optimizer,
+                                    int(batch), int(seq_len))
+                print(f"| {preset} L{depth} B{batch} T{seq_len} V{config.vocab_size} | {how} | {o.launches:,} | "
+                      f"{o.memory.temp / 2**20:,.0f} | {o.seconds:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
