@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from jaxformer.checkpoints import checkpoint
 from jaxformer.cli.main import main
 from helpers import one_line_error
 
@@ -58,7 +59,10 @@ def test_generate_help_lists_only_the_flags_it_accepts(capsys):
 def test_resume_continues_with_the_saved_settings(run_dir, tmp_path, capsys):
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
+    capsys.readouterr()
     assert main(["train", "--out", str(copy), "--resume", "--steps", "5", "--no-progress"]) == 0
+    assert "grads    manual (the hand-derived backward, manual_grads; --grads auto for jax.grad)" \
+        in capsys.readouterr().err  # the default the run was saved with
     steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
     # a differing model is refused, naming the fields
@@ -94,15 +98,47 @@ def test_bad_input_is_one_error_line_and_exit_code_2(args, message, tmp_path, co
     assert message in line, line
 
 
-def test_manual_grads_flag_gives_the_auto_curve(corpus, run_dir, tmp_path):
-    assert main(_train_args(corpus, tmp_path / "m", "--grads", "manual")) == 0
+AUTO_LINE = "grads    auto (jax.grad; --grads manual for the hand-derived backward, manual_grads)"
+
+
+def test_auto_grads_flag_gives_the_manual_curve_and_resumes_with_it(corpus, run_dir, tmp_path, capsys):
+    """--grads auto (jax.grad) trains like the default, the hand-derived backward, and a run
+    saved with it resumes with it: the checkpoint's value wins over the default."""
+    assert main(_train_args(corpus, tmp_path / "a", "--grads", "auto")) == 0
+    assert AUTO_LINE in capsys.readouterr().err
     read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    manual, auto = read(tmp_path / "m"), read(run_dir)
+    auto, manual = read(tmp_path / "a"), read(run_dir)
     assert [r["step"] for r in manual] == [r["step"] for r in auto] == [1, 2, 3]
     for key in ("loss", "grad_norm", "val_loss"):
         a = [r[key] for r in auto if key in r]
         m = [r[key] for r in manual if key in r]
-        np.testing.assert_allclose(m, a, rtol=1e-5, err_msg=key)  # float32 round-off
+        np.testing.assert_allclose(a, m, rtol=1e-5, err_msg=key)  # float32 round-off
+    assert main(["train", "--out", str(tmp_path / "a"), "--resume", "--steps", "4", "--no-progress"]) == 0
+    assert AUTO_LINE in capsys.readouterr().err
+    assert checkpoint.newest_meta(tmp_path / "a")["settings"]["grads"] == "auto"
+    assert 'grads = "auto"' in (tmp_path / "a" / "config.toml").read_text()
+
+
+def test_grads_default_is_manual_and_auto_where_manual_has_no_backward():
+    """The hand-derived backward is the default gradient source. attention_impl cudnn has none:
+    its runs default to jax.grad, and --grads manual with it is refused before any data is read."""
+    from jaxformer.cli import train as cli_train
+    from jaxformer.cli.main import build_parser
+    from jaxformer.training.settings import grads_text
+
+    def settings(*flags):
+        return cli_train.train_settings(build_parser().parse_args(
+            ["train", "--out", "unused", "--preset", "tiny", *flags]))
+
+    assert settings().grads == "manual" and settings("--grads", "auto").grads == "auto"
+    cudnn = ("--attention-impl", "cudnn", "--compute-dtype", "bfloat16")
+    chosen = settings(*cudnn)
+    chosen.validate()
+    assert chosen.grads == "auto"
+    assert grads_text(chosen.grads, chosen.model_config()) == \
+        "auto (jax.grad: attention_impl cudnn has no hand-derived backward)"
+    with pytest.raises(ValueError, match="'cudnn' has no hand-derived backward .* use --grads auto"):
+        settings(*cudnn, "--grads", "manual").validate()
 
 
 def test_help_in_a_subprocess():

@@ -92,6 +92,9 @@ def test_train_prints_settings_data_compile_and_named_speeds(cli_run):
     for field in ("d_model=16", "n_layers=2", "optimizer=adam", "lr=0.01", "steps=4",
                   "batch_size=8", "seq_len=16", "warmup_steps=0", "max_corpus_bytes=6000"):
         assert field in err, field
+    # the gradient source in words, on a line of its own (the default: the hand-derived backward)
+    assert "\ngrads    manual (the hand-derived backward, manual_grads; --grads auto for jax.grad)\n" in err
+    assert "grads=" not in err
     # the data: source, size, the cap and its flag, tokenizer, vocab, token counts
     records = read_metrics(out)
     assert f"corpus   {corpus}: 6,000 bytes read of {size:,} bytes (capped at 6,000 bytes: " \
@@ -184,6 +187,7 @@ def test_presets_table_and_train_help(capsys):
         assert f"  {name}" in out and f"lr={PRESET_TRAINING[name]['lr']}" in out
     assert main(["train", "--help"]) == 0
     help_text = capsys.readouterr().out
+    assert "(default: manual)" in " ".join(help_text.split())  # --grads
     for name, recipe in PRESET_TRAINING.items():
         line = next(x for x in help_text.splitlines() if x.startswith(f"  {name} "))
         for key, value in recipe.items():

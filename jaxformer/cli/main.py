@@ -20,8 +20,8 @@ import jaxformer
 
 DESCRIPTION = """\
 Train a small transformer language model written as pure JAX functions, whose
-gradients come from jax.grad (--grads auto) or from hand-derived backward passes
-(--grads manual), then sample text from it.
+gradients come from hand-derived backward passes (--grads manual, the default) or
+from jax.grad (--grads auto), then sample text from it.
 """
 
 EPILOG = """\
@@ -33,8 +33,8 @@ examples:
   jaxformer train --preset loopos --steps 300 --out runs/loopos
         train the loopos model on the built-in text; the run folder gets
         metrics.jsonl, loss.png and checkpoints/
-  jaxformer train --preset tiny --steps 50 --out runs/tiny --grads manual
-        the same loop with the hand-derived gradients
+  jaxformer train --preset tiny --steps 50 --out runs/tiny --grads auto
+        the same loop with jax.grad's gradients instead of the hand-derived ones
   jaxformer train --out runs/loopos --resume --steps 600
         continue a run from its latest checkpoint (its settings are reused)
   jaxformer generate --run runs/loopos --prompt "The " --max-new-tokens 200

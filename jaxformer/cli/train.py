@@ -49,8 +49,9 @@ examples:
 memory: the train step is compiled before the first step and its memory plan (XLA's
 memory_analysis) checked against the free memory (host RAM on CPU); a step that does not
 fit stops the run with the options that cut it (--ignore-memory-check tries anyway).
-The gpt2 recipe (8 x 1024 tokens, --compute-dtype bfloat16) plans 22.2 GiB on one CPU
-device; with --attention-impl blockwise --loss-chunk 256 --remat block, 3.8 GiB.
+The gpt2 recipe (8 x 1024 tokens, --compute-dtype bfloat16) plans 11.4 GiB on one CPU
+device (--grads auto: 22.2 GiB); with --attention-impl blockwise --loss-chunk 256
+--remat block, 2.3 GiB (--grads auto: 3.8 GiB).
 """
 
 # The flags that are TrainSettings fields of the same name (None when not given).

@@ -30,15 +30,17 @@ def _fields(d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items())
 
 
-def settings_block(settings, config, n_params: int, devices: str, notes=()) -> list[str]:
-    """The resolved model and training settings, every field, a few wrapped lines."""
+def settings_block(settings, config, n_params: int, devices: str, grads: str, notes=()) -> list[str]:
+    """The resolved model and training settings, every field, a few wrapped lines; ``grads``:
+    the gradient source in words (training.settings.grads_text)."""
     lines = [f"model    {settings.preset}: {n_params:,} params ({settings.dtype})"]
     wrap = dict(width=100, initial_indent=" " * 9, subsequent_indent=" " * 9)
     lines += textwrap.wrap(_fields(config.to_dict()), **wrap)
     lines.append("training")
-    train = {k: v for k, v in settings.to_dict().items() if k != "preset"}
+    train = {k: v for k, v in settings.to_dict().items() if k not in ("preset", "grads")}  # own lines
     lines += textwrap.wrap(_fields(train), **wrap)
     lines += [f"         note: {note}" for note in notes]
+    lines.append(f"grads    {grads}")
     lines.append(f"devices  {devices}")
     return lines
 

@@ -45,7 +45,7 @@ from jaxformer.training.diagnose import diagnose_failure
 from jaxformer.training.memory_check import check_run_memory
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
 from jaxformer.training.run_data import RunData, run_data
-from jaxformer.training.settings import TrainSettings, recipe_notes
+from jaxformer.training.settings import TrainSettings, grads_text, recipe_notes
 from jaxformer.training.sharding import check_batch_size, local_rows, make_mesh, put_batch
 from jaxformer.training.stopping import Interrupted, StopRequests
 from jaxformer.training.step import (GradFn, StepSpec, TrainState, check_init_vocab, compiled_eval_step,
@@ -104,7 +104,7 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
                       allow_data_change=allow_data_change, check_memory=check_memory,
                       init_params=init_params)
     if log:
-        _log_settings(log, run.settings, run.config, run.state.params, run.mesh)
+        _log_settings(log, run.settings, run.config, run.state.params, run.mesh, run.spec.grads)
     state, run_log = run_steps(run, progress=progress, log=log)
     return TrainResult(state, run.config, run.data.tokenizer, run_log.records, run.run_dir,
                        run_log.summary())
@@ -305,8 +305,8 @@ def evaluate(eval_fn, params, batches: list) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def _log_settings(log, settings: TrainSettings, config: ModelConfig, params, mesh) -> None:
+def _log_settings(log, settings: TrainSettings, config: ModelConfig, params, mesh, grads) -> None:
     devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s), mesh {dict(mesh.shape)}"
     for line in report.settings_block(settings, config, count_params(params), devices,
-                                      recipe_notes(settings)):
+                                      grads_text(grads, config), recipe_notes(settings)):
         log(line)

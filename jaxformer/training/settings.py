@@ -16,6 +16,7 @@ from jaxformer.observe.words import plural
 from jaxformer.training.fields import check_fields, setting
 from jaxformer.training.optim import DECAY_RULES, OPTIMIZERS, SCHEDULES, make_optimizer
 from jaxformer.training.sharding import parse_mesh
+from manual_grads.attention import CUDNN_REFUSED, MANUAL_CORES
 
 GRAD_SOURCES = ("auto", "manual")
 DTYPES = ("float32", "float64")
@@ -33,8 +34,9 @@ class TrainSettings:
 
     preset: str = setting("tiny", "model shape and training recipe: a key of config.PRESETS")
     model: dict = setting(None, "ModelConfig fields overriding the preset's", factory=dict)
-    grads: str = setting("auto", "gradient source: jax.grad (auto) or the hand-derived backward "
-                         "(manual, manual_grads)", group="", choices=GRAD_SOURCES)
+    grads: str = setting("manual", "gradient source: the hand-derived backward (manual, manual_grads) "
+                         "or jax.grad (auto; --attention-impl cudnn's default: it has no hand-derived "
+                         "backward)", group="", choices=GRAD_SOURCES)
     steps: int = setting(100, "total training steps (optimizer calls) of the run", group="", minimum=1,
                          metavar="N")
     corpus: str = setting("default", '"default" (built-in English text), "stdlib" (Python sources) '
@@ -163,6 +165,8 @@ class TrainSettings:
         if self.seq_len > max_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len "
                              f"{max_len}{' (with the model overrides)' if self.model else ''}")
+        if self.grads == "manual" and self.model_config().attention_impl not in MANUAL_CORES:
+            raise ValueError(CUDNN_REFUSED)  # before any data is read, not when the step is traced
         parse_mesh(self.mesh)  # the syntax; the device count is checked when the mesh is built
         if self.schedule != "constant" and self.warmup_steps >= _updates(self):
             raise ValueError(
@@ -212,9 +216,31 @@ def settings_for(preset: str, **flags) -> TrainSettings:
     values.update({k: v for k, v in flags.items() if v is not None})
     values["preset"] = preset
     values["model"] = dict(values.get("model") or {})
+    values.setdefault("grads", default_grads(preset, values["model"]))
     if flags.get("warmup_steps") is None:
         values["warmup_steps"] = fit_warmup(TrainSettings(**values))
     return TrainSettings(**values)
+
+
+def default_grads(preset: str, model: dict) -> str:
+    """The gradient source of a run that names none: "manual" (the hand-derived backward),
+    "auto" (jax.grad) where there is none: the attention_impl of ``model`` (ModelConfig
+    overrides), else of the preset, is cudnn."""
+    attention_impl = model.get("attention_impl", PRESETS[preset].attention_impl)
+    return "manual" if attention_impl in MANUAL_CORES else "auto"
+
+
+def grads_text(grads, config: ModelConfig) -> str:
+    """The settings block's words for the gradient source ``grads`` (a GRAD_SOURCES name, or
+    the function given to ``train``) of a run of ``config``."""
+    if not isinstance(grads, str):
+        name = getattr(grads, "__name__", "a function")
+        return f"{name} (given to train as grad_fn, in place of settings.grads)"
+    if grads == "manual":
+        return "manual (the hand-derived backward, manual_grads; --grads auto for jax.grad)"
+    if config.attention_impl not in MANUAL_CORES:
+        return f"auto (jax.grad: attention_impl {config.attention_impl} has no hand-derived backward)"
+    return "auto (jax.grad; --grads manual for the hand-derived backward, manual_grads)"
 
 
 def _updates(settings: TrainSettings) -> int:
