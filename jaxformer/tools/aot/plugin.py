@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+import jax  # the plugin must match the installed jax exactly
+
 ENV = "JAXFORMER_AOT_CUDA_PLUGIN"
 PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 
@@ -39,8 +41,6 @@ def main(argv=None) -> int:
     if len(argv) > 1 or (argv and argv[0].startswith("-")):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    import jax  # the plugin must match the installed jax exactly
-
     target = argv[0] if argv else default_dir()
     wheels = [f"{name}=={jax.__version__}" for name in PACKAGES]
     print(f"installing {', '.join(wheels)} into {target}")
