@@ -1,6 +1,7 @@
 """The manual + Pallas bf16 train step compiled for an H100 without one (JAX's CUDA plugin,
 deviceless; ``python -m jaxformer.tools.aot.plugin`` installs it): kernels launched per step
-(jaxformer/tools/aot/launches.py), XLA's temporaries and the compile time, with the layers as
+and the bytes they read and write (jaxformer/tools/aot/launches.py), XLA's temporaries and
+the compile time, with the layers as
 a GPU program runs them (unrolled) and as a scan (manual_grads.remat.GPU_UNROLL False): the
 figures of docs/benchmark.md, "Kernels per step".
 
@@ -34,8 +35,8 @@ def main(argv=None) -> int:
     if missing(TARGETS["h100"]):
         parser.error(missing(TARGETS["h100"]))
     optimizer = make_optimizer(**settings_for("gpt2").optimizer_kwargs())
-    print("| shape | layers | kernels per step | temp MiB | compile s |")
-    print("|---|---|---:|---:|---:|")
+    print("| shape | layers | kernels per step | GiB read + written | temp MiB | compile s |")
+    print("|---|---|---:|---:|---:|---:|")
     for shape in args.shapes.split(","):
         preset, batch, seq_len = shape.split(":")
         base = get_preset(preset, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
                 o = aot.compile_for(config, aot.Variant("pallas", "manual", "bfloat16"), "h100", optimizer,
                                     int(batch), int(seq_len))
                 print(f"| {preset} L{depth} B{batch} T{seq_len} V{config.vocab_size} | {how} | {o.launches:,} | "
-                      f"{o.memory.temp / 2**20:,.0f} | {o.seconds:.1f} |", flush=True)
+                      f"{o.traffic / 2**30:.1f} | {o.memory.temp / 2**20:,.0f} | {o.seconds:.1f} |", flush=True)
     return 0
 
 

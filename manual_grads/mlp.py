@@ -2,6 +2,7 @@
 of jaxformer/model/mlp.py's ``feed_forward`` and ``gated_feed_forward``.
 
     plain: h = x @ w_in + b_in;  a = act(h);  y = a @ w_out + b_out
+    (under a compute dtype the (..., F) residuals are kept in it: activations.py)
     gated: [gate | up] = x @ [w_gate | w_up] + [b_gate | b_up];  a = act(gate);  m = a * up;
            y = m @ w_down + b_down
 
@@ -18,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.mlp import gate_up_weights
-from manual_grads.activations import activation_bwd, activation_fwd
+from jaxformer.model.precision import cast, upcast
+from manual_grads.activations import activation_bwd, activation_fwd, activation_value
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 
@@ -33,9 +35,8 @@ class FeedForwardRes(NamedTuple):
 
 class GatedFeedForwardRes(NamedTuple):
     inp: LinearRes  # x (..., D), [w_gate | w_up] (D, 2F)
-    act: NamedTuple  # (..., F): the gate's activation's residual
-    a: jax.Array  # (..., F) act(gate), float32 or wider
-    up: jax.Array  # (..., F) x @ w_up + b_up
+    act: NamedTuple  # (..., F): the gate's activation's residual (the backward recomputes act(gate) from it)
+    up: jax.Array  # (..., F) x @ w_up + b_up, in the compute dtype (float32 or wider without one)
     out: LinearRes  # act(gate) * up (..., F), w_down (F, D)
     lora_in: AdaptedRes | None = None  # the LoRA adapters' of [w_gate | w_up]; None: none
     lora_out: AdaptedRes | None = None  # of w_down
@@ -49,7 +50,7 @@ def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
         return gated_feed_forward_fwd(p, x, activation_name, compute_dtype)
     h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype)  # (..., F)
     h, lora_in = adapted_fwd(p, ("w_in",), x, h, compute_dtype)  # + LoRA's
-    a, act_res = activation_fwd(activation_name, h)  # (..., F)
+    a, act_res = activation_fwd(activation_name, h, compute_dtype)  # (..., F)
     y, out_res = linear_fwd(_lin(p, "out"), a, compute_dtype)  # (..., D)
     y, lora_out = adapted_fwd(p, ("w_out",), a, y, compute_dtype)  # + LoRA's
     return y, FeedForwardRes(inp_res, act_res, out_res, lora_in, lora_out)
@@ -78,10 +79,11 @@ def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     gu, inp_res = linear_fwd({"w": w} if b is None else {"w": w, "b": b}, x, compute_dtype)  # (..., 2F)
     gu, lora_in = adapted_fwd(p, ("w_gate", "w_up"), x, gu, compute_dtype)  # + LoRA's
     gate, up = jnp.split(gu, 2, axis=-1)  # (..., F) each
-    a, act_res = activation_fwd(activation_name, gate)  # (..., F)
+    a, act_res = activation_fwd(activation_name, gate, compute_dtype)  # (..., F)
     y, out_res = linear_fwd(_lin(p, "down"), a * up, compute_dtype)  # (..., D): m = a * up
     y, lora_out = adapted_fwd(p, ("w_down",), a * up, y, compute_dtype)  # + LoRA's
-    return y, GatedFeedForwardRes(inp_res, act_res, a, up, out_res, lora_in, lora_out)
+    up = cast(up, compute_dtype)  # kept as the products keep their inputs
+    return y, GatedFeedForwardRes(inp_res, act_res, up, out_res, lora_in, lora_out)
 
 
 def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
@@ -89,7 +91,8 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
     d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
     dl_out, dm_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(m) A) B
     dm = add_dx(dm, dm_lora)
-    da, dup = dm * res.up, dm * res.a  # m = a * up
+    a = activation_value(res.act, dm.dtype)  # act(gate), recomputed
+    da, dup = dm * upcast(res.up), dm * a  # m = a * up
     dgate = activation_bwd(res.act, da)  # a = act(gate)
     dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(gu)  (..., 2F)
     d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]

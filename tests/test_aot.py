@@ -320,9 +320,12 @@ def test_launches_count_loops_per_trip_and_the_largest_branch():
     condition 13 times, the conditional's larger branch (a copy and a fusion); parameters,
     constants, tuples, get-tuple-element and bitcasts launch nothing; a fusion's own
     computation is not walked."""
-    from jaxformer.tools.aot.launches import kinds, launches
+    from jaxformer.tools.aot.launches import kinds, launches, traffic
     assert kinds(HLO) == {"fusion": 12 + 13 + 1, "custom-call": 12, "copy": 1}
     assert launches(HLO) == 39
+    # bytes: the body's fusion and GEMM read and write f32[4] (32 bytes) 12 times, the condition
+    # reads a (s32[], f32[4]) tuple and writes a pred 13 times, the larger branch copies and adds
+    assert traffic(HLO) == 12 * (32 + 32) + 13 * (4 + 16 + 1) + (32 + 32)
     with pytest.raises(ValueError, match="known trip count"):
         launches(HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', ""))
     with pytest.raises(ValueError, match="no ENTRY"):

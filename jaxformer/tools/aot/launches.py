@@ -7,13 +7,18 @@ over HBM. ``launches(text)`` counts them as the device runs them: the instructio
 entry computation and of the computations it calls, a while loop's body once per trip (its
 ``known_trip_count``), a conditional's largest branch. Bookkeeping instructions that run no
 kernel (parameters, constants, tuples, get-tuple-element, bitcasts) are not counted.
+``traffic(text)`` adds up the bytes each launch reads and writes (its operands' and its
+result's shapes, as the HLO prints them): a second proxy, for the memory-bound kernels. It
+counts whole operands, so a fusion that reads a slice of a buffer or updates one in place (a
+scan's stacked residuals) counts the whole buffer: compare programs of one structure with it.
 
-    python -m jaxformer.tools.aot.launches FILE.hlo     prints the count and its kinds
+    python -m jaxformer.tools.aot.launches FILE.hlo     prints the count, its kinds and bytes
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import re
 import sys
 
@@ -23,6 +28,9 @@ CONTROL = frozenset({"while", "conditional", "call"})
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _OPCODE = re.compile(r"[\]})]\s([a-z][a-z0-9\-]*)\(")  # "f32[2,3]{1,0} fusion(" -> fusion
+_SHAPE = re.compile(r"\b(pred|[a-z]+?)(\d*)\[([\d,]*)\]")  # "bf16[16,1024]" -> bf, 16, "16,1024"
+_ATTRIBUTES = re.compile(r", (?:kind|calls|custom_call_target|backend_config|metadata|to_apply|"
+                         r"slice|dimensions|replica_groups|channel_id|index)=")
 
 
 def computations(text: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
@@ -65,33 +73,53 @@ def _trips(line: str) -> int:
     return int(m.group(1))
 
 
-def kinds(text: str) -> collections.Counter:
-    """{opcode: kernels launched per run of the program} (fusion, custom-call, copy, ...)."""
-    comps, entry = computations(text)
-    count: collections.Counter = collections.Counter()
+def _bytes(line: str) -> int:
+    """The bytes of the shapes an instruction line names before its attributes: its result
+    and its operands."""
+    total = 0
+    for kind, bits, dims in _SHAPE.findall(_ATTRIBUTES.split(line.split(" = ", 1)[1])[0]):
+        width = 1 if kind == "pred" else int(bits or 8) // 8
+        total += width * math.prod(int(d) for d in dims.split(",") if d)
+    return total
 
-    def walk(name: str, times: int, into: collections.Counter) -> None:
+
+def _walk(text: str) -> tuple[collections.Counter, collections.Counter]:
+    """({opcode: launches per run}, {opcode: bytes read and written per run})."""
+    comps, entry = computations(text)
+
+    def walk(name: str, times: int, count: collections.Counter, moved: collections.Counter) -> None:
         for opcode, line in comps[name]:
             if opcode == "while":
                 trips = _trips(line)
                 for body in _called(line, "body"):
-                    walk(body, times * trips, into)
+                    walk(body, times * trips, count, moved)
                 for cond in _called(line, "condition"):
-                    walk(cond, times * (trips + 1), into)
+                    walk(cond, times * (trips + 1), count, moved)
             elif opcode == "conditional":
                 branches = []
                 for branch in _called(line, "branch_computations", "true_computation", "false_computation"):
-                    branches.append(collections.Counter())
-                    walk(branch, times, branches[-1])
-                into.update(max(branches, key=lambda c: sum(c.values()), default=collections.Counter()))
+                    branches.append((collections.Counter(), collections.Counter()))
+                    walk(branch, times, *branches[-1])
+                if branches:
+                    most = max(branches, key=lambda b: sum(b[0].values()))
+                    count.update(most[0])
+                    moved.update(most[1])
             elif opcode == "call":
                 for callee in _called(line, "to_apply"):
-                    walk(callee, times, into)
+                    walk(callee, times, count, moved)
             elif opcode not in FREE:
-                into[opcode] += times
+                count[opcode] += times
+                moved[opcode] += times * _bytes(line)
 
-    walk(entry, 1, count)
-    return count
+    count: collections.Counter = collections.Counter()
+    moved: collections.Counter = collections.Counter()
+    walk(entry, 1, count, moved)
+    return count, moved
+
+
+def kinds(text: str) -> collections.Counter:
+    """{opcode: kernels launched per run of the program} (fusion, custom-call, copy, ...)."""
+    return _walk(text)[0]
 
 
 def launches(text: str) -> int:
@@ -99,12 +127,18 @@ def launches(text: str) -> int:
     return sum(kinds(text).values())
 
 
+def traffic(text: str) -> int:
+    """Bytes the program's kernels read and write per run (each launch's operands and result)."""
+    return sum(_walk(text)[1].values())
+
+
 def main(argv=None) -> int:
     for path in (argv if argv is not None else sys.argv[1:]):
         with open(path) as f:
-            found = kinds(f.read())
+            found, moved = _walk(f.read())
         detail = ", ".join(f"{n:,} {op}" for op, n in found.most_common())
-        print(f"{path}: {sum(found.values()):,} kernels per run ({detail})")
+        print(f"{path}: {sum(found.values()):,} kernels per run ({detail}); "
+              f"{sum(moved.values()) / 2**30:.2f} GiB read and written")
     return 0
 
 
