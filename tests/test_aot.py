@@ -238,12 +238,13 @@ def test_a_mesh_compiles_for_an_h100():
                for o in out.values()), out
 
 
-# The manual + Pallas bf16 step compiled for an H100 at the two shapes (make_optimizer's
-# AdamW with clipping and a cosine schedule; jax 0.10.2): kernels launched per step
-# (launches.py: the layer loops counted per trip) and XLA's temporaries, MiB. Before the layers
-# were unrolled on a GPU they were 1,417 / 3,370 launches and 7,899 / 16,835 MiB (plain AdamW).
-# A change that adds kernels or memory fails here; one that removes them lowers the figures.
-GPU_STEPS = {"gpt2": (16, 1024, 974, 7_278), "smollm": (8, 2048, 2_233, 16_340)}
+# The manual + Pallas bf16 step compiled for an H100 at GPT-2 small's and SmolLM's shapes
+# (make_optimizer's AdamW with clipping and a cosine schedule; jax 0.10.2): kernels launched per
+# step (launches.py: the layer loops counted per trip) and XLA's temporaries, MiB. Before the
+# layers were unrolled on a GPU and the activation residual kept in bfloat16 they were 1,431 /
+# 3,385 launches and 7,899 / 16,836 MiB (experiments/gpu_launches.py prints them). A change
+# that adds kernels or memory fails here; one that removes them lowers the figures.
+GPU_STEPS = {"gpt2": (16, 1024, 974, 6_207), "smollm": (8, 2048, 2_263, 10_621)}
 
 
 def test_the_gpu_steps_launches_and_memory():
@@ -258,7 +259,7 @@ def test_the_gpu_steps_launches_and_memory():
         assert o["stage"] == "compiled" and o["kernels"] >= 4 * config.n_layers, (preset, o)
         temp_mib = o["memory"]["temp"] / 2**20
         assert 0.5 * most_launches < o["launches"] <= most_launches, (preset, o["launches"])
-        assert 0.5 * most_mib < temp_mib <= most_mib, (preset, temp_mib)
+        assert 0.5 * most_mib < round(temp_mib) <= most_mib, (preset, temp_mib)
 
 
 def test_cudnn_compiles_for_an_h100():
