@@ -4,10 +4,10 @@ Each residual type names its activation, so ``activation_bwd(res, dy)`` needs
 no name: the backward of a residual is ``ACTIVATION_BWD[type(res)]``.
 Activations have no parameters: a backward returns dx alone.
 
-Under a compute dtype (bfloat16) the forward keeps its residual in that dtype, as the
-products keep their inputs (the largest residual of a block, (B, T, d_ff), in half the
-bytes: one pass less over HBM each way); the backward computes the derivative in the
-cotangent's dtype (float32) from it. float32 and float64 runs keep it as computed.
+Under a 16-bit compute dtype (bfloat16) the forward keeps its residual in that dtype
+(``precision.kept``: the largest residual of a block, (B, T, d_ff), in half the bytes);
+the backward computes the derivative in the cotangent's dtype (float32) from it. float32
+and float64 runs keep it as computed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.activations import ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C
-from jaxformer.model.precision import cast
+from jaxformer.model.precision import kept
 
 
 class GeluRes(NamedTuple):
@@ -136,9 +136,9 @@ def activation_value(res, dtype):
 
 def activation_fwd(name: str, x, compute_dtype=None):
     """The activation called ``name`` (a ModelConfig.activation) of x (...); its residual
-    kept in ``compute_dtype`` (None: as computed)."""
+    kept as ``precision.kept`` says for ``compute_dtype``."""
     y, res = ACTIVATION_FWD[name](x)
-    return y, type(res)(*(cast(v, compute_dtype) for v in res))
+    return y, type(res)(*(kept(v, compute_dtype) for v in res))
 
 
 def activation_bwd(res, dy):

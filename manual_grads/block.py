@@ -30,6 +30,7 @@ from typing import NamedTuple
 from jaxformer.model.block import input_norms, output_norms
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, sub_key
+from jaxformer.model.precision import kept
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
@@ -44,10 +45,14 @@ from manual_grads.tap import tap_backward, tap_forward
 
 
 def norm_fwd(p, x, config: ModelConfig):
-    """The norm config.norm_type names (the model's ``pick_norm``): x (..., D) -> y, res."""
+    """The norm config.norm_type names (the model's ``pick_norm``): x (..., D) -> y, res; the
+    normalized x kept as ``precision.kept`` says (bfloat16 under a bfloat16 compute dtype:
+    the backward reads it in float32)."""
     if config.norm_type == "rms":
-        return rms_norm_fwd(p, x, config.ln_eps, config.norm_offset)
-    return layer_norm_fwd(p, x, config.ln_eps)
+        y, res = rms_norm_fwd(p, x, config.ln_eps, config.norm_offset)
+    else:
+        y, res = layer_norm_fwd(p, x, config.ln_eps)
+    return y, res._replace(xhat=kept(res.xhat, config.compute_dtype))  # bfloat16 under its policy
 
 
 def norm_bwd(res, dy):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.mlp import gate_up_weights
-from jaxformer.model.precision import cast, upcast
+from jaxformer.model.precision import kept, upcast
 from manual_grads.activations import activation_bwd, activation_fwd, activation_value
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
@@ -82,7 +82,7 @@ def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     a, act_res = activation_fwd(activation_name, gate, compute_dtype)  # (..., F)
     y, out_res = linear_fwd(_lin(p, "down"), a * up, compute_dtype)  # (..., D): m = a * up
     y, lora_out = adapted_fwd(p, ("w_down",), a * up, y, compute_dtype)  # + LoRA's
-    up = cast(up, compute_dtype)  # kept as the products keep their inputs
+    up = kept(up, compute_dtype)  # bfloat16 under a bfloat16 policy (precision.kept)
     return y, GatedFeedForwardRes(inp_res, act_res, up, out_res, lora_in, lora_out)
 
 

@@ -24,6 +24,16 @@ def cast(x, compute_dtype):
     return x if compute_dtype is None else x.astype(compute_dtype)
 
 
+def kept(x, compute_dtype):
+    """A residual that a backward reads and no product does (a norm's normalized input, an
+    activation's input), as the manual forward keeps it: in the compute dtype where that is
+    a 16-bit float (bfloat16: half the bytes to write and read back), else as computed, so
+    float32 and float64 runs keep full precision."""
+    if compute_dtype is None or jnp.dtype(compute_dtype).itemsize >= 4:
+        return x
+    return x.astype(compute_dtype)
+
+
 def matmul(a, b, compute_dtype=None):
     """a @ b with both inputs cast to ``compute_dtype`` and the product accumulated and
     returned in stats_dtype of the inputs' own dtype (float32 for float32 or bfloat16
