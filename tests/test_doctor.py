@@ -2,18 +2,23 @@
 what it checked and what it could not (the compiled kernels, cuDNN), states each
 measurement against its bound, ends with the verdict, writes the same as JSON and exits
 0; with a wrong kernel backward and wrong manual gradients it names those checks failed
-and exits 1."""
+and exits 1; a training run that does not learn fails; the checks' programs compile with
+their options (CHECK_COMPILE_OPTIONS), and without one the compiler does not know."""
 
 import contextlib
 import io
 import json
+import re
 
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
 import manual_grads
 from jaxformer.cli.main import main
 from jaxformer.kernels.pallas import entry as pallas_entry
+from jaxformer.tools.doctor import checks
 
 VERDICT = "doctor: 8 checks passed, 0 failed, 3 not checked on cpu"
 
@@ -73,6 +78,9 @@ def test_quick_report_states_the_measurements_and_their_bounds(healthy):
     assert grads["values"]["tolerance"] == 1e-4 and len(grads["values"]["rel"]) == 20  # every leaf
     losses = checks["full, manual grads"]["values"]["losses"]
     assert len(losses) == 20 and losses[-1] < 0.9 * losses[0]
+    runs = ("full, manual grads", "blockwise, manual grads", "pallas (interpret mode), manual grads")
+    firsts = [checks[name]["values"]["losses"][0] for name in runs]
+    assert max(firsts) - min(firsts) < 1e-6, firsts  # every run starts from the same params
     assert checks["manual_full"]["values"]["mfu"] > 0 and "  MFU peak: " in text
 
 
@@ -105,3 +113,46 @@ def test_a_wrong_kernel_backward_and_wrong_manual_gradients_fail(tmp_path, monke
 def test_bad_flags_are_one_error_line(capsys):
     assert main(["doctor", "--seed", "-1"]) == 2
     assert capsys.readouterr().err.startswith("error: argument --seed: expected an integer >= 0")
+
+
+def test_a_training_run_that_does_not_learn_fails(monkeypatch):
+    """Adam climbing the loss (a negated learning rate, as a wrong-signed gradient would):
+    the run fails, its losses named."""
+    monkeypatch.setattr(checks, "train_impls", lambda platform: [("full", "manual", None)])
+    monkeypatch.setattr(checks, "make_optimizer", lambda name, lr: optax.adam(-lr))
+    (run, cudnn) = checks.training_checks("cpu", seed=0)
+    assert (run.name, run.status) == ("full, manual grads", "failed"), run
+    assert re.fullmatch(r"loss \d\.\d{3} -> \d+\.\d{3} in 20 steps; not 10% below the first", run.detail)
+    assert run.values["losses"][-1] > run.values["losses"][0]
+    assert cudnn.status == "not checked"
+
+
+class Spy:
+    """A lowered program that records the options of each compile before compiling."""
+
+    def __init__(self):
+        self.lowered = jax.jit(lambda x: 2 * x).lower(jnp.ones(3, jnp.float32))
+        self.options = []
+
+    def compile(self, options=None):
+        self.options.append(options)
+        return self.lowered.compile(options)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_the_checks_compile_with_their_options(platform):
+    """This XLA takes the options of a CPU and of a GPU on the first try (a GPU's are
+    settings a CPU keeps and ignores)."""
+    spy = Spy()
+    assert checks.compile_check(spy, platform)(jnp.ones(3, jnp.float32)).tolist() == [2.0] * 3
+    assert spy.options == [checks.CHECK_COMPILE_OPTIONS[platform]]
+
+
+def test_an_option_the_compiler_does_not_know_is_dropped_and_other_errors_are_raised(monkeypatch):
+    spy = Spy()
+    monkeypatch.setitem(checks.CHECK_COMPILE_OPTIONS, "cpu", {"xla_no_such_option": 1})
+    assert checks.compile_check(spy, "cpu")(jnp.ones(3, jnp.float32)).tolist() == [2.0] * 3
+    assert spy.options == [{"xla_no_such_option": 1}, None]
+    monkeypatch.setitem(checks.CHECK_COMPILE_OPTIONS, "cpu", {"xla_backend_optimization_level": "fast"})
+    with pytest.raises(Exception, match="not a valid int32"):  # the options reach XLA
+        checks.compile_check(Spy(), "cpu")

@@ -22,8 +22,8 @@ DESCRIPTION = ("Check this install on the device JAX sees and print one report: 
 
 EPILOG = """\
 examples:
-  jaxformer doctor                          (every check; a few minutes on a 2-core CPU)
-  jaxformer doctor --quick                  (tiny shapes, one bench round: about a minute)
+  jaxformer doctor                          (every check; under a minute on a 2-core CPU)
+  jaxformer doctor --quick                  (tiny shapes, one bench round: about 30 s)
   jaxformer doctor --out runs/doctor.json   (the report as JSON too)
 """
 

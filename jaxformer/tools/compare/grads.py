@@ -247,6 +247,22 @@ def _block_rows(leaves: list) -> list:
     return list(blocks.values())
 
 
+def judge(loss_m, grads_m, loss_a, grads_a, tol: float, loss_ref: float | None = None,
+          grads_ref=None) -> tuple[dict, list, list]:
+    """(loss, leaves, failures): the manual loss and gradients against autodiff's, each leaf
+    within ``tol``; with a reference (``loss_ref``, ``grads_ref``: mixed precision) by
+    mixed_precision_passed instead. ``failures`` has one line per failing leaf or loss."""
+    failures = []
+    loss = _loss_check(float(loss_m), float(loss_a), tol, loss_ref)
+    if not loss["passed"]:
+        failures.append(f"loss: manual {loss['manual']:.9e} vs autodiff {loss['auto']:.9e}, "
+                        f"rel {loss['rel']:.2e} > tolerance {tol:.0e}" if loss_ref is None else
+                        f"loss: error vs reference {loss['manual_ref_rel']:.2e} > "
+                        f"{MIXED_FACTOR:g} x autodiff's {loss['auto_ref_rel']:.2e}")
+    leaves = _leaf_rows(grads_a, grads_m, grads_ref, tol, failures)
+    return loss, leaves, failures
+
+
 def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeats: int = 5,
                    fd: bool = False, fd_directions: int = FD_DIRECTIONS, seed: int = 0,
                    manual_fn: GradFn | None = None, auto_fn: GradFn | None = None) -> PresetReport:
@@ -276,14 +292,7 @@ def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeat
             params, batch, config.replace(compute_dtype=None))
         loss_ref = float(loss_ref)
 
-    failures = []
-    loss = _loss_check(float(loss_m), float(loss_a), tol, loss_ref)
-    if not loss["passed"]:
-        failures.append(f"loss: manual {loss['manual']:.9e} vs autodiff {loss['auto']:.9e}, "
-                        f"rel {loss['rel']:.2e} > tolerance {tol:.0e}" if not mixed else
-                        f"loss: error vs reference {loss['manual_ref_rel']:.2e} > "
-                        f"{MIXED_FACTOR:g} x autodiff's {loss['auto_ref_rel']:.2e}")
-    leaves = _leaf_rows(grads_a, grads_m, grads_ref, tol, failures)
+    loss, leaves, failures = judge(loss_m, grads_m, loss_a, grads_a, tol, loss_ref, grads_ref)
     fd_result = None
     if fd:
         exact = dtype == "float64" and not mixed  # grads_m is then the float64 gradient

@@ -3,16 +3,21 @@ returning ``Check`` rows: passed, failed, or not checked (and why).
 
 - kernels (kernel_checks.py): the attention cores against the full layer's core, forward
   and gradients; on a GPU or a TPU the Pallas kernels compiled, on a GPU cuDNN's too.
-- gradients: manual_grads against jax.grad on a small GPT-2-shaped model
-  (compare.run_comparison, per-leaf relative error against check.tolerance_for).
+- gradients: manual_grads against jax.grad on a small GPT-2-shaped model, the params
+  drawn and both gradients taken in one program (compare.judge: per-leaf relative error
+  against check.tolerance_for).
 - training: TRAIN_STEPS steps of the tiny preset per attention implementation the
-  device has (training/step.py's factory, manual gradients; cuDNN has only jax.grad).
+  device has (training/step.py's factory, manual gradients; cuDNN has only jax.grad),
+  from the same params.
 - bench: a few rounds of tools/bench/run.py's benchmark, tokens/s and MFU (observe/flops.py).
 
 Relative errors are norm ratios, ``||got - ref|| / ||ref||`` per array
 (manual_grads.check.compare_trees). Float32 comparisons run under
 ``jax.default_matmul_precision("highest")``: XLA's default on a GPU rounds float32
 products to TF32 (10-bit mantissa), far coarser than the float32 tolerances here.
+
+Nearly all of the doctor's time is XLA compiling, so the checks compile few programs, and
+compile them for their values (``compile_check``: CHECK_COMPILE_OPTIONS), not for speed.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig, get_preset
-from jaxformer.model.params import init_params
+from jaxformer.model.params import count_params, init_params
 from jaxformer.tools.bench import run as bench
 from jaxformer.tools.compare import grads as compare
 from jaxformer.tools.bench.contestants import error_line
 from jaxformer.tools.compare.leaves import error_rank
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.step import grad_source, init_state, make_train_step
+from manual_grads import check
 
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not checked"
 NO_CUDNN = "no GPU (cuDNN's fused attention runs only on a GPU)"
@@ -40,6 +46,20 @@ TRAIN_STEPS = 20
 # batch goes from 5.54 to 2.46 (-55%) with every implementation; one that does not learn
 # (a zero or wrong-signed gradient) stays at or above its first loss.
 TRAIN_DROP = 0.1
+
+# The checks judge values, not speed, and nearly all of their time is XLA compiling: their
+# programs compile with the options below, which change how long XLA works on a program, not
+# what it computes. On a GPU, autotuning off: at its default (level 4) XLA builds, times and
+# cross-checks every candidate kernel of each matrix product; at 0 it takes its default
+# kernel for the same product at the same precision. On a CPU, XLA's optimization passes and
+# fusion emitters off, as the test suite compiles (tests/conftest.py): the gradient check's
+# program then compiles in 3.2 s instead of 11.5 s, its worst leaf 5.3e-7 instead of 4.4e-7.
+# The bench section, which judges speed, compiles as `train` does.
+CHECK_COMPILE_OPTIONS = {
+    "gpu": {"xla_gpu_autotune_level": 0},
+    "cpu": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+            "xla_cpu_use_fusion_emitters": False},
+}
 
 
 class Check(NamedTuple):
@@ -65,6 +85,20 @@ def worst(rels: dict) -> tuple[str, float]:
     return name, rels[name]
 
 
+def compile_check(lowered, platform: str):
+    """``lowered`` compiled with the platform's CHECK_COMPILE_OPTIONS; without them where
+    the compiler refuses one by name (an XLA that no longer has it)."""
+    options = CHECK_COMPILE_OPTIONS.get(platform)
+    if not options:
+        return lowered.compile()
+    try:
+        return lowered.compile(options)
+    except Exception as e:  # noqa: BLE001 - only the refusal of an option is retried
+        if "No such compile option" not in str(e):
+            raise
+        return lowered.compile()
+
+
 # ----------------------------------------------------------------------------
 # manual gradients against jax.grad
 
@@ -86,29 +120,45 @@ def shape_text(config: ModelConfig, B: int, T: int) -> str:
             f"V{config.vocab_size}, B{B} T{T}")
 
 
+def both_gradients(config: ModelConfig):
+    """(key, batch) -> ((loss, grads) of manual_grads, (loss, grads) of jax.grad), the
+    params drawn from ``key`` (init_params, float32): one program, so one compile where
+    drawing the params and the two sources apart took three."""
+    manual_fn = compare.manual_value_and_grad()
+
+    def both(key, batch):
+        params = init_params(key, config, jnp.float32)
+        return manual_fn(params, batch, config), compare.autodiff_value_and_grad(params, batch, config)
+
+    return both
+
+
 def gradient_checks(platform: str, quick: bool, seed: int) -> list[Check]:
-    """compare.run_comparison of manual_grads.value_and_grad with jax.grad: float32,
-    matmul precision highest, every leaf within check.tolerance_for("float32")."""
+    """manual_grads.value_and_grad against jax.grad (both_gradients), float32, matmul
+    precision highest: the loss and every leaf within check.tolerance_for("float32")
+    (compare.judge, as compare-grads judges)."""
     config, B, T = gpt2_shaped(platform, quick)
     name = "manual vs jax.grad, float32"
+    key, batch = jax.random.PRNGKey(seed), compare.make_batch(config, B, T, seed)
     with jax.default_matmul_precision("highest"):
-        params = init_params(jax.random.PRNGKey(seed), config, jnp.float32)
-        batch = compare.make_batch(config, B, T, seed)
-        r = compare.run_comparison(config, params, batch, name="gpt2-shaped", repeats=1, seed=seed)
-    errors = {row["path"]: row["rel"] for row in r.leaves}
-    if not errors:  # the trees differ in structure: compare names the leaves
-        return [Check("gradients", name, FAILED, "; ".join(r.failures))]
+        lowered = jax.jit(both_gradients(config)).lower(key, batch)
+    (loss_m, grads_m), (loss_a, grads_a) = jax.device_get(compile_check(lowered, platform)(key, batch))
+    tol = check.tolerance_for("float32")
+    loss, leaves, failures = compare.judge(loss_m, grads_m, loss_a, grads_a, tol)
+    errors = {row["path"]: row["rel"] for row in leaves}
+    if not errors:  # the trees differ in structure: judge names the leaves
+        return [Check("gradients", name, FAILED, "; ".join(failures))]
     at, rel = worst(errors)
-    over = [row for row in r.leaves if not row["passed"]]
-    detail = (f"worst leaf rel {rel:.1e} ({at}) {'<=' if rel <= r.tolerance else '>'} "
-              f"{r.tolerance:.0e} over {len(errors)} leaves; loss rel {r.loss['rel']:.1e}")
+    over = [row for row in leaves if not row["passed"]]
+    detail = (f"worst leaf rel {rel:.1e} ({at}) {'<=' if rel <= tol else '>'} "
+              f"{tol:.0e} over {len(errors)} leaves; loss rel {loss['rel']:.1e}")
     if over:
         names = ", ".join(row["path"] for row in over[:3]) + (", ..." if len(over) > 3 else "")
         detail += f"; {len(over)} of {len(errors)} leaves over ({names})"
-    elif not r.passed:
-        detail += f"; {r.failures[0]}"
-    values = {"rel": errors, "tolerance": r.tolerance, "loss": r.loss, "n_params": r.n_params}
-    return [Check("gradients", name, PASSED if r.passed else FAILED, detail, values)]
+    elif failures:
+        detail += f"; {failures[0]}"
+    values = {"rel": errors, "tolerance": tol, "loss": loss, "n_params": count_params(grads_a)}
+    return [Check("gradients", name, FAILED if failures else PASSED, detail, values)]
 
 
 # ----------------------------------------------------------------------------
@@ -128,15 +178,13 @@ def train_config() -> tuple[ModelConfig, int, int]:
     return get_preset("tiny", attention_block=8), 8, 16
 
 
-def train_once(impl: str, grads: str, compute_dtype: str | None, seed: int) -> list[float]:
-    """The losses of TRAIN_STEPS steps (adam, lr 1e-2, the tiny preset's recipe) on one
-    corpus batch, from make_train_step with grad_source(grads)."""
-    config, B, T = train_config()
-    config = config.replace(attention_impl=impl, compute_dtype=compute_dtype)
+def train_once(config: ModelConfig, grads: str, params, batch: dict, seed: int, platform: str) -> list[float]:
+    """The losses of TRAIN_STEPS steps (adam, lr 1e-2, the tiny preset's recipe) of
+    make_train_step with grad_source(grads) on ``batch``, from ``params`` (host arrays: the
+    step donates its state, so each run starts from its own device copy)."""
     optimizer = make_optimizer("adam", lr=1e-2)
-    step = make_train_step(grad_source(grads, config), optimizer)
-    state = init_state(init_params(jax.random.PRNGKey(seed), config, jnp.float32), optimizer, seed)
-    batch = compare.make_batch(config, B, T, seed)
+    state = init_state(jax.device_put(params), optimizer, seed)
+    step = compile_check(make_train_step(grad_source(grads, config), optimizer).lower(state, batch), platform)
     losses = []
     for _ in range(TRAIN_STEPS):
         state, metrics = step(state, batch)
@@ -145,15 +193,23 @@ def train_once(impl: str, grads: str, compute_dtype: str | None, seed: int) -> l
 
 
 def training_checks(platform: str, seed: int) -> list[Check]:
-    """One check per attention implementation: every loss finite, the last at least
-    TRAIN_DROP below the first."""
-    out = []
+    """One check per attention implementation (train_once), all from the same params and
+    batch (drawn once: the attention implementation does not change them): every loss
+    finite, the last at least TRAIN_DROP below the first."""
+    config, B, T = train_config()
+    params = jax.device_get(init_params(jax.random.PRNGKey(seed), config, jnp.float32))
+    batch = compare.make_batch(config, B, T, seed)
+    runs = {}
     for impl, grads, dtype in train_impls(platform):
         mode = " (interpret mode)" if impl == "pallas" and platform == "cpu" else ""
         name = f"{impl}{mode}, {grads} grads" + (f", {dtype}" if dtype else "")
+        runs[name] = config.replace(attention_impl=impl, compute_dtype=dtype), grads
 
-        def run(impl=impl, grads=grads, dtype=dtype, name=name):
-            losses = train_once(impl, grads, dtype, seed)
+    out = []
+    for name, (run_config, grads) in runs.items():
+
+        def judge(name=name, run_config=run_config, grads=grads):
+            losses = train_once(run_config, grads, params, batch, seed, platform)
             finite = all(math.isfinite(x) for x in losses)
             ok = finite and losses[-1] <= (1 - TRAIN_DROP) * losses[0]
             detail = f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
@@ -164,7 +220,7 @@ def training_checks(platform: str, seed: int) -> list[Check]:
                 detail += f"; not {TRAIN_DROP:.0%} below the first"
             return [Check("training", name, PASSED if ok else FAILED, detail, {"losses": losses})]
 
-        out += judged("training", name, run)
+        out += judged("training", name, judge)
     if platform != "gpu":
         out.append(Check("training", "cudnn", NOT_CHECKED, NO_CUDNN))
     return out
@@ -176,14 +232,16 @@ def training_checks(platform: str, seed: int) -> list[Check]:
 
 def bench_settings(platform: str, quick: bool, seed: int) -> bench.Settings:
     """A short benchmark: tiny with ``quick``; loopos on a CPU (full attention, manual and
-    jax.grad); on an accelerator GPT-2 small in bfloat16 with the fused attentions."""
+    jax.grad); on an accelerator GPT-2 small in bfloat16, manual gradients with the Pallas
+    kernels (its compile is most of the section's time, so one contestant: cuDNN is checked
+    for values in the kernels and training sections, and raced in `jaxformer bench`)."""
     if quick:
         config, B, T, rounds, steps, cpu_matmul, attention = get_preset("tiny"), 2, 8, 1, 1, 256, ("full",)
     elif platform == "cpu":
         config, B, T, rounds, steps, cpu_matmul, attention = get_preset("loopos"), 8, 64, 3, 2, 1024, ("full",)
     else:
-        attention = ("pallas", "cudnn") if platform == "gpu" else ("pallas",)
         config, B, T, rounds, steps, cpu_matmul = get_preset("gpt2", compute_dtype="bfloat16"), 8, 1024, 3, 5, 1024
+        attention = ("pallas",)
     return bench.Settings(config=config, batch_size=B, seq_len=T, rounds=rounds, steps=steps, warmup=1,
                           depths=None, torch=False, torch_compile=False, cpu_matmul=cpu_matmul,
                           torch_threads=None, seed=seed, attention=attention)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.model.cores import AttentionSpec, cudnn, flash, full, repeat_kv
-from jaxformer.tools.doctor.checks import FAILED, NO_CUDNN, NOT_CHECKED, PASSED, Check, judged, worst
+from jaxformer.tools.doctor.checks import (FAILED, NO_CUDNN, NOT_CHECKED, PASSED, Check, compile_check,
+                                           judged, worst)
 from manual_grads import check
 
 # Relative error allowed for a kernel's output and gradients against full attention in
@@ -80,10 +81,11 @@ def core_vjp(core, q, k, v, do):
     return {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_core(core, inputs) -> tuple[dict, str]:
-    """(core_vjp's arrays on the host, the lowered program's text), one compile."""
+def run_core(core, inputs, platform: str) -> tuple[dict, str]:
+    """(core_vjp's arrays on the host, the lowered program's text), one compile
+    (checks.compile_check)."""
     lowered = jax.jit(functools.partial(core_vjp, core)).lower(*inputs)
-    return jax.device_get(lowered.compile()(*inputs)), lowered.as_text()
+    return jax.device_get(compile_check(lowered, platform)(*inputs)), lowered.as_text()
 
 
 def attention_inputs(s: KernelShape, seed: int) -> tuple:
@@ -128,9 +130,9 @@ def kernel_checks(platform: str, quick: bool, seed: int) -> list[Check]:
     if not compiled:
         out.append(Check("kernels", "pallas compiled kernels", NOT_CHECKED, NO_PALLAS))
     with jax.default_matmul_precision("highest"):
-        ref, _ = run_core(full_core, inputs)
+        ref, _ = run_core(full_core, inputs, platform)
         full_bf16 = worst(rels(ref, run_core(functools.partial(full_core, compute_dtype="bfloat16"),
-                                             inputs)[0]))[1]
+                                             inputs, platform)[0]))[1]
         yardstick = f"; full attention in bfloat16: {full_bf16:.1e}"
         for dtype in ("float32", "bfloat16"):
             name = f"pallas {dtype} ({mode})"
@@ -138,7 +140,7 @@ def kernel_checks(platform: str, quick: bool, seed: int) -> list[Check]:
             def pallas(dtype=dtype, name=name):
                 core = functools.partial(pallas_core, compute_dtype=None if dtype == "float32" else dtype,
                                          block_q=s.block_q, block_k=s.block_k)
-                got, text = run_core(core, inputs)
+                got, text = run_core(core, inputs, platform)
                 calls = (platform, text.count(KERNEL_CALLS[platform])) if compiled else None
                 return [kernel_verdict(name, rels(ref, got), KERNEL_TOL[dtype],
                                        yardstick if dtype == "bfloat16" else "", calls)]
@@ -146,7 +148,7 @@ def kernel_checks(platform: str, quick: bool, seed: int) -> list[Check]:
             out += judged("kernels", name, pallas)
         if platform == "gpu":
             out += judged("kernels", "cudnn bfloat16", lambda: [kernel_verdict(
-                "cudnn bfloat16", rels(ref, run_core(cudnn_core, inputs)[0]), KERNEL_TOL["bfloat16"],
+                "cudnn bfloat16", rels(ref, run_core(cudnn_core, inputs, platform)[0]), KERNEL_TOL["bfloat16"],
                 yardstick)])
         else:
             out.append(Check("kernels", "cudnn bfloat16", NOT_CHECKED, NO_CUDNN))

@@ -1,7 +1,7 @@
 """``jaxformer doctor``: check this install on the device JAX sees, in one report.
 
-    jaxformer doctor              # a few minutes on a 2-core CPU
-    jaxformer doctor --quick      # tiny shapes, about a minute
+    jaxformer doctor              # under a minute on a 2-core CPU
+    jaxformer doctor --quick      # tiny shapes, about 30 s
 
 Four sections of checks (checks.py, kernel_checks.py), run on device 0 in turn, each a list of
 checks that passed, failed or could not be run here (with the reason):
