@@ -1,38 +1,117 @@
 #!/usr/bin/env bash
-# The checks to run first on a GPU machine, in one go: the machine and versions, `jaxformer doctor`
-# (every check; its JSON report too), then the GPU contest of docs/benchmark.md
-# (`jaxformer bench --preset gpt2 --compute-dtype bfloat16 --batch-size 16 --seq-len 1024`).
+# The checks to run first on a GPU machine, in one call of at most 8 minutes on one H100 or
+# H200: the machine and versions, `jaxformer doctor` (every check; its JSON report too), the
+# GPU contest of docs/benchmark.md at GPT-2 small's shape and at SmolLM-135M's, one more row
+# at GPT-2's real vocabulary, and 60 training steps at each shape (their tokens/s).
 #
 #   bash experiments/gpu_checks.sh [OUT_DIR]      (default runs/gpu)
 #
-# Each step has its own time limit (DOCTOR_S, BENCH_S seconds) so that one slow step leaves the
-# others their turn; the logs, doctor.json and the bench's folder (report.md, report.json,
-# bench.png) go to OUT_DIR: seven files.
-# It installs nothing from the network: the project goes in with `pip install --no-deps -e .`
-# (its dependencies must already be there, as on a CUDA image with JAX, PyTorch, optax, chex, orbax).
+# Steps, in order, each with its own time limit in seconds (environment variable = default):
+#
+#   machine        MACHINE_S=45         nvidia-smi, Python, JAX and its devices, PyTorch, cores, load
+#   doctor         DOCTOR_S=90          jaxformer doctor --out OUT_DIR/doctor.json
+#   bench_gpt2     BENCH_GPT2_S=120     gpt2 bf16 B16 T1024, --attention full,pallas,cudnn, PyTorch
+#                                       eager and torch.compile (the contest of docs/benchmark.md)
+#   bench_vocab    BENCH_VOCAB_S=80     the same shape with --vocab-size 50304 (GPT-2's 50257 tokens
+#                                       padded to 64), pallas and cudnn against PyTorch
+#   train_gpt2     TRAIN_GPT2_S=70      jaxformer train, gpt2 bf16 B16 T1024, pallas, TRAIN_STEPS=60 steps
+#   bench_smollm   BENCH_SMOLLM_S=150   smollm bf16 B8 T2048, --attention full,pallas,cudnn, PyTorch
+#   train_smollm   TRAIN_SMOLLM_S=100   jaxformer train, smollm bf16 B8 T2048, pallas, 60 steps
+#
+# and all of them under one deadline, TOTAL_S=470: a step gets the smaller of its own limit
+# and the time left (less 10 s for the kill below), and is skipped when fewer than MIN_S=20
+# seconds are left. A step past its limit gets SIGTERM, then SIGKILL 5 s later, and the next
+# one starts. So the call ends within 8 minutes (480 s) even when a step hangs, and a slow
+# step costs the later ones their time, never the whole run.
+#
+# The benches' time goes to compiling (a GPU's manual step unrolls its layers: SmolLM's 30
+# compile for longer), so they time few steps: BENCH_ROUNDS=3 interleaved rounds of
+# BENCH_STEPS=5 after BENCH_WARMUP=2 at GPT-2's shape, SMOLLM_ROUNDS=2 rounds of
+# SMOLLM_STEPS=3 after 1 at SmolLM's (the contest's defaults: 7, 5, 3), and they leave out
+# the compile-time-vs-depth check (GPT2_DEPTHS=2,12 puts it back at GPT-2's shape). Each
+# training run logs every 10 steps, validates once at the end on one batch and writes one
+# checkpoint, at the end; its summary line gives the steady-state tokens/s. The order lets
+# each training run use the Pallas launch its bench tuned (the launch table in
+# ~/.cache/jaxformer).
+#
+# OUT_DIR gets steps.txt (each step's exit code and seconds; 124 or 137: it hit its limit),
+# one log per step, doctor.json, the benches' folders (report.md, report.json, bench.png)
+# and the training runs' folders (metrics.jsonl, config.toml, loss.png, the checkpoint).
+# It installs nothing: the source tree goes on PYTHONPATH, and the project's dependencies
+# must already be there (a CUDA image with JAX, optax, chex, orbax; PyTorch for its
+# contestants, which the bench leaves out, saying so, where it is missing).
+#
+# DOCTOR_EXTRA, BENCH_EXTRA and TRAIN_EXTRA are appended to every doctor, bench and train
+# command (a flag given twice takes its last value): a dry run of every step on a CPU is
+#
+#   TOTAL_S=1200 DOCTOR_EXTRA=--quick TRAIN_STEPS=2 \
+#     BENCH_EXTRA="--batch-size 2 --seq-len 64 --n-layers 1 --no-torch-compile" \
+#     TRAIN_EXTRA="--batch-size 2 --seq-len 64 --n-layers 1" bash experiments/gpu_checks.sh /tmp/gpu-dry
 set -uo pipefail
 out=${1:-runs/gpu}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PY=$py PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+TOTAL_S=${TOTAL_S:-470}
+MIN_S=${MIN_S:-20}
+steps=${TRAIN_STEPS:-60}
+rounds=(--rounds "${BENCH_ROUNDS:-3}" --steps "${BENCH_STEPS:-5}" --warmup "${BENCH_WARMUP:-2}")
+smollm_rounds=(--rounds "${SMOLLM_ROUNDS:-2}" --steps "${SMOLLM_STEPS:-3}" --warmup 1)
+gpt2=(--preset gpt2 --compute-dtype bfloat16 --batch-size 16 --seq-len 1024)
+smollm=(--preset smollm --compute-dtype bfloat16 --batch-size 8 --seq-len 2048)
+train=(--attention-impl pallas --steps "$steps" --corpus default --eval-batches 1 --ckpt-every 0
+       --keep-checkpoints 1 --log-every 10 --no-progress)
+read -ra doctor_extra <<< "${DOCTOR_EXTRA:-}"
+read -ra bench_extra <<< "${BENCH_EXTRA:-}"
+read -ra train_extra <<< "${TRAIN_EXTRA:-}"
+: > "$out/steps.txt"
 
-{
+step() {  # step NAME LIMIT_S command...: run it under its limit, its output in OUT_DIR/NAME.log
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  local left=$((TOTAL_S - SECONDS - 10))
+  if ((left < MIN_S)); then
+    echo "$name: skipped, $((TOTAL_S - SECONDS)) s left of TOTAL_S=$TOTAL_S" | tee -a "$out/steps.txt"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "== $name (limit $limit s, at $SECONDS s): $*"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  rc=${PIPESTATUS[0]}
+  echo "$name: exit $rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$out/steps.txt"
+}
+
+machine() {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv || true
-  "$py" -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices(), [d.device_kind for d in jax.devices()])"
-  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" || true
-  nproc; uptime
-} 2>&1 | tee "$out/machine.txt"
+  "$PY" -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__,
+'jaxlib', jaxlib.__version__); print(jax.devices(), [d.device_kind for d in jax.devices()])"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" || true
+  nproc; uptime; df -h . | tail -1
+}
+export -f machine
+step machine "${MACHINE_S:-45}" bash -c machine
 
-"$py" -m pip install -q --no-deps --no-build-isolation -e . >/tmp/jaxformer-install.log 2>&1 \
-  || { echo "pip install -e . failed (/tmp/jaxformer-install.log); running from the source tree"; export PYTHONPATH=$PWD; }
+step doctor "${DOCTOR_S:-90}" "$py" -m jaxformer doctor --out "$out/doctor.json" \
+  ${doctor_extra[@]+"${doctor_extra[@]}"}
 
-echo "== jaxformer doctor"
-timeout "${DOCTOR_S:-240}" "$py" -m jaxformer doctor --out "$out/doctor.json" 2>&1 | tee "$out/doctor.log"
-echo "doctor exit ${PIPESTATUS[0]}"
+step bench_gpt2 "${BENCH_GPT2_S:-120}" "$py" -m jaxformer bench "${gpt2[@]}" --attention full,pallas,cudnn \
+  "${rounds[@]}" --depths "${GPT2_DEPTHS:-none}" --out "$out/bench_gpt2" ${bench_extra[@]+"${bench_extra[@]}"}
 
-echo "== jaxformer bench (gpt2, bfloat16, B16 T1024)"
-timeout "${BENCH_S:-300}" "$py" -m jaxformer bench --preset gpt2 --compute-dtype bfloat16 \
-  --batch-size 16 --seq-len 1024 --out "$out/bench" 2>&1 | tee "$out/bench.log"
-echo "bench exit ${PIPESTATUS[0]}"
+step bench_vocab "${BENCH_VOCAB_S:-80}" "$py" -m jaxformer bench "${gpt2[@]}" --vocab-size 50304 \
+  --attention pallas,cudnn "${rounds[@]}" --depths none --out "$out/bench_vocab" \
+  ${bench_extra[@]+"${bench_extra[@]}"}
+
+rm -rf "$out/train_gpt2" "$out/train_smollm"  # this script's own runs of a previous call
+step train_gpt2 "${TRAIN_GPT2_S:-70}" "$py" -m jaxformer train "${gpt2[@]}" "${train[@]}" \
+  --out "$out/train_gpt2" ${train_extra[@]+"${train_extra[@]}"}
+
+step bench_smollm "${BENCH_SMOLLM_S:-150}" "$py" -m jaxformer bench "${smollm[@]}" --attention full,pallas,cudnn \
+  "${smollm_rounds[@]}" --depths none --out "$out/bench_smollm" ${bench_extra[@]+"${bench_extra[@]}"}
+
+step train_smollm "${TRAIN_SMOLLM_S:-100}" "$py" -m jaxformer train "${smollm[@]}" "${train[@]}" \
+  --out "$out/train_smollm" ${train_extra[@]+"${train_extra[@]}"}
+
+echo "== done in $SECONDS s"
+cat "$out/steps.txt"
 uptime

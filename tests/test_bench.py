@@ -197,6 +197,7 @@ def _error_line(capsys, code):
     (["--quick", "--n-layers", "0"], "ModelConfig.n_layers must be a positive integer"),
     (["--quick", "--rounds", "0"], "expected a positive integer"),
     (["--quick", "--depths", "2"], "expected two positive layer counts"),
+    (["--quick", "--vocab-size", "0"], "expected a positive integer"),
     (["--quick", "--attention", "full,flash"], "unknown attention 'flash'"),
     (["--quick", "--attention", "full", "--attention-impl", "pallas"], "not also --attention-impl"),
     (["--quick", "--shapes", "width=4"], "unknown field 'width'"),
@@ -338,6 +339,17 @@ def test_parse_shapes_and_the_grid_order():
 def test_bad_shapes(text, message):
     with pytest.raises(ValueError, match=message):
         bench_sweep.parse_shapes(text)
+
+
+def test_vocab_size_and_no_depth_check():
+    """--vocab-size sets the model's vocabulary (the preset's otherwise); --depths none
+    leaves the compile-time-vs-depth check out, which the default runs."""
+    parse = lambda *argv: settings_from_args(build_parser().parse_args(["--preset", "gpt2", *argv]))  # noqa: E731
+    s = parse("--vocab-size", "50304", "--depths", "none")
+    assert (s.config.vocab_size, s.config.d_model, s.depths) == (50304, 768, None)
+    s = parse()
+    assert (s.config.vocab_size, s.depths) == (256, (2, 24))
+    assert parse("--depths", "2,12").depths == (2, 12)
 
 
 def test_point_settings_keep_gpt_ratio_and_room_for_the_sequence():

@@ -30,6 +30,9 @@ examples:
   jaxformer bench --preset loopos                       (B16 T64, writes runs/bench)
   jaxformer bench --preset gpt2 --compute-dtype bfloat16 --batch-size 16 --seq-len 1024
                                                         (the GPU contest: every contestant)
+  jaxformer bench --preset gpt2 --compute-dtype bfloat16 --batch-size 16 --seq-len 1024 \
+      --vocab-size 50304 --attention pallas,cudnn --depths none
+                                                        (GPT-2's vocabulary, padded to 64)
   jaxformer bench --preset loopos --attention full,pallas --no-torch-compile
   jaxformer bench --shapes "d_model=64,128,256,512,768 seq_len=64,256,1024" --out runs/sweep
                                                         (one row per shape; bench_sweep.png)
@@ -40,14 +43,17 @@ examples:
 SWEEP_DEFAULTS = {"rounds": 3, "steps": 2, "warmup": 1}
 
 
-def depths(text: str) -> tuple[int, int]:
-    """argparse type of --depths: two positive layer counts, "L1,L2"."""
+def depths(text: str) -> tuple[int, ...]:
+    """argparse type of --depths: two positive layer counts, "L1,L2"; "none": no check (the
+    empty tuple)."""
+    if text == "none":
+        return ()
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer counts, got {text!r}") from None
     if len(values) != 2 or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected two positive layer counts like 2,24, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected two positive layer counts like 2,24 (or none), got {text!r}")
     return tuple(values)
 
 
@@ -76,7 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, metavar="N", help="steps per contestant per round (default 5)")
     p.add_argument("--warmup", type=positive_int, metavar="N", help="untimed steps after compiling (default 3)")
     p.add_argument("--depths", type=depths, metavar="L1,L2",
-                   help="n_layers of the compile-time-vs-depth check (default 2,24)")
+                   help="n_layers of the compile-time-vs-depth check (default 2,24; none: no check, "
+                        "whose compiles of the full-attention gradients a deep model pays for)")
+    p.add_argument("--vocab-size", type=positive_int, metavar="V",
+                   help="vocabulary of the model and the random batch (default: the preset's; 256 "
+                        "for --preset gpt2, whose real 50257 tokens nanoGPT pads to 50304)")
     p.add_argument("--attention", type=attention_list, metavar="LIST",
                    help=f"attention implementations to race, comma-separated from "
                         f"{','.join(ATTENTION_CHOICES)} (manual grads: full, blockwise, pallas; "
@@ -131,11 +141,18 @@ def settings_from_args(args: argparse.Namespace) -> bench.Settings:
     quick, sweep = args.quick, args.shapes is not None
     preset = args.preset or ("tiny" if quick else "loopos")
     overrides = {k: v for k, v in model_overrides(args).items() if k != "attention_impl"}
+    if args.vocab_size:
+        overrides["vocab_size"] = args.vocab_size
     config = get_preset(preset, **overrides)
     seq_len = args.seq_len or (8 if quick else config.max_seq_len)
     if seq_len > config.max_seq_len and not (sweep and "seq_len" in args.shapes):
         raise ValueError(f"seq_len {seq_len} exceeds max_seq_len {config.max_seq_len} "
                          f"(pass --max-seq-len {seq_len})")
+
+    if args.depths is not None:
+        depth_check = args.depths or None  # "none" reads as ()
+    else:
+        depth_check = None if sweep else (1, 2) if quick else (2, 24)
 
     def pick(name, normal, quick_value):
         value = getattr(args, name)
@@ -146,7 +163,7 @@ def settings_from_args(args: argparse.Namespace) -> bench.Settings:
     return bench.Settings(
         config=config, batch_size=args.batch_size or (2 if quick else 16), seq_len=seq_len,
         rounds=pick("rounds", 7, 1), steps=pick("steps", 5, 1), warmup=pick("warmup", 3, 1),
-        depths=args.depths or (None if sweep else (1, 2) if quick else (2, 24)), torch=not args.no_torch,
+        depths=depth_check, torch=not args.no_torch,
         torch_compile=not (args.no_torch or args.no_torch_compile or quick),
         cpu_matmul=256 if quick else 2048, torch_threads=args.torch_threads, seed=args.seed,
         attention=attention_from_args(args),
