@@ -18,7 +18,8 @@ experts', so its MFU is the active-parameter MFU) against the device's peak in t
 dtype, compile time, and
 for JAX XLA's memory analysis of the compiled step; for the full-attention gradient
 functions, compile time at two depths (beyond manual_grads.remat.UNROLL_MAX_LAYERS
-layers the blocks run under lax.scan, so it should not grow with depth). ``run(settings)`` returns the report dict that
+layers the blocks run under lax.scan on a CPU and a TPU, so it should not grow with depth
+there; a GPU's manual step runs them unrolled, and its compile time grows with depth). ``run(settings)`` returns the report dict that
 ``bench_report`` writes as report.json, report.md and bench.png; the command line is
 ``jaxformer.cli.bench``.
 """
