@@ -194,9 +194,10 @@ def test_every_variant_compiles_for_a_tpu_v5e(attention):
     and mesh values) for a v5e chip (the mesh ones for four),
     Mosaic kernels included, and XLA's memory plan is sane: the arguments are the state and the batch
     (fsdp=2 halves them on each chip), the donated state is written in place (aliased),
-    and the manual backward's scratch is positive. At this size jax.grad's temporaries
-    all fit in the chip's VMEM (temp 0 bytes of HBM), so manual vs jax.grad is compared at
-    GPT-2's size in docs/benchmark.md, not here."""
+    and the scratch is never negative. At this size the temporaries may all fit in the
+    chip's VMEM (temp 0 bytes of HBM: jax.grad's, and the manual blockwise step's since its
+    backward reads its residuals through an optimization barrier), so manual vs jax.grad is
+    compared at GPT-2's size in docs/benchmark.md, not here."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jaxformer[tpu]'): the TPU compile check needs it")
     todo = [aot.Variant(attention, *row) for row in PAIRWISE]
@@ -215,8 +216,6 @@ def test_every_variant_compiles_for_a_tpu_v5e(attention):
         assert state_bytes / share <= memory["argument"] <= 1.05 * state_bytes / share + batch_bytes
         assert 0.99 * state_bytes / share <= memory["alias"] <= memory["argument"], (v.name, memory)
         assert memory["temp"] >= 0 and memory["code"] > 0, (v.name, memory)
-        if v.grads == "manual":
-            assert memory["temp"] > 0, (v.name, memory)
         one.setdefault(v.mesh, []).append(memory["argument"])
     assert max(one[aot.MESH]) < min(one[None]), one
 
