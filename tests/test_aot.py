@@ -195,9 +195,9 @@ def test_every_variant_compiles_for_a_tpu_v5e(attention):
     Mosaic kernels included, and XLA's memory plan is sane: the arguments are the state and the batch
     (fsdp=2 halves them on each chip), the donated state is written in place (aliased),
     and the scratch is never negative. At this size the temporaries may all fit in the
-    chip's VMEM (temp 0 bytes of HBM: jax.grad's, and the manual blockwise step's since its
-    backward reads its residuals through an optimization barrier), so manual vs jax.grad is
-    compared at GPT-2's size in docs/benchmark.md, not here."""
+    chip's VMEM (temp 0 bytes of HBM: jax.grad's, and since 2026-11-27 the manual blockwise
+    float32 step's), so manual vs jax.grad is compared at GPT-2's size in docs/benchmark.md,
+    not here."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jaxformer[tpu]'): the TPU compile check needs it")
     todo = [aot.Variant(attention, *row) for row in PAIRWISE]
