@@ -45,7 +45,7 @@ from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads import remat
-from manual_grads.remat import blocks_bwd, blocks_fwd, may_unroll, unrolled
+from manual_grads.remat import blocks_bwd, blocks_fwd, python_loop
 from manual_grads.softcap import softcap_bwd, softcap_fwd
 from manual_grads.tap import tap_backward, tap_forward
 
@@ -110,7 +110,7 @@ def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_
     validate_params(params, config)
     check_precision(params, config)
     compose = functools.partial(_value_and_grad, config=config, key=key, tap=tap, with_stats=with_stats)
-    if tap is None and not unrolled(config) and may_unroll(config) and remat.GPU_UNROLL:
+    if remat.GPU_UNROLL and python_loop(config, unroll=True) and not python_loop(config, tap):
         return unroll_on_gpu(compose, params, batch)
     return compose(params, batch)
 

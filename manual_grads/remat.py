@@ -51,10 +51,11 @@ def unrolled(config: ModelConfig) -> bool:
     return (config.n_layers <= UNROLL_MAX_LAYERS or mixed(config)) and config.remat == "none"
 
 
-def may_unroll(config: ModelConfig) -> bool:
-    """Whether the blocks may run as a Python loop when asked (remat "none": a recompute
-    always scans, see above)."""
-    return config.remat == "none"
+def python_loop(config: ModelConfig, tap=None, unroll: bool = False) -> bool:
+    """Whether blocks_fwd / blocks_bwd run the layers as a Python loop: under a ``tap``, for
+    a shallow model (``unrolled``), and where the caller asks (``unroll``) with remat "none"
+    (a recompute always scans, see above)."""
+    return tap is not None or unrolled(config) or (unroll and config.remat == "none")
 
 
 def _layer(blocks, l):
@@ -83,7 +84,7 @@ def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None, segments=None
             return y, ((x if config.remat == "block" else res), stats)
         return per_layer(config, l, run)
 
-    if tap is None and not (unrolled(config) or (unroll and may_unroll(config))):
+    if not python_loop(config, tap, unroll):
         x, (kept, stats) = jax.lax.scan(lambda x, xs: step(x, *xs), x, (blocks, jnp.arange(config.n_layers)))
     else:
         kept, stats = [], []
@@ -116,7 +117,7 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None, segmen
             return dx_l, dp
         return per_layer(config, l, run)
 
-    if tap is None and not (unrolled(config) or (unroll and may_unroll(config))):
+    if not python_loop(config, tap, unroll):
         p = blocks if config.remat == "block" else None  # only a recompute reads the params
         dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy,
                                    (p, kept, dstats, jnp.arange(config.n_layers)), reverse=True)

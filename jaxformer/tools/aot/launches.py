@@ -24,7 +24,6 @@ import sys
 
 FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
                   "partition-id", "replica-id", "opt-barrier", "add-dependency"})
-CONTROL = frozenset({"while", "conditional", "call"})
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _OPCODE = re.compile(r"[\]})]\s([a-z][a-z0-9\-]*)\(")  # "f32[2,3]{1,0} fusion(" -> fusion
@@ -83,8 +82,9 @@ def _bytes(line: str) -> int:
     return total
 
 
-def _walk(text: str) -> tuple[collections.Counter, collections.Counter]:
-    """({opcode: launches per run}, {opcode: bytes read and written per run})."""
+def tally(text: str) -> tuple[collections.Counter, collections.Counter]:
+    """({opcode: launches per run}, {opcode: bytes read and written per run}): one walk of the
+    program for both counts."""
     comps, entry = computations(text)
 
     def walk(name: str, times: int, count: collections.Counter, moved: collections.Counter) -> None:
@@ -119,7 +119,7 @@ def _walk(text: str) -> tuple[collections.Counter, collections.Counter]:
 
 def kinds(text: str) -> collections.Counter:
     """{opcode: kernels launched per run of the program} (fusion, custom-call, copy, ...)."""
-    return _walk(text)[0]
+    return tally(text)[0]
 
 
 def launches(text: str) -> int:
@@ -129,13 +129,13 @@ def launches(text: str) -> int:
 
 def traffic(text: str) -> int:
     """Bytes the program's kernels read and write per run (each launch's operands and result)."""
-    return sum(_walk(text)[1].values())
+    return sum(tally(text)[1].values())
 
 
 def main(argv=None) -> int:
     for path in (argv if argv is not None else sys.argv[1:]):
         with open(path) as f:
-            found, moved = _walk(f.read())
+            found, moved = tally(f.read())
         detail = ", ".join(f"{n:,} {op}" for op, n in found.most_common())
         print(f"{path}: {sum(found.values()):,} kernels per run ({detail}); "
               f"{sum(moved.values()) / 2**30:.2f} GiB read and written")

@@ -43,7 +43,7 @@ from jax.sharding import AbstractMesh, SingleDeviceSharding
 
 from jaxformer.model.config import ATTENTION_IMPLS, ModelConfig
 from jaxformer.model.params import init_params
-from jaxformer.tools.aot.launches import launches, traffic
+from jaxformer.tools.aot.launches import tally
 from jaxformer.tools.aot.report import describe
 from jaxformer.tools.aot.targets import TARGETS, Target, cudnn_problem, missing, target_devices
 from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_shardings
@@ -210,10 +210,10 @@ def compile_for(config: ModelConfig, variant: Variant, target: str | Target,
                 raise
             return Outcome(variant, target.name, "too big", time.perf_counter() - start,
                            reason=oom_line(said), batch_size=batch_size)
-    text = compiled.as_text() if target.platform == "cuda" else ""
+    count, moved = tally(compiled.as_text()) if target.platform == "cuda" else ({}, {})
     return Outcome(variant, target.name, "compiled", time.perf_counter() - start,
                    kernel_count(lowered.as_text()), Memory.of(compiled), batch_size=batch_size,
-                   launches=launches(text) if text else 0, traffic=traffic(text) if text else 0)
+                   launches=sum(count.values()), traffic=sum(moved.values()))
 
 
 def oom_line(message: str) -> str:
