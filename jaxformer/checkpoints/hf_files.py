@@ -3,7 +3,7 @@ the weights (``model.safetensors``, a sharded ``model.safetensors.index.json`` o
 ``pytorch_model.bin``), a hub id to download, and the one error type.
 
     resolve_source(spec) -> Path               a local folder, or a hub id downloaded
-    read_config_json(folder) -> dict
+    read_config_json(folder) -> dict           (a quantization_config refused by name)
     read_tensors(folder) -> {name: np.ndarray}
     with config_errors(): ...                  config.json's values read: what fails, one line
 
@@ -14,6 +14,7 @@ by config.json's ``model_type``.
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,11 +52,12 @@ def resolve_source(spec: str) -> Path:
 
 
 @contextmanager
-def config_errors(unreadable: str = ""):
+def config_errors(unreadable: str = "", keys: dict | None = None):
     """Reading config.json's values (or building the ModelConfig of them) inside: a KeyError
     becomes the HFFormatError "config.json: 'key' is missing", a TypeError or ValueError
     "config.json: <unreadable> (<error>)" (without ``unreadable``: the error's own line); an
-    HFFormatError passes unchanged."""
+    HFFormatError passes unchanged. ``keys`` {ModelConfig field: config.json key}: a message
+    names the file's key where ModelConfig's check names the field (file_keys)."""
     try:
         yield
     except HFFormatError:
@@ -63,7 +65,16 @@ def config_errors(unreadable: str = ""):
     except KeyError as e:
         raise HFFormatError(f"config.json: {e.args[0]!r} is missing") from None
     except (TypeError, ValueError) as e:
-        raise HFFormatError(f"config.json: {unreadable} ({e})" if unreadable else f"config.json: {e}") from None
+        line = file_keys(str(e), keys or {})
+        raise HFFormatError(f"config.json: {unreadable} ({line})" if unreadable else f"config.json: {line}") from None
+
+
+def file_keys(message: str, keys: dict) -> str:
+    """``message`` with each ModelConfig field it names ("ModelConfig.experts_per_token", or a
+    bare snake_case field such as "n_experts") written as the config.json key ``keys`` maps it
+    to; a field without a key there keeps its ModelConfig name."""
+    return re.sub(r"\b(?:ModelConfig\.(\w+)|([a-z]+(?:_[a-z0-9]+)+))\b",
+                  lambda m: keys.get(m.group(1) or m.group(2), m.group(0)), message)
 
 
 def read_config_json(folder) -> dict:
@@ -77,16 +88,27 @@ def read_config_json(folder) -> dict:
         raise HFFormatError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(hf, dict):
         raise HFFormatError(f"{path} holds a JSON {type(hf).__name__}, not an object of settings")
+    quant = hf.get("quantization_config")
+    if quant:  # GPTQ, AWQ, FP8, bitsandbytes, ...: integer or 8-bit tensors with scales, not weights
+        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
+        raise HFFormatError(f"{path}: quantization_config quant_method {method!r}: quantized weights are not "
+                            "read (float32, float16 or bfloat16 only); give the model's unquantized folder")
     return hf
 
 
 def load_safetensors(path) -> dict[str, np.ndarray]:
     """{name: array} of one .safetensors file; bfloat16 tensors (numpy has no such dtype, and
-    many Llama checkpoints are stored so) come back as float32, exactly."""
+    many Llama checkpoints are stored so) come back as float32, exactly. A dtype numpy has no
+    type for (FP8, ...) is refused by name."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
     with open(path, "rb") as f:
         header = _safetensors_header(path, f)
+        for name, v in header.items():
+            kind = v.get("dtype") if isinstance(v, dict) and name != "__metadata__" else "BF16"
+            if kind not in DTYPES and kind != "BF16":  # FP8 (F8_E4M3, ...), F4, ...: quantized values
+                raise HFFormatError(f"{path}: tensor {name!r} has dtype {kind}, which is not read "
+                                    "(float32, float16 or bfloat16 weights only)")
         if not any(isinstance(v, dict) and v.get("dtype") == "BF16" for v in header.values()):
             try:
                 return dict(load_file(str(path)))

@@ -86,7 +86,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        ("add_cross_attention", False)):
         if hf.get(name, want) != want:
             raise HFFormatError(f"config.json: {name} = {hf[name]!r} is not supported (needs {want!r})")
-    with config_errors():
+    with config_errors(keys={key.ours: key.hf for key in KEYS}):
         fields = fields_in(KEYS, hf)
         fields["d_ff"] = fields["d_ff"] or 4 * fields["d_model"]
         return ModelConfig(**fields, **FIXED)

@@ -100,6 +100,9 @@ KEYS = (
     Key("hidden_act", "activation", "silu", ACTIVATIONS_IN.__getitem__, ACTIVATIONS_OUT.__getitem__),
     Key("tie_word_embeddings", "tie_embeddings", False),
 )
+# ModelConfig field -> the config.json key it is read from, for messages (hf_files.file_keys)
+FILE_KEYS = {**{key.ours: key.hf for key in KEYS}, "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "rope_theta": "rope_theta", "sliding_window": "sliding_window"}
 # what every Llama-shaped family is, which config.json does not record (qk_norm: by family)
 FIXED = {"norm": "pre", "norm_type": "rms", "norm_scale": True, "positions": "rope", "mlp": "gated",
          "causal": True, "embed_scale": False, "head_bias": False, "attn_softcap": 0.0, "logit_softcap": 0.0,
@@ -265,7 +268,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         n_kv = _count(hf, "num_key_value_heads", H)
         qkv, out, mlp = family.biases(hf)
         rope = rope_from_hf(hf)
-    with config_errors():
+    with config_errors(keys=FILE_KEYS):
         return ModelConfig(**fields, **FIXED, qk_norm=family.qk_norm, family=kind,
                            head_dim=0 if D % H == 0 and head_dim == D // H else head_dim,
                            n_kv_heads=0 if n_kv == H else n_kv, **rope,

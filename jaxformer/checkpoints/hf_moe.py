@@ -47,7 +47,7 @@ from jaxformer.checkpoints import hf_llama
 from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors, read_config_json,
                                            read_tensors)
 from jaxformer.checkpoints.hf_olmo_gemma import _qk_width
-from jaxformer.checkpoints.hf_table import Tensor, params_in, params_out, read_flag
+from jaxformer.checkpoints.hf_table import Tensor, float_weight, params_in, params_out, read_flag
 from jaxformer.checkpoints.hf_windows import window_width
 from jaxformer.model.checks import is_int, is_number
 from jaxformer.model.config import ModelConfig
@@ -143,7 +143,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         if hf.get("clip_qkv") is not None:
             raise HFFormatError(f"config.json: clip_qkv {hf['clip_qkv']!r} is not supported (null only)")
         fields.update(qk_norm=True, qk_norm_scope="projection")
-    with config_errors():
+    with config_errors(keys={**hf_llama.FILE_KEYS, "n_experts": family.experts_key,
+                             "experts_per_token": "num_experts_per_tok", "expert_d_ff": "moe_intermediate_size",
+                             "shared_expert_d_ff": "shared_expert_intermediate_size"}):
         return dense.replace(**fields)
 
 
@@ -257,7 +259,7 @@ def tensors_of(config: ModelConfig) -> tuple:
 def _take(raw: dict, name: str, shape: tuple, dtype, where: str) -> np.ndarray:
     if name not in raw:
         raise HFFormatError(f"{where}: tensor {name!r} is missing")
-    a = np.asarray(raw.pop(name), dtype)
+    a = np.asarray(float_weight(raw.pop(name), name, where), dtype)
     if a.shape != shape:
         raise HFFormatError(f"{where}: tensor {name!r} has shape {a.shape}, config.json needs {shape}")
     return a

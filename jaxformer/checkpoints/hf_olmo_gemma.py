@@ -186,7 +186,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        logit_softcap=_number(hf, "final_logit_softcapping", 0.0))
         rope = _gemma3_rope(hf, "layer_types" in own) if kind == "gemma3_text" else rope_from_hf(hf)
         biases = read_flag(hf, "attention_bias")
-    with config_errors():
+    keys = {**{key.ours: key.hf for key in _keys(family, kind != "olmo2")}, "n_kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "attn_scalar": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
+            "logit_softcap": "final_logit_softcapping", "sliding_window": "sliding_window"}
+    with config_errors(keys=keys):
         return ModelConfig(**fields, **{**family.fixed, **own}, family=kind,
                            head_dim=0 if D % H == 0 and head_dim == D // H else head_dim,
                            n_kv_heads=0 if n_kv == H else n_kv, **rope,

@@ -63,15 +63,27 @@ def _get(tree: dict, path: str):
     return np.asarray(tree)
 
 
+def float_weight(a, name: str, where: str):
+    """``a``, the stored tensor ``name``, when it holds floating-point values; HFFormatError
+    naming ``where``, the tensor and its dtype otherwise (an integer tensor is a quantized
+    or foreign weight: converting it would read its integers as weights)."""
+    kind = np.asarray(a).dtype
+    if kind.kind != "f":
+        raise HFFormatError(f"{where}: tensor {name!r} is stored as {kind}, not as floating-point weights "
+                            "(quantized or integer tensors are not read)")
+    return a
+
+
 def params_in(table, raw: dict, config: ModelConfig, dtype, where: str) -> dict:
     """Our params pytree of ``config`` from the state dict ``raw`` {HF name: array}, in
-    ``dtype``; HFFormatError (naming ``where``) for a tensor missing, misshapen or left over."""
+    ``dtype``; HFFormatError (naming ``where``) for a tensor missing, misshapen, not of a
+    floating-point dtype, or left over."""
     raw = dict(raw)
 
     def get(name, shape):
         if name not in raw:
             raise HFFormatError(f"{where}: tensor {name!r} is missing")
-        a = np.asarray(raw.pop(name), dtype)
+        a = np.asarray(float_weight(raw.pop(name), name, where), dtype)
         if a.shape != tuple(shape):
             raise HFFormatError(f"{where}: tensor {name!r} has shape {a.shape}, config.json needs {tuple(shape)}")
         return a

@@ -67,7 +67,8 @@ def save_peft(folder, adapters, lora: LoraConfig, base_model: str = "") -> Path:
 def read_peft(folder, n_layers: int, dtype=np.float32) -> tuple[dict, LoraConfig]:
     """(adapters, LoraConfig) of a PEFT LoRA folder for a model of ``n_layers`` layers;
     HFFormatError for what this reader does not take (another peft_type, rank or alpha
-    patterns, biases, a module without a jaxformer target) or a tensor missing."""
+    patterns, biases, a module without a jaxformer target), a tensor missing, or one whose
+    rank is not adapter_config.json's r."""
     from safetensors.numpy import load_file
     folder = Path(folder)
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
@@ -96,6 +97,11 @@ def read_peft(folder, n_layers: int, dtype=np.float32) -> tuple[dict, LoraConfig
             key = PREFIX.format(l=l) + f"{module}.lora_{which}.weight"
             if key not in tensors:
                 raise HFFormatError(f"{folder / ADAPTER_WEIGHTS}: tensor {key!r} is missing")
+            shape = np.shape(tensors[key])  # A (r, in), B (out, r)
+            rank = shape[0 if which == "A" else -1] if len(shape) == 2 else None
+            if rank != lora.rank:
+                raise HFFormatError(f"{folder / ADAPTER_WEIGHTS}: tensor {key!r} has shape {shape}, rank "
+                                    f"{rank if rank is not None else '(not 2-D)'}, but {ADAPTER_CONFIG} says r = {lora.rank}")
             return np.asarray(tensors[key], dtype).T
 
         out.setdefault(group, {})[weight] = {"a": np.stack([get(l, "A") for l in range(n_layers)]),

@@ -16,6 +16,7 @@ import sys
 
 from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, prepare, presets, train, tune
 from jaxformer.cli.args import Parser, UsageError, exit_at_ctrl_c, run_command
+from jaxformer.cli.platforms import cpu_only_without_tpu_probe
 import jaxformer
 
 DESCRIPTION = """\
@@ -84,6 +85,7 @@ def _dispatch(argv: list[str]) -> int:
 def main(argv=None) -> int:
     """Run the ``jaxformer`` command with ``argv`` (default: sys.argv[1:]); returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    cpu_only_without_tpu_probe()  # before JAX starts: no libtpu probe on a machine without a TPU
     if argv is None and (not args or args[0] != "train"):  # a real command line with nothing to save
         signal.signal(signal.SIGINT, exit_at_ctrl_c)
     return run_command(_dispatch, args, exit_on_interrupt=argv is None)

@@ -173,7 +173,10 @@ def encode_conversation(chat, messages: list[dict], where: str) -> tuple[np.ndar
     ids, mask = [], []
     for piece, bit in cuts:
         if piece:
-            part = chat.tokenizer.encode(piece)
+            try:
+                part = chat.tokenizer.encode(piece)
+            except ValueError as e:  # characters the vocabulary lacks (lines of the rendered text)
+                raise ValueError(f"{where}: {e}") from None
             ids.append(part)
             mask.append(np.full(len(part), bit, np.uint8))
     return np.concatenate(ids).astype(np.int32), np.concatenate(mask)

@@ -8,6 +8,12 @@ parallel batch encoding) and ``eot_id``, the end-of-text id that joins documents
 (None when the vocabulary has none). Its ``to_dict`` holds the whole tokenizer.json,
 so a run or a prepared data folder carries its tokenizer with it.
 
+A character the vocabulary cannot spell (a byte-level vocabulary without one of its
+bytes' symbols, or a vocabulary without an unknown token that has no piece for it) would
+vanish from the ids without a word: ``encode`` and ``encode_batch`` refuse such a text with
+a ``VocabularyMiss`` naming the characters and where they stand (line, column), so
+``prepare`` and a ``generate`` prompt both say it.
+
 ``tokenizers`` is imported inside the functions that need it (an optional heavy
 dependency for the rest of the package).
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Iterable
 
 import numpy as np
@@ -37,6 +44,30 @@ def _library():
     return tokenizers
 
 
+class VocabularyMiss(ValueError):
+    """A text holds characters the tokenizer's vocabulary lacks: encoding would drop them.
+    ``misses``: [(character, line, column)] (1-based), the first of each character."""
+
+    def __init__(self, name: str, misses: list[tuple[str, int, int]]):
+        self.misses = misses
+        shown = "; ".join(f"{c!r} (U+{ord(c):04X}) at line {line}, column {col}" for c, line, col in misses[:5])
+        more = f"; and {len(misses) - 5} more" if len(misses) > 5 else ""
+        super().__init__(f"the vocabulary of {name} lacks {len(misses)} character(s) of the text, which "
+                         f"encoding would drop: {shown}{more}")
+
+
+def _positions(text: str, indices) -> list[tuple[str, int, int]]:
+    """(character, line, column) of the first occurrence of each distinct character at ``indices``."""
+    seen, out = set(), []
+    for i in sorted(int(i) for i in indices):
+        if text[i] in seen:
+            continue
+        seen.add(text[i])
+        line = text.count("\n", 0, i) + 1
+        out.append((text[i], line, i - (text.rfind("\n", 0, i) + 1) + 1))
+    return out
+
+
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` with the package's tokenizer interface."""
 
@@ -48,6 +79,7 @@ class HFTokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         ids = [tokenizer.token_to_id(t) for t in EOT_TOKENS]
         self.eot_id: int | None = next((i for i in ids if i is not None), None)
+        self._gaps = None  # what the vocabulary cannot spell (_vocabulary_gaps), found on first use
 
     @classmethod
     def from_str(cls, text: str, name: str = "tokenizer.json") -> "HFTokenizer":
@@ -72,12 +104,65 @@ class HFTokenizer:
             except UnicodeDecodeError as e:
                 raise ValueError(f"data is not valid UTF-8 (byte {e.start}); the {self.name} "
                                  "tokenizer reads text") from None
+        self.check_spelled(data)
         return np.asarray(self.tokenizer.encode(data, add_special_tokens=False).ids, dtype=np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """int32 ids of each text, encoded in parallel by the library."""
+        """int32 ids of each text, encoded in parallel by the library (VocabularyMiss as
+        ``encode``'s, for the first text with a character the vocabulary lacks)."""
+        for text in texts:
+            self.check_spelled(text)
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def check_spelled(self, text: str) -> None:
+        """VocabularyMiss naming the characters of ``text`` that encoding drops: in a
+        byte-level vocabulary a character with a byte whose symbol it lacks; in a BPE without
+        an unknown token or byte fallback a character (whitespace apart) it has no token for.
+        An added token's text is one id, whatever its characters."""
+        missing, special, spelled = self._vocabulary_gaps()
+        if missing is not None:
+            if not len(missing):
+                return
+            raw = np.frombuffer(text.encode("utf-8", errors="surrogatepass"), np.uint8)
+            hit = np.isin(raw, missing)
+            if not hit.any():
+                return
+            char_of_byte = np.cumsum((raw & 0xC0) != 0x80) - 1  # a UTF-8 byte -> its character
+            lost = np.zeros(len(text), bool)
+            lost[char_of_byte[hit]] = True
+        elif spelled is not None:
+            bad = {c for c in set(text) if not c.isspace() and not spelled(c)}
+            if not bad:
+                return
+            lost = np.array([c in bad for c in text], bool)
+        else:
+            return
+        for m in special.finditer(text) if special is not None else ():
+            lost[m.start():m.end()] = False
+        if lost.any():
+            raise VocabularyMiss(self.name, _positions(text, np.flatnonzero(lost)))
+
+    def _vocabulary_gaps(self):
+        """(the bytes a byte-level vocabulary lacks, uint8 (k,), or None when it is not
+        byte-level; a pattern of the added tokens' texts, or None; for a BPE that drops a
+        character it has no token for, character -> whether it has one, else None)."""
+        if self._gaps is None:
+            lib = _library()
+            tok, model = self.tokenizer, self.tokenizer.model
+            missing = spelled = None
+            if isinstance(tok.decoder, lib.decoders.ByteLevel) or isinstance(tok.pre_tokenizer,
+                                                                              lib.pre_tokenizers.ByteLevel):
+                alphabet = _byte_symbols()
+                missing = np.array([b for b in range(256) if tok.token_to_id(alphabet[b]) is None], np.uint8)
+            elif isinstance(model, lib.models.BPE) and model.unk_token is None and not model.byte_fallback:
+                forms = [("", ""), (model.continuing_subword_prefix or "", ""), ("", model.end_of_word_suffix or "")]
+                spelled = lambda c: any(tok.token_to_id(a + c + b) is not None for a, b in forms)  # noqa: E731
+            added = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.content),
+                           key=len, reverse=True)
+            special = re.compile("|".join(map(re.escape, added))) if added else None
+            self._gaps = (missing, special, spelled)
+        return self._gaps
 
     def decode(self, ids) -> str:
         arr = as_id_array(ids, "ids").reshape(-1)
@@ -96,6 +181,20 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b -> the printable character that stands for it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
 
 
 def hf_from_dict(d: dict) -> HFTokenizer:

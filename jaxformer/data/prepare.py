@@ -87,14 +87,22 @@ def _text_bytes(piece: Piece) -> int:
 
 
 def _encode_each(tokenizer, batch: list[Piece], datas: list) -> list[np.ndarray]:
-    """tokenizer.encode of each piece; a char vocabulary's unknown character names its piece."""
+    """tokenizer.encode of each piece; a character the vocabulary lacks names its piece."""
     encoded = []
     for piece, data in zip(batch, datas):
         try:
             encoded.append(tokenizer.encode(data))
         except ValueError as e:
-            raise ValueError(f"{piece.where}: {e}") from None
+            raise ValueError(f"{_place(piece)}: {e}") from None
     return encoded
+
+
+def _place(piece: Piece) -> str:
+    """Where a piece stands: a record's file and line; a text file, and the byte its piece
+    starts at when not the first (a line of the message then counts from there)."""
+    if isinstance(piece.data, str):
+        return f"{piece.where}:{piece.offset}"
+    return piece.where if piece.offset == 0 else f"{piece.where} (the part from byte {piece.offset:,})"
 
 
 def encode_stream(tokenizer, stream: Iterator[Piece], bar=None) -> Iterator[np.ndarray]:
@@ -107,7 +115,10 @@ def encode_stream(tokenizer, stream: Iterator[Piece], bar=None) -> Iterator[np.n
     for batch in _batches(stream):
         datas = [as_data(p) for p in batch]  # all bytes or all str
         if hasattr(tokenizer, "encode_batch"):
-            encoded = tokenizer.encode_batch(datas)
+            try:
+                encoded = tokenizer.encode_batch(datas)
+            except ValueError:  # one piece's characters the vocabulary lacks: named with the piece
+                encoded = _encode_each(tokenizer, batch, datas)
         else:
             encoded = _encode_each(tokenizer, batch, datas)
         for piece, data, ids in zip(batch, datas, encoded):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.checks import check_int, check_number, is_number, refuse
 from jaxformer.model.dropout import dropout
+from jaxformer.model.params import init_params
 from jaxformer.model.precision import matmul
 
 # target name -> (the layer group, the weight) in params["blocks"]
@@ -55,7 +56,8 @@ def parse_targets(spec) -> tuple[str, ...]:
 class LoraConfig:
     """rank r, alpha (the scale is alpha / r), dropout on the adapters' input, and the
     projections adapted (TARGETS' names; the plain MLP's are in/out, the gated one's
-    gate/up/down: a name the model lacks is skipped)."""
+    gate/up/down). ``check_targets`` refuses a name the model lacks (a run's settings do);
+    ``init_adapters`` skips it while another name is there, and "all" takes what there is."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -81,6 +83,20 @@ def sites(params, lora: LoraConfig) -> list[tuple[str, str]]:
     blocks = params["blocks"]
     return [TARGETS[t] for t in TARGETS if t in lora.targets and TARGETS[t][1] in blocks[TARGETS[t][0]]
             and blocks[TARGETS[t][0]][TARGETS[t][1]].ndim == 3]
+
+
+def check_targets(config, lora: LoraConfig) -> None:
+    """ValueError naming each of ``lora``'s targets the model of ``config`` (a ModelConfig)
+    has no adaptable projection for, and those it has; "all" (every name) takes what there is."""
+    if set(lora.targets) == set(TARGETS):
+        return
+    shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+    has = [t for t in TARGETS if TARGETS[t] in sites(shapes, LoraConfig(targets=tuple(TARGETS)))]
+    missing = [t for t in lora.targets if t not in has]
+    if missing:
+        experts = "; an MoE layer's experts take no adapters" if config.n_experts else ""
+        raise ValueError(f"lora_targets {','.join(missing)} name no projection of this model (its projections: "
+                         f"{', '.join(has)}{experts})")
 
 
 def init_adapters(key, params, lora: LoraConfig, dtype=None) -> dict:

@@ -10,7 +10,7 @@ import jax
 
 from jaxformer.model.checks import check_keys
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
-from jaxformer.model.lora import LoraConfig
+from jaxformer.model.lora import LoraConfig, check_targets
 from jaxformer.model.validate import check_precision
 from jaxformer.observe.words import plural
 from jaxformer.training.fields import check_fields, setting
@@ -173,7 +173,9 @@ class TrainSettings:
                 f"warmup_steps ({self.warmup_steps}) must be smaller than the {_updates(self)} "
                 f"optimizer updates of the run for the {self.schedule} schedule; lower "
                 f"--warmup-steps, raise --steps or use --schedule constant")
-        self.lora()  # LoraConfig names a bad rank, alpha, dropout or target
+        lora = self.lora()  # LoraConfig names a bad rank, alpha, dropout or target
+        if lora is not None:  # and a target the model lacks (the MoE model's gate, ...)
+            check_targets(self.model_config(), lora)
         # the optimizer validates its own arguments
         make_optimizer(**self.optimizer_kwargs())
 
