@@ -62,6 +62,12 @@ def test_encode_names_the_characters_the_vocabulary_lacks_and_where():
     assert "'2' (U+0032) at line 2, column 8" in str(e.value)
     with pytest.raises(VocabularyMiss, match="'!' .U\\+0021. at line 1, column 3"):
         tok.encode_batch(["ab", "ab!"])
+    from jaxformer.data import ByteTokenizer, CharTokenizer, check_encodable  # before a prompt is shown
+    with pytest.raises(VocabularyMiss, match="'A' .U\\+0041. at line 1, column 1"):
+        check_encodable(tok, "Ab")
+    with pytest.raises(ValueError, match="unknown character 'c'"):
+        check_encodable(CharTokenizer("ab"), "abc")
+    check_encodable(ByteTokenizer(), "\u00e9")
     from tokenizers import models  # a plain BPE without an unknown token drops what it cannot spell
     plain = HFTokenizer(tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[])), "ab")
     with pytest.raises(VocabularyMiss, match="'c' .U\\+0063. at line 1, column 5"):

@@ -22,12 +22,12 @@ from jaxformer.data.shards import ShardedTokens, check_sizes, open_split, read_m
 from jaxformer.data.shards import fingerprint_of as shards_fingerprint
 from jaxformer.data.corpora import (CORPUS_NAMES, DEFAULT_STDLIB_MAX_BYTES, describe_corpus,
                                     load_corpus, stdlib_files)
-from jaxformer.data.tokenizers import (TOKENIZER_KINDS, ByteTokenizer, CharTokenizer, Tokenizer,
+from jaxformer.data.tokenizers import (TOKENIZER_KINDS, ByteTokenizer, CharTokenizer, Tokenizer, check_encodable,
                                        load_tokenizer_file, make_tokenizer, tokenizer_from_dict)
 from jaxformer.model.validate import validate_ids
 
 __all__ = ["CORPUS_NAMES", "DEFAULT_STDLIB_MAX_BYTES", "TOKENIZER_KINDS", "Batcher", "ByteTokenizer",
-           "CharTokenizer", "HFTokenizer", "Prefetcher", "ShardedTokens", "check_sizes", "open_split",
+           "CharTokenizer", "HFTokenizer", "Prefetcher", "check_encodable", "ShardedTokens", "check_sizes", "open_split",
            "read_meta", "shards_fingerprint", "verify", "load_tokenizer_file", "Tokenizer", "describe_corpus", "load_corpus", "make_tokenizer",
            "sequential_batches", "split_train_val", "stdlib_files", "tokenizer_from_dict",
            "unigram_loss", "validate_ids"]

@@ -3,7 +3,8 @@
 ``ByteTokenizer`` is lossless for any file (one id per byte, vocab 256);
 ``CharTokenizer`` gives one id per character of a UTF-8 text (the vocabulary: the
 sorted set of a text's characters); ``HFTokenizer`` (hf_tokenizers.py) is any
-Hugging Face tokenizers file, a byte-level BPE trained here or GPT-2's. ``to_dict`` /
+Hugging Face tokenizers file, a byte-level BPE trained here or GPT-2's; ``check_encodable``
+names the characters of a text a tokenizer cannot encode. ``to_dict`` /
 ``tokenizer_from_dict`` store any of them in a run's checkpoint and a prepared data
 folder; ``make_tokenizer(spec, corpus)`` builds one by name or file.
 """
@@ -177,6 +178,16 @@ class CharTokenizer:
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+def check_encodable(tokenizer: Tokenizer, text: str) -> None:
+    """ValueError naming the characters of ``text`` that ``tokenizer`` cannot encode, and
+    where (a char vocabulary's first unknown one; an HFTokenizer's VocabularyMiss), before
+    anything of it is shown or encoded; the byte tokenizer encodes every text."""
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.check_spelled(text)
+    elif isinstance(tokenizer, CharTokenizer):
+        tokenizer.encode(text)
 
 
 TOKENIZER_KINDS = ("byte", "char", "bpe", "gpt2")  # or a path to a tokenizer.json
