@@ -142,13 +142,18 @@ def test_integer_weights_are_refused_by_name(tmp_path):
                             "(quantized or integer tensors are not read)")
 
 
-def test_fp8_tensor_is_refused_not_a_traceback(tmp_path):
-    path = tmp_path / "model.safetensors"
+def test_fp8_tensor_is_refused_not_a_traceback(tmp_path, corpus, capsys):
+    from jaxformer.cli.main import main
+    folder = _llama_folder(tmp_path / "fp8")
+    path = folder / "model.safetensors"
     header = json.dumps({"model.embed_tokens.weight": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [0, 4]}})
     path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
     with pytest.raises(HFFormatError, match=r"model\.safetensors: tensor 'model\.embed_tokens\.weight' has dtype "
                                             r"F8_E4M3, which is not read"):
         load_safetensors(path)
+    line = one_line_error(capsys, main(["train", "--init-from", str(folder), "--corpus", corpus, "--steps", "1",
+                                        "--out", str(tmp_path / "run"), "--no-progress"]))
+    assert f"{path}: tensor 'model.embed_tokens.weight' has dtype F8_E4M3" in line, line
 
 
 @pytest.mark.parametrize("quant", [
@@ -216,8 +221,10 @@ def test_no_libtpu_message_without_a_tpu():
     if GOOGLE_PCI_VENDOR in vendors or any(os.path.exists(d) for d in GPU_DEVICES):
         pytest.skip("this machine has an accelerator")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    code = ("from jaxformer.cli.platforms import cpu_only_without_tpu_probe\n"
-            "assert cpu_only_without_tpu_probe()\nimport jax\nprint(jax.devices())")
+    code = ("import importlib.util, jax\n"  # the module alone, without the package's imports
+            f"spec = importlib.util.spec_from_file_location('platforms', {str(ROOT / 'jaxformer/cli/platforms.py')!r})\n"
+            "platforms = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(platforms)\n"
+            "assert platforms.cpu_only_without_tpu_probe()\nprint(jax.devices())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "CpuDevice" in out.stdout and "TPU" not in out.stderr, out.stderr
