@@ -16,14 +16,17 @@ from jaxformer.cli.bench import build_parser, main, settings_from_args
 from jaxformer.cli.main import main as cli_main
 from jaxformer.data.batching import random_batch
 from jaxformer.model.config import get_preset
+from jaxformer.model.lora import LoraConfig
 from jaxformer.model.params import init_params
 from jaxformer.observe import flops
+from jaxformer.observe.run_log import RunLog
 from jaxformer.tools.bench import run as bench
 from jaxformer.tools.bench import select as bench_select
 from jaxformer.tools.bench import sweep as bench_sweep
 from jaxformer.tools.bench.contestants import make_contestants
 from jaxformer.tools.bench.report import format_markdown
 from jaxformer.tools.bench.select import Spec, select
+from jaxformer.training.settings import settings_for
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None  # the bench extra; CI installs it
 NO_TORCH = "PyTorch is not installed (pip install torch"
@@ -171,6 +174,30 @@ def test_moe_flops_count_the_active_experts_by_hand():
     assert report["matmul_params"] == active + L * (3 * D * Fs + D)
     assert report["matmul_params_all_experts"] == report["matmul_params"] + L * (E - k) * 3 * D * Fe
     assert "matmul_params_all_experts" not in flops.flops_breakdown(get_preset("llama-tiny"), 16)
+
+
+def test_lora_flops_count_the_products_a_lora_step_computes_by_hand(tmp_path):
+    """A LoRA step computes the forward's 2 N and the dX through every frozen weight (2 N), no
+    frozen dW; each adapter's x A and (x A) B forward (2 r (I + O)), their dA, dB and dX twice that."""
+    c = get_preset("tiny")  # L2 D16 F24 V256, the plain MLP (in, out)
+    L, D, F, V, r, T = 2, 16, 24, 256, 4, 8
+    n = L * (4 * D * D + 2 * D * F) + D * V
+    attention = 12 * L * T * D // 2
+    lora = LoraConfig(rank=r, targets=("q", "v", "o", "in", "gate"))  # no gate here: skipped
+    n_lora = L * r * (3 * (D + D) + (D + F))  # wq, wv, wo (D, D); w_in (D, F)
+    assert flops.adapter_params(c, lora) == n_lora == 1088
+    assert flops.flops_per_token(c, T, lora) == 4 * n + 6 * n_lora + attention == 38_784
+    assert flops.flops_per_token(c, T) == 6 * n + attention == 47_616
+    report = flops.flops_breakdown(c, T, lora)
+    assert (report["lora_4N"], report["adapters_6N_lora"], report["per_token"]) == (4 * n, 6 * n_lora, 38_784)
+    # an MoE layer's experts take no adapters, its attention's do (wq: D -> H Dh = 16)
+    moe = get_preset("tiny-moe")
+    assert flops.adapter_params(moe, LoraConfig(rank=r, targets=("q", "gate"))) == L * r * (D + 16)
+    # a LoRA run's MFU divides this count, not 6 N
+    settings = settings_for("tiny", lora_rank=r, lora_targets="q,v,o,in", seq_len=T)
+    run_log = RunLog(tmp_path, settings, c, 1, 0, resumed=False, main=False, progress=False)
+    assert run_log.flops_per_token == 4 * n + 6 * L * r * (3 * (D + D) + (D + F)) + attention
+    run_log.close()
 
 
 def test_mfu_uses_the_datasheet_peak_of_a_known_gpu():

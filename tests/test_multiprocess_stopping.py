@@ -85,6 +85,10 @@ def test_a_ctrl_c_to_one_process_checkpoints_the_same_step_in_all(corpus, tmp_pa
     assert steps[0] == steps[1] and checkpoint.all_steps(out) == [steps[0]], (steps, lines)
     assert lines[0][0].endswith("--resume") and lines[1][0].endswith("--resume"), lines
     checkpoint.verify_files(steps[0], checkpoint.checkpoint_dir(out) / str(steps[0]))
+    # the process that got the Ctrl-C said at once what follows; the other had nothing to hear
+    assert "Ctrl-C heard: stopping after the step in flight and saving a checkpoint; every process of " \
+           "the job stops at the same step" in errs[1], errs[1][-2000:]
+    assert " heard: " not in errs[0], errs[0][-2000:]
 
 
 @pytest.mark.slow

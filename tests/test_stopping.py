@@ -69,6 +69,10 @@ def test_a_signal_checkpoints_the_step_reached_and_resume_is_exact(corpus, tmp_p
     assert (f"interrupted by {signal.Signals(signum).name} at step {reached}; checkpoint "
             f"{checkpoint.checkpoint_dir(out) / str(reached)} (saved); resume with: jaxformer train") in lines[0]
     assert lines[0].endswith("--resume"), lines[0]
+    # the signal was acknowledged, once, before the run stopped
+    heard = [x for x in err.splitlines() if " heard: stopping after the step in flight" in x]
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert len(heard) == 1 and heard[0].startswith(f"{name} heard: ") and err.index(heard[0]) < err.index(lines[0]), err
     assert stopped_in < 30, stopped_in  # the step in flight and one save on a busy 2-core machine
     # resume to two steps further; a straight run to there gives the very same losses
     target = reached + 2

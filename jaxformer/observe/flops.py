@@ -21,6 +21,14 @@ chosen experts' k * 3 D F_e, and with a shared expert its 3 D Fs and its gate's 
 other E - k experts hold parameters but do no work for the token (``active=False``
 counts all E, for reports). The MFU of an MoE model is then its active-parameter MFU.
 
+A LoRA run (``lora``: its LoraConfig) trains adapters over frozen weights, and its step
+computes no gradient of a frozen weight: per token it does the forward's 2 N, the
+backward's dX through every frozen weight, another 2 N, but no dW (2 N); the adapters'
+products (x A, then B) cost 2 r (I + O) per adapted I x O projection forward and twice
+that backward (dA, dB and dX through both), so 6 per adapter parameter:
+
+    4 * N + 6 * N_lora + the attention term      N_lora = L * r * (I + O) per adapted weight
+
 MFU = achieved model FLOP/s / the device's peak FLOP/s, where achieved =
 tokens/s * FLOPs per token. The masked half of a causal attention that the
 "full" implementation still computes is not counted: MFU measures useful work.
@@ -41,12 +49,15 @@ import jax.numpy as jnp
 
 from jaxformer.model.checks import check_int
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.lora import sites
+from jaxformer.model.params import init_params
 
 CONVENTION = (
     "training FLOPs per token = 6*N + 12*L*T*D (attention), the attention term halved when "
     "causal; N = matmul params L*(4*D^2 + 2*D*F) + D*V (no biases, norms or embedding gather); "
     "a mixture of experts counts its active params: the router D*E, k experts' 3*D*F_e, "
-    "a shared expert's 3*D*Fs + D, in place of 2*D*F"
+    "a shared expert's 3*D*Fs + D, in place of 2*D*F; a LoRA step (no dW of frozen weights) "
+    "counts 4*N + 6*N_lora, N_lora = L*r*(I + O) per adapted weight, in place of 6*N"
 )
 
 TFLOP = 1e12
@@ -113,21 +124,37 @@ def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     return full // 2 if config.causal else full
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """Training (forward + backward) model FLOPs per token; see the module docstring."""
+def adapter_params(config: ModelConfig, lora) -> int:
+    """N_lora: the parameters of the adapters ``lora`` (a LoraConfig) puts on ``config``'s
+    projections, L * r * (I + O) per adapted (L, I, O) weight (model/lora.py's sites: the
+    named projections the model has; an MoE layer's experts take none)."""
+    shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+    return sum(L * lora.rank * (I + O) for L, I, O in
+               (shapes["blocks"][group][name].shape for group, name in sites(shapes, lora)))
+
+
+def flops_per_token(config: ModelConfig, seq_len: int, lora=None) -> int:
+    """Training (forward + backward) model FLOPs per token; see the module docstring.
+    ``lora``: a LoRA run's LoraConfig (4 N + 6 N_lora in place of 6 N)."""
     check_int("seq_len", seq_len)
-    return 6 * matmul_params(config) + attention_flops_per_token(config, seq_len)
+    n = matmul_params(config)
+    dense = 6 * n if lora is None else 4 * n + 6 * adapter_params(config, lora)
+    return dense + attention_flops_per_token(config, seq_len)
 
 
-def flops_breakdown(config: ModelConfig, seq_len: int) -> dict:
+def flops_breakdown(config: ModelConfig, seq_len: int, lora=None) -> dict:
     """The terms of flops_per_token, for reports."""
     moe = {"matmul_params_all_experts": matmul_params(config, active=False)} if config.n_experts else {}
+    n = matmul_params(config)
+    dense = ({"dense_6N": 6 * n} if lora is None else
+             {"adapter_params": adapter_params(config, lora), "lora_4N": 4 * n,
+              "adapters_6N_lora": 6 * adapter_params(config, lora)})
     return {
-        "matmul_params": matmul_params(config),
+        "matmul_params": n,
         **moe,
-        "dense_6N": 6 * matmul_params(config),
+        **dense,
         "attention": attention_flops_per_token(config, seq_len),
-        "per_token": flops_per_token(config, seq_len),
+        "per_token": flops_per_token(config, seq_len, lora),
         "convention": CONVENTION,
     }
 
@@ -257,18 +284,18 @@ def device_peak(device=None, dtype: str = "float32", *, cpu_matmul: int = 1024) 
 
 
 def mfu(tokens_per_s: float, config: ModelConfig, seq_len: int, device=None,
-        param_dtype="float32", n_devices: int = 1) -> float | None:
+        param_dtype="float32", n_devices: int = 1, lora=None) -> float | None:
     """Model FLOPs utilization of a training run at ``tokens_per_s`` (all devices
     together) on ``n_devices`` devices like ``device`` (default: the first JAX device);
-    None when the device's peak is unknown."""
+    None when the device's peak is unknown. ``lora``: a LoRA run's LoraConfig."""
     peak, _ = device_peak(device, matmul_dtype(config, param_dtype))
     if not peak:
         return None
-    return tokens_per_s * flops_per_token(config, seq_len) / (peak * n_devices)
+    return tokens_per_s * flops_per_token(config, seq_len, lora) / (peak * n_devices)
 
 
 def mfu_text(tokens_per_s: float, config: ModelConfig, seq_len: int, device=None,
-             param_dtype="float32", n_devices: int = 1) -> str:
+             param_dtype="float32", n_devices: int = 1, lora=None) -> str:
     """mfu() as a percentage for a log line, "n/a" when the peak is unknown."""
-    value = mfu(tokens_per_s, config, seq_len, device, param_dtype, n_devices)
+    value = mfu(tokens_per_s, config, seq_len, device, param_dtype, n_devices, lora)
     return "n/a" if value is None else f"{100 * value:.1f}%"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import textwrap
 import time
 
@@ -122,35 +123,50 @@ def summary_line(t: dict) -> str:
 
 
 class Progress:
-    """The tqdm bar, opened after the first step of a call so that its rate and ETA
-    come from the steady state (the first step's compile is timed apart)."""
+    """The tqdm bar of finished steps. Until the first step of a call finished (tracing,
+    compiling and one step) it says "compiling" and shows no rate; then it opens again from
+    that step, so its rate and ETA come from the steady state (the compile is timed apart).
+    ``finished(step)``: the steps through ``step`` are done (their results are ready)."""
 
-    def __init__(self, start: int, total: int, enabled: bool):
-        self.start, self.total, self.enabled = start, total, enabled
-        self.done, self.bar, self.postfix = 0, None, {}
+    COMPILING = "{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [compiling]"
 
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
+    def __init__(self, start: int, total: int, enabled: bool, file=None):
+        self.total, self.enabled, self.file = total, enabled, file
+        self.done, self.steady, self.postfix = start, False, {}
+        self.bar = self._open(start, bar_format=self.COMPILING, leave=False)
+
+    def _open(self, n: int, **kwargs):
+        return tqdm(total=self.total, initial=n, disable=not self.enabled, unit="step",
+                    dynamic_ncols=True, file=self.file, **kwargs)
+
+    def finished(self, step: int) -> None:
+        if step <= self.done:
             return
-        self.bar = tqdm(total=self.total, initial=self.start + self.done, disable=not self.enabled,
-                        unit="step", dynamic_ncols=True)
-        self.bar.set_postfix(**self.postfix)
+        if self.steady:
+            self.bar.update(step - self.done)
+        else:  # the first step finished: the compiling bar goes, the steady one starts here
+            self.bar.close()
+            self.bar, self.steady = self._open(step), True
+            self.bar.set_postfix(**self.postfix)
+        self.done = step
 
     def set_postfix(self, **postfix) -> None:
-        """Values shown after the bar; before the bar opens (the first step's record),
-        tok_s and mfu are the compile step's, so they are left out."""
-        if self.bar is None:
-            postfix.pop("tok_s", None)
-            postfix.pop("mfu", None)
+        """Values shown after the bar (once it is steady)."""
         self.postfix = postfix
-        if self.bar is not None:
+        if self.steady:
             self.bar.set_postfix(**postfix)
 
+    @contextlib.contextmanager
+    def writing(self):
+        """Lines written inside (a log line) do not break the bar: it is cleared, then drawn again."""
+        if not self.enabled:
+            yield
+            return
+        with tqdm.external_write_mode(file=self.file or sys.stderr):
+            yield
+
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 def recipe_text(recipe: dict) -> str:

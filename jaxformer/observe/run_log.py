@@ -3,7 +3,10 @@ TensorBoard scalars) per logged step on the first process, the progress bar, the
 step clock (the compile step apart, steady tokens/s), and the plots at the end.
 
 The step's metrics stay on the device until a record needs them: ``add`` keeps
-them, ``fetch`` brings every pending step's to the host in one transfer.
+them, ``fetch`` brings every pending step's to the host in one transfer. The bar counts
+finished steps only: ``finished(step)`` waits until that step's metrics are ready (the loop
+asks for the step before the one it just dispatched, so at most two are in flight), and a
+fetch finishes every step it brings back.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class RunLog:
             else:
                 self._clear_leftovers()
         tokens_per_step = settings.batch_size * settings.seq_len
+        # the products a step computes per token (a LoRA step: no dW of the frozen weights)
+        self.flops_per_token = flops.flops_per_token(config, settings.seq_len, settings.lora())
         # the peak MFU divides by, found (on a CPU: measured once per machine) before the clock starts
         self.peak, source = flops.device_peak(dtype=flops.matmul_dtype(config, settings.dtype))
         if log:
@@ -95,6 +100,14 @@ class RunLog:
         self.pending.append((step, metrics))
         self.steps_since += 1
 
+    def finished(self, step: int) -> None:
+        """Wait until step ``step``'s results are ready (on the device; nothing is copied); the
+        bar then counts it and every step before it. A step not pending was fetched already."""
+        waiting = [m for s, m in self.pending if s == step]
+        if waiting:
+            jax.block_until_ready(waiting[0])
+        self.bar.finished(step)
+
     def fetch(self) -> list[tuple[int, dict]]:
         """The (step, metrics) pairs since the last fetch, brought to the host at once."""
         steps = [s for s, _ in self.pending]
@@ -103,7 +116,10 @@ class RunLog:
         self.pending.clear()
         compile_s = self.clock.step_done(len(fetched))
         if compile_s is not None and self.log:
-            self.log(report.compile_line(compile_s, fetched[0][0]))
+            with self.bar.writing():
+                self.log(report.compile_line(compile_s, fetched[0][0]))
+        if fetched:
+            self.bar.finished(fetched[-1][0])
         return fetched
 
     def record(self, step: int, host: dict) -> dict:
@@ -128,12 +144,10 @@ class RunLog:
                 if self.events:
                     self.events.write(record)
             self.records.append(record)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 mfu=self.mfu(record["tokens_per_s"]))
+            speed = ({} if "compile_s" in record else  # the first record's speed is the compile's
+                     dict(tok_s=f"{record['tokens_per_s']:.0f}", mfu=self.mfu(record["tokens_per_s"])))
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", **speed)
             self.t_last, self.steps_since = time.perf_counter(), 0
-
-    def step_done(self) -> None:
-        self.bar.update(1)
 
     @contextlib.contextmanager
     def paused(self):
@@ -148,8 +162,7 @@ class RunLog:
         """Model FLOPs utilization of ``tokens_per_s`` on this run's devices (flops.py)."""
         if not self.peak:
             return "n/a"
-        per_token = flops.flops_per_token(self.config, self.settings.seq_len)
-        return f"{100 * tokens_per_s * per_token / (self.peak * self.n_devices):.1f}%"
+        return f"{100 * tokens_per_s * self.flops_per_token / (self.peak * self.n_devices):.1f}%"
 
     def close(self) -> None:
         """Close the bar and the event file, then plot every record of the run (all

@@ -16,10 +16,12 @@ over data x fsdp, params and optimizer state over fsdp (sharding.py), and jit
 inserts the collectives. One device is the same code with a mesh of one; several
 processes (``jax.distributed``) are one job over all their devices.
 
-The loop never waits on the device between steps: the step's metrics stay on
-the device until a log line, an evaluation or a checkpoint needs them; then all
-metrics since the last fetch come back at once and the first non-finite loss
-among them stops the run, naming its step.
+The loop keeps at most two steps in flight: after dispatching step s it waits until
+step s - 1 is done (its results ready, nothing copied), so the device always has the next
+step queued while the progress bar counts finished steps and a stop signal is honoured
+after the step in flight. The step's metrics stay on the device until a log line, an
+evaluation or a checkpoint needs them; then all metrics since the last fetch come back at
+once and the first non-finite loss among them stops the run, naming its step.
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
     init_params: params to start from instead of the seed's (a fine-tune, e.g. of an
     imported Hugging Face model); their vocabulary must be the tokenizer's.
 
-    SIGINT or SIGTERM (stopping.py): the step in flight finishes, the step reached is
-    checkpointed (unless it was already), the records are flushed, and Interrupted is
-    raised; a second Ctrl-C raises KeyboardInterrupt at once.
+    SIGINT or SIGTERM (stopping.py): a line on stderr says at once that it was heard; the
+    step in flight finishes, the step reached is checkpointed (unless it was already), the
+    records are flushed, and Interrupted is raised; a second Ctrl-C raises KeyboardInterrupt
+    as soon as the main thread runs again.
 
     Raises ValueError for bad settings, data or mesh, CheckpointError for a missing,
     bad or mismatched checkpoint (CheckpointWriteError for a failed save),
@@ -231,9 +234,11 @@ class _Steps:
             batch = put_batch(batches.next(), self.run.mesh)
             state, metrics = self.run.step_fn(state, batch)  # dispatched; nothing waits for it here
             self.run_log.add(s, metrics)
+            # step s - 1 finished before step s + 1 is dispatched: the device always has the next
+            # step queued, and the bar and a stop signal are never more than one step behind
+            self.run_log.finished(s - 1)
             last = s == settings.steps
             self.report(state, s, last)
-            self.run_log.step_done()
             if last or _every(s, settings.ckpt_every):
                 self.save(state, s)
             if stops.requested(s):  # a signal: checkpoint the step reached, then stop
