@@ -23,6 +23,7 @@ from helpers import THREE_SOURCES, one_line_error
 from jaxformer.checkpoints import hf_llama
 from jaxformer.checkpoints.gguf_file import permute, read_gguf, unpermute
 from jaxformer.checkpoints.hf import read_chat, read_hf, write_hf
+from jaxformer.checkpoints.hf_chat_files import write_chat_files
 from jaxformer.inference.stream import render_chat, stream_text, stream_tokens
 from jaxformer.model.config import ModelConfig
 from jaxformer.checkpoints.peft import save_peft
@@ -184,7 +185,8 @@ def test_real_model_lora_on_chat_data_peft_and_merged_export(real, hf_model, tmp
     hand-derived one, a few Adam steps of the hand-derived one lower the loss of held-out
     conversations; the adapters saved in PEFT's format load with peft onto transformers' own
     model of the file with the same logits, and the merged export reloads in transformers
-    with them too."""
+    with them too; with its chat files, transformers' greedy generate on it answers in the
+    template and stops at <|im_end|>, token for token jaxformer's greedy choice."""
     torch, theirs = hf_model
     import copy
 
@@ -218,10 +220,26 @@ def test_real_model_lora_on_chat_data_peft_and_merged_export(real, hf_model, tmp
         peft_logits = adapted(torch.tensor(ids)).logits.numpy()
     scale = np.abs(peft_logits).max()
     np.testing.assert_allclose(ours, peft_logits, atol=2e-4 * scale, rtol=0)  # float32 on both sides
-    write_hf(tmp_path / "merged", merge(params, state.params, lora), config)
+    merged = merge(params, state.params, lora)
+    write_hf(tmp_path / "merged", merged, config)
+    write_chat_files(tmp_path / "merged", chat.tokenizer, chat)  # as export writes them
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         np.testing.assert_allclose(ours, reloaded(torch.tensor(ids)).logits.numpy(), atol=2e-4 * scale, rtol=0)
+
+    # the folder chats: transformers renders its template and stops at <|im_end|> by its generation
+    # config; jaxformer's greedy picks the same tokens (one forward over the answer)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    prompt = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "What is the capital of Peru?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = reloaded.generate(**prompt, max_new_tokens=16, do_sample=False)[0].numpy()
+    n = prompt["input_ids"].shape[1]
+    assert out[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") and len(out) - n < 16, tokenizer.decode(out[n:])
+    assert "Lima" in tokenizer.decode(out[n:])
+    greedy = np.asarray(forward(merged, jnp.asarray(out[None, :-1]), config))[0, n - 1:].argmax(-1)
+    np.testing.assert_array_equal(greedy, out[n:])
 
 
 # ------------------------------------------------------------------ a tiny GGUF written here
