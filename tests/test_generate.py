@@ -5,12 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FORWARD
+from helpers import FORWARD, one_line_error
 
 from jaxformer import get_preset, init_params
 from jaxformer.checkpoints import checkpoint
+from jaxformer.cli.main import main
 from jaxformer.data import CharTokenizer
-from jaxformer.inference.generate import generate, generate_many, sample_logits
+from jaxformer.inference.generate import TIMING_KEYS, cache_config, generate, generate_many, sample_logits
 from jaxformer.inference.text import sample_text
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.settings import TrainSettings
@@ -21,9 +22,13 @@ CONFIG = get_preset("tiny", vocab_size=11)  # max_seq_len 16
 
 @pytest.fixture(scope="module")
 def params():
+    return draw_params(CONFIG)
+
+
+def draw_params(config):
     """Random params of init_params' layout drawn on the host (no compile): N(0, 1)
     weights, zero biases, unit norm scales, so greedy decoding varies its tokens."""
-    shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), CONFIG))
+    shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
     rng = np.random.default_rng(3)
 
     def draw(path, s):
@@ -101,7 +106,7 @@ def test_bad_options(params, kwargs, message):
         generate_many(params, CONFIG, prompt, n, **args)
 
 
-def test_sample_text_from_a_char_run(params, tmp_path):
+def test_sample_text_from_a_char_run(params, tmp_path, capsys):
     """A run folder with a char tokenizer: text in, text out; unknown characters refused."""
     tokenizer = CharTokenizer("abcdefghij ")
     assert tokenizer.vocab_size == CONFIG.vocab_size
@@ -119,6 +124,9 @@ def test_sample_text_from_a_char_run(params, tmp_path):
         sample_text(tmp_path, "abz", 5)
     with pytest.raises(ValueError, match="the prompt is empty"):
         sample_text(tmp_path, "", 5)
+    line = one_line_error(capsys, main(["generate", "--run", str(tmp_path), "--chat", "hi"]))
+    assert line == ("error: --chat: this run's CharTokenizer has no chat template (a run over a model "
+                    "from --init-from, or over chat data, has one); use --prompt")
 
 
 def _greedy_sliding_reference(params, config, prompt, n):
@@ -193,10 +201,20 @@ def test_top_p():
     assert draws(1.0) == {0, 1, 2, 3}
 
 
-def test_timing_is_reported(params):
-    timing = {}
-    out = generate_many(params, CONFIG, np.array([1, 2]), 5, temperature=0.0, timing=timing)
-    np.testing.assert_array_equal(out[0], generate(params, CONFIG, np.array([1, 2]), 5,
-                                                   temperature=0.0))
-    assert set(timing) == {"compile_s", "run_s", "s_per_token"}
-    assert timing["s_per_token"] == pytest.approx(timing["run_s"] / 5)
+def test_cache_is_sized_to_prompt_and_output_and_timed():
+    """max_seq_len 256: 5 + 20 tokens get a cache of 64 slots (learned positions read from
+    the whole table), the same greedy tokens as the uncached reference over 256; past 256 the
+    cache is the model's."""
+    config = CONFIG.replace(max_seq_len=256)
+    p = draw_params(config)
+    prompt, timing, reference = np.array([1, 2, 3, 4, 5]), {}, {}
+    out = generate_many(p, config, prompt, 20, temperature=0.0, timing=timing)
+    np.testing.assert_array_equal(out, generate_many(p, config, prompt, 20, temperature=0.0,
+                                                     use_cache=False, timing=reference))
+    assert set(timing) == set(TIMING_KEYS) == set(reference)
+    assert (timing["cache_len"], timing["prefill_tokens"], timing["decode_tokens"]) == (64, 5, 19)
+    assert timing["compile_s"] > 0 and timing["prefill_s"] > 0 and timing["decode_s"] > 0
+    assert timing["run_s"] == pytest.approx(timing["prefill_s"] + timing["decode_s"])
+    assert timing["s_per_token"] == pytest.approx(timing["run_s"] / 20)
+    assert (reference["cache_len"], reference["prefill_s"], reference["decode_tokens"]) == (None, None, 20)
+    assert cache_config(config, 250).max_seq_len == 256 and cache_config(config, 65).max_seq_len == 128

@@ -1,6 +1,8 @@
 """``jaxformer generate``: sample text from a run's checkpoint, or from an imported model
-(``--init-from`` a Hugging Face folder, a hub id or a GGUF file) with its own tokenizer,
-``--chat`` rendering its chat template, the reply streamed as it comes."""
+(``--init-from`` a Hugging Face folder, a hub id or a GGUF file) with its own tokenizer;
+``--chat`` renders the chat template of the model (or the one the run was trained with) and
+streams the reply until an end-of-turn id. stderr says what is loaded and compiled, and
+ends with one timing line."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import jax
 from jaxformer.checkpoints import checkpoint
 from jaxformer.cli.args import UsageError, nonneg_int, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
+from jaxformer.data import tokenizer_from_dict
 from jaxformer.inference.stream import load_model, render_chat, stream_text, stream_tokens
-from jaxformer.inference.text import sample_texts
+from jaxformer.inference.text import load_run_model, run_chat, sample_texts
 from jaxformer.model.config import HOW_FIELDS
 
 EPILOG = """\
@@ -22,18 +25,24 @@ examples:
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0      (greedy)
   jaxformer generate --run runs/loopos --prompt "The " --temperature 0.8 --top-k 20 --seed 3
   jaxformer generate --run runs/loopos --prompt "The " --top-p 0.9 --num-samples 3
+  jaxformer generate --run runs/lora --chat "What is the capital of France?"
   jaxformer generate --init-from SmolLM2-135M-Instruct.Q4_1.gguf --chat "What is the capital of France?"
   jaxformer generate --init-from ./llama-folder --prompt "The capital of Germany is" --temperature 0
 
 --init-from samples from a model folder, a hub id or a .gguf file without a training
 run, with the model's own tokenizer; the text streams as it comes and stops at the
-model's end-of-turn ids. --chat renders the model's chat template for one user turn
-(greedy unless --temperature is given).
+model's end-of-turn ids. --chat renders a chat template for one user turn (greedy unless
+--temperature is given) and streams the reply until an end-of-turn id: the model's own
+with --init-from; with --run, the template and stop ids the run was trained with (a LoRA
+run's frozen base, the model whose tokenizer it reads, or its chat data), a LoRA run's
+adapters merged into its base.
 
-Sampling uses a key/value cache: one prefill of the prompt's last max_seq_len
-tokens, then one cached step per token. When the cache is full the context
-restarts as its last max_seq_len // 2 tokens (positions stay within the trained
-table). --no-cache runs the whole sliding window per token instead.
+Sampling uses a key/value cache of the prompt and the new tokens (at most max_seq_len
+slots): one prefill of the prompt's last max_seq_len tokens, then one cached step per
+token. When the cache is full the context restarts as its last max_seq_len // 2 tokens
+(positions stay within the trained table). --no-cache runs the whole sliding window per
+token instead. stderr says what is loaded and compiled, then one timing line: the
+prefill's and the decode's tokens per second, the compile apart.
 """
 
 # ModelConfig fields generate may change: how the model computes, not what (dropout aside:
@@ -42,8 +51,9 @@ MODEL_FLAGS = tuple(name for name in HOW_FIELDS if name != "dropout")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    g = subparsers.add_parser("generate", help="sample text from a trained run",
-                              description="Sample text from a run's latest checkpoint.", epilog=EPILOG,
+    g = subparsers.add_parser("generate", help="sample text or chat with a trained run or an imported model",
+                              description="Sample text from a run's latest checkpoint or an imported model, "
+                                          "or chat with either.", epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     source = g.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="run folder written by `jaxformer train`")
@@ -52,7 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     text = g.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="text to continue")
     text.add_argument("--chat", metavar="MESSAGE", nargs="?", const="",
-                      help="a user message, in the model's chat template (with --init-from); with no "
+                      help="a user message, in the chat template of the model or of the run; with no "
                            "message, a conversation: one user turn per line of stdin")
     g.add_argument("--max-new-tokens", type=nonneg_int, default=200, metavar="N", help="default 200")
     g.add_argument("--temperature", type=float, default=None, metavar="T",
@@ -80,49 +90,88 @@ def run(args: argparse.Namespace) -> int:
     if args.init_from:
         return run_imported(args, overrides)
     if args.chat is not None:
-        raise UsageError("--chat needs --init-from (a model with a chat template)")
-    if args.temperature is None:
-        args.temperature = 0.8
-
+        one_stream(args, "--chat")
     meta = checkpoint.read_meta(args.run, args.step) if args.step is not None \
         else checkpoint.newest_meta(args.run)
     if meta.get("param_dtype") == "float64":
         jax.config.update("jax_enable_x64", True)
-
-    def say_which(loaded: dict) -> None:  # after the load: the step actually sampled from
-        which = "" if args.step is not None else " (the newest that verifies)"
-        print(f"sampling from {args.run}, checkpoint step {loaded['step']}{which}", file=sys.stderr)
+    chat = None
+    if args.chat is not None:  # before the load: a run without a template is refused at once
+        try:
+            chat, where = run_chat(meta, tokenizer_from_dict(meta["tokenizer"]))
+        except (KeyError, TypeError) as e:
+            raise UsageError(f"--chat: checkpoint meta of {args.run} has no readable tokenizer ({e})") from None
+    say(f"loading {args.run} ...")
+    loaded = load_run_model(args.run, args.step, overrides, log=say)
+    which = "" if args.step is not None else " (the newest that verifies)"
+    say(f"sampling from {args.run}, checkpoint step {loaded.meta['step']}{which}")
+    if chat is not None:
+        say(f"chat template and stop ids: {where}'s")
+        return stream(args, loaded.params, loaded.config, chat)
 
     timing = {}
-    texts = sample_texts(args.run, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step,
+    texts = sample_texts(args.run, args.prompt, args.max_new_tokens,
+                         temperature=0.8 if args.temperature is None else args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                          num_samples=args.num_samples, use_cache=not args.no_cache, timing=timing,
-                         model=overrides, on_load=say_which)
+                         loaded=loaded, log=say)
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1} of {len(texts)}")
         print(text)
-    if timing:
-        how = ("no cache; compile included" if timing["compile_s"] is None else
-               f"key/value cache; compile {timing['compile_s']:.2f} s, not counted")
-        print(f"{args.num_samples} x {args.max_new_tokens} tokens in {timing['run_s']:.2f} s: "
-              f"{1e3 * timing['s_per_token']:.2f} ms per token position ({how})", file=sys.stderr)
+    say(timing_line(timing, args.num_samples))
     return 0
+
+
+def say(line: str) -> None:
+    """What generate is doing, on stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def one_stream(args: argparse.Namespace, mode: str) -> None:
+    """Refuse the options of --run's side-by-side sampler where one stream is sampled."""
+    if args.num_samples != 1:
+        raise UsageError(f"--num-samples is for --run --prompt; {mode} samples one stream")
+    if args.no_cache:
+        raise UsageError(f"--no-cache is for --run --prompt; {mode} samples over the key/value cache")
+
+
+def timing_line(timing: dict, samples: int = 1) -> str:
+    """One line: the tokens, the prefill's and the decode's rates, the compile apart."""
+    steps = timing["decode_tokens"] // samples
+    head = f"{samples} x {steps + (timing['prefill_s'] is not None)} tokens in {timing['run_s']:.2f} s: "
+    decode = (f"{_rate(timing['decode_tokens'], timing['decode_s'])} tokens/s, "
+              f"{1e3 * timing['decode_s'] / steps:.2f} ms per token position" if steps else "no decode step")
+    if timing["cache_len"] is None:
+        return f"{head}{decode} (no cache: the whole window per token; compile {timing['compile_s']:.2f} s apart)"
+    prefill = (f"prefill of {timing['prefill_tokens'] // samples} prompt tokens at "
+               f"{_rate(timing['prefill_tokens'], timing['prefill_s'])} tokens/s")
+    return (f"{head}{prefill}, decode at {decode} (key/value cache of {timing['cache_len']} slots; "
+            f"compile {timing['compile_s']:.2f} s apart)").replace("decode at no decode step", "no decode step")
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    rate = tokens / max(seconds, 1e-9)
+    return f"{rate:,.1f}" if rate < 10 else f"{rate:,.0f}"
 
 
 def run_imported(args: argparse.Namespace, overrides: dict) -> int:
     """``generate --init-from``: the model's own tokenizer, --chat's template, streamed."""
-    for name in ("num_samples", "step"):
-        if getattr(args, name) not in (None, 1):
-            raise UsageError(f"--{name.replace('_', '-')} is for --run; --init-from samples one stream")
-    if args.no_cache:
-        raise UsageError("--no-cache is for --run; --init-from samples over the key/value cache")
+    if args.step is not None:
+        raise UsageError("--step is for --run; --init-from samples the model as it is")
+    one_stream(args, "--init-from")
+    say(f"loading {args.init_from} ...")
     try:
         params, config, chat = load_model(args.init_from, model=overrides)
     except ValueError as e:
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
-    print(f"sampling from {args.init_from} ({config.n_layers} layers, d_model {config.d_model}, "
-          f"vocab {config.vocab_size})", file=sys.stderr)
+    say(f"sampling from {args.init_from} ({config.n_layers} layers, d_model {config.d_model}, "
+        f"vocab {config.vocab_size})")
+    return stream(args, params, config, chat)
+
+
+def stream(args: argparse.Namespace, params, config, chat) -> int:
+    """--prompt or --chat, the text streamed as it comes, ending at the model's stop ids."""
     if args.chat == "":
         return converse(args, params, config, chat)
     if args.chat is not None:
@@ -130,23 +179,28 @@ def run_imported(args: argparse.Namespace, overrides: dict) -> int:
         temperature = 0.0 if args.temperature is None else args.temperature
     else:
         text, temperature = args.prompt, 0.8 if args.temperature is None else args.temperature
+        if not text:
+            raise UsageError("the prompt is empty; give at least one character")
         print(text, end="", flush=True)
-    if not text:
-        raise UsageError("the prompt is empty; give at least one character")
     reply(args, params, config, chat, text, temperature)
     return 0
 
 
 def reply(args, params, config, chat, text: str, temperature: float) -> str:
-    """Stream the model's continuation of ``text`` to stdout; returns it."""
+    """Stream the model's continuation of ``text`` to stdout, then its timing line to stderr;
+    returns the continuation."""
     ids = chat.tokenizer.encode(text)
+    timing = {}
     tokens = stream_tokens(params, config, ids, args.max_new_tokens, temperature=temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=chat.stop_ids)
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=chat.stop_ids,
+                           timing=timing, log=say)
     pieces = []
     for piece in stream_text(chat.tokenizer, tokens):
         print(piece, end="", flush=True)
         pieces.append(piece)
-    print()
+    print(flush=True)
+    if timing:
+        say(timing_line(timing))
     return "".join(pieces)
 
 

@@ -1,11 +1,16 @@
 """Sampling tokens from a trained model's params (text from a run folder: text.py).
 
-With the key/value cache (the default), a prompt is run once (a prefill of the
-last ``max_seq_len`` = S prompt tokens, padded to S, so any prompt compiles once)
-and then each new token is one step of the model on that token alone, inside one
-jitted ``lax.fori_loop`` whose carry holds the cache (jaxformer/model/kv_cache.py).
+With the key/value cache (the default), the cache holds the prompt and the new tokens:
+S = P + N slots rounded up to a multiple of ROUND, at most the model's max_seq_len (a
+shorter cache changes nothing position j computes). A prompt is run once (a prefill of
+its last max_seq_len tokens, padded to a multiple of ROUND, so nearby lengths share a compile) and
+then each new token is one step of the model on that token alone, inside one jitted
+``lax.fori_loop`` whose carry holds the cache (jaxformer/model/kv_cache.py). Both programs
+are compiled ahead of time, so ``timing`` reports compiling, the prefill and the decode
+steps apart.
 
-The sliding rule past S: the cache holds at most S tokens, in slots 0..S-1, and
+The sliding rule past S = max_seq_len (the cache then has S slots): it holds at most S
+tokens, in slots 0..S-1, and
 the token in slot j has position j (learned positions stay the ones the model
 was trained on). When the cache is full and a new token arrives, the context
 restarts as the last S // 2 tokens (the new one included), prefilled again at
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +43,8 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.transformer import forward
 from jaxformer.model.validate import validate_ids
+
+ROUND = 64  # cache and prefill lengths are multiples of this (nearby lengths share a compile)
 
 
 def check_options(max_new_tokens, temperature, top_k, top_p=None, num_samples=1):
@@ -75,24 +83,47 @@ def _sample_rows(keys, logits, temperature, top_k, greedy, top_p):
     return jax.vmap(lambda k, l: sample_logits(k, l, temperature, top_k, greedy, top_p))(keys, logits)
 
 
-_STATIC = ("config", "max_new_tokens", "top_k", "greedy", "top_p")
+_DRAW = ("top_k", "greedy", "top_p")
+_STATIC = ("config", "max_new_tokens", *_DRAW)
+
+
+def cache_config(config: ModelConfig, length: int) -> ModelConfig:
+    """``config`` with max_seq_len cut to ``length`` rounded up to ROUND (never past the
+    model's own): the cache's slots. Position j computes the same in a shorter cache (rotary
+    and sinusoidal positions need no table; a learned table is the params' own, read at j)."""
+    return config.replace(max_seq_len=min(config.max_seq_len, round_up(length)))
+
+
+def round_up(length: int) -> int:
+    """``length`` rounded up to a multiple of ROUND (nearby lengths share a compile)."""
+    return -(-int(length) // ROUND) * ROUND
+
+
+def _draw_rows(keys, i, logits, temperature, top_k, greedy, top_p):
+    """Step i's tokens (B,) from logits (B, V): row b draws with fold_in(keys[b], i)."""
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+    return _sample_rows(step_keys, logits, temperature, top_k, greedy, top_p)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "prefill"))
+def _prefill_many(params, window, n_context, *, config: ModelConfig, prefill: int):
+    """window int32 (B, S): the context in slots [0, n_context), zeros after. The model over
+    slots [0, prefill) (prefill >= n_context; the padding is masked and later overwritten) ->
+    (the logits after the context (B, V), the cache). No sampling option is compiled in, so
+    every draw of one prompt shares it."""
+    cache = init_cache(config, window.shape[0], params["tok_embed"].dtype)
+    logits, cache = forward_cached(params, window[:, :prefill], cache, 0, config)  # (B, prefill, V)
+    return jax.lax.dynamic_index_in_dim(logits, n_context - 1, axis=1, keepdims=False), cache
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _sample_cached(params, window, n_context, keys, temperature, *, config: ModelConfig,
-                   max_new_tokens: int, top_k: int, greedy: bool, top_p: float):
-    """window int32 (B, S): the context in slots [0, n_context), zeros after; keys (B, 2).
-    Returns the new tokens int32 (B, N): one prefill, then one cached step per token."""
+def _decode_many(params, last, window, cache, n_context, keys, temperature, *, config: ModelConfig,
+                 max_new_tokens: int, top_k: int, greedy: bool, top_p: float):
+    """After _prefill_many (``last``: its logits (B, V)): the new tokens int32 (B, N), drawn one
+    per step, the N - 1 after the first each one cached step; the sliding rule (module doc)
+    when the cache is full."""
     S = config.max_seq_len
     keep = max(S // 2, 1)  # the context kept when the cache is full
-    B = window.shape[0]
-    cache = init_cache(config, B, params["tok_embed"].dtype)
-    logits, cache = forward_cached(params, window, cache, 0, config)  # prefill (B, S, V)
-    last = jax.lax.dynamic_index_in_dim(logits, n_context - 1, axis=1, keepdims=False)  # (B, V)
-
-    def draw(i, logits):
-        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
-        return _sample_rows(step_keys, logits, temperature, top_k, greedy, top_p)
 
     def feed(tok, window, cache, n):  # room in the cache: slot n gets the token
         window = jax.lax.dynamic_update_slice(window, tok[:, None], (jnp.int32(0), n))
@@ -106,13 +137,14 @@ def _sample_cached(params, window, n_context, keys, temperature, *, config: Mode
         return logits[:, keep - 1], window, cache, jnp.int32(keep)
 
     def body(i, carry):
-        out, last, window, cache, n = carry
+        out, window, cache, n = carry
         tok = out[:, i - 1]  # the token sampled last step goes into the cache
         last, window, cache, n = jax.lax.cond(n < S, feed, refill, tok, window, cache, n)
-        return out.at[:, i].set(draw(i, last)), last, window, cache, n
+        return out.at[:, i].set(_draw_rows(keys, i, last, temperature, top_k, greedy, top_p)), window, cache, n
 
-    out = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(draw(0, last))
-    carry = (out, last, window, cache, jnp.asarray(n_context, jnp.int32))
+    first = _draw_rows(keys, 0, last, temperature, top_k, greedy, top_p)  # (B,)
+    out = jnp.zeros((first.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(first)
+    carry = (out, window, cache, jnp.asarray(n_context, jnp.int32))
     return jax.lax.fori_loop(1, max_new_tokens, body, carry)[0]
 
 
@@ -147,13 +179,16 @@ def generate(params, config: ModelConfig, prompt_ids, max_new_tokens: int, *,
 def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   seed: int = 0, num_samples: int = 1, use_cache: bool = True,
-                  timing: dict | None = None) -> np.ndarray:
+                  timing: dict | None = None, log: Callable[[str], None] | None = None) -> np.ndarray:
     """``num_samples`` continuations of one prompt, int32 (num_samples, P + N).
 
-    timing: a dict to fill with compile_s (the cached sampler is compiled ahead of
-    time; None without the cache, whose run_s then includes compiling), run_s (all
-    tokens of all samples) and s_per_token (run_s / N: the samples run side by
-    side, so this is the time per generated position).
+    timing: a dict to fill with TIMING_KEYS: compile_s (the programs are compiled ahead of
+    time), prefill_tokens and prefill_s (the prompt's forward, every sample's), decode_tokens
+    and decode_s (the draws and the cached steps after the prefill, one token per sample each;
+    without the cache every token is a step over the window and prefill_s is None), cache_len
+    (the cache's slots; None without the cache), run_s (prefill and decode) and s_per_token
+    (run_s / N: the samples run side by side, so this is the time per position).
+    log: told what is compiled, before it is.
     """
     if not config.causal:
         raise ValueError("generation needs a causal model (config.causal=True)")
@@ -163,37 +198,74 @@ def generate_many(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
         raise ValueError(f"the prompt must be a non-empty 1-D id sequence, got shape {prompt.shape}")
     validate_ids(prompt, config.vocab_size, "prompt")
     prompt = prompt.astype(np.int32)
-    B, N, S = int(num_samples), int(max_new_tokens), config.max_seq_len
+    B, N = int(num_samples), int(max_new_tokens)
     if N == 0:
         return np.tile(prompt, (B, 1))
-    context = prompt[-S:]  # the model never sees more than S tokens
+    context = prompt[-config.max_seq_len:]  # the model never sees more than max_seq_len tokens
     key = jax.random.PRNGKey(seed)
     keys = jnp.stack([jax.random.fold_in(key, b) for b in range(B)])  # (B, 2)
-    static = dict(config=config, max_new_tokens=N, top_k=int(top_k or 0),
-                  greedy=temperature == 0, top_p=float(1.0 if top_p is None else top_p))
+    draw = dict(top_k=int(top_k or 0), greedy=temperature == 0, top_p=float(1.0 if top_p is None else top_p))
     temp = jnp.float32(temperature)  # 0: greedy (static above), the division never runs
-    if use_cache:
-        window = np.zeros((B, S), np.int32)
-        window[:, : len(context)] = context
-        fn, args = _sample_cached, (params, jnp.asarray(window), jnp.int32(len(context)), keys, temp)
-    else:
-        buffer = np.zeros(S + N, np.int32)
-        buffer[: len(context)] = context
+    sample = _sample_cached if use_cache else _sample_uncached
+    new, times = sample(params, config, context, N, keys, temp, draw, log or (lambda line: None))
+    run_s = (times["prefill_s"] or 0.0) + times["decode_s"]
+    if timing is not None:
+        timing.update(times, run_s=run_s, s_per_token=run_s / N)
+    return np.concatenate([np.tile(prompt, (B, 1)), new[:, :N]], axis=1)
 
-        def fn(params, buffer, n, keys, temp, **static):  # one sample after another
-            return jnp.stack([_sample_loop(params, buffer, n, keys[b], temp, **static)
-                              [len(context):] for b in range(B)])
 
-        args = (params, jnp.asarray(buffer), jnp.int32(len(context)), keys, temp)
-    if timing is None:
-        new = np.asarray(fn(*args, **static))
-    else:
-        t0 = time.perf_counter()
-        compiled = fn.lower(*args, **static).compile() if use_cache else functools.partial(fn, **static)
-        t1 = time.perf_counter()
-        new = np.asarray(jax.block_until_ready(compiled(*args)))
-        t2 = time.perf_counter()
-        timing.update(compile_s=t1 - t0 if use_cache else None, run_s=t2 - t1,
-                      s_per_token=(t2 - t1) / N)
-    new = new[:, :N]
-    return np.concatenate([np.tile(prompt, (B, 1)), new], axis=1)
+TIMING_KEYS = ("compile_s", "prefill_tokens", "prefill_s", "decode_tokens", "decode_s", "cache_len",
+               "run_s", "s_per_token")
+
+
+def compiled(fn, *args, **static):
+    """(``fn``, a jax.jit function, lowered and compiled for ``args`` (arrays or
+    ShapeDtypeStructs) and ``static``, the seconds it took; JAX keeps what it compiled, so
+    the same shapes again take ~0 s)."""
+    t0 = time.perf_counter()
+    executable = fn.lower(*args, **static).compile()
+    return executable, time.perf_counter() - t0
+
+
+def _timed(fn, *args):
+    """(fn(*args) once ready, seconds)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t0
+
+
+def _sample_cached(params, config, context, N, keys, temp, draw, log):
+    """The new tokens (B, N) over a cache of round_up(P + N) slots (at most max_seq_len), and
+    their timing: one prefill of round_up(P) slots, then N - 1 cached steps."""
+    B, P = keys.shape[0], len(context)
+    config = cache_config(config, P + N)
+    S = config.max_seq_len
+    window = np.zeros((B, S), np.int32)
+    window[:, :P] = context
+    pre = dict(config=config, prefill=min(round_up(P), S))
+    pre_args = (params, jnp.asarray(window), jnp.int32(P))
+    log(f"compiling the sampler: a prefill of {pre['prefill']} positions, a cache of {S} slots")
+    prefill, compile_s = compiled(_prefill_many, *pre_args, **pre)
+    (last, cache), prefill_s = _timed(prefill, *pre_args)
+    dec_args = (params, last, pre_args[1], cache, jnp.int32(P), keys, temp)
+    decode, seconds = compiled(_decode_many, *dec_args, config=config, max_new_tokens=N, **draw)
+    new, decode_s = _timed(decode, *dec_args)
+    return np.asarray(new), dict(compile_s=compile_s + seconds, prefill_tokens=B * P, prefill_s=prefill_s,
+                                 decode_tokens=B * (N - 1), decode_s=decode_s, cache_len=S)
+
+
+def _sample_uncached(params, config, context, N, keys, temp, draw, log):
+    """The reference: each sample after the other, every token a step over the window."""
+    B, S = keys.shape[0], config.max_seq_len
+    buffer = np.zeros(S + N, np.int32)
+    buffer[: len(context)] = context
+    args = (params, jnp.asarray(buffer), jnp.int32(len(context)), keys[0], temp)
+    log(f"compiling the sampler: the whole window of {S} positions per token (no cache)")
+    loop, compile_s = compiled(_sample_loop, *args, config=config, max_new_tokens=N, **draw)
+    rows, decode_s = [], 0.0
+    for b in range(B):
+        row, seconds = _timed(loop, *args[:3], keys[b], temp)
+        rows.append(np.asarray(row)[len(context):])
+        decode_s += seconds
+    return np.stack(rows), dict(compile_s=compile_s, prefill_tokens=0, prefill_s=None,
+                                decode_tokens=B * N, decode_s=decode_s, cache_len=None)

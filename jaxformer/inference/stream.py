@@ -4,18 +4,19 @@ time, so each can be shown as it comes: ``stream_tokens`` yields ids until a sto
 template (Jinja, as transformers renders it) for ``--chat``; ``load_model`` reads the weights, the tokenizer
 and the chat settings without a training run.
 
-The key/value cache holds the prompt and the new tokens only: the config's max_seq_len is
-cut to that length (rounded up to a multiple of 64, so nearby lengths share a compile)
-when the positions are rotary or sinusoidal (no table to index: the cache's length does not
-change what position j computes). The prompt is one prefill, each new token one jitted
-cached step (generate.py's ``sample_logits`` draws it); sample step i draws with the key
-``fold_in(PRNGKey(seed), i)``.
+The key/value cache holds the prompt and the new tokens only (generate.py's
+``cache_config``: their count rounded up to a multiple of 64, at most max_seq_len). The
+prompt is one prefill (padded to a multiple of 64, so a conversation's nearby turns share a
+compile), each new token one cached step (generate.py's ``sample_logits`` draws it); the
+three programs are compiled ahead of time, so ``timing`` reports compiling, the prefill and
+the decode steps apart. Step i draws with the key ``fold_in(PRNGKey(seed), i)``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +24,10 @@ import numpy as np
 
 from jaxformer.checkpoints.hf import read_chat, read_hf, resolve_source
 from jaxformer.data.chat import render_chat  # noqa: F401 (generate --chat renders with it)
-from jaxformer.inference.generate import check_options, sample_logits
+from jaxformer.inference.generate import cache_config, check_options, compiled, round_up, sample_logits
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.validate import validate_ids
-
-ROUND = 64  # cache lengths are multiples of this
 
 
 def load_model(spec: str, dtype=np.float32, model: dict | None = None):
@@ -40,19 +39,13 @@ def load_model(spec: str, dtype=np.float32, model: dict | None = None):
     return params, config.replace(**(model or {})), read_chat(source)
 
 
-def cache_config(config: ModelConfig, length: int) -> ModelConfig:
-    """``config`` with max_seq_len cut to ``length`` rounded up to ROUND (never past the
-    model's own), when its positions need no table; learned positions keep theirs."""
-    if config.positions == "learned":
-        return config
-    return config.replace(max_seq_len=min(config.max_seq_len, -(-length // ROUND) * ROUND))
-
-
 @functools.partial(jax.jit, static_argnames=("config",))
-def _prefill(params, ids, config: ModelConfig):
+def _prefill(params, ids, n, config: ModelConfig):
+    """ids (1, t): the prompt in [0, n), padding after (masked, later overwritten) ->
+    (the logits after the prompt (V,), the cache)."""
     cache = init_cache(config, 1, params["tok_embed"].dtype)
     logits, cache = forward_cached(params, ids, cache, 0, config)
-    return logits[0, -1], cache
+    return jax.lax.dynamic_index_in_dim(logits[0], n - 1, keepdims=False), cache
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "greedy", "top_p"))
@@ -68,10 +61,15 @@ def _step(params, token, cache, n, config: ModelConfig):
 
 def stream_tokens(params, config: ModelConfig, prompt_ids, max_new_tokens: int, *,
                   temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                  seed: int = 0, stop_ids=()) -> Iterator[int]:
+                  seed: int = 0, stop_ids=(), timing: dict | None = None,
+                  log: Callable[[str], None] | None = None) -> Iterator[int]:
     """New token ids after ``prompt_ids``, one at a time, ending after a stop id (not
     yielded) or ``max_new_tokens``. The prompt keeps its last max_seq_len - max_new_tokens
-    tokens when prompt and output do not fit the model's max_seq_len."""
+    tokens when prompt and output do not fit the model's max_seq_len.
+
+    timing: a dict filled as generate.generate_many fills it (the decode's tokens are the
+    cached steps run, a stop id's among them); complete once the stream ends. log: told
+    what is compiled, before it is."""
     check_options(max_new_tokens, temperature, top_k, top_p)
     if not config.causal:
         raise ValueError("generation needs a causal model (config.causal=True)")
@@ -80,21 +78,49 @@ def stream_tokens(params, config: ModelConfig, prompt_ids, max_new_tokens: int, 
         return
     validate_ids(prompt, config.vocab_size, "prompt")
     prompt = prompt[-max(config.max_seq_len - max_new_tokens, 1):].astype(np.int32)
-    config = cache_config(config, len(prompt) + max_new_tokens)
-    draw = functools.partial(_draw, top_k=int(top_k or 0), greedy=temperature == 0,
-                             top_p=float(1.0 if top_p is None else top_p))
+    P = len(prompt)
+    config = cache_config(config, P + max_new_tokens)
+    ids = np.zeros((1, min(round_up(P), config.max_seq_len)), np.int32)
+    ids[0, :P] = prompt
     key, temp, stops = jax.random.PRNGKey(seed), jnp.float32(temperature), set(map(int, stop_ids))
-    logits, cache = _prefill(params, jnp.asarray(prompt[None]), config)
-    n = len(prompt)
-    for i in range(max_new_tokens):
-        token = draw(jax.random.fold_in(key, i), logits, temp)
-        if int(token) in stops:
-            return
-        yield int(token)
-        if i + 1 == max_new_tokens or n >= config.max_seq_len:
-            return
-        logits, cache = _step(params, token, cache, jnp.int32(n), config)
-        n += 1
+    if log:
+        log(f"compiling the sampler: a prefill of {ids.shape[1]} positions, a cache of "
+            f"{config.max_seq_len} slots")
+    prefill, draw, step, compile_s = _programs(params, config, ids, key, temp, top_k, top_p, temperature == 0)
+    times = dict(compile_s=compile_s, prefill_tokens=P, prefill_s=0.0, decode_tokens=0, decode_s=0.0,
+                 cache_len=config.max_seq_len)
+    try:
+        t0 = time.perf_counter()
+        logits, cache = prefill(params, jnp.asarray(ids), jnp.int32(P))
+        token = int(draw(jax.random.fold_in(key, 0), logits, temp))
+        times["prefill_s"] = time.perf_counter() - t0
+        n = P
+        for i in range(max_new_tokens):
+            if token in stops:
+                return
+            yield token
+            if i + 1 == max_new_tokens or n >= config.max_seq_len:
+                return
+            t0 = time.perf_counter()
+            logits, cache = step(params, jnp.int32(token), cache, jnp.int32(n))
+            token = int(draw(jax.random.fold_in(key, i + 1), logits, temp))
+            times["decode_s"] += time.perf_counter() - t0
+            times["decode_tokens"] += 1
+            n += 1
+    finally:
+        if timing is not None:
+            run_s = times["prefill_s"] + times["decode_s"]
+            timing.update(times, run_s=run_s, s_per_token=run_s / (1 + times["decode_tokens"]))
+
+
+def _programs(params, config, ids, key, temp, top_k, top_p, greedy):
+    """(prefill, draw, step, the seconds compiling them): compiled ahead of time."""
+    prefill, a = compiled(_prefill, params, ids, jnp.int32(0), config=config)
+    logits, cache = jax.eval_shape(functools.partial(_prefill, config=config), params, ids, jnp.int32(0))
+    draw, b = compiled(_draw, key, logits, temp, top_k=int(top_k or 0), greedy=greedy,
+                       top_p=float(1.0 if top_p is None else top_p))
+    step, c = compiled(_step, params, jnp.int32(0), cache, jnp.int32(0), config=config)
+    return prefill, draw, step, a + b + c
 
 
 def stream_text(tokenizer, ids: Iterator[int]) -> Iterator[str]:
