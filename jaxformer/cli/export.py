@@ -39,8 +39,8 @@ EPILOG = """examples:
         the adapters and their frozen base, which adapter_config.json names:
         peft.AutoPeftModelForCausalLM.from_pretrained("out/adapter")
 
-A subword tokenizer travels with each folder (tokenizer.json, tokenizer_config.json with
-the special tokens), and with it the chat template and generation_config.json (eos_token_id:
+A subword tokenizer travels with each folder (tokenizer.json), and with it the chat
+template and special tokens (tokenizer_config.json) and generation_config.json (eos_token_id:
 the eos and end-of-turn ids) of the model the run started from (a LoRA run's base, the
 --init-from model whose tokenizer it reads) or of the chat data it trained on:
 transformers' generate stops at the end of a turn, `generate --init-from OUT --chat` chats.
