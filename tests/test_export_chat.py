@@ -109,3 +109,20 @@ def test_export_refusals_are_one_line(lora_run, tmp_path, capsys):
                                         "--base", str(tmp_path / "x")]))
     assert "--peft and --base name the same folder" in line
 
+
+
+def test_run_chat_falls_back_to_the_chat_data(lora_run):
+    """A run whose model cannot be read again (moved) takes the template its chat data was
+    prepared with, the stop ids looked up in the run's tokenizer; with neither, none and why."""
+    from types import SimpleNamespace
+
+    from jaxformer.checkpoints.hf import read_chat
+    from jaxformer.checkpoints.run_source import run_chat
+    model, run = lora_run
+    tokenizer = read_chat(model).tokenizer
+    moved = SimpleNamespace(lora_base=str(run.parent / "moved.gguf"), tokenizer="byte", data=str(run.parent / "data"))
+    chat, where = run_chat(moved, tokenizer)
+    assert chat.chat_template == read_chat(model).chat_template and chat.stop_ids == (0, 2)
+    assert where == f"the chat data {run.parent / 'data'}"
+    chat, why = run_chat(SimpleNamespace(lora_base=moved.lora_base, tokenizer="byte", data=None), tokenizer)
+    assert chat is None and "moved.gguf: no such GGUF file" in why

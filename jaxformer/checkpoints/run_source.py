@@ -43,7 +43,7 @@ def _model_of_tokenizer(spec) -> str | None:
 def _chat_of(source: str):
     """(template, bos, eos) of a model source, or the reason it cannot be read."""
     try:
-        chat = read_chat(resolve_source(source))
+        chat = read_chat(source if is_gguf(source) else resolve_source(source))  # a .gguf is never downloaded
     except (ValueError, OSError) as e:
         return None, " ".join(str(e).split())
     return (chat.chat_template, chat.bos_token, chat.eos_token), ""
