@@ -51,6 +51,7 @@ from jaxformer.model.attention import (CORES, QKNorm, attention_spec, core_kv, m
 from jaxformer.model.linear import linear
 from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, repeat_kv
 from jaxformer.model.precision import cast, matmul
+from jaxformer.model.quantized import columns
 from jaxformer.model.rotary import rope_spec, rope_tables
 from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
@@ -88,7 +89,7 @@ def qkv_bwd(res: QKVRes, dq, dk, dv):
     layer of width (H + 2 Hkv) Dh: one product for the three weight gradients over the B*T
     rows, one for dx; the gradients are then cut back into the three projections' leaves."""
     x, wq, wk, wv, b, lora_res = res
-    w = jnp.concatenate([wq, wk, wv], axis=1)  # (D, (H + 2 Hkv) Dh)
+    w = columns([wq, wk, wv])  # (D, (H + 2 Hkv) Dh), as qkv_weights put them side by side
     dqkv = merge_qkv(dq, dk, dv)  # (B, T, (H + 2 Hkv) Dh)
     d, dx = linear_bwd(LinearRes(x, w, b), dqkv)  # dx (B, T, D)
     d_lora, dx_lora = adapted_bwd(lora_res, dqkv)  # qkv = qkv + LoRA's [delta_q | delta_k | delta_v]

@@ -7,6 +7,10 @@ Mixed precision (``compute_dtype``): the forward keeps x in the compute dtype, t
 dtype its product read it in, and the backward runs its two products in the dtype of
 that residual with float32 accumulation (``jaxformer.layers.matmul``); dw and db come
 back in w's dtype.
+
+A frozen w held quantized (jaxformer/model/quantized.py: a LoRA run's base) is dequantized
+inside dx's product exactly as the forward's ``linear`` dequantizes it; its dw is a float (I, O)
+that no gradient source returns, so under jit it is never computed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax
 
 from jaxformer.model.linear import linear
 from jaxformer.model.precision import cast, matmul
+from jaxformer.model.quantized import dense
 
 
 class LinearRes(NamedTuple):
@@ -48,7 +53,8 @@ def linear_bwd(res: LinearRes, dy):
     I, O = w.shape
     x2, dy2 = x.reshape(-1, I), dy.reshape(-1, O)  # (N, I), (N, O)
     dw = matmul(x2.T, dy2, cd)  # (I, O)
-    dx = matmul(dy2, w.T, cd).reshape(dy.shape[:-1] + (I,))  # (..., I): from the (N, O) dy2 that
+    # y = matmul(x, dense(w)): dx through the same dequantized w (w itself when float)
+    dx = matmul(dy2, dense(w).T, cd).reshape(dy.shape[:-1] + (I,))  # (..., I): from the (N, O) dy2 that
     # dw reads, so an elementwise producer of dy (the loss's dlogits, an activation's) runs once
     if b is None:
         return {"w": dw.astype(w.dtype)}, dx

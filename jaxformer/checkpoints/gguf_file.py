@@ -15,6 +15,13 @@ llama.cpp's converter permutes the rows of attn_q and attn_k for its rotary layo
 of adjacent features): per head of Dh rows, ``w.reshape(H, 2, Dh/2, in).swapaxes(1, 2)``,
 H the query heads for q and the key/value heads for k. ``unpermute`` undoes it, giving the
 rotate-half layout rotary.py computes.
+
+``read_gguf(path, dtype, keep=True)`` (a LoRA run's frozen base, ``--base-quant keep``) holds
+the block projections (attn_q/k/v/output, ffn_gate/up/down) in their own blocks instead,
+as jaxformer/model/quantized.py's ``Quantized`` (Q8_0, Q4_0, Q4_1: KEPT), turned to our
+(in, out) layout and unpermuted the same way (the permutation moves whole rows, blocks and
+scales with them); the other tensors are read as above. A projection stored as another
+quantized type is refused by name (int8 or float read it).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.checkpoints import hf_llama
+from jaxformer.checkpoints import hf_llama, hf_table
 from jaxformer.checkpoints.hf_files import HFFormatError
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.quantized import Quantized
 
 MAGIC = b"GGUF"
 # GGUF tensor name -> Hugging Face Llama name ({l}: the block index)
@@ -167,9 +175,10 @@ def _hf_name(name: str):
     return TENSORS.get(name)
 
 
-def read_gguf(path, dtype=np.float32) -> tuple[dict, ModelConfig]:
+def read_gguf(path, dtype=np.float32, keep: bool = False) -> tuple[dict, ModelConfig]:
     """(params in ``dtype``, ModelConfig) of the Llama GGUF file ``path``; one line naming
-    the file and the key for anything this project cannot read."""
+    the file and the key for anything this project cannot read. ``keep``: the block
+    projections as Quantized (their GGUF blocks), dequantizing to ``dtype``."""
     reader = _reader(path)
     meta = _metadata(reader)
     names = {t.name for t in reader.tensors}
@@ -178,17 +187,78 @@ def read_gguf(path, dtype=np.float32) -> tuple[dict, ModelConfig]:
         config = hf_llama.config_from_hf(hf)
     except HFFormatError as e:
         raise HFFormatError(f"{path}: {str(e).replace('config.json: ', '')}") from None
-    tensors = {}
+    tensors, kept = {}, {}
     for t in reader.tensors:
         if t.name in SKIPPED:
             continue
         name = _hf_name(t.name)
         if name is None:
             raise HFFormatError(f"{path}: tensor {t.name!r} is not one of a Llama's")
+        heads = {"attn_q": config.n_heads, "attn_k": config.kv_heads}.get(t.name.split(".")[-2])
+        leaf = _kept_leaf(t.name) if keep else None
+        if leaf is not None and t.tensor_type.name not in FLOAT_TYPES:
+            kept.setdefault(leaf, []).append((t.name, _blocks(t, heads, path)))
+            continue
         w = _dequantized(t, path)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute(w, config.n_heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute(w, config.kv_heads)
-        tensors[name] = w
-    return hf_llama.params_from_hf(tensors, config, dtype, str(path)), config
+        tensors[name] = w if heads is None else unpermute(w, heads)
+    if not kept:
+        return hf_llama.params_from_hf(tensors, config, dtype, str(path)), config
+    return _with_kept(tensors, kept, config, dtype, path), config
+
+
+# GGUF tensor type -> Quantized kind, for the types a base keeps in their blocks
+KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+# a block projection's GGUF name (after blk.{l}.) -> our stacked leaf
+KEPT_LEAVES = {"attn_q": ("attn", "wq"), "attn_k": ("attn", "wk"), "attn_v": ("attn", "wv"),
+               "attn_output": ("attn", "wo"), "ffn_gate": ("ffn", "w_gate"), "ffn_up": ("ffn", "w_up"),
+               "ffn_down": ("ffn", "w_down")}
+
+
+def _kept_leaf(name: str):
+    """(group, weight) of a block projection's GGUF name, else None."""
+    parts = name.split(".")
+    return KEPT_LEAVES.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
+
+
+def _blocks(tensor, heads, where) -> Quantized:
+    """One GGUF projection (out, in) in its blocks, as a Quantized (in, out) (float16 scales);
+    ``heads``: attn_q / attn_k's rows unpermuted (``unpermute``) over that many heads."""
+    kind = KEPT.get(tensor.tensor_type.name)
+    if kind is None:
+        raise HFFormatError(f"{where}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which a base "
+                            f"kept in its blocks cannot hold (only {', '.join(KEPT)}; --base-quant int8 or "
+                            f"float reads it)")
+    n_in = int(tensor.shape[0])  # GGUF's ne[0]: the inputs, along which the blocks run
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind]  # bytes per block of 32
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, n_in // 32, size)  # (out, nb, bytes)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]  # (out, nb)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "q4_1" else None
+    qs = np.ascontiguousarray(blocks[..., 4 if kind == "q4_1" else 2:])  # (out, nb, 32 or 16)
+    codes = (qs.view(np.int8) if kind == "q8_0" else qs).reshape(len(blocks), -1)  # (out, in or in / 2)
+    if heads is not None:  # the same rows of codes, scales and mins
+        codes, d, m = (None if a is None else unpermute(a, heads) for a in (codes, d, m))
+    return Quantized(codes.T, d.T, None if m is None else m.T, kind)
+
+
+def _with_kept(tensors, kept, config, dtype, where) -> dict:
+    """params_from_hf's params of the float ``tensors``, with the ``kept`` projections
+    {(group, weight): [(GGUF name, Quantized) per layer]} stacked over the layers."""
+    leaves = {f"blocks.{g}.{w}" for g, w in kept}
+    table = [e for e in hf_llama.TENSORS if e.ours[0] not in leaves]
+    raw = {k: v for k, v in tensors.items() if not k.endswith(hf_llama.BUFFERS)}
+    if config.tie_embeddings:
+        raw.pop(hf_llama.HEAD, None)
+    for (group, weight), layers in kept.items():
+        if len(layers) != config.n_layers or len({q.kind for _, q in layers}) > 1:
+            first = next((n for n, q in layers if q.kind != layers[0][1].kind), layers[0][0])
+            raise HFFormatError(f"{where}: tensor {first!r}: the {config.n_layers} layers' {weight} are not all "
+                                f"one of {', '.join(KEPT)} of one type, as a base kept in its blocks needs "
+                                f"(--base-quant int8 or float reads them)")
+    params = hf_table.params_in(table, raw, config, dtype, str(where))
+    for (group, weight), layers in kept.items():
+        qs = [q for _, q in layers]
+        stacked = Quantized(*(None if qs[0].mins is None and f == "mins" else np.stack([getattr(q, f) for q in qs])
+                              for f in ("codes", "scales", "mins")), qs[0].kind, np.dtype(dtype).name)
+        params["blocks"].setdefault(group, {})[weight] = stacked
+    return params

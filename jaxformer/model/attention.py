@@ -32,6 +32,7 @@ from jaxformer.model.blockwise import blockwise
 from jaxformer.model.cores import AttentionSpec, cudnn, cudnn_core, flash, full, repeat_kv  # noqa: F401
 from jaxformer.model.linear import linear
 from jaxformer.model.lora import adapted
+from jaxformer.model.quantized import columns
 from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.rotary import apply_rope, rope_spec, rope_tables
 
@@ -80,7 +81,7 @@ def qkv_weights(p):
     """The three input projections side by side: w = [wq | wk | wv] (D, (H + 2 Hkv) Dh), b
     ((H + 2 Hkv) Dh,) (None without q, k, v biases: ModelConfig.linear_biases.qkv False)."""
     b = jnp.concatenate([p["bq"], p["bk"], p["bv"]]) if "bq" in p else None
-    return jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1), b
+    return columns([p["wq"], p["wk"], p["wv"]]), b
 
 
 def split_qkv(qkv, n_heads, n_kv_heads=0):

@@ -29,6 +29,7 @@ from jaxformer.model.checks import check_int, check_number, is_number, refuse
 from jaxformer.model.dropout import dropout
 from jaxformer.model.params import init_params
 from jaxformer.model.precision import matmul
+from jaxformer.model.quantized import dequantize_params
 
 # target name -> (the layer group, the weight) in params["blocks"]
 TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
@@ -175,7 +176,8 @@ def adapted(p, names, x, y, compute_dtype=None):
 
 def merge(params, adapters, lora: LoraConfig) -> dict:
     """The base params with each adapted W replaced by W + s A B (no dropout): the same model
-    in the base layout (export --merge)."""
+    in the base layout (export --merge); a base held quantized comes out dequantized (float)."""
+    params = dequantize_params(params)
     blocks = {g: dict(v) if isinstance(v, dict) else v for g, v in params["blocks"].items()}
     for group, ads in adapters["blocks"].items():
         for name, ab in ads.items():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxformer.model.activations import activation
 from jaxformer.model.linear import linear
 from jaxformer.model.lora import adapted
+from jaxformer.model.quantized import columns
 
 
 def feed_forward(p, x, activation_name, compute_dtype=None):
@@ -33,7 +34,7 @@ def gate_up_weights(p):
     """The gated layer's two input projections side by side: w = [w_gate | w_up] (D, 2F),
     b (2F,) (None without biases)."""
     b = jnp.concatenate([p["b_gate"], p["b_up"]]) if "b_gate" in p else None
-    return jnp.concatenate([p["w_gate"], p["w_up"]], axis=1), b
+    return columns([p["w_gate"], p["w_up"]]), b
 
 
 def gated_feed_forward(p, x, activation_name, compute_dtype=None):

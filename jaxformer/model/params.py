@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.quantized import is_quantized
 
 INIT_STD = 0.02
 
@@ -155,7 +156,7 @@ def validate_params(params, config: ModelConfig) -> None:
         raise ValueError(f"params must be a dict (the params pytree), got {type(params).__name__}")
     expected = expected_shapes(config)
     got = {jax.tree_util.keystr(path): leaf
-           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+           for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)[0]
            if "['lora']" not in jax.tree_util.keystr(path)}  # attached LoRA adapters (lora.py)
     for path, shape in expected.items():
         if path not in got:

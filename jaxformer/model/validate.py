@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxformer.model.checks import check_int
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.quantized import is_quantized
 
 
 def _concrete(x) -> bool:
@@ -61,7 +62,8 @@ def check_precision(params, config: ModelConfig) -> None:
         raise ValueError(
             "ModelConfig.compute_dtype='float16' has no gradient: float16's range lets "
             "cotangents underflow and activations overflow; use compute_dtype='bfloat16'")
-    dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree_util.tree_leaves(params)})
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_quantized)  # a Quantized: the dtype it dequantizes to
+    dtypes = sorted({jnp.dtype(x.dtype).name for x in leaves})
     if "float16" in dtypes:
         raise ValueError(
             "params dtype float16 has no gradient (its range makes the gradients non-finite); "
