@@ -20,6 +20,7 @@ from manual_grads.attention import CUDNN_REFUSED, MANUAL_CORES
 
 GRAD_SOURCES = ("auto", "manual")
 DTYPES = ("float32", "float64")
+BASE_QUANTS = ("float", "keep", "int8")  # a LoRA run's frozen base held as (model/quantized.py)
 # the --help sections of the flags (fields.setting's group)
 _DATA, _OPT, _LOG, _DEV = "data", "optimizer", "logging and checkpoints", "devices and processes"
 _LORA = "LoRA (adapters on a frozen model)"
@@ -115,6 +116,9 @@ class TrainSettings:
     lora_dropout: float = setting(0.0, "dropout on the adapters' input", group=_LORA, metavar="P")
     lora_targets: str = setting("q,v", "the projections adapted: q,k,v,o,gate,up,down (the plain MLP's "
                                 "in,out) or all", group=_LORA, metavar="LIST")
+    base_quant: str = setting("float", "the frozen model's projections held as: float (the run's dtype), keep (a "
+                              "GGUF file's Q8_0, Q4_0 or Q4_1 blocks as stored) or int8 (per output column), "
+                              "dequantized inside each product", group=_LORA, choices=BASE_QUANTS)
     lora_base: str | None = setting(None, "the frozen model's source (--init-from), read again on resume",
                                     unset="the seed's init")
     lora_base_digest: str = setting("", "sha256 of the frozen model's params, checked on resume")
@@ -158,6 +162,10 @@ class TrainSettings:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_fields(self)  # each integer >= its minimum, each number finite
+        if self.base_quant not in BASE_QUANTS:
+            raise ValueError(f"unknown base_quant {self.base_quant!r}; choose one of {', '.join(BASE_QUANTS)}")
+        if self.base_quant != "float" and not self.lora_rank:
+            raise ValueError(f"base_quant {self.base_quant} holds a LoRA run's frozen model: it needs lora_rank > 0")
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
             raise ValueError("dtype float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
         check_precision({}, self.model_config())  # float16 compute: refused before any data is read
