@@ -22,6 +22,7 @@ from jaxformer.observe.report import recipe_text
 from jaxformer.observe.words import plural
 from jaxformer.training import distributed, liveness
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
+from jaxformer.training.adapters import base_line, read_base
 from jaxformer.training.loop import train
 from jaxformer.training.run_data import model_tokenizer
 from jaxformer.training.settings import TrainSettings, settings_for
@@ -180,9 +181,11 @@ def run(args: argparse.Namespace) -> int:
                                         tokenizer_given=tokenizer_given(args, settings))
         if settings.lora_rank:  # the adapters' frozen base: read again on resume
             settings = settings.replace(lora_base=args.init_from)
+            if settings.base_quant != "float":  # read again, its projections held as --base-quant says
+                init = read_base(args.init_from, settings)
+                print(base_line(init), file=sys.stderr)
     elif args.resume and settings.lora_rank and settings.lora_base:
-        init = read_hf(resolve_source(settings.lora_base), np.float64 if settings.dtype == "float64"
-                       else np.float32)[0]
+        init = read_base(settings.lora_base, settings)  # as the run held it (base_quant)
     settings.validate()  # before the banner: a bad setting is the only line
 
     t0 = time.perf_counter()

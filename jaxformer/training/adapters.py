@@ -5,7 +5,9 @@ is the adapters' tree, so the optimizer state and the checkpoints hold the adapt
 frozen base (``--init-from``'s model, else the seed's init) is an argument of the compiled step
 and evaluation (make_train_step's ``frozen``), never a constant folded into them; the
 run's settings keep where it came from (``lora_base``) and its sha256 (``lora_base_digest``),
-so a resumed run reads it again and refuses another.
+so a resumed run reads it again and refuses another. ``base_quant`` says how the base's
+projections are held (jaxformer/model/quantized.py): float, a GGUF file's own blocks (keep), or
+int8; the digest is of what is held, so a resume reads it the same way.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import jax
 import numpy as np
 
 import manual_grads.adapters
-from jaxformer.checkpoints.hf import read_hf, resolve_source
+from jaxformer.checkpoints.gguf_file import read_gguf
+from jaxformer.checkpoints.hf import is_gguf, read_hf, resolve_source
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.lora import LoraConfig, attach, merge
 from jaxformer.model.params import init_params
+from jaxformer.model.quantized import held_as, is_quantized, quantize_base
 from jaxformer.model.transformer import loss_fn
 from jaxformer.training.settings import TrainSettings
 
@@ -31,13 +35,42 @@ def lora_loss_fn(adapters, batch, base, config, lora: LoraConfig, key=None, loss
     return loss(attach(base, adapters, lora, key), batch, config, key=key)
 
 
+def read_base(source, settings):
+    """The frozen params of ``source`` (a model folder, hub id or GGUF file) held as
+    ``settings.base_quant`` says: float in the run's dtype, the GGUF blocks kept, or int8.
+    ValueError (one line) for keep on a source that is not a GGUF file."""
+    dtype = np.dtype(settings.dtype)
+    folder = resolve_source(source)
+    if settings.base_quant == "keep":
+        if not is_gguf(folder):
+            raise ValueError(f"--base-quant keep holds a GGUF file's blocks; {source} is not a .gguf file "
+                             f"(--base-quant int8 quantizes any model)")
+        return read_gguf(folder, dtype, keep=True)[0]
+    params = read_hf(folder, dtype)[0]
+    return quantize_base(params) if settings.base_quant == "int8" else params
+
+
 def frozen_base(settings, config: ModelConfig):
     """The frozen params of a LoRA run of ``settings``: its ``lora_base`` model read again, else
-    the seed's init (what a full run of these settings starts from), in the run's dtype."""
-    dtype = np.dtype(settings.dtype)
+    the seed's init (what a full run of these settings starts from), in the run's dtype, its
+    projections held as ``settings.base_quant`` says (``read_base``)."""
     if settings.lora_base:
-        return read_hf(resolve_source(settings.lora_base), dtype)[0]
-    return jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(settings.seed), config, dtype)
+        return read_base(settings.lora_base, settings)
+    if settings.base_quant == "keep":
+        raise ValueError("--base-quant keep holds a GGUF file's blocks: give the file with --init-from")
+    dtype = np.dtype(settings.dtype)
+    params = jax.jit(init_params, static_argnums=(1, 2))(jax.random.PRNGKey(settings.seed), config, dtype)
+    return quantize_base(params) if settings.base_quant == "int8" else params
+
+
+def base_line(params) -> str:
+    """What a frozen base is held as and its bytes, against float32: "the frozen model's
+    projections held as q4_1: 20.1 MiB of params (float32: 81.3 MiB)"."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_quantized)
+    held = sum(int(a.nbytes) for a in leaves)
+    as_f32 = sum(int(np.prod(a.shape)) * 4 for a in leaves)
+    return (f"the frozen model's projections held as {held_as(params)}: {held / 2**20:.1f} MiB of params "
+            f"(float32: {as_f32 / 2**20:.1f} MiB)")
 
 
 def model_params(params, config: ModelConfig, meta: dict):

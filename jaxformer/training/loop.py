@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -39,6 +38,7 @@ from jaxformer.checkpoints import checkpoint
 from jaxformer.data import Prefetcher
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.params import count_params, validate_params
+from jaxformer.model.quantized import as_dtype
 from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, close_all, first_non_finite_loss
 from jaxformer.training.adapters import base_digest, frozen_base, lora_eval_fn
@@ -173,7 +173,7 @@ def lora_start(settings: TrainSettings, config: ModelConfig, init_params, saved_
     CheckpointError when a resumed run's base is another."""
     if init_params is None:  # lora_base read again, or the seed's init
         init_params = frozen_base(settings, config)
-    base = jax.device_put(jax.tree_util.tree_map(lambda a: jnp.asarray(a, settings.dtype), init_params))
+    base = jax.device_put(as_dtype(init_params, settings.dtype))  # a Quantized base keeps its codes
     validate_params(base, config)
     digest = base_digest(base)
     saved = (saved_meta or {}).get("settings", {}).get("lora_base_digest")
