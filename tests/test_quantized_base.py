@@ -103,3 +103,22 @@ def test_unsupported_type_refused_by_tensor_and_type(tmp_path):
         read_gguf(path, np.float32, keep=True)
     assert "\n" not in str(e.value)
     read_gguf(path, np.float32)
+
+
+def test_train_keeps_the_gguf_blocks_and_resumes_them(tmp_path, capsys):
+    """`train --init-from F.gguf --lora-rank R --base-quant keep` says what the base is held as,
+    records base_quant, and a resume reads the same blocks (the base's digest matches)."""
+    from jaxformer.checkpoints import checkpoint
+    from jaxformer.cli.main import main
+    from test_gguf import tiny_tokenizer_meta
+    path = write_tiny(tmp_path / "t.gguf", tiny_hf_tensors(), "Q4_1", add_meta=tiny_tokenizer_meta)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. the dog ran to the park!\n" * 40)
+    run = tmp_path / "run"
+    common = ["--seq-len", "16", "--batch-size", "2", "--no-progress", "--dtype", "float64"]
+    assert main(["train", "--init-from", str(path), "--corpus", str(corpus), "--out", str(run), "--steps", "2",
+                 "--lora-rank", "2", "--base-quant", "keep", *common]) == 0
+    assert "projections held as q4_1" in capsys.readouterr().err
+    assert checkpoint.newest_meta(run)["settings"]["base_quant"] == "keep"
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress"]) == 0
+    assert checkpoint.newest_meta(run)["step"] == 3
