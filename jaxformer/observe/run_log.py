@@ -57,7 +57,9 @@ class RunLog:
     def __init__(self, run_dir: Path, settings, config, n_devices: int, start: int, *,
                  resumed: bool, main: bool, progress: bool, log=None):
         self.run_dir, self.settings, self.config, self.n_devices = run_dir, settings, config, n_devices
-        self.resumed, self.main, self.log = resumed, main, log
+        self.resumed, self.main = resumed, main
+        # lines given to ``log`` while the bar shows clear it first and draw it again after
+        self.log = (lambda line: self._write_line(log, line)) if log else None
         self.path = run_dir / METRICS_FILE
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +102,14 @@ class RunLog:
         self.pending.append((step, metrics))
         self.steps_since += 1
 
+    def _write_line(self, log, line: str) -> None:
+        bar = getattr(self, "bar", None)  # None until __init__ opens it
+        if bar is None:
+            log(line)
+            return
+        with bar.writing():
+            log(line)
+
     def finished(self, step: int) -> None:
         """Wait until step ``step``'s results are ready (on the device; nothing is copied); the
         bar then counts it and every step before it. A step not pending was fetched already."""
@@ -116,8 +126,7 @@ class RunLog:
         self.pending.clear()
         compile_s = self.clock.step_done(len(fetched))
         if compile_s is not None and self.log:
-            with self.bar.writing():
-                self.log(report.compile_line(compile_s, fetched[0][0]))
+            self.log(report.compile_line(compile_s, fetched[0][0]))
         if fetched:
             self.bar.finished(fetched[-1][0])
         return fetched
