@@ -24,6 +24,7 @@ from jaxformer.training import distributed, liveness
 from jaxformer.training.configfile import off_is_zero, read_config, settings_from_file
 from jaxformer.training.adapters import base_line, read_base
 from jaxformer.training.loop import train
+from jaxformer.training.recipes import FINETUNE_RECIPES, Sources, recipe_name, size_to_run, sources_block
 from jaxformer.training.run_data import model_tokenizer
 from jaxformer.training.settings import TrainSettings, settings_for
 from jaxformer.training.stopping import Interrupted
@@ -110,28 +111,49 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def train_settings(args: argparse.Namespace) -> TrainSettings:
     """Settings from (lowest first) the preset's recipe or the resumed checkpoint's
-    settings, the --config file, the flags. A clipping threshold of 0 means off."""
+    settings, a fine-tuning recipe (--init-from), the --config file, the flags. A clipping
+    threshold of 0 means off."""
+    return resolve_settings(args)[0]
+
+
+def resolve_settings(args: argparse.Namespace) -> tuple[TrainSettings, Sources]:
+    """(train_settings, where each value came from: recipes.Sources)."""
     flags = {name: getattr(args, name) for name in TRAIN_FLAGS}
+    given = {k: v for k, v in flags.items() if v is not None}
     model = model_overrides(args)
+    sources = Sources()
     if args.resume:
         saved = TrainSettings.from_dict(checkpoint.newest_meta(args.out)["settings"])
-        given, file_model = {}, {}
+        sources.layer("checkpoint", saved.to_dict())
+        changes, file_model = {}, {}
         if args.config:
-            file_model, given = read_config(args.config)
-        given.update({k: v for k, v in flags.items() if v is not None})
+            file_model, changes = read_config(args.config)
+            sources.layer(f"config {args.config}", changes)
+        changes.update(given)
         if args.preset is not None:
-            given["preset"] = args.preset
-        given["model"] = {**saved.model, **file_model, **model}
-        settings = saved.replace(**given)
-    elif args.config:
+            changes["preset"] = args.preset
+        changes["model"] = {**saved.model, **file_model, **model}
+        sources.layer("flag", given)
+        return off_is_zero(saved.replace(**changes)), sources
+    file_train = read_config(args.config)[1] if args.config else {}
+    preset = args.preset or file_train.get("preset") or "loopos"
+    sources.layer(f"preset {preset}", PRESET_TRAINING.get(preset, {}))
+    if args.init_from:  # a fine-tune: its recipe under the file and the flags
+        name = recipe_name(given.get("lora_rank", file_train.get("lora_rank", 0)))
+        recipe = {k: v for k, v in FINETUNE_RECIPES[name].items() if k not in given and k not in file_train}
+        sources.layer(f"recipe {name}", recipe)
+        flags = {**flags, **recipe}
+    if args.config:
+        sources.layer(f"config {args.config}", file_train)
         settings = settings_from_file(args.config, args.preset, **flags, model=model)
     else:
-        settings = settings_for(args.preset or "loopos", **flags, model=model)
-    return off_is_zero(settings)
+        settings = settings_for(preset, **flags, model=model)
+    sources.layer("flag", given)
+    return off_is_zero(settings), sources
 
 
 def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_given: bool = False,
-                   tokenizer_given: bool = False):
+                   tokenizer_given: bool = False, recipe: str | None = None):
     """(params, settings whose model is the imported one's: GPT-2 or Llama) of ``--init-from spec``;
     a flag that would change the imported shapes is refused by name. A recipe's seq_len longer
     than the imported max_seq_len becomes that max_seq_len (said on stderr); a --seq-len
@@ -153,7 +175,8 @@ def imported_start(spec: str, settings: TrainSettings, flags: dict, seq_len_give
             raise UsageError(f"--seq-len {settings.seq_len} exceeds the max_seq_len {config.max_seq_len} "
                              f"of the model from --init-from {spec}")
         print(f"seq_len {config.max_seq_len}: the max_seq_len of the model from --init-from {spec} (the "
-              f"{settings.preset} recipe's {settings.seq_len} does not fit; --seq-len sets it)", file=sys.stderr)
+              f"{recipe or settings.preset} recipe's {settings.seq_len} does not fit; --seq-len sets it)",
+              file=sys.stderr)
         settings = settings.replace(seq_len=config.max_seq_len)
     return params, settings
 
@@ -171,26 +194,39 @@ def run(args: argparse.Namespace) -> int:
     heartbeat = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                        args.heartbeat_timeout,
                                        lambda: f"resume every process with: {resume_command(args)}")
-    settings = train_settings(args)
+    settings, sources = resolve_settings(args)
     if settings.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    init = None
+    init, recipe, max_seq_len = None, None, None
     if args.init_from and not args.resume:
+        recipe = recipe_name(settings.lora_rank)
+        if not sources.chosen("seq_len"):  # the recipe sizes it to the data and the model
+            settings = settings.replace(seq_len=1)
         init, settings = imported_start(args.init_from, settings, model_overrides(args),
                                         seq_len_given=args.seq_len is not None,
-                                        tokenizer_given=tokenizer_given(args, settings))
+                                        tokenizer_given=tokenizer_given(args, settings), recipe=recipe)
+        max_seq_len = settings.model_config().max_seq_len
         if settings.lora_rank:  # the adapters' frozen base: read again on resume
             settings = settings.replace(lora_base=args.init_from)
             if settings.base_quant != "float":  # read again, its projections held as --base-quant says
                 init = read_base(args.init_from, settings)
                 print(base_line(init), file=sys.stderr)
+            sources.of["lora_base"] = "--init-from"
     elif args.resume and settings.lora_rank and settings.lora_base:
         init = read_base(settings.lora_base, settings)  # as the run held it (base_quant)
+    settings = size_to_run(settings, sources, recipe, max_seq_len)
+    if recipe and not sources.chosen("seq_len") and settings.seq_len == max_seq_len \
+            and sources.get("seq_len").startswith("model"):
+        print(f"seq_len {max_seq_len}: the max_seq_len of the model from --init-from {args.init_from} (the "
+              f"{recipe} recipe's rows do not fit; --seq-len sets it)", file=sys.stderr)
     settings.validate()  # before the banner: a bad setting is the only line
 
     t0 = time.perf_counter()
     main = jax.process_index() == 0
     log = (lambda line: print(line, file=sys.stderr)) if main else None
+    if main:
+        for line in sources_block(settings, sources):
+            print(line, file=sys.stderr)
     print(f"training -> {args.out} ({plural(jax.device_count(), jax.devices()[0].platform + ' device')} "
           f"in {plural(jax.process_count(), 'process')})", file=sys.stderr)
     try:

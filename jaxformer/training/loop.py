@@ -41,6 +41,7 @@ from jaxformer.model.params import count_params, validate_params
 from jaxformer.model.quantized import as_dtype
 from jaxformer.observe import report
 from jaxformer.observe.run_log import RunLog, close_all, first_non_finite_loss
+from jaxformer.training import samples
 from jaxformer.training.adapters import base_digest, frozen_base, lora_eval_fn
 from jaxformer.training.configfile import CONFIG_FILE, write_config
 from jaxformer.training.diagnose import diagnose_failure
@@ -262,6 +263,7 @@ class _Steps:
         if do_eval:
             with self.run_log.paused():
                 record["val_loss"] = evaluate(self.run.eval_fn, state.params, self.run.val_batches)
+                record.update(samples.at_eval(self.run, state.params, s, record["val_loss"], self.run_log.log))
             record.update(report.val_bits(record["val_loss"], self.run.data.tokenizer.kind))
         self.run_log.write(record)
 

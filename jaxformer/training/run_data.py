@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 
+import numpy as np
+
 from jaxformer import data
+from jaxformer.data import packing
 from jaxformer.checkpoints import checkpoint
 from jaxformer.checkpoints.hf import gguf_has_tokenizer, is_gguf, read_chat
 from jaxformer.observe import report
@@ -123,6 +126,17 @@ def run_data(settings: TrainSettings, run_dir: Path, saved_meta: dict | None = N
                                   where=checkpoint.checkpoint_dir(run_dir), allow_change=allow_change)
     tokenizer, train_ids, val_ids, fingerprint = load_data(settings, tokenizer, check, log)
     check_vocab(settings, tokenizer)
+    if settings.packing == "conversations":
+        batcher, val_batches = packed_data(settings, train_ids, val_ids)
+    else:
+        batcher, val_batches = window_data(settings, train_ids, val_ids)
+    if settings.mix:
+        batcher = mixed_in(settings, tokenizer, batcher, log)
+    return RunData(tokenizer, batcher, val_batches, fingerprint)
+
+
+def window_data(settings: TrainSettings, train_ids, val_ids):
+    """(Batcher of T + 1-token windows, validation batches) of a token stream."""
     if settings.packed_documents:
         data.batching.check_doc_starts(train_ids)
     try:
@@ -136,4 +150,46 @@ def run_data(settings: TrainSettings, run_dir: Path, saved_meta: dict | None = N
         val_batches = list(data.sequential_batches(
             val_ids, settings.batch_size, settings.seq_len, settings.eval_batches,
             segments=settings.packed_documents))
-    return RunData(tokenizer, batcher, val_batches, fingerprint)
+    return batcher, val_batches
+
+
+def packed_data(settings: TrainSettings, train_ids, val_ids):
+    """(RowBatcher of whole conversations packed into rows, validation batches: the validation
+    split packed alike) of a chat data folder (packing.py)."""
+    if getattr(train_ids, "docs", None) is None:
+        raise ValueError(f"packing conversations needs a chat data folder (`jaxformer prepare` of a chat "
+                         f"JSONL file); {settings.data} holds no conversation starts (--packing windows)")
+    train = packing.pack(np.asarray(train_ids), _host(train_ids.mask), np.asarray(train_ids.docs),
+                         settings.seq_len)
+    val_batches = []
+    if len(val_ids) and getattr(val_ids, "docs", None) is not None:
+        val = packing.pack(np.asarray(val_ids), _host(val_ids.mask), np.asarray(val_ids.docs), settings.seq_len)
+        val_batches = packing.packed_val_batches(val, settings.batch_size, settings.eval_batches)
+    return packing.RowBatcher(train, settings.batch_size, settings.seed), val_batches
+
+
+def _host(mask):
+    return None if mask is None else np.asarray(mask)
+
+
+def mixed_in(settings: TrainSettings, tokenizer, batcher, log=None):
+    """``batcher`` with the rows of --mix's data folder in a fraction of each batch (packing.py);
+    its tokenizer must be the run's."""
+    folder, weight = packing.parse_mix(settings.mix)
+    meta = data.read_meta(folder)
+    data.check_sizes(folder, meta)
+    theirs = data.tokenizer_from_dict(meta["tokenizer"])
+    if theirs.to_dict() != tokenizer.to_dict():
+        raise ValueError(f"--mix {settings.mix}: {folder} was prepared with another tokenizer "
+                         f"({theirs.kind}, vocab {theirs.vocab_size}) than the run's ({tokenizer.kind}, "
+                         f"vocab {tokenizer.vocab_size}); prepare it with the run's --tokenizer")
+    ids = data.open_split(folder, meta, "train")
+    if meta.get("doc_starts"):
+        other = packing.RowBatcher(packing.pack(np.asarray(ids), _host(ids.mask), np.asarray(ids.docs),
+                                                settings.seq_len), settings.batch_size, settings.seed)
+    else:
+        other = packing.WindowRows(data.Batcher(ids, settings.batch_size, settings.seq_len, settings.seed))
+    main = batcher if hasattr(batcher, "rows_at") else packing.WindowRows(batcher)
+    if log:
+        log(f"mix      {folder}: {weight:.0%} of each batch's rows ({ids.__len__():,} train tokens)")
+    return packing.MixedBatcher(main, other, weight, settings.seed)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from jaxformer.data.packing import parse_mix
 from jaxformer.model.checks import check_keys
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, ModelConfig, get_preset
 from jaxformer.model.lora import LoraConfig, check_targets
@@ -19,6 +20,7 @@ from jaxformer.training.sharding import parse_mesh
 from manual_grads.attention import CUDNN_REFUSED, MANUAL_CORES
 
 GRAD_SOURCES = ("auto", "manual")
+PACKINGS = ("windows", "conversations")
 DTYPES = ("float32", "float64")
 BASE_QUANTS = ("float", "keep", "int8")  # a LoRA run's frozen base held as (model/quantized.py)
 # the --help sections of the flags (fields.setting's group)
@@ -54,6 +56,16 @@ class TrainSettings:
     packed_documents: bool = setting(False, "packed-document attention: each token attends only to "
                                      "its own document (conversation) within a row, from the document "
                                      "starts a chat --data folder carries (batch['segments'])", group=_DATA)
+    packing: str = setting("windows", "rows of a batch: windows (T + 1 tokens cut from the token stream) or "
+                           "conversations (a chat --data folder's conversations packed whole into rows, "
+                           "each row's numbered for attention: batch['segments'])", group=_DATA,
+                           choices=PACKINGS)
+    epochs: int | None = setting(None, "passes over a --data folder's rows (packed conversations or "
+                                 "windows): --steps from its size and --batch-size", group=_DATA, minimum=1,
+                                 metavar="N", unset="--steps sets the length")
+    mix: str = setting("", "DATA:WEIGHT: a second prepared data folder (the same tokenizer; chats or "
+                       "text) whose rows fill a fraction WEIGHT in (0, 1) of each batch, placed by the seed",
+                       group=_DATA, metavar="DATA:WEIGHT")
     max_corpus_bytes: int | None = setting(None, "read at most N bytes of the corpus", group=_DATA,
                                            minimum=1, metavar="N", unset="all")
     val_fraction: float = setting(0.1, "held-out tail of the corpus, for validation", group=_DATA,
@@ -104,6 +116,9 @@ class TrainSettings:
                              group=_LOG, minimum=1, metavar="N")
     ckpt_every: int = setting(100, "checkpoint every N steps and at the end (0: at the end only)",
                               group=_LOG, minimum=0, metavar="N")
+    eval_samples: int = setting(0, "at each evaluation, the greedy replies (at most 32 tokens, to the end "
+                                "of turn) to N held-out prompts of a chat --data folder's validation "
+                                "split, printed beside the loss", group=_LOG, minimum=0, metavar="N")
     keep_checkpoints: int = setting(3, "latest checkpoints kept on disk", group=_LOG, minimum=1,
                                     metavar="N")
     mesh: str = setting("", "device mesh data=N,fsdp=M[,expert=X]: the batch splits over N*M*X devices, params "
@@ -175,6 +190,15 @@ class TrainSettings:
                              f"{max_len}{' (with the model overrides)' if self.model else ''}")
         if self.grads == "manual" and self.model_config().attention_impl not in MANUAL_CORES:
             raise ValueError(CUDNN_REFUSED)  # before any data is read, not when the step is traced
+        if self.packing not in PACKINGS:
+            raise ValueError(f"unknown packing {self.packing!r}; choose one of {', '.join(PACKINGS)}")
+        if self.mix:
+            parse_mix(self.mix)  # DATA:WEIGHT, the weight in (0, 1)
+        for name, value in (("epochs", self.epochs), ("packing conversations", self.packing == "conversations"),
+                            ("mix", self.mix)):
+            if value and not self.data:
+                raise ValueError(f"{name} needs a prepared --data folder (`jaxformer prepare`); with "
+                                 f"--corpus {self.corpus} give --steps")
         parse_mesh(self.mesh)  # the syntax; the device count is checked when the mesh is built
         if self.schedule != "constant" and self.warmup_steps >= _updates(self):
             raise ValueError(
@@ -206,6 +230,7 @@ class TrainSettings:
 # (The model shape is compared through the resolved ModelConfig: config_diff.)
 RESUMABLE_CHANGES = frozenset(
     {"steps", "schedule_steps", "grads", "eval_every", "eval_batches", "log_every", "ckpt_every",
+     "epochs", "eval_samples",  # epochs: the steps it gave are compared as steps
      "keep_checkpoints", "mesh", "data",  # data: the folder may move; its digests are checked
      "lora_base", "lora_base_digest",  # the base's path may move; its digest is checked (loop.lora_start)
      "lr", "muon_lr", "clip_norm"}  # after a non-finite loss (resume.py notes the change; clipping turned on

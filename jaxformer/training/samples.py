@@ -1,0 +1,102 @@
+"""Replies to held-out prompts at each evaluation: what a fine-tune is teaching, beside its loss.
+
+With ``settings.eval_samples`` = N > 0 and a chat data folder, each evaluation takes the
+first N conversations of the folder's validation split, cuts each before its first assistant
+token (the prompt the model answers: the template's text up to the assistant's turn, as
+``prepare`` rendered it), and samples greedily with the inference code (inference.generate,
+its reference path: each token a forward over the window of prompt + reply, rounded up to 64,
+so one small program is compiled for the run) at most SAMPLE_TOKENS tokens, cut at the end
+of turn (the template's eos token, or the end-of-text id). A LoRA run's adapters are merged into its frozen base for it. The replies go
+to the run's log lines and, as ``samples``, to the evaluation's metrics record.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from jaxformer.data import packing
+
+SAMPLE_TOKENS = 32
+
+
+@functools.lru_cache(maxsize=4)
+def held_out_prompts(data_dir: str, n: int) -> tuple[np.ndarray, ...]:
+    """The prompts (int32 ids) of the first ``n`` validation conversations of a chat data
+    folder that hold an assistant token: each up to that token."""
+    from jaxformer import data
+    meta = data.read_meta(data_dir)
+    if not meta.get("doc_starts") or not meta.get("mask"):
+        return ()
+    val = data.open_split(data_dir, meta, "val")
+    if not len(val):
+        return ()
+    ids, mask = np.asarray(val), np.asarray(val.mask)
+    docs = np.asarray(val.docs)
+    starts, lengths = packing.conversation_spans(docs, len(ids))
+    out = []
+    for s, length in zip(starts, lengths):
+        if s == 0 and not docs[0]:
+            continue  # the end of a conversation the split cut
+        answer = np.flatnonzero(mask[s:s + length])
+        if len(answer) and answer[0] > 0:
+            out.append(ids[s:s + answer[0]].astype(np.int32))
+        if len(out) == n:
+            break
+    return tuple(out)
+
+
+def stop_ids(tokenizer, meta: dict) -> set[int]:
+    """The end-of-turn ids: the chat template's eos token and the end-of-text id."""
+    stops = set()
+    eos = (meta.get("chat") or {}).get("eos_token")
+    lookup = getattr(getattr(tokenizer, "tokenizer", None), "token_to_id", None)
+    if eos and lookup is not None and lookup(eos) is not None:
+        stops.add(int(lookup(eos)))
+    if getattr(tokenizer, "eot_id", None) is not None:
+        stops.add(int(tokenizer.eot_id))
+    return stops
+
+
+def replies(params, config, tokenizer, prompts, stops: set[int], max_new_tokens: int = SAMPLE_TOKENS):
+    """[(prompt text, reply text)]: greedy continuations cut before the first stop id."""
+    from jaxformer.inference.generate import cache_config, generate
+    out = []
+    for prompt in prompts:
+        room = max(0, min(max_new_tokens, config.max_seq_len - len(prompt)))
+        # the whole window a token (no cache: one small program to compile, at every evaluation
+        # the same), the window cut to prompt + reply rounded up (what position j computes is unchanged)
+        window = cache_config(config, len(prompt) + room)
+        new = np.asarray(generate(params, window, prompt, room, temperature=0.0,
+                                  use_cache=False))[len(prompt):].tolist()
+        ended = next((i for i, t in enumerate(new) if t in stops), len(new))
+        out.append((tokenizer.decode(prompt.tolist()), tokenizer.decode(new[:ended])))
+    return out
+
+
+def _short(text: str, keep: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= keep else "..." + text[-keep:]
+
+
+def at_eval(run, params, step: int, val_loss: float, log) -> dict:
+    """The eval hook of the training loop: {"samples": [{"prompt", "reply"}]} for the record of
+    ``step`` (and a line per reply to ``log``); {} when the run samples none."""
+    settings = run.settings
+    if not settings.eval_samples or not settings.data:
+        return {}
+    prompts = held_out_prompts(str(settings.data), settings.eval_samples)
+    if not prompts:
+        return {}
+    from jaxformer import data
+    if run.spec.frozen is not None:
+        from jaxformer.model.lora import merge
+        params = merge(run.spec.frozen.params, params, run.spec.lora)
+    stops = stop_ids(run.data.tokenizer, data.read_meta(settings.data))
+    pairs = replies(params, run.config, run.data.tokenizer, prompts, stops)
+    if log:
+        log(f"step {step}: val loss {val_loss:.4f}; greedy replies to {len(pairs)} held-out prompts:")
+        for prompt, reply in pairs:
+            log(f"  {_short(prompt)!r} -> {reply!r}")
+    return {"samples": [{"prompt": p, "reply": r} for p, r in pairs]}
