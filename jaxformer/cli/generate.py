@@ -181,24 +181,27 @@ def stream(args: argparse.Namespace, params, config, chat) -> int:
         text, temperature = args.prompt, 0.8 if args.temperature is None else args.temperature
         if not text:
             raise UsageError("the prompt is empty; give at least one character")
-        print(text, end="", flush=True)
-    reply(args, params, config, chat, text, temperature)
+    reply(args, params, config, chat, text, temperature, echo=args.chat is None)
     return 0
 
 
-def reply(args, params, config, chat, text: str, temperature: float) -> str:
-    """Stream the model's continuation of ``text`` to stdout, then its timing line to stderr;
-    returns the continuation."""
+def reply(args, params, config, chat, text: str, temperature: float, echo: bool = False) -> str:
+    """Stream the model's continuation of ``text`` to stdout (after ``text`` itself when
+    ``echo``, once the sampler is compiled, so stderr's lines come first), then its timing
+    line to stderr; returns the continuation."""
     ids = chat.tokenizer.encode(text)
     timing = {}
     tokens = stream_tokens(params, config, ids, args.max_new_tokens, temperature=temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_ids=chat.stop_ids,
                            timing=timing, log=say)
-    pieces = []
+    pieces, waiting = [], echo  # the prompt, until the first piece has come
     for piece in stream_text(chat.tokenizer, tokens):
+        if waiting:
+            print(text, end="")
+            waiting = False
         print(piece, end="", flush=True)
         pieces.append(piece)
-    print(flush=True)
+    print(text if waiting else "", flush=True)
     if timing:
         say(timing_line(timing))
     return "".join(pieces)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+import jax
+import jax.numpy as jnp
+
 from jaxformer.checkpoints.hf import ModelChat
 from jaxformer.checkpoints.run_source import run_chat as chat_source
 from jaxformer.checkpoints.runs import load_run
@@ -35,7 +38,9 @@ def load_run_model(run_dir, step: int | None = None, model: dict | None = None,
     if log and settings.get("lora_rank"):
         log(f"reading the frozen base {settings.get('lora_base') or '(the seed init)'} to merge "
             f"the rank-{settings['lora_rank']} adapters of step {meta['step']} into")
-    return RunModel(model_params(params, config, meta), config, tokenizer, meta)
+    # a LoRA run's base is read as host arrays: onto the device once, not at every step
+    params = jax.tree_util.tree_map(jnp.asarray, model_params(params, config, meta))
+    return RunModel(params, config, tokenizer, meta)
 
 
 def run_chat(meta: dict, tokenizer) -> tuple[ModelChat, str]:
