@@ -32,6 +32,10 @@ from jaxformer.training.stopping import Interrupted
 EPILOG = """\
 Unset options come from the preset's training recipe (jaxformer.config.PRESET_TRAINING),
 then the default each shows (TrainSettings'); with --resume, from the checkpoint's settings.
+A run from a model (--init-from) starts from a fine-tuning recipe instead, lora (--lora-rank)
+or full (jaxformer.training.recipes: AdamW, lr 2e-4 / 2e-5, cosine, 5% warmup, seq_len from
+the data and the model, a chat folder's conversations packed into rows, 3 epochs, evaluations
+and checkpoints sized to the run). The run prints every setting and where it came from.
 The model's vocab_size is the tokenizer's.
 
 examples:
@@ -43,6 +47,8 @@ examples:
   jaxformer train --preset loopos --optimizer muon --muon-lr 0.02 --lr 3e-3 --steps 300 --out runs/m
   jaxformer train --out runs/loopos --resume --steps 600
   jaxformer train --preset tiny --d-model 64 --n-layers 4 --d-ff 256 --steps 200 --out runs/t4
+  jaxformer train --init-from m.gguf --data data/chats --lora-rank 8 --epochs 2 --mix data/web:0.2 --out r
+        LoRA by its recipe, two passes over the chats, a fifth of each batch from data/web
   jaxformer train --config runs/t4/config.toml --lr 3e-3 --out runs/t4b
         every run folder holds its resolved settings as config.toml; flags override it
   jaxformer train --preset gpt2 --compute-dtype bfloat16 --mesh data=2,fsdp=4 --out runs/gpt2

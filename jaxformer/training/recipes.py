@@ -134,6 +134,9 @@ def _epochs(settings: TrainSettings, sources: Sources, chat: dict | None) -> Tra
     if not settings.data:
         raise ValueError(f"epochs needs a prepared --data folder (`jaxformer prepare`); with --corpus "
                          f"{settings.corpus} give --steps")
+    if sources.get("steps") == "flag" and sources.get("epochs") == "checkpoint":
+        sources.of["epochs"] = "flag: --steps in its place"  # a resumed run lengthened by --steps
+        return settings.replace(epochs=None)
     if sources.chosen("steps") and sources.get("steps") != "checkpoint":
         raise ValueError("give --epochs or --steps, not both (--epochs sets the steps from the data)")
     weight = packing.parse_mix(settings.mix)[1] if settings.mix else 0.0
