@@ -28,7 +28,7 @@ def cpu_only_without_tpu_probe() -> bool:
                     return False
         except OSError:
             continue
-    if any(os.path.exists(d) for d in GPU_DEVICES):
+    if any(os.path.exists(d) for d in GPU_DEVICES) or glob.glob("/dev/accel*"):  # a TPU VM's chips
         return False
     jax.config.update("jax_platforms", "cpu")
     return True
