@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxformer.data.batching import _windows
 from jaxformer.model.checks import check_int, check_number
 
 MIX_STREAM = 7  # the random stream that places the mixed-in rows (apart from the epochs' orders)
@@ -179,7 +180,6 @@ class WindowRows:
         b = self.batcher
         epochs, k = np.divmod(np.asarray(positions, np.int64), b.n_windows)
         starts = np.array([b.epoch_starts(int(e))[int(i)] for e, i in zip(epochs, k)], np.int64)
-        from jaxformer.data.batching import _windows
         out = _windows(b.ids, starts, b.seq_len, b.mask, None)
         out.setdefault("mask", np.ones_like(out["inputs"]))
         out["segments"] = np.zeros_like(out["inputs"])

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 
 import numpy as np
 
+from jaxformer import data
 from jaxformer.data import packing
 from jaxformer.training.fields import declared
 from jaxformer.training.settings import TrainSettings
@@ -70,13 +72,11 @@ def chat_folder(data_dir: str | None) -> dict | None:
     """meta.json of a prepared chat folder (conversation starts recorded), else None."""
     if not data_dir:
         return None
-    from jaxformer import data
     meta = data.read_meta(data_dir)
     return meta if meta.get("doc_starts") else None
 
 
 def _split(data_dir: str, meta: dict, split: str):
-    from jaxformer import data
     return data.open_split(data_dir, meta, split)
 
 
@@ -130,7 +130,6 @@ def _has_val(data_dir: str, meta: dict) -> bool:
 
 def _epochs(settings: TrainSettings, sources: Sources, chat: dict | None) -> TrainSettings:
     """--epochs: the steps that pass over the folder's rows that many times."""
-    from jaxformer import data
     if not settings.data:
         raise ValueError(f"epochs needs a prepared --data folder (`jaxformer prepare`); with --corpus "
                          f"{settings.corpus} give --steps")
@@ -191,7 +190,6 @@ def _text(value) -> str:
 def sources_block(settings: TrainSettings, sources: Sources) -> list[str]:
     """The settings and where each came from: one line per value a preset, recipe, file, flag,
     checkpoint or the data gave, then the defaults in one wrapped paragraph."""
-    import textwrap
     named, defaults = [], []
     for f in declared(TrainSettings):
         if f.name in ("model", "lora_base_digest"):

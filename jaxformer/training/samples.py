@@ -3,29 +3,35 @@
 With ``settings.eval_samples`` = N > 0 and a chat data folder, each evaluation takes the
 first N conversations of the folder's validation split, cuts each before its first assistant
 token (the prompt the model answers: the template's text up to the assistant's turn, as
-``prepare`` rendered it), and samples greedily with the inference code (inference.generate,
-its reference path: each token a forward over the window of prompt + reply, rounded up to 64,
-so one small program is compiled for the run) at most SAMPLE_TOKENS tokens, cut at the end
-of turn (the template's eos token, or the end-of-text id). A LoRA run's adapters are merged into its frozen base for it. The replies go
-to the run's log lines and, as ``samples``, to the evaluation's metrics record.
+``prepare`` rendered it), and samples greedily at most SAMPLE_TOKENS tokens, cut at the end
+of turn (the template's eos token, or the end-of-text id): each token one forward over the
+window of prompt + reply, rounded up to WINDOW_ROUND (``greedy``: one small program for the
+run; the key/value-cache sampler of ``jaxformer generate`` lives in the inference room,
+above this one). A LoRA run's adapters are merged into its frozen base for it. The replies
+go to the run's log lines and, as ``samples``, to the evaluation's metrics record.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import data
 from jaxformer.data import packing
+from jaxformer.model.lora import merge
+from jaxformer.model.transformer import forward
 
 SAMPLE_TOKENS = 32
+WINDOW_ROUND = 64  # windows of nearby lengths share one compiled program
 
 
 @functools.lru_cache(maxsize=4)
 def held_out_prompts(data_dir: str, n: int) -> tuple[np.ndarray, ...]:
     """The prompts (int32 ids) of the first ``n`` validation conversations of a chat data
     folder that hold an assistant token: each up to that token."""
-    from jaxformer import data
     meta = data.read_meta(data_dir)
     if not meta.get("doc_starts") or not meta.get("mask"):
         return ()
@@ -59,17 +65,27 @@ def stop_ids(tokenizer, meta: dict) -> set[int]:
     return stops
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def greedy(params, window, first, config):
+    """window (W,) int32 with a prompt in its first ``first`` positions -> the window with
+    positions first .. W - 1 filled greedily, each the argmax of the logits at the position
+    before it (a causal model: what follows a position never changes its logits)."""
+    def step(i, w):
+        logits = forward(params, w[None], config)[0]  # (W, V)
+        return w.at[i].set(jnp.argmax(logits[i - 1]).astype(w.dtype))
+    return jax.lax.fori_loop(first, window.shape[0], step, window)
+
+
 def replies(params, config, tokenizer, prompts, stops: set[int], max_new_tokens: int = SAMPLE_TOKENS):
     """[(prompt text, reply text)]: greedy continuations cut before the first stop id."""
-    from jaxformer.inference.generate import cache_config, generate
     out = []
     for prompt in prompts:
         room = max(0, min(max_new_tokens, config.max_seq_len - len(prompt)))
-        # the whole window a token (no cache: one small program to compile, at every evaluation
-        # the same), the window cut to prompt + reply rounded up (what position j computes is unchanged)
-        window = cache_config(config, len(prompt) + room)
-        new = np.asarray(generate(params, window, prompt, room, temperature=0.0,
-                                  use_cache=False))[len(prompt):].tolist()
+        width = min(config.max_seq_len, -(-(len(prompt) + room) // WINDOW_ROUND) * WINDOW_ROUND)
+        window = np.zeros(width, np.int32)
+        window[:len(prompt)] = prompt
+        filled = np.asarray(greedy(params, jnp.asarray(window), jnp.int32(len(prompt)), config))
+        new = filled[len(prompt):len(prompt) + room].tolist()
         ended = next((i for i, t in enumerate(new) if t in stops), len(new))
         out.append((tokenizer.decode(prompt.tolist()), tokenizer.decode(new[:ended])))
     return out
@@ -89,9 +105,7 @@ def at_eval(run, params, step: int, val_loss: float, log) -> dict:
     prompts = held_out_prompts(str(settings.data), settings.eval_samples)
     if not prompts:
         return {}
-    from jaxformer import data
     if run.spec.frozen is not None:
-        from jaxformer.model.lora import merge
         params = merge(run.spec.frozen.params, params, run.spec.lora)
     stops = stop_ids(run.data.tokenizer, data.read_meta(settings.data))
     pairs = replies(params, run.config, run.data.tokenizer, prompts, stops)
