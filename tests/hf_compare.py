@@ -18,7 +18,7 @@ import torch
 import transformers
 from helpers import FORWARD, auto_vg, manual_vg
 
-from jaxformer.checkpoints.hf import FORMATS, hf_format, read_hf, write_hf
+from jaxformer.formats.hf import FORMATS, hf_format, read_hf, write_hf
 from jaxformer.tools.compare.hf_random import random_hf_model
 from manual_grads.check import assert_trees_close
 

@@ -22,7 +22,8 @@ RANKS = {
     "jaxformer.kernels": -1,  # device kernels and their tuning: below the model, which names them as cores
     "jaxformer.model": 0,
     "jaxformer.data": 1, MANUAL: 1,
-    "jaxformer.checkpoints": 2, "jaxformer.observe": 2,
+    "jaxformer.checkpoints": 2, "jaxformer.observe": 2,  # orbax train states; metrics and reports
+    "jaxformer.formats": 2,  # Hugging Face, GGUF and PEFT files: beside the checkpoints, neither imports the other
     "jaxformer.training": 3,
     "jaxformer.inference": 4,  # restores a run's train state, whose layout training defines
     "jaxformer.tools": 5,

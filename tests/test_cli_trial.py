@@ -11,9 +11,9 @@ import pytest
 from tqdm import tqdm
 
 import jaxformer
-from jaxformer.checkpoints.hf import write_hf
 from jaxformer.cli.args import run_command
 from jaxformer.cli.main import main
+from jaxformer.formats.hf import write_hf
 from jaxformer.observe import flops
 from helpers import one_line_error
 
@@ -97,7 +97,7 @@ def test_export_of_a_float64_run(tmp_path, corpus, capsys):
     """A `--dtype float64` run exports from a fresh process (jax_enable_x64 off), as it
     samples and is diagnosed: the file holds its params in float32. A tokenizer.json an
     earlier export left in the folder is not this byte model's and goes."""
-    from jaxformer.checkpoints.hf import read_hf
+    from jaxformer.formats.hf import read_hf
     from jaxformer.checkpoints.runs import load_run
     from jaxformer.training.step import state_template
 
@@ -124,7 +124,7 @@ def test_export_of_a_float64_run(tmp_path, corpus, capsys):
 def test_export_carries_a_subword_tokenizer(tmp_path, corpus, capsys):
     """A run trained with a tokenizer.json exports it beside the weights, so the folder
     is whole: `train --init-from` and `compare-grads --init-from` read text with it."""
-    from jaxformer.checkpoints.hf import read_hf
+    from jaxformer.formats.hf import read_hf
     from jaxformer.data.hf_tokenizers import HFTokenizer, train_bpe
     from jaxformer.tools.compare.grads import batch_tokenizer
 

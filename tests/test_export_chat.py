@@ -1,4 +1,4 @@
-"""Exports that chat (jaxformer/cli/export.py, checkpoints/hf_chat_files.py, run_source.py):
+"""Exports that chat (jaxformer/cli/export.py, formats/hf_chat_files.py, run_source.py):
 a LoRA run over a tiny GGUF chat model (test_gguf's, with its ChatML template), taught one
 answer, exported as the merged model, its frozen base and the PEFT adapter. transformers'
 generate on the merged folder renders the template, stops at <|im_end|> and says what
@@ -18,8 +18,8 @@ pytest.importorskip("gguf")
 from helpers import one_line_error  # noqa: E402
 from test_gguf import tiny_hf_tensors, tiny_tokenizer_meta, write_tiny  # noqa: E402
 
-from jaxformer.checkpoints.run_source import base_name  # noqa: E402
 from jaxformer.cli.main import main  # noqa: E402
+from jaxformer.formats.run_source import base_name  # noqa: E402
 
 QUESTION, ANSWER = "where did the cat sit?", "On the mat."
 MAX_NEW = 16
@@ -116,8 +116,8 @@ def test_run_chat_falls_back_to_the_chat_data(lora_run):
     prepared with, the stop ids looked up in the run's tokenizer; with neither, none and why."""
     from types import SimpleNamespace
 
-    from jaxformer.checkpoints.hf import read_chat
-    from jaxformer.checkpoints.run_source import run_chat
+    from jaxformer.formats.hf import read_chat
+    from jaxformer.formats.run_source import run_chat
     model, run = lora_run
     tokenizer = read_chat(model).tokenizer
     moved = SimpleNamespace(lora_base=str(run.parent / "moved.gguf"), tokenizer="byte", data=str(run.parent / "data"))

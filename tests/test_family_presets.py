@@ -1,6 +1,6 @@
 """The presets shaped like public Hugging Face models (config.PRESETS: llama3.2-1b, mistral-7b,
 qwen2.5-0.5b, qwen3-0.6b, olmo2-1b, gemma-2b, gemma2-2b, olmoe-1b-7b): each equals the ModelConfig
-that the family's import (checkpoints/hf_llama.py, hf_olmo_gemma.py, hf_moe.py) reads from the model's published
+that the family's import (formats/hf_llama.py, hf_olmo_gemma.py, hf_moe.py) reads from the model's published
 config.json, written out below with the keys the import reads; the counts are taken from shapes
 only (jax.eval_shape), so no preset's weights are built."""
 
@@ -11,7 +11,7 @@ import math
 import jax
 import pytest
 
-from jaxformer.checkpoints import hf_llama, hf_moe, hf_olmo_gemma
+from jaxformer.formats import hf_llama, hf_moe, hf_olmo_gemma
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, SMALL_PRESETS
 from jaxformer.model.params import init_params
 from jaxformer.observe.flops import matmul_params

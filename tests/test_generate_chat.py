@@ -10,9 +10,9 @@ import pytest
 
 from helpers import one_line_error
 from jaxformer.checkpoints import checkpoint
-from jaxformer.checkpoints.hf import read_chat, read_hf
 from jaxformer.cli.main import main
 from jaxformer.data.chat import render_chat
+from jaxformer.formats.hf import read_chat, read_hf
 from jaxformer.inference.stream import stream_tokens
 from jaxformer.model.lora import LoraConfig, init_adapters, merge
 from jaxformer.training.optim import make_optimizer

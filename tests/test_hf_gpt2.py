@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from hf_compare import FORWARD, GRAD_FNS  # noqa: E402
-from jaxformer.checkpoints.hf_gpt2 import (HFFormatError, params_from_hf, read_hf_gpt2,  # noqa: E402
+from jaxformer.formats.hf_gpt2 import (HFFormatError, params_from_hf, read_hf_gpt2,  # noqa: E402
                                            write_hf_gpt2)
 from manual_grads.check import assert_trees_close  # noqa: E402
 

@@ -26,7 +26,7 @@ from hf_compare import (FORWARD, D, F, H, L, S, V, assert_export_reloads, assert
                         assert_grads_equal, assert_grads_match_torch, assert_logits_equal, batch, copy_folder,
                         default_rope, float64_model, random_folder, torch_logits, torch_reference)
 
-from jaxformer.checkpoints.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
+from jaxformer.formats.hf import HFFormatError, hf_format, read_hf, write_hf  # noqa: E402
 from jaxformer.model.config import PRESETS  # noqa: E402
 from jaxformer.tools.compare.hf_random import random_hf_model  # noqa: E402
 from test_rope_scaling import transformers_rope  # noqa: E402

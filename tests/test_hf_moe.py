@@ -29,8 +29,8 @@ pytest.importorskip("safetensors")
 import hf_compare  # noqa: E402
 from hf_compare import D, F, H, L, S, V, assert_export_reloads, assert_forward_matches, assert_grads_equal, batch  # noqa: E402
 
-from jaxformer.checkpoints import hf_moe  # noqa: E402
-from jaxformer.checkpoints.hf import HFFormatError, read_hf, write_hf  # noqa: E402
+from jaxformer.formats import hf_moe  # noqa: E402
+from jaxformer.formats.hf import HFFormatError, read_hf, write_hf  # noqa: E402
 from jaxformer.model.moe import moe_aux_loss  # noqa: E402
 from jaxformer.model.transformer import loss_and_stats  # noqa: E402
 from jaxformer.tools.compare.hf_random import random_hf_model  # noqa: E402

@@ -30,7 +30,7 @@ import hf_compare  # noqa: E402
 from hf_compare import (D, F, H, L, S, V, assert_export_reloads, assert_forward_matches,  # noqa: E402
                         assert_grads_match_torch, random_folder)
 
-from jaxformer.checkpoints.hf import HFFormatError, read_hf, write_hf  # noqa: E402
+from jaxformer.formats.hf import HFFormatError, read_hf, write_hf  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 CLASSES = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
@@ -153,7 +153,7 @@ def test_layer_kinds_as_the_configuration_classes_read_them():
     layer_types takes sliding_window_pattern (every 2nd layer full here; by default every 6th),
     and its older keys rope_theta, rope_scaling, rope_local_base_freq; a local base equal to an
     unscaled global one is no base apart; other families refuse rope_local_theta and rope_layers."""
-    from jaxformer.checkpoints.hf_olmo_gemma import config_from_hf, config_to_hf
+    from jaxformer.formats.hf_olmo_gemma import config_from_hf, config_to_hf
     hf = hf_config("gemma2", head_dim=4, sliding_window=8, layer_types=["full_attention"] * L).to_dict()
     config = config_from_hf(hf)
     assert (config.norm, config.attn_scalar, config.logit_softcap, config.attn_softcap) == ("sandwich", 256.0, 30.0, 50.0)

@@ -143,6 +143,8 @@ def test_rule_table():
     assert may_import("jaxformer.training", "manual_grads") and may_import("jaxformer.tools", "manual_grads")
     assert not may_import("jaxformer.inference", "manual_grads")
     assert not may_import("jaxformer.observe", "jaxformer.checkpoints")  # same rank, other room
+    assert not may_import("jaxformer.formats", "jaxformer.checkpoints")  # model files apart from train states
+    assert not may_import("jaxformer.checkpoints", "jaxformer.formats")
     assert not may_import("jaxformer.model", "jaxformer")  # the public API re-exports the model
     assert {"torch", "matplotlib", "tensorboardX"} <= HEAVY_OPTIONAL
     assert str(Violation("a/b.py", 3, "private", "x")) == "a/b.py:3: [private] x"

@@ -20,9 +20,9 @@ from hf_compare import assert_logits_equal, batch, random_folder, torch_logits  
 from test_hf_llama import float64_llama, llama_config, run_cli  # noqa: E402
 
 import jaxformer  # noqa: E402
-from jaxformer.checkpoints.hf import read_hf  # noqa: E402
-from jaxformer.checkpoints.hf_files import HFFormatError  # noqa: E402
-from jaxformer.checkpoints.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft, save_peft  # noqa: E402
+from jaxformer.formats.hf import read_hf  # noqa: E402
+from jaxformer.formats.hf_files import HFFormatError  # noqa: E402
+from jaxformer.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft, save_peft  # noqa: E402
 from jaxformer.model import lora  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)

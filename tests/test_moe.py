@@ -223,7 +223,7 @@ def test_tiny_moe_trains_alike_with_either_gradient_source(corpus, tmp_path):
 def test_hugging_face_export_of_experts_without_a_family_is_mixtral(tmp_path):
     """Mixtral's router and no QK-norm: exported as mixtral, read back as the same model (Mixtral's
     intermediate_size is the experts' width: d_ff becomes it), its aux and z-loss coefficients kept."""
-    from jaxformer.checkpoints.hf import read_hf, write_hf
+    from jaxformer.formats.hf import read_hf, write_hf
     folder, kind = write_hf(tmp_path / "out", make_params(TINY, jnp.float32), TINY)
     assert kind == "mixtral"
     _, back = read_hf(folder)

@@ -1,5 +1,5 @@
 """A LoRA run's frozen base held quantized (jaxformer/model/quantized.py): GGUF blocks kept as
-stored (Q8_0, Q4_0, Q4_1: checkpoints/gguf_file.py read_gguf(keep=True)) or int8 per output
+stored (Q8_0, Q4_0, Q4_1: formats/gguf_file.py read_gguf(keep=True)) or int8 per output
 column, dequantized inside each product. In float64 the dequantized values are exact, so the
 kept run's loss and adapter gradients equal the run over the same weights as float to
 rounding, and the hand-derived gradients equal jax.grad's on the quantized path."""
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.checkpoints.gguf_file import read_gguf
-from jaxformer.checkpoints.hf_files import HFFormatError
+from jaxformer.formats.gguf_file import read_gguf
+from jaxformer.formats.hf_files import HFFormatError
 from jaxformer.model.lora import LoraConfig, init_adapters, merge
 from jaxformer.model.quantized import (Quantized, dequantize, dequantize_params, held_as, quantize_base,
                                        quantize_int8)

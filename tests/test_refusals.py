@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from helpers import one_line_error
-from jaxformer.checkpoints import hf_llama, hf_moe
-from jaxformer.checkpoints.hf import read_hf
-from jaxformer.checkpoints.hf_files import HFFormatError, load_safetensors
-from jaxformer.checkpoints.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft, save_peft
+from jaxformer.formats import hf_llama, hf_moe
+from jaxformer.formats.hf import read_hf
+from jaxformer.formats.hf_files import HFFormatError, load_safetensors
+from jaxformer.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft, save_peft
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.lora import LoraConfig
 from jaxformer.model.params import init_params
@@ -76,7 +76,7 @@ def test_encode_names_the_characters_the_vocabulary_lacks_and_where():
 
 def test_gguf_tokenizer_refuses_what_its_vocabulary_lacks():
     """A GGUF file's vocabulary (what `generate --init-from FILE.gguf --prompt` encodes with)."""
-    from jaxformer.checkpoints.gguf_tokenizer import gguf_tokenizer
+    from jaxformer.formats.gguf_tokenizer import gguf_tokenizer
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": SPECIAL + LETTERS, "tokenizer.ggml.merges": [],
             "tokenizer.ggml.token_type": [3, 3] + [1] * len(LETTERS)}
     tok = gguf_tokenizer(meta, "tiny.gguf")

@@ -155,7 +155,7 @@ def smollm3(tmp_path_factory):
 def test_smollm3_imports_with_transformers_logits(smollm3):
     from hf_compare import assert_forward_matches
 
-    from jaxformer.checkpoints.hf import read_hf
+    from jaxformer.formats.hf import read_hf
     model, folder = smollm3
     params, config = read_hf(folder, np.float64)
     assert (config.family, config.rope_layers, config.sliding_window, config.layer_types) == (
@@ -174,7 +174,7 @@ def test_smollm3_exports_and_reloads(smollm3, tmp_path):
     logits, and a family without layers apart (Llama) refuses rope_layers in one line."""
     from hf_compare import assert_logits_equal, batch, torch_logits
 
-    from jaxformer.checkpoints.hf import read_hf, write_hf
+    from jaxformer.formats.hf import read_hf, write_hf
     _, folder = smollm3
     params, config = read_hf(folder, np.float64)
     out, kind = write_hf(tmp_path / "out", params, config)

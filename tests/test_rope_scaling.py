@@ -19,8 +19,8 @@ import pytest
 from helpers import Layer, assert_layer_matches_vjp, decode_one_at_a_time, make_batch, make_params
 
 import jaxformer
-from jaxformer.checkpoints.hf_files import HFFormatError
-from jaxformer.checkpoints.hf_llama import config_from_hf, config_to_hf, rope_from_hf
+from jaxformer.formats.hf_files import HFFormatError
+from jaxformer.formats.hf_llama import config_from_hf, config_to_hf, rope_from_hf
 from jaxformer.model.attention import attention_qkv
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.rotary import SCALED_INV_FREQ, RopeSpec, apply_rope, attention_factor, rope_spec, rope_tables

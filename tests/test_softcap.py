@@ -219,7 +219,7 @@ def test_fused_cores_refuse_a_capped_spec():
 @pytest.mark.parametrize("field", ["attn_softcap", "logit_softcap"])
 def test_hugging_face_export_refuses_a_cap(field):
     """GPT-2 and the Llama families have no softcap: export names the field, never drops it."""
-    from jaxformer.checkpoints import hf_gpt2, hf_llama
+    from jaxformer.formats import hf_gpt2, hf_llama
     llama = ModelConfig(norm_type="rms", positions="rope", mlp="gated", head_bias=False)
     for module, config in ((hf_gpt2, ModelConfig(head_bias=False)), (hf_llama, llama)):
         with pytest.raises(ValueError, match=f"ModelConfig.{field} = 0.0"):

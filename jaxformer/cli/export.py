@@ -1,8 +1,8 @@
 """`jaxformer export`: a trained run's params as a Hugging Face folder: the family the model was
 imported as (Llama, Mistral, Qwen2, Qwen3, GPT-2), else GPT-2 for the GPT-2 options and Llama
-for the modern block's (checkpoints/hf.py chooses). A LoRA run's adapters as a PEFT folder
-(checkpoints/peft.py) and its frozen base; each folder with the tokenizer and chat files
-(checkpoints/hf_chat_files.py) of where the run came from (checkpoints/run_source.py)."""
+for the modern block's (formats/hf.py chooses). A LoRA run's adapters as a PEFT folder
+(formats/peft.py) and its frozen base; each folder with the tokenizer and chat files
+(formats/hf_chat_files.py) of where the run came from (formats/run_source.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import jax
 
 from jaxformer.checkpoints import checkpoint
-from jaxformer.checkpoints.hf import write_hf
-from jaxformer.checkpoints.hf_chat_files import FILES, write_chat_files
 from jaxformer.checkpoints.runs import load_run
-from jaxformer.checkpoints.peft import save_peft
-from jaxformer.checkpoints.run_source import base_name, run_chat
 from jaxformer.cli.args import UsageError, nonneg_int, output_folder
+from jaxformer.formats.hf import write_hf
+from jaxformer.formats.hf_chat_files import FILES, write_chat_files
+from jaxformer.formats.peft import save_peft
+from jaxformer.formats.run_source import base_name, run_chat
 from jaxformer.model.lora import merge
 from jaxformer.observe.words import plural
 from jaxformer.training.adapters import frozen_base

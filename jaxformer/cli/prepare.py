@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
-from jaxformer.checkpoints.hf import read_chat
 from jaxformer.cli.args import positive_int
 from jaxformer.data.prepare import DEFAULT_SHARD_TOKENS, prepare
+from jaxformer.formats.hf import read_chat
 
 EPILOG = """\
 Sources (--corpus): "default", "stdlib", a text file, a folder (its files, recursively),

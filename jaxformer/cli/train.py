@@ -12,10 +12,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxformer.checkpoints import checkpoint
-from jaxformer.checkpoints.hf import read_hf, resolve_source
 from jaxformer.cli.args import UsageError, exit_now, nonneg_int, output_folder, positive_int
 from jaxformer.cli.flags import (add_model_flags, add_setting_flags, model_overrides,
                                  refuse_weight_changes, setting_flags)
+from jaxformer.formats.hf import read_hf, resolve_source
 from jaxformer.model.config import PRESET_TRAINING, PRESETS, model_fields_of_weights
 from jaxformer.model.params import count_params
 from jaxformer.observe.report import recipe_text

@@ -19,7 +19,7 @@ The pieces are tokenized apart (a token never spans a turn boundary), the assist
 pieces masked 1, the rest 0.
 
 The chat settings (``chat``) are any object with ``chat_template``, ``bos_token``,
-``eos_token`` and ``tokenizer`` (checkpoints.hf.ModelChat).
+``eos_token`` and ``tokenizer`` (formats.hf.ModelChat).
 """
 
 from __future__ import annotations

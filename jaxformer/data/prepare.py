@@ -200,14 +200,14 @@ def prepare(corpus: str, tokenizer: str, out, val_fraction: float = 0.1,
     """Tokenize ``corpus`` into the shards of the folder ``out``; returns meta.json's
     contents. ``tokenizer``: byte, char, bpe (with ``vocab_size``), gpt2 or a
     tokenizer.json path; or a model (a folder, a .gguf file) whose tokenizer and chat
-    template ``chat`` holds (checkpoints.hf.read_chat's ModelChat; the command line reads
+    template ``chat`` holds (formats.hf.read_chat's ModelChat; the command line reads
     it). A chat corpus (chat.is_chat_corpus) is rendered with the template and written
     with its loss mask. A folder this call created is removed again when an error
     stops it before any file is written."""
     if chat is None and isinstance(tokenizer, str) and (tokenizer.lower().endswith(".gguf")
                                                         or os.path.isdir(tokenizer)):
         raise ValueError(f"--tokenizer {tokenizer} is a model: pass its tokenizer and chat template as "
-                         "chat=jaxformer.checkpoints.hf.read_chat(...) (`jaxformer prepare` does)")
+                         "chat=jaxformer.formats.hf.read_chat(...) (`jaxformer prepare` does)")
     if not os.fspath(out):
         raise ValueError("--out is empty: name the folder to write")
     out = Path(out)

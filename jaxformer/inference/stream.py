@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.checkpoints.hf import read_chat, read_hf, resolve_source
 from jaxformer.data.chat import render_chat  # noqa: F401 (generate --chat renders with it)
+from jaxformer.formats.hf import read_chat, read_hf, resolve_source
 from jaxformer.inference.generate import cache_config, check_options, compiled, round_up, sample_logits
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.kv_cache import forward_cached, init_cache

@@ -10,9 +10,9 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.checkpoints.hf import ModelChat
-from jaxformer.checkpoints.run_source import run_chat as chat_source
 from jaxformer.checkpoints.runs import load_run
+from jaxformer.formats.hf import ModelChat
+from jaxformer.formats.run_source import run_chat as chat_source
 from jaxformer.inference.generate import check_options, generate_many
 from jaxformer.model.config import ModelConfig
 from jaxformer.training.adapters import model_params

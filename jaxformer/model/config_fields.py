@@ -21,7 +21,7 @@ REMATS = ("none", "block")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ROUTERS = ("topk_softmax", "softmax_topk")  # MoE gates: softmax of the top-k logits | top-k of the softmax
 FAMILIES = ("", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text",
-            "smollm3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")  # Hugging Face model_types (checkpoints/hf.py)
+            "smollm3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")  # Hugging Face model_types (formats/hf.py)
 
 
 class Rule(NamedTuple):

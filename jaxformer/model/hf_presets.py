@@ -1,6 +1,6 @@
 """The presets shaped like public Hugging Face models, one per family the import reads
 (config.PRESETS joins them): each is the ModelConfig that family's import
-(checkpoints/hf_llama.py, hf_olmo_gemma.py) reads from the model's published config.json
+(formats/hf_llama.py, hf_olmo_gemma.py) reads from the model's published config.json
 (tests/test_family_presets.py holds those config.json keys and checks the two are equal).
 They are the fields of ``ModelConfig(**fields)``, kept here to keep config.py short; the
 vocabulary is the model's own (training replaces it by the tokenizer's, --init-from by the

@@ -8,6 +8,6 @@ layer-by-layer diagnosis of a non-finite step.
 state, gradient sources, the jitted steps), ``settings``, ``optim``, ``sharding``,
 ``distributed``, ``configfile`` and ``diagnose``.
 
-May import: ``manual_grads``, ``jaxformer.checkpoints``, ``jaxformer.observe``,
-``jaxformer.data`` and ``jaxformer.model``.
+May import: ``manual_grads``, ``jaxformer.checkpoints``, ``jaxformer.formats``,
+``jaxformer.observe``, ``jaxformer.data`` and ``jaxformer.model``.
 """

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 import manual_grads.adapters
-from jaxformer.checkpoints.gguf_file import read_gguf
-from jaxformer.checkpoints.hf import is_gguf, read_hf, resolve_source
+from jaxformer.formats.gguf_file import read_gguf
+from jaxformer.formats.hf import is_gguf, read_hf, resolve_source
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.lora import LoraConfig, attach, merge
 from jaxformer.model.params import init_params

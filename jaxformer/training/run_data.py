@@ -15,7 +15,7 @@ import numpy as np
 from jaxformer import data
 from jaxformer.data import packing
 from jaxformer.checkpoints import checkpoint
-from jaxformer.checkpoints.hf import gguf_has_tokenizer, is_gguf, read_chat
+from jaxformer.formats.hf import gguf_has_tokenizer, is_gguf, read_chat
 from jaxformer.observe import report
 from jaxformer.training.resume import check_data, data_fingerprint, prepared_fingerprint
 from jaxformer.training.settings import TrainSettings

@@ -43,10 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import manual_grads
-from jaxformer.checkpoints.hf import gguf_has_tokenizer, read_chat, read_hf, resolve_source
 from jaxformer.data import Batcher, ByteTokenizer, load_corpus
 from jaxformer.data.hf_tokenizers import GPT2_VOCAB_SIZE, gpt2_candidates, gpt2_tokenizer
 from jaxformer.data.tokenizers import load_tokenizer_file
+from jaxformer.formats.hf import gguf_has_tokenizer, read_chat, read_hf, resolve_source
 from jaxformer.model.config import PRESETS, ModelConfig
 from jaxformer.model.params import count_params, init_params
 from jaxformer.model.transformer import loss_fn

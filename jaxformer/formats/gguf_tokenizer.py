@@ -14,8 +14,8 @@ apart, as SmolLM's own tokenizer.json does.
 
 from __future__ import annotations
 
-from jaxformer.checkpoints.hf_files import HFFormatError
 from jaxformer.data.hf_tokenizers import HFTokenizer
+from jaxformer.formats.hf_files import HFFormatError
 
 CONTROL = 3  # llama.cpp's token type of a control token
 DIGITS_APART = ("smollm",)  # tokenizer.ggml.pre values whose digits are split one by one

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors,  # noqa: F401
+from jaxformer.formats.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors,  # noqa: F401
                                             read_config_json, read_tensors, resolve_source)
-from jaxformer.checkpoints.hf_table import Key, Tensor, check_fixed, fields_in, keys_out, params_in, params_out
+from jaxformer.formats.hf_table import Key, Tensor, check_fixed, fields_in, keys_out, params_in, params_out
 from jaxformer.model.config import ModelConfig
 
 ACTIVATIONS_IN = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.checkpoints import hf_llama, hf_table
-from jaxformer.checkpoints.hf_files import HFFormatError
+from jaxformer.formats import hf_llama, hf_table
+from jaxformer.formats.hf_files import HFFormatError
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.quantized import Quantized
 

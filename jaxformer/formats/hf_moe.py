@@ -43,12 +43,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints import hf_llama
-from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors, read_config_json,
+from jaxformer.formats import hf_llama
+from jaxformer.formats.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors, read_config_json,
                                            read_tensors)
-from jaxformer.checkpoints.hf_olmo_gemma import _qk_width
-from jaxformer.checkpoints.hf_table import Tensor, float_weight, params_in, params_out, read_flag
-from jaxformer.checkpoints.hf_windows import window_width
+from jaxformer.formats.hf_olmo_gemma import _qk_width
+from jaxformer.formats.hf_table import Tensor, float_weight, params_in, params_out, read_flag
+from jaxformer.formats.hf_windows import window_width
 from jaxformer.model.checks import is_int, is_number
 from jaxformer.model.config import ModelConfig
 

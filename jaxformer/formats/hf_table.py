@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import HFFormatError
+from jaxformer.formats.hf_files import HFFormatError
 from jaxformer.model.checks import check_int
 from jaxformer.model.config import FIELD_RULES, ModelConfig, judge
 

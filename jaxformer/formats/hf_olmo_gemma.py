@@ -26,13 +26,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors, read_config_json,
+from jaxformer.formats.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors, read_config_json,
                                             read_tensors)
-from jaxformer.checkpoints.hf_llama import (ACTIVATIONS_IN, ACTIVATIONS_OUT, BUFFERS, HEAD, LINEARS, ROPE_UNREADABLE, _count,
+from jaxformer.formats.hf_llama import (ACTIVATIONS_IN, ACTIVATIONS_OUT, BUFFERS, HEAD, LINEARS, ROPE_UNREADABLE, _count,
                                             config_of_tensors, rope_from_hf, rope_to_hf)
-from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
+from jaxformer.formats.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
                                             params_out, read_count, read_flag)
-from jaxformer.checkpoints.hf_windows import window_width
+from jaxformer.formats.hf_windows import window_width
 from jaxformer.model.checks import is_number
 from jaxformer.model.config import ModelConfig
 

@@ -9,8 +9,8 @@ configuration classes read them, and back.
 
 from __future__ import annotations
 
-from jaxformer.checkpoints.hf_files import HFFormatError
-from jaxformer.checkpoints.hf_table import read_count, read_flag
+from jaxformer.formats.hf_files import HFFormatError
+from jaxformer.formats.hf_table import read_count, read_flag
 from jaxformer.model.checks import is_int
 from jaxformer.model.config import LAYER_TYPES
 

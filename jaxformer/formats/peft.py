@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import HFFormatError
-from jaxformer.checkpoints.hf_llama import LINEARS
+from jaxformer.formats.hf_files import HFFormatError
+from jaxformer.formats.hf_llama import LINEARS
 from jaxformer.model.lora import TARGETS, LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"

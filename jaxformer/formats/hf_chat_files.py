@@ -2,7 +2,7 @@
 tokenizer (``tokenizer.json``), its settings with the chat template and the special tokens
 (``tokenizer_config.json``), and the ids generation starts, pads and stops with
 (``generation_config.json``: ``eos_token_id`` lists the eos id and every end-of-turn id the
-vocabulary holds, as checkpoints/hf.py's read_chat stops at them).
+vocabulary holds, as formats/hf.py's read_chat stops at them).
 
     write_chat_files(folder, tokenizer, chat) -> [file names written]
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxformer.checkpoints.hf_files import CONFIG_JSON
+from jaxformer.formats.hf_files import CONFIG_JSON
 
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"

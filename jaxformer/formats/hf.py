@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints import hf_gpt2, hf_llama, hf_moe, hf_olmo_gemma
-from jaxformer.checkpoints.gguf_file import read_gguf, read_gguf_metadata
-from jaxformer.checkpoints.gguf_tokenizer import END_OF_TURN, gguf_chat, gguf_tokenizer
-from jaxformer.checkpoints.hf_files import HFFormatError, read_config_json, read_tensors, resolve_source  # noqa: F401
 from jaxformer.data.hf_tokenizers import HFTokenizer
+from jaxformer.formats import hf_gpt2, hf_llama, hf_moe, hf_olmo_gemma
+from jaxformer.formats.gguf_file import read_gguf, read_gguf_metadata
+from jaxformer.formats.gguf_tokenizer import END_OF_TURN, gguf_chat, gguf_tokenizer
+from jaxformer.formats.hf_files import HFFormatError, read_config_json, read_tensors, resolve_source  # noqa: F401
 from jaxformer.model.config import ModelConfig
 
 # config.json's model_type -> its mapping

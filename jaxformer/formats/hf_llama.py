@@ -34,11 +34,11 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxformer.checkpoints.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors,
+from jaxformer.formats.hf_files import (CONFIG_JSON, SAFETENSORS, HFFormatError, config_errors,
                                             read_config_json, read_tensors)
-from jaxformer.checkpoints.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
+from jaxformer.formats.hf_table import (Key, Tensor, check_fixed, fields_in, keys_out, params_in,
                                             params_out, read_count, read_flag)
-from jaxformer.checkpoints.hf_windows import mistral_windows, qwen_windows, qwen_windows_out, smollm3_layers, smollm3_out
+from jaxformer.formats.hf_windows import mistral_windows, qwen_windows, qwen_windows_out, smollm3_layers, smollm3_out
 from jaxformer.model.checks import is_number
 from jaxformer.model.config import LinearBiases, ModelConfig
 

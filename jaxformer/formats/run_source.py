@@ -21,10 +21,10 @@ import os
 import re
 from pathlib import Path
 
-from jaxformer.checkpoints.gguf_file import read_gguf_metadata
-from jaxformer.checkpoints.gguf_tokenizer import END_OF_TURN
-from jaxformer.checkpoints.hf import ModelChat, is_gguf, read_chat, resolve_source
 from jaxformer.data import read_meta
+from jaxformer.formats.gguf_file import read_gguf_metadata
+from jaxformer.formats.gguf_tokenizer import END_OF_TURN
+from jaxformer.formats.hf import ModelChat, is_gguf, read_chat, resolve_source
 
 HUB_KEYS = ("general.source.repo_url", "general.source.url", "general.source.huggingface.repository")
 HUB_URL = re.compile(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([\w.-]+/[\w.-]+?)(?:\.git)?/?$")
