@@ -173,25 +173,37 @@ def compiled(target: str, todo, config=CONFIG, batch: int = B) -> dict:
 
 
 # (gradients, products, mesh): every pair of two of the three takes all four value pairs in
-# these four rows (with the attention, a pairwise covering set of the variants; every variant
-# still lowers for tpu in test_every_variant_lowers)
+# these four rows (every variant still lowers for tpu in test_every_variant_lowers)
 PAIRWISE = [("manual", "float32", None), ("manual", "bfloat16", aot.MESH),
             ("auto", "float32", aot.MESH), ("auto", "bfloat16", None)]
 
 
-def test_pairwise_rows_cover_every_pair():
-    options = (aot.GRADS, aot.DTYPES, (None, aot.MESH))  # aot.variants' own
-    for i, j in itertools.combinations(range(3), 2):
-        assert {(r[i], r[j]) for r in PAIRWISE} == set(itertools.product(options[i], options[j])), (i, j)
+def complement(row):
+    """The row with each of its three values swapped for the other one."""
+    grads, dtype, mesh = row
+    return (aot.GRADS[1 - aot.GRADS.index(grads)], aot.DTYPES[1 - aot.DTYPES.index(dtype)],
+            None if mesh else aot.MESH)
 
 
 TPU_ATTENTIONS = [a for a in aot.ATTENTIONS if any(aot.absent(v, "tpu") is None for v in aot.variants(attentions=(a,)))]
+# each attention compiles for a TPU one row of PAIRWISE and its complement (so a mesh and a
+# one-chip variant, each gradient source, each dtype): over the three attentions, a pairwise
+# covering set of (attention, gradients, products, mesh) in six compiles
+TPU_ROWS = {attention: [PAIRWISE[i], complement(PAIRWISE[i])] for i, attention in enumerate(TPU_ATTENTIONS)}
+
+
+def test_tpu_rows_cover_every_pair():
+    options = (tuple(TPU_ROWS), aot.GRADS, aot.DTYPES, (None, aot.MESH))  # aot.variants' own
+    rows = [(attention, *row) for attention, pair in TPU_ROWS.items() for row in pair]
+    assert len(rows) == 6 and len(TPU_ROWS) == 3
+    for i, j in itertools.combinations(range(4), 2):
+        assert {(r[i], r[j]) for r in rows} == set(itertools.product(options[i], options[j])), (i, j)
 
 
 @pytest.mark.parametrize("attention", TPU_ATTENTIONS)
 def test_every_variant_compiles_for_a_tpu_v5e(attention):
-    """libtpu compiles each attention's variants (PAIRWISE: every pair of gradients, products
-    and mesh values) for a v5e chip (the mesh ones for four),
+    """libtpu compiles each attention's two variants (TPU_ROWS: over the attentions, every pair
+    of attention, gradients, products and mesh values) for a v5e chip (the mesh one for four),
     Mosaic kernels included, and XLA's memory plan is sane: the arguments are the state and the batch
     (fsdp=2 halves them on each chip), the donated state is written in place (aliased),
     and the scratch is never negative. At this size the temporaries may all fit in the
@@ -200,7 +212,7 @@ def test_every_variant_compiles_for_a_tpu_v5e(attention):
     not here."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jaxformer[tpu]'): the TPU compile check needs it")
-    todo = [aot.Variant(attention, *row) for row in PAIRWISE]
+    todo = [aot.Variant(attention, *row) for row in TPU_ROWS[attention]]
     assert all(aot.absent(v, "tpu") is None for v in todo)
     out = compiled("tpu-v5e", todo)  # one subprocess per attention: the suite's workers share them
     state = aot.abstract_state(CONFIG, OPTIMIZER)
