@@ -68,7 +68,9 @@ def feed_forward_bwd(res, dy):
     dx = add_dx(dx, dx_lora)
     dp = {"w_in": d_in["w"], "w_out": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)
-        dp.update(b_in=d_in["b"], b_out=d_out["b"])
+        dp["b_in"] = d_in["b"]
+    if "b" in d_out:  # (absent from a tensor-parallel slice: its b_out is added after the reduction)
+        dp["b_out"] = d_out["b"]
     return dp, dx
 
 
@@ -101,8 +103,9 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
     dw_gate, dw_up = jnp.split(d_in["w"], 2, axis=1)  # w = [w_gate | w_up] (gate_up_weights), (D, F) each
     dp = {"w_gate": dw_gate, "w_up": dw_up, "w_down": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)
-        db_gate, db_up = jnp.split(d_in["b"], 2)  # b = [b_gate | b_up]
-        dp.update(b_gate=db_gate, b_up=db_up, b_down=d_out["b"])
+        dp["b_gate"], dp["b_up"] = jnp.split(d_in["b"], 2)  # b = [b_gate | b_up]
+    if "b" in d_out:  # (absent from a tensor-parallel slice: its b_down is added after the reduction)
+        dp["b_down"] = d_out["b"]
     return dp, dx
 
 

@@ -1,0 +1,63 @@
+"""The tensor-parallel regions: each collective named for what it does to the activations,
+run inside ``jax.shard_map`` over the named mesh axis (``TENSOR`` unless given). Their
+backwards are manual_grads/parallel/regions.py, one beside each, as Megatron-LM's
+tensor_parallel/mappings.py pairs them:
+
+    region                       forward                             backward
+    copy_to_tensor(x)            x (replicated; now read per device)  psum: each device's part of dx
+    reduce_from_tensor(x)        psum(x): the partial products' sum   identity
+    scatter_to_tensor(x)         this device's slice of x             all_gather (to every device)
+    gather_from_tensor(x)        all_gather(x), the same everywhere   this device's slice
+    gather_from_sequence(x)      all_gather(x), read per device       reduce_scatter (psum_scatter)
+    reduce_scatter_to_sequence   psum_scatter(x)                      all_gather
+
+A column-parallel product is copy_to_tensor then x @ w[:, my columns]; a row-parallel one
+is x[..., my rows] @ w[my rows, :] then reduce_from_tensor. The sequence pair does the same
+with the activations split along T between the blocks. ``copy_to_tensor`` is jax.lax.pcast
+to "varying": the value is the same, its type says every device now holds its own use of it,
+so that JAX's own transpose of it (jax.grad through these regions) is the psum too.
+"""
+
+from __future__ import annotations
+
+import jax
+
+TENSOR = "tensor"  # the mesh axis the model's matrices split over
+
+
+def _axis(x, axis: int) -> int:
+    return axis % x.ndim
+
+
+def copy_to_tensor(x, axis_name: str = TENSOR):
+    """x replicated over ``axis_name`` -> x, each device's copy read by its own part of the layer."""
+    return jax.lax.pcast(x, axis_name, to="varying")
+
+
+def reduce_from_tensor(x, axis_name: str = TENSOR):
+    """Each device's partial x -> their sum, on every device (the row-parallel reduction)."""
+    return jax.lax.psum(x, axis_name)
+
+
+def scatter_to_tensor(x, axis: int = -1, axis_name: str = TENSOR):
+    """x replicated -> this device's slice of ``axis`` (device i of t: the i-th of t equal blocks)."""
+    axis = _axis(x, axis)
+    n = x.shape[axis] // jax.lax.axis_size(axis_name)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * n, n, axis)
+
+
+def gather_from_tensor(x, axis: int = -1, axis_name: str = TENSOR):
+    """Each device's block of ``axis`` -> the blocks side by side, the same on every device."""
+    return jax.lax.all_gather(x, axis_name, axis=_axis(x, axis), tiled=True, to="invarying")
+
+
+def gather_from_sequence(x, axis: int = 1, axis_name: str = TENSOR):
+    """Each device's block of ``axis`` (T between sequence-parallel blocks) -> the whole, each
+    device then reading it with its own columns (a column-parallel product follows)."""
+    return jax.lax.all_gather(x, axis_name, axis=_axis(x, axis), tiled=True)
+
+
+def reduce_scatter_to_sequence(x, axis: int = 1, axis_name: str = TENSOR):
+    """Each device's partial x -> this device's block of ``axis`` of their sum (a row-parallel
+    product's reduction, leaving the activations split along T)."""
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=_axis(x, axis), tiled=True)

@@ -1,0 +1,187 @@
+"""Tensor parallelism, Megatron-LM's split of each block over the mesh's ``tensor`` axis (t
+devices), composed of the regions of regions.py around the model's own layers:
+
+    attention   h = copy_to_tensor(x)                      (B, T, D), replicated
+                q, k, v = heads of h @ [wq | wk | wv]_i     column-parallel: device i's H/t heads
+                o = core(q, k, v)                          (B, H/t, T, Dh) on device i alone
+                y = reduce_from_tensor(merge_heads(o) @ wo_i) + bo     row-parallel: wo's rows of i
+    feed-forward h = copy_to_tensor(x)
+                y = reduce_from_tensor(act(h @ w_in_i) @ w_out_i) + b_out
+                (gated: act(h @ w_gate_i) * (h @ w_up_i) @ w_down_i, + b_down)
+
+Device i holds columns i F/t .. (i+1) F/t - 1 of the column-parallel weights (w_in, w_gate,
+w_up; wq: its heads i H/t ..) and the same rows of the row-parallel ones (wo, w_out,
+w_down); norms, residual adds, the row-parallel biases and the embeddings are replicated.
+Each device runs the model's attention and feed-forward (attention.py, mlp.py) on its slice,
+with a ``local_config`` (H/t heads of the same Dh, F/t): no math is written twice.
+
+Key/value heads (grouped-query attention, Hkv heads read by G = H / Hkv query heads each) split
+like the query heads when t divides Hkv: device i's query heads read exactly its Hkv/t key/value
+heads. When it does not (t > Hkv, say), wk, wv (and bk, bv) stay replicated and each device
+takes from its copy the columns of the key/value head each of its H/t query heads reads
+(``kv_columns``: repeat_kv on the weight, then its heads), so locally every query head has
+its own: the same products as one device; their gradients add over the devices (copy_to_tensor).
+
+``tensor_blocks`` runs the stacked blocks (L, ...) under ``jax.shard_map`` on a mesh with a
+tensor axis; every other mesh axis splits the batch. A mesh that does not divide the model
+is refused in one line naming the axis, its size and what it must divide (``check_tensor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxformer.model.attention import attention
+from jaxformer.model.block import BlockLayers, compose_block
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.layer_norm import layer_norm
+from jaxformer.model.mlp import feed_forward
+from jaxformer.model.parallel.regions import TENSOR, copy_to_tensor, reduce_from_tensor
+from jaxformer.model.rms_norm import rms_norm
+
+COLUMNS = {"attn": ("wq", "bq"), "ffn": ("w_in", "b_in", "w_gate", "b_gate", "w_up", "b_up")}
+KV = ("wk", "bk", "wv", "bv")  # column-parallel when t divides the key/value heads, else replicated
+ROWS = {"attn": ("wo",), "ffn": ("w_out", "w_down")}  # split along their input rows
+ROW_BIAS = {"attn": "bo", "ffn": ("b_out", "b_down")}  # replicated: added once, after the reduction
+
+
+def split_kv(config: ModelConfig, t: int) -> bool:
+    """Whether the key/value heads split over a tensor axis of size t (t divides them)."""
+    return config.kv_heads % t == 0
+
+
+def check_tensor(config: ModelConfig, t: int) -> None:
+    """A ValueError in one line unless a tensor axis of size t can split ``config``."""
+    for what, n in (("n_heads", config.n_heads), ("d_ff", config.d_ff)):
+        if n % t:
+            raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
+    refused = [(config.n_experts, "n_experts (the experts split over the expert axis)"),
+               (config.dropout, "dropout (each device would draw its own heads' masks)"),
+               (config.qk_norm_scope == "projection", "qk_norm_scope 'projection' (a norm over every head's features)"),
+               (config.attention_impl == "cudnn", "attention_impl 'cudnn' (no hand-derived backward)")]
+    for on, what in refused:
+        if on and t > 1:
+            raise ValueError(f"mesh axis tensor={t}: tensor parallelism does not run {what} yet; use tensor=1")
+
+
+def local_config(config: ModelConfig, t: int) -> ModelConfig:
+    """The config of one device's slice: H/t heads of the same width Dh, F/t hidden features;
+    Hkv/t key/value heads when they split, else one a query head (``kv_columns``)."""
+    kv = config.kv_heads // t if split_kv(config, t) else 0
+    return dataclasses.replace(config, n_heads=config.n_heads // t, n_kv_heads=kv,
+                               head_dim=config.d_head, d_ff=config.d_ff // t)
+
+
+def kv_columns(w, n_kv_heads: int, n_heads: int, axis_name: str = TENSOR):
+    """A replicated key/value weight w (..., Hkv Dh) -> (..., (H/t) Dh): for each of this device's
+    H/t query heads, the Dh columns of the key/value head it reads (query head h reads h // G,
+    G = H / Hkv: repeat_kv on the weight), so that each local query head has its own."""
+    *lead, width = w.shape
+    dh, t = width // n_kv_heads, jax.lax.axis_size(axis_name)
+    rep = jnp.repeat(w.reshape(*lead, n_kv_heads, dh), n_heads // n_kv_heads, axis=-2)  # (..., H, Dh)
+    mine = jax.lax.dynamic_slice_in_dim(rep, jax.lax.axis_index(axis_name) * (n_heads // t), n_heads // t, axis=-2)
+    return mine.reshape(*lead, (n_heads // t) * dh)
+
+
+def attention_local_params(p, config: ModelConfig, t: int) -> dict:
+    """One device's attention params as the model's attention reads them (its local_config):
+    no output bias (added after the reduction); the replicated leaves it reads per head
+    (QK-norm's scales, unsplit key/value weights) through copy_to_tensor."""
+    local = {n: v for n, v in p.items() if n != "bo"}
+    for n in ("q_norm", "k_norm"):
+        if n in local:
+            local[n] = jax.tree_util.tree_map(copy_to_tensor, local[n])
+    if not split_kv(config, t):
+        for n in KV:
+            if n in local:
+                local[n] = kv_columns(copy_to_tensor(local[n]), config.kv_heads, config.n_heads)
+    return local
+
+
+def refuse_adapters(p) -> None:
+    if "lora" in p:
+        raise ValueError("mesh axis tensor: tensor parallelism does not run LoRA adapters yet; use tensor=1")
+
+
+def tensor_attention(p, x, config: ModelConfig, key=None, segments=None):
+    """The attention layer on device i's heads (under shard_map): x (B, T, D) replicated ->
+    (y (B, T, D) replicated, None), a BlockLayers attention."""
+    refuse_adapters(p)
+    t = jax.lax.axis_size(TENSOR)
+    local = attention_local_params(p, config, t)
+    y = attention(local, copy_to_tensor(x), local_config(config, t), key, segments=segments)  # partial sums
+    y = reduce_from_tensor(y)  # the row-parallel product's sum over the devices
+    return (y + p["bo"] if "bo" in p else y), None
+
+
+def ffn_bias(p) -> str:
+    """The feed-forward's row-parallel bias name: b_down (gated) or b_out."""
+    return "b_down" if "w_gate" in p else "b_out"
+
+
+def tensor_feed_forward(p, x, config: ModelConfig):
+    """The feed-forward on device i's F/t hidden features (under shard_map): x (B, T, D)
+    replicated -> y (B, T, D) replicated."""
+    refuse_adapters(p)
+    bias = ffn_bias(p)
+    local = {n: v for n, v in p.items() if n != bias}
+    y = feed_forward(local, copy_to_tensor(x), config.activation, config.compute_dtype)  # partial sums
+    y = reduce_from_tensor(y)
+    return y + p[bias] if bias in p else y
+
+
+TENSOR_LAYERS = BlockLayers(tensor_attention, tensor_feed_forward, layer_norm, rms_norm)
+
+
+def tensor_block(p, x, config: ModelConfig, key=None, segments=None):
+    """One block on device i (under shard_map): the model's compose_block with TENSOR_LAYERS."""
+    return compose_block(p, x, config, TENSOR_LAYERS, key, segments)[0]
+
+
+# ----------------------------------------------------------------------------
+# the layout on the mesh
+
+
+def leaf_spec(section: str, name: str, ndim: int, kv_split: bool) -> PartitionSpec:
+    """The PartitionSpec of blocks[section][name] with ``ndim`` dims (stacked or one layer's)."""
+    if name in COLUMNS.get(section, ()) or (section == "attn" and name in KV and kv_split):
+        return PartitionSpec(*([None] * (ndim - 1)), TENSOR)  # the output columns
+    if name in ROWS.get(section, ()):
+        return PartitionSpec(*([None] * (ndim - 2)), TENSOR, None)  # the input rows
+    return PartitionSpec()
+
+
+def block_specs(blocks, config: ModelConfig, t: int):
+    """The PartitionSpec tree of params["blocks"] (or one layer's slice): column-parallel
+    leaves split along their last axis, row-parallel along their rows, the rest replicated."""
+    def spec(path, leaf):
+        keys = [k.key for k in path]
+        return leaf_spec(keys[0], keys[1] if len(keys) > 1 else "", leaf.ndim, split_kv(config, t))
+    return jax.tree_util.tree_map_with_path(spec, blocks)
+
+
+def tensor_size(mesh) -> int:
+    return dict(mesh.shape).get(TENSOR, 1)
+
+
+def batch_spec(mesh) -> PartitionSpec:
+    """The batch's (B, ...) spec: B split over every mesh axis but tensor (replicated over it)."""
+    axes = tuple(a for a in mesh.axis_names if a != TENSOR)
+    return PartitionSpec(axes) if axes else PartitionSpec()
+
+
+def tensor_blocks(blocks, x, config: ModelConfig, mesh):
+    """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), each block
+    tensor parallel over the mesh's tensor axis, the batch split over its other axes."""
+    t = tensor_size(mesh)
+    check_tensor(config, t)
+
+    def local(blocks, x):
+        return jax.lax.scan(lambda x, p: (tensor_block(p, x, config), None), x, blocks)[0]
+
+    rows = batch_spec(mesh)
+    return jax.shard_map(local, mesh=mesh, in_specs=(block_specs(blocks, config, t), rows), out_specs=rows)(blocks, x)

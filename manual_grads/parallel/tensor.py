@@ -1,0 +1,228 @@
+"""The tensor-parallel block's hand-derived backward: the pairs of
+jaxformer/model/parallel/tensor.py's layers (the forward's lines are quoted from there).
+
+Per device i of the tensor axis, under shard_map (the sublayers as the model writes them):
+    attention    local = attention_local_params(p)      QK-norm scales, unsplit wk/wv through copy_to_tensor
+                 h = copy_to_tensor(x)
+                 y = reduce_from_tensor(attention(local, h, local_config)) + bo
+    feed-forward h = copy_to_tensor(x)
+                 y = reduce_from_tensor(feed_forward(local, h)) + b_out (b_down)
+Backward, bottom to top:
+    y = z + bo:                      dbo = sum(dy) over the leading dims, on every device alike
+    z = reduce_from_tensor(y_i):     dy_i = dy (regions.reduce_from_tensor_bwd)
+    y_i = attention(local, h):       manual_grads/attention.py's pair on device i's heads: the
+                                     local leaves' gradients (wq's, wo's: device i's columns, rows)
+    h = copy_to_tensor(x):           dx = psum(dh_i): each device's heads gave part of dx
+    local[n] = copy_to_tensor(p[n]): the replicated leaves read per device: dp[n] = psum(dlocal[n])
+    local[kv] = kv_columns(...):     ``kv_columns_bwd`` (each query head's columns back to the
+                                     key/value head it read), then the psum above
+The norms and residual adds between the sublayers run on replicated values, their
+gradients the same on every device: the block's sequence is manual_grads/block.py's
+(its helpers do the norms, the skips and their gradients), the two sublayers swapped
+for the pairs below. ``tensor_blocks_fwd`` / ``tensor_blocks_bwd`` scan the stacked blocks
+inside one shard_map each; every axis but tensor splits the batch, so every gradient is
+then summed over those axes.
+
+The manual shard_maps run with check_vma=False: the transposes are the ones written here,
+proven equal to one device and to jax.grad through the model's forward (which keeps JAX's
+varying/invariant types, so that its own transposes are the same collectives).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.parallel.regions import TENSOR, copy_to_tensor, reduce_from_tensor
+from jaxformer.model.parallel.tensor import (KV, attention_local_params, batch_spec, block_specs, check_tensor,
+                                             ffn_bias, local_config, refuse_adapters, split_kv, tensor_size)
+from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
+from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
+                                _post_sublayer_fwd, _sublayer_bwd)
+from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
+from manual_grads.parallel.regions import copy_to_tensor_bwd, reduce_from_tensor_bwd
+
+
+def bias_grad(dy):
+    """Undoes ``y = z + b``, b (D,) broadcast over dy's leading dims: db = their sum."""
+    return dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+
+
+def kv_columns_bwd(dw, n_kv_heads: int, n_heads: int, axis_name: str = TENSOR):
+    """Undoes ``kv_columns``: dw (..., (H/t) Dh), this device's query heads' columns -> the
+    replicated weight's (..., Hkv Dh) part from this device (psum'd by copy_to_tensor_bwd)."""
+    *lead, width = dw.shape
+    t = jax.lax.axis_size(axis_name)
+    hl = n_heads // t
+    dh = width // hl
+    # mine = dynamic_slice_in_dim(rep, i H/t, H/t, axis=-2): zero for the other devices' heads
+    drep = jnp.zeros((*lead, n_heads, dh), dw.dtype)
+    drep = jax.lax.dynamic_update_slice_in_dim(drep, dw.reshape(*lead, hl, dh), jax.lax.axis_index(axis_name) * hl,
+                                               axis=-2)  # (..., H, Dh)
+    # rep = repeat(w, G, axis=-2): key/value head j gets the sum of the G query heads that read it
+    dkv = drep.reshape(*lead, n_kv_heads, n_heads // n_kv_heads, dh).sum(axis=-2)  # (..., Hkv, Dh)
+    return dkv.reshape(*lead, n_kv_heads * dh)
+
+
+class TensorAttentionRes(NamedTuple):
+    attn: AttentionRes  # device i's attention on its heads (local_config), its local weights
+    config: ModelConfig  # static: the whole model's (the heads to undo kv_columns)
+    bias: bool  # static: the layer has bo
+
+
+def tensor_attention_fwd(p, x, config: ModelConfig, segments=None):
+    """tensor_attention with residuals: x (B, T, D) replicated -> (y (B, T, D), TensorAttentionRes)."""
+    refuse_adapters(p)
+    t = jax.lax.axis_size(TENSOR)
+    local = attention_local_params(p, config, t)
+    y, res = attention_fwd(local, copy_to_tensor(x), local_config(config, t), None, segments)  # partial sums
+    y = reduce_from_tensor(y)
+    return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p)
+
+
+def tensor_attention_bwd(res: TensorAttentionRes, dy):
+    """dy (B, T, D) -> (dp with p's keys: device i's slices of the split leaves, dx (B, T, D))."""
+    config, t = res.config, jax.lax.axis_size(TENSOR)
+    # y = reduce_from_tensor(attention(local, copy_to_tensor(x), local_config)) + bo
+    dp, dh = attention_bwd(res.attn, reduce_from_tensor_bwd(dy))
+    dx = copy_to_tensor_bwd(dh)
+    if res.bias:
+        dp["bo"] = bias_grad(dy)
+    # local = attention_local_params(p): the replicated leaves read per device
+    for n in ("q_norm", "k_norm"):
+        if n in dp:
+            dp[n] = jax.tree_util.tree_map(copy_to_tensor_bwd, dp[n])
+    if not split_kv(config, t):  # local[n] = kv_columns(copy_to_tensor(p[n]), Hkv, H)
+        for n in KV:
+            if n in dp:
+                dp[n] = copy_to_tensor_bwd(kv_columns_bwd(dp[n], config.kv_heads, config.n_heads))
+    return dp, dx
+
+
+class TensorFeedForwardRes(NamedTuple):
+    ffn: FeedForwardRes | GatedFeedForwardRes  # device i's F/t features
+    bias: str | None  # static: the row-parallel bias' name, None without one
+
+
+def tensor_feed_forward_fwd(p, x, config: ModelConfig):
+    """tensor_feed_forward with residuals: x (B, T, D) -> (y (B, T, D), TensorFeedForwardRes)."""
+    refuse_adapters(p)
+    bias = ffn_bias(p)
+    local = {n: v for n, v in p.items() if n != bias}
+    y, res = feed_forward_fwd(local, copy_to_tensor(x), config.activation, config.compute_dtype)
+    y = reduce_from_tensor(y)
+    return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None)
+
+
+def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
+    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
+    # y = reduce_from_tensor(feed_forward(local, copy_to_tensor(x))) + b
+    dp, dh = feed_forward_bwd(res.ffn, reduce_from_tensor_bwd(dy))
+    if res.bias:
+        dp[res.bias] = bias_grad(dy)
+    return dp, copy_to_tensor_bwd(dh)
+
+
+def tensor_block_fwd(p, x, config: ModelConfig, segments=None):
+    """One block on device i: manual_grads/block.py's sequence with the tensor-parallel sublayers."""
+    if config.norm == "post":  # x1 = ln1(x + attn(x)); y = ln2(x1 + ffn(x1))
+        a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments)
+        x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, None, None)
+        f, ffn_res = tensor_feed_forward_fwd(p["ffn"], x1, config)
+        y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, None, None)
+        return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
+    h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T, D)
+    a, attn_res = tensor_attention_fwd(p["attn"], h1, config, segments)
+    a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, None, None, "attn", h1, p["attn"])
+    x1 = x + a
+    h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
+    f, ffn_res = tensor_feed_forward_fwd(p["ffn"], h2, config)
+    f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, None, None, "ffn", h2, p["ffn"])
+    y = x1 + f
+    return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
+
+
+def tensor_block_bwd(res, dy):
+    """dy (B, T, D) -> (dp with one layer's keys, dx (B, T, D))."""
+    if isinstance(res, PostBlockRes):
+        # y = ln2(x1 + ffn(x1)); x1 = ln1(x + attn(x))
+        d_ln2, d_ffn, dx1 = _post_sublayer_bwd(res.ln2, "ln2", res.drop_ffn, res.ffn, tensor_feed_forward_bwd,
+                                               "ffn", dy, None)
+        d_ln1, d_attn, dx = _post_sublayer_bwd(res.ln1, "ln1", res.drop_attn, res.attn, tensor_attention_bwd,
+                                               "attn", dx1, None)
+        return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx
+    grads = {}
+    dx1 = _sublayer_bwd(res, "ffn", tensor_feed_forward_bwd, "ln2", dy, grads, None)  # y = x1 + ffn(ln2(x1))
+    dx = _sublayer_bwd(res, "attn", tensor_attention_bwd, "ln1", dx1, grads, None)  # x1 = x + attn(ln1(x))
+    return grads, dx
+
+
+# ----------------------------------------------------------------------------
+# the stacked blocks on a mesh
+
+
+def split_arrays(tree):
+    """tree -> (its array leaves, (treedef, the other leaves with None where the arrays were)):
+    what a scan and a shard_map carry, and what stays static (the configs, the flags)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [a for a in leaves if isinstance(a, jax.Array)]
+    return arrays, (treedef, [None if isinstance(a, jax.Array) else a for a in leaves])
+
+
+def join_arrays(arrays, rest):
+    """Undoes split_arrays."""
+    treedef, leaves = rest
+    it = iter(arrays)
+    return jax.tree_util.tree_unflatten(treedef, [next(it) if a is None else a for a in leaves])
+
+
+class TensorBlocksRes(NamedTuple):
+    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each
+    rest: tuple  # static: split_arrays' treedef and non-array leaves of one layer's residual
+    specs: object  # static: the blocks' PartitionSpec tree
+    mesh: object  # static: the mesh
+
+
+def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
+    """tensor_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) -> (y, TensorBlocksRes)."""
+    t = tensor_size(mesh)
+    check_tensor(config, t)
+    specs, rows, every = block_specs(blocks, config, t), batch_spec(mesh), PartitionSpec(mesh.axis_names)
+    static = {}
+
+    def step(carry, p):
+        x, s = carry
+        y, res = tensor_block_fwd(p, x, config, s)
+        arrays, static["rest"] = split_arrays(res)
+        return (y, s), arrays
+
+    def fwd(blocks, x, segments):
+        (y, _), arrays = jax.lax.scan(step, (x, segments), blocks)
+        return y, [a[None] for a in arrays]  # device s's residuals: row s
+
+    y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, rows, rows), out_specs=(rows, every),
+                              check_vma=False)(blocks, x, segments)
+    return y, TensorBlocksRes(arrays, static["rest"], specs, mesh)
+
+
+def tensor_blocks_bwd(res: TensorBlocksRes, dy):
+    """dy (B, T, D) -> (the blocks' gradients (L, ...), laid out as the blocks, dx (B, T, D))."""
+    mesh, rows, every = res.mesh, batch_spec(res.mesh), PartitionSpec(res.mesh.axis_names)
+    batch_axes = tuple(a for a in mesh.axis_names if a != TENSOR)
+
+    def step(dy, arrays):
+        dp, dx = tensor_block_bwd(join_arrays(arrays, res.rest), dy)
+        return dx, dp
+
+    def bwd(arrays, dy):
+        dx, grads = jax.lax.scan(step, dy, [a[0] for a in arrays], reverse=True)
+        if batch_axes:  # the batch is split over these axes: each device's gradients are its rows'
+            grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, batch_axes), grads)
+        return grads, dx
+
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, rows), out_specs=(res.specs, rows),
+                         check_vma=False)(res.arrays, dy)

@@ -1,0 +1,197 @@
+"""Tensor parallelism (jaxformer/model/parallel/, manual_grads/parallel/) equals one device.
+
+One subprocess on 8 forced CPU devices, float64, runs every multi-device case and returns
+the largest differences: each region's hand-written backward against jax.vjp of its forward
+(under shard_map, tensor=4), and the stacked blocks (2 layers) on tensor=2, tensor=4 and
+data=2 x tensor=2, for the GPT-2 block (pre layer norm, plain GELU MLP, biases) and a
+Llama-like one (RMS norm, gated SiLU MLP, rotary, QK-norm, 2 key/value heads for 4 query
+heads: split over tensor=2, replicated over tensor=4; post layout). Each mesh's loss, manual
+gradients and jax.grad through the same sharded forward are held to one device's manual
+backward and jax.grad, per leaf, to 1e-10. The refusals and the sub-room's source rules run here."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from import_rules import read_imports, room_of, may_import
+from test_no_autodiff import autodiff_uses
+
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.parallel.tensor import check_tensor
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOL = 1e-10
+REGIONS = ("copy_to_tensor", "reduce_from_tensor", "scatter_to_tensor", "gather_from_tensor",
+           "gather_from_sequence", "reduce_scatter_to_sequence")
+CASES = [("gpt2", ("tensor",), (2,)), ("gpt2", ("tensor",), (4,)),
+         ("llama", ("tensor",), (2,)), ("llama", ("tensor",), (4,)), ("llama", ("data", "tensor"), (2, 2))]
+
+
+def configs():
+    base = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=8)
+    return {"gpt2": ModelConfig(**base),
+            "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
+                                 positions="rope", n_kv_heads=2, qk_norm=True)}
+
+
+def run_cases() -> dict:
+    """The subprocess' body: {name: largest difference}."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jaxformer.model import parallel  # noqa: F401
+    from jaxformer.model.block import block
+    from jaxformer.model.parallel import regions
+    from jaxformer.model.parallel.tensor import tensor_blocks
+    from jaxformer.model.params import init_params
+    from manual_grads.block import block_bwd, block_fwd
+    from manual_grads.parallel import regions as manual_regions
+    from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
+
+    out = {}
+    leaves = jax.tree_util.tree_leaves
+    diff = lambda a, b: max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(leaves(a), leaves(b), strict=True))  # noqa: E731
+    devices = np.array(jax.devices())
+
+    # each region alone: the manual backward against jax.vjp of the forward, tensor=4, all in one program
+    mesh = Mesh(devices[:4], ("tensor",))
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 12), jnp.float64)  # (B, T, C): T and C split by 4
+    dys = {}
+    row, seq, rep = P(None, None, "tensor"), P(None, "tensor"), P()
+    specs = {"copy_to_tensor": (rep, row), "reduce_from_tensor": (row, rep), "scatter_to_tensor": (rep, row),
+             "gather_from_tensor": (row, rep), "gather_from_sequence": (seq, row),
+             "reduce_scatter_to_sequence": (row, seq)}
+    scale = lambda: 1.0 + jax.lax.axis_index("tensor")  # noqa: E731  a different factor on each device
+
+    @jax.jit
+    def region_errors(x):
+        errors = {}
+        for i, name in enumerate(REGIONS):
+            fwd, bwd = getattr(regions, name), getattr(manual_regions, name + "_bwd")
+            in_spec, out_spec = specs[name]
+            if name == "copy_to_tensor":  # each device reads its copy its own way: y_i = x[..., :3] * (1 + i)
+                f_local = lambda a, fwd=fwd: fwd(a)[..., :3] * scale()  # noqa: E731
+                b_local = lambda dy, bwd=bwd: bwd(jnp.pad(dy * scale(), ((0, 0), (0, 0), (0, 9))))  # noqa: E731
+            else:
+                f_local, b_local = fwd, bwd
+            f = jax.shard_map(f_local, mesh=mesh, in_specs=in_spec, out_specs=out_spec)
+            b = jax.shard_map(b_local, mesh=mesh, in_specs=out_spec, out_specs=in_spec, check_vma=False)
+            y, vjp = jax.vjp(f, x)
+            dy = jax.random.normal(jax.random.PRNGKey(i), y.shape, jnp.float64)
+            errors[name] = jnp.max(jnp.abs(b(dy) - vjp(dy)[0]))
+        return errors
+
+    out.update({f"region {k}": float(v) for k, v in region_errors(x).items()})
+
+    # the stacked blocks
+    reference = {}
+    for cname, names, shape in CASES:
+        config = configs()[cname]
+        params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), init_params(jax.random.PRNGKey(0), config))
+        blocks = params["blocks"]
+        x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 16), jnp.float64)
+        r = jax.random.normal(jax.random.PRNGKey(2), (4, 8, 16), jnp.float64)  # loss = sum(blocks(x) * r)
+
+        @jax.jit
+        def one_device(blocks, x):
+            y, res = jax.lax.scan(lambda x, p: block_fwd(p, x, config), x, blocks)
+            dx, grads = jax.lax.scan(lambda dy, res: block_bwd(res, dy)[::-1], r, res, reverse=True)
+            auto = jax.value_and_grad(lambda b, x: jnp.sum(jax.lax.scan(
+                lambda x, p: (block(p, x, config), None), x, b)[0] * r), (0, 1))(blocks, x)
+            return jnp.sum(y * r), (grads, dx), auto
+
+        mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
+
+        @jax.jit
+        def sharded(blocks, x):
+            y, res = tensor_blocks_fwd(blocks, x, config, mesh)
+            grads = tensor_blocks_bwd(res, r)
+            auto = jax.value_and_grad(lambda b, x: jnp.sum(tensor_blocks(b, x, config, mesh) * r), (0, 1))(blocks, x)
+            return jnp.sum(y * r), grads, auto
+
+        if cname not in reference:
+            reference[cname] = one_device(blocks, x)
+        loss1, manual1, (auto_loss1, auto1) = reference[cname]
+        loss, manual, (auto_loss, auto) = sharded(blocks, x)
+        case = f"{cname} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+        out[f"{case}: manual one device = jax.grad"] = diff(manual1, auto1)
+        out[f"{case}: loss"] = max(abs(float(loss - loss1)), abs(float(auto_loss - loss1)))
+        out[f"{case}: manual = one device"] = diff(manual, manual1)
+        out[f"{case}: jax.grad sharded = one device"] = diff(auto, manual1)
+        out[f"{case}: manual = jax.grad sharded"] = diff(manual, auto)
+        out[f"{case}: leaves"] = float(len(leaves(manual)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    # the programs are tiny: XLA's CPU backend need not optimize them (compile time is most of the run)
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
+           "JAX_ENABLE_X64": "1", "PATH": "/usr/bin:/bin"}
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import json, test_tensor_parallel as t; " \
+           "print('RESULTS', json.dumps(t.run_cases()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", REGIONS)
+def test_region_backward_equals_vjp(results, name):
+    assert results[f"region {name}"] <= TOL
+
+
+@pytest.mark.parametrize("case", [f"{c} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+                                  for c, names, shape in CASES])
+def test_blocks_equal_one_device(results, case):
+    assert results[f"{case}: leaves"] >= 12  # every block leaf compared
+    for what in ("manual one device = jax.grad", "loss", "manual = one device", "jax.grad sharded = one device",
+                 "manual = jax.grad sharded"):
+        assert results[f"{case}: {what}"] <= TOL, (what, results[f"{case}: {what}"])
+
+
+@pytest.mark.parametrize("field, value, t, words", [
+    ("n_heads", 4, 8, "mesh axis tensor=8 does not divide n_heads 4: the tensor size must divide n_heads"),
+    ("d_ff", 24, 16, "mesh axis tensor=16 does not divide n_heads 4"),
+    ("d_ff", 30, 4, "mesh axis tensor=4 does not divide d_ff 30: the tensor size must divide d_ff"),
+])
+def test_mesh_that_does_not_divide_is_refused(field, value, t, words):
+    config = configs()["llama"]
+    import dataclasses
+    config = dataclasses.replace(config, **{field: value})
+    with pytest.raises(ValueError) as err:
+        check_tensor(config, t)
+    assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+
+def test_key_value_heads_that_do_not_divide_are_replicated():
+    check_tensor(configs()["llama"], 4)  # 2 key/value heads over tensor=4: replicated, not refused
+
+
+def test_unsupported_options_are_refused():
+    import dataclasses
+    with pytest.raises(ValueError, match="tensor=2: tensor parallelism does not run dropout"):
+        check_tensor(dataclasses.replace(configs()["gpt2"], dropout=0.1), 2)
+
+
+SOURCES = sorted((ROOT / "manual_grads" / "parallel").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
+def test_parallel_backward_has_no_autodiff(path):
+    assert not autodiff_uses(path.read_text())
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
+def test_parallel_backward_imports_the_model_only(path):
+    import ast
+    module = "manual_grads.parallel." + path.stem
+    for imp in read_imports(module, path.name == "__init__.py", ast.parse(path.read_text())):
+        if imp.target.split(".")[0] in ("jaxformer", "manual_grads"):
+            assert may_import(room_of(module), room_of(imp.target)), imp
