@@ -102,7 +102,8 @@ def test_all_damaged_is_one_error_line(corpus, straight, tmp_path, capsys):
     code = main(["generate", "--run", str(run), "--prompt", "the ", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert err.count("\n") == 1 and err.startswith(f"error: no checkpoint in {run}")
+    said, error = err.splitlines()  # what generate is doing, then the one error line
+    assert said == f"loading {run} ..." and error.startswith(f"error: no checkpoint in {run}")
     for step in (2, 4, 6):
         assert f"checkpoint step {step} is damaged" in err
 
