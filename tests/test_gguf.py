@@ -181,9 +181,10 @@ def _chat_batch(chat, pairs):
 
 def test_real_model_lora_on_chat_data_peft_and_merged_export(real, hf_model, tmp_path):
     """LoRA rank 8 on q and v of the real model (all 30 layers, float32) on chat data written
-    here (the loss on the assistant's turns): jax.grad's adapters' gradient agrees with the
-    hand-derived one, a few Adam steps of the hand-derived one lower the loss of held-out
-    conversations; the adapters saved in PEFT's format load with peft onto transformers' own
+    here (the loss on the assistant's turns): a few Adam steps of the hand-derived adapters'
+    gradient lower the loss of held-out conversations (the hand-derived gradient equals
+    jax.grad's on these weights in test_real_weights_manual_grads_equal_jax_grad_float64, and
+    the adapters' in every option of test_lora's float64 matrix); the adapters saved in PEFT's format load with peft onto transformers' own
     model of the file with the same logits, and the merged export reloads in transformers
     with them too; with its chat files, transformers' greedy generate on it answers in the
     template and stops at <|im_end|>, token for token jaxformer's greedy choice."""
@@ -197,10 +198,6 @@ def test_real_model_lora_on_chat_data_peft_and_merged_export(real, hf_model, tmp
     train, held = _chat_batch(chat, CAPITALS[:4]), _chat_batch(chat, CAPITALS[4:])
     adapters = init_adapters(jax.random.PRNGKey(0), params, lora)
     manual = lora_grad_source("manual", config, lora)
-    loss_m, g_m = jax.jit(manual)(adapters, train, None, params)
-    loss_a, g_a = jax.jit(lora_grad_source("auto", config, lora))(adapters, train, None, params)
-    np.testing.assert_allclose(loss_m, loss_a, rtol=1e-5)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), g_m, g_a)
     evaluate = lora_eval_fn(config, lora, params)
     before = float(evaluate(adapters, held))
     opt = optax.adam(2e-3)
