@@ -65,7 +65,7 @@ def module_name(root: pathlib.Path, path: pathlib.Path) -> str:
 
 def find_modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
     """{module name: path} of jaxformer/**/*.py and manual_grads/*.py under ``root``."""
-    paths = sorted((root / PACKAGES[0]).rglob("*.py")) + sorted((root / PACKAGES[1]).glob("*.py"))
+    paths = sorted((root / PACKAGES[0]).rglob("*.py")) + sorted((root / PACKAGES[1]).rglob("*.py"))
     return {module_name(root, p): p for p in paths}
 
 

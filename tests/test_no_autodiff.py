@@ -27,7 +27,7 @@ from jaxformer.model.params import init_params
 FORBIDDEN = {"grad", "vjp", "jvp", "value_and_grad", "linear_transpose"}
 ALLOWED_FILES = {"check.py"}
 SOURCE_DIR = pathlib.Path(manual_grads.__file__).parent
-SOURCES = sorted(p for p in SOURCE_DIR.glob("*.py") if p.name not in ALLOWED_FILES)
+SOURCES = sorted(p for p in SOURCE_DIR.rglob("*.py") if p.name not in ALLOWED_FILES)
 
 
 def code_only(source: str) -> str:

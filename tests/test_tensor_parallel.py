@@ -10,7 +10,6 @@ mesh's loss, manual gradients and jax.grad through the same sharded forward are 
 device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10. The
 refusals and the sub-room's source rules run in this process."""
 
-import ast
 import dataclasses
 import json
 import pathlib
@@ -20,8 +19,6 @@ import sys
 import numpy as np
 import pytest
 
-from import_rules import may_import, read_imports, room_of
-from test_no_autodiff import autodiff_uses
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.tensor import check_tensor
@@ -178,19 +175,3 @@ def test_key_value_heads_that_do_not_divide_are_replicated():
 def test_unsupported_options_are_refused():
     with pytest.raises(ValueError, match="tensor=2: tensor parallelism does not run dropout"):
         check_tensor(dataclasses.replace(configs()["gpt2"], dropout=0.1), 2)
-
-
-SOURCES = sorted((ROOT / "manual_grads" / "parallel").glob("*.py"))
-
-
-@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
-def test_parallel_backward_has_no_autodiff(path):
-    assert not autodiff_uses(path.read_text())
-
-
-@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
-def test_parallel_backward_imports_the_model_only(path):
-    module = "manual_grads.parallel." + path.stem
-    for imp in read_imports(module, path.name == "__init__.py", ast.parse(path.read_text())):
-        if imp.target.split(".")[0] in ("jaxformer", "manual_grads"):
-            assert may_import(room_of(module), room_of(imp.target)), imp
