@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import textwrap
 
 import numpy as np
 
@@ -188,23 +187,14 @@ def _text(value) -> str:
 
 
 def sources_block(settings: TrainSettings, sources: Sources) -> list[str]:
-    """The settings and where each came from: one line per value a preset, recipe, file, flag,
-    checkpoint or the data gave, then the defaults in one wrapped paragraph."""
-    named, defaults = [], []
-    for f in declared(TrainSettings):
-        if f.name in ("model", "lora_base_digest"):
-            continue
-        value = getattr(settings, f.name)
-        source = sources.get(f.name)
-        if source == "default":
-            defaults.append(f"{f.name}={_text(value)}")
-        else:
-            named.append((f.name, _text(value), source))
+    """Where the settings came from: one line per value a preset, recipe, file, flag,
+    checkpoint or the data gave; every other setting is TrainSettings' default (the loop's
+    settings block, printed next, lists every value)."""
+    named = [(f.name, _text(getattr(settings, f.name)), sources.get(f.name)) for f in declared(TrainSettings)
+             if f.name not in ("model", "lora_base_digest") and sources.get(f.name) != "default"]
     width = max((len(n) for n, _, _ in named), default=0)
     vwidth = max((len(v) for _, v, _ in named), default=0)
-    lines = ["settings (value, where it came from)"]
+    lines = ["settings not at their defaults, and where each came from"]
     lines += [f"  {n:<{width}}  {v:<{vwidth}}  ({s})" for n, v, s in named]
-    lines += textwrap.wrap("(default) " + " ".join(defaults), width=100, initial_indent="  ",
-                           subsequent_indent="  ")
     lines += [f"  {note}" for note in sources.notes]
     return lines
