@@ -188,3 +188,26 @@ def test_bad_fine_tune_options_are_one_line(chat_model, extra, message, tmp_path
     code = main(["train", "--init-from", str(model), "--lora-rank", "2", *extra, "--out", str(tmp_path / "run"),
                  "--no-progress"])
     assert message in one_line_error(capsys, code)
+
+
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_cached_greedy_replies_are_the_forwards_argmax(positions):
+    """samples.greedy (a prefill over the key/value cache, then cached steps) picks at each
+    position the argmax of the plain forward over the prompt and the reply so far."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxformer
+    from jaxformer.training import samples
+    config = jaxformer.ModelConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=2, d_ff=24, max_seq_len=128,
+                                   positions=positions)
+    params = jaxformer.init_params(jax.random.PRNGKey(3), config, dtype=jnp.float32)
+    prompt = np.arange(1, 8, dtype=np.int32)
+    window = np.zeros((1, 64), np.int32)
+    window[0, :len(prompt)] = prompt
+    new = np.asarray(samples.greedy(params, jnp.asarray(window), jnp.int32(len(prompt)),
+                                    config.replace(max_seq_len=64), 20))
+    ids = np.concatenate([prompt, new[:-1]])[None]
+    want = np.asarray(jaxformer.forward(params, jnp.asarray(ids), config))[0, len(prompt) - 1:].argmax(-1)
+    np.testing.assert_array_equal(new, want)
+    assert len(set(new.tolist())) > 1  # not one token repeated: the steps read the cache

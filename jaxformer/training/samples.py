@@ -4,10 +4,10 @@ With ``settings.eval_samples`` = N > 0 and a chat data folder, each evaluation t
 first N conversations of the folder's validation split, cuts each before its first assistant
 token (the prompt the model answers: the template's text up to the assistant's turn, as
 ``prepare`` rendered it), and samples greedily at most SAMPLE_TOKENS tokens, cut at the end
-of turn (the template's eos token, or the end-of-text id): each token one forward over the
-window of prompt + reply, rounded up to WINDOW_ROUND (``greedy``: one small program for the
-run; the key/value-cache sampler of ``jaxformer generate`` lives in the inference room,
-above this one). A LoRA run's adapters are merged into its frozen base for it. The replies
+of turn (the template's eos token, or the end-of-text id): ``greedy``, one prefill of the
+prompt's window (prompt + reply, rounded up to WINDOW_ROUND: one program for the run) over
+the model's key/value cache (model/kv_cache.py, as ``jaxformer generate`` samples), then one
+cached step per token. A LoRA run's adapters are merged into its frozen base for it. The replies
 go to the run's log lines and, as ``samples``, to the evaluation's metrics record.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 
 from jaxformer import data
 from jaxformer.data import packing
+from jaxformer.model.kv_cache import forward_cached, init_cache
 from jaxformer.model.lora import merge
-from jaxformer.model.transformer import forward
 
 SAMPLE_TOKENS = 32
 WINDOW_ROUND = 64  # windows of nearby lengths share one compiled program
@@ -65,15 +65,23 @@ def stop_ids(tokenizer, meta: dict) -> set[int]:
     return stops
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def greedy(params, window, first, config):
-    """window (W,) int32 with a prompt in its first ``first`` positions -> the window with
-    positions first .. W - 1 filled greedily, each the argmax of the logits at the position
-    before it (a causal model: what follows a position never changes its logits)."""
-    def step(i, w):
-        logits = forward(params, w[None], config)[0]  # (W, V)
-        return w.at[i].set(jnp.argmax(logits[i - 1]).astype(w.dtype))
-    return jax.lax.fori_loop(first, window.shape[0], step, window)
+@functools.partial(jax.jit, static_argnames=("config", "n_new"))
+def greedy(params, window, first, config, n_new: int):
+    """window (1, W) int32 with a prompt in its first ``first`` positions (W a multiple of
+    WINDOW_ROUND, first + n_new <= W) -> the ``n_new`` greedy tokens (n_new,) after it: one
+    prefill of the window over the model's key/value cache (the slots past the prompt are
+    masked, then overwritten), then one cached step per token."""
+    cache = init_cache(config, 1, params["tok_embed"].dtype)
+    logits, cache = forward_cached(params, window, cache, 0, config)  # (1, W, V)
+    tok = jnp.argmax(jax.lax.dynamic_index_in_dim(logits[0], first - 1, keepdims=False)).astype(jnp.int32)
+
+    def step(carry, i):  # token i of the reply goes in at slot first + i
+        tok, cache = carry
+        logits, cache = forward_cached(params, tok[None, None], cache, first + i, config)  # (1, 1, V)
+        return (jnp.argmax(logits[0, 0]).astype(jnp.int32), cache), tok
+
+    _, new = jax.lax.scan(step, (tok, cache), jnp.arange(n_new))
+    return new
 
 
 def replies(params, config, tokenizer, prompts, stops: set[int], max_new_tokens: int = SAMPLE_TOKENS):
@@ -82,10 +90,10 @@ def replies(params, config, tokenizer, prompts, stops: set[int], max_new_tokens:
     for prompt in prompts:
         room = max(0, min(max_new_tokens, config.max_seq_len - len(prompt)))
         width = min(config.max_seq_len, -(-(len(prompt) + room) // WINDOW_ROUND) * WINDOW_ROUND)
-        window = np.zeros(width, np.int32)
-        window[:len(prompt)] = prompt
-        filled = np.asarray(greedy(params, jnp.asarray(window), jnp.int32(len(prompt)), config))
-        new = filled[len(prompt):len(prompt) + room].tolist()
+        window = np.zeros((1, width), np.int32)
+        window[0, :len(prompt)] = prompt
+        new = np.asarray(greedy(params, jnp.asarray(window), jnp.int32(len(prompt)),
+                                config.replace(max_seq_len=width), room)).tolist() if room else []
         ended = next((i for i, t in enumerate(new) if t in stops), len(new))
         out.append((tokenizer.decode(prompt.tolist()), tokenizer.decode(new[:ended])))
     return out
