@@ -52,9 +52,8 @@ def _max_diff(a, b):
 
 @pytest.fixture(scope="module", autouse=True)
 def x64():
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", False)
+    with jax.enable_x64(True):  # as the suite runs (conftest.py); restored after
+        yield
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "int8"])
