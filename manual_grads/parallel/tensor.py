@@ -24,8 +24,9 @@ inside one shard_map each; every axis but tensor splits the batch, so every grad
 then summed over those axes.
 
 The manual shard_maps run with check_vma=False: the transposes are the ones written here,
-proven equal to one device and to jax.grad through the model's forward (which keeps JAX's
-varying/invariant types, so that its own transposes are the same collectives).
+proven equal to one device and to automatic differentiation of the model's forward in
+tests/test_tensor_parallel.py (that forward keeps JAX's varying/invariant types, so that
+its own transposes are the same collectives).
 """
 
 from __future__ import annotations
