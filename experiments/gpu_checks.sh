@@ -6,16 +6,19 @@
 #
 #   bash experiments/gpu_checks.sh [OUT_DIR]      (default runs/gpu)
 #
-# Steps, in order, each with its own time limit in seconds (environment variable = default):
+# Steps, in order (the contest first, so that a short call still measures it), each with its own
+# time limit in seconds (environment variable = default):
 #
 #   machine        MACHINE_S=45         nvidia-smi, Python, JAX and its devices, PyTorch, cores, load
-#   doctor         DOCTOR_S=90          jaxformer doctor --out OUT_DIR/doctor.json
 #   bench_gpt2     BENCH_GPT2_S=120     gpt2 bf16 B16 T1024, --attention full,pallas,cudnn, PyTorch
 #                                       eager and torch.compile (the contest of docs/benchmark.md)
-#   bench_vocab    BENCH_VOCAB_S=80     the same shape with --vocab-size 50304 (GPT-2's 50257 tokens
-#                                       padded to 64), pallas and cudnn against PyTorch
 #   train_gpt2     TRAIN_GPT2_S=70      jaxformer train, gpt2 bf16 B16 T1024, pallas, TRAIN_STEPS=60 steps
 #   bench_smollm   BENCH_SMOLLM_S=150   smollm bf16 B8 T2048, --attention full,pallas,cudnn, PyTorch
+#   profile_gpt2   PROFILE_S=110        experiments/step_profile.py at the gpt2 shape: where the
+#                                       manual + pallas step's and torch.compile's time goes
+#   bench_vocab    BENCH_VOCAB_S=80     the gpt2 shape with --vocab-size 50304 (GPT-2's 50257 tokens
+#                                       padded to 64), pallas and cudnn against PyTorch
+#   doctor         DOCTOR_S=75          jaxformer doctor --out OUT_DIR/doctor.json
 #   train_smollm   TRAIN_SMOLLM_S=100   jaxformer train, smollm bf16 B8 T2048, pallas, 60 steps
 #
 # and all of them under one deadline, TOTAL_S=470: a step gets the smaller of its own limit
@@ -41,12 +44,13 @@
 # must already be there (a CUDA image with JAX, optax, chex, orbax; PyTorch for its
 # contestants, which the bench leaves out, saying so, where it is missing).
 #
-# DOCTOR_EXTRA, BENCH_EXTRA and TRAIN_EXTRA are appended to every doctor, bench and train
-# command (a flag given twice takes its last value): a dry run of every step on a CPU is
+# DOCTOR_EXTRA, BENCH_EXTRA, TRAIN_EXTRA and PROFILE_EXTRA are appended to every doctor, bench,
+# train and profile command (a flag given twice takes its last value): a dry run of every step on a CPU is
 #
 #   TOTAL_S=1200 DOCTOR_EXTRA=--quick TRAIN_STEPS=2 \
 #     BENCH_EXTRA="--batch-size 2 --seq-len 64 --n-layers 1 --no-torch-compile" \
-#     TRAIN_EXTRA="--batch-size 2 --seq-len 64 --n-layers 1" bash experiments/gpu_checks.sh /tmp/gpu-dry
+#     TRAIN_EXTRA="--batch-size 2 --seq-len 64 --n-layers 1" \
+#     PROFILE_EXTRA="--batch-size 2 --seq-len 64 --n-layers 1" PROFILE_CONTESTANTS=manual_full bash experiments/gpu_checks.sh /tmp/gpu-dry
 set -uo pipefail
 out=${1:-runs/gpu}
 mkdir -p "$out"
@@ -64,6 +68,7 @@ train=(--attention-impl pallas --steps "$steps" --corpus default --eval-batches 
 read -ra doctor_extra <<< "${DOCTOR_EXTRA:-}"
 read -ra bench_extra <<< "${BENCH_EXTRA:-}"
 read -ra train_extra <<< "${TRAIN_EXTRA:-}"
+read -ra profile_extra <<< "${PROFILE_EXTRA:-}"
 : > "$out/steps.txt"
 
 step() {  # step NAME LIMIT_S command...: run it under its limit, its output in OUT_DIR/NAME.log
@@ -92,15 +97,8 @@ machine() {
 export -f machine
 step machine "${MACHINE_S:-45}" bash -c machine
 
-step doctor "${DOCTOR_S:-90}" "$py" -m jaxformer doctor --out "$out/doctor.json" \
-  ${doctor_extra[@]+"${doctor_extra[@]}"}
-
 step bench_gpt2 "${BENCH_GPT2_S:-120}" "$py" -m jaxformer bench "${gpt2[@]}" --attention full,pallas,cudnn \
   "${rounds[@]}" --depths "${GPT2_DEPTHS:-none}" --out "$out/bench_gpt2" ${bench_extra[@]+"${bench_extra[@]}"}
-
-step bench_vocab "${BENCH_VOCAB_S:-80}" "$py" -m jaxformer bench "${gpt2[@]}" --vocab-size 50304 \
-  --attention pallas,cudnn "${rounds[@]}" --depths none --out "$out/bench_vocab" \
-  ${bench_extra[@]+"${bench_extra[@]}"}
 
 rm -rf "$out/train_gpt2" "$out/train_smollm"  # this script's own runs of a previous call
 step train_gpt2 "${TRAIN_GPT2_S:-70}" "$py" -m jaxformer train "${gpt2[@]}" "${train[@]}" \
@@ -108,6 +106,17 @@ step train_gpt2 "${TRAIN_GPT2_S:-70}" "$py" -m jaxformer train "${gpt2[@]}" "${t
 
 step bench_smollm "${BENCH_SMOLLM_S:-150}" "$py" -m jaxformer bench "${smollm[@]}" --attention full,pallas,cudnn \
   "${smollm_rounds[@]}" --depths none --out "$out/bench_smollm" ${bench_extra[@]+"${bench_extra[@]}"}
+
+step profile_gpt2 "${PROFILE_S:-110}" "$py" experiments/step_profile.py "${gpt2[@]}" \
+  --contestants "${PROFILE_CONTESTANTS:-manual_pallas,torch_compile}" --steps 5 --top 30 \
+  ${profile_extra[@]+"${profile_extra[@]}"}
+
+step bench_vocab "${BENCH_VOCAB_S:-80}" "$py" -m jaxformer bench "${gpt2[@]}" --vocab-size 50304 \
+  --attention pallas,cudnn "${rounds[@]}" --depths none --out "$out/bench_vocab" \
+  ${bench_extra[@]+"${bench_extra[@]}"}
+
+step doctor "${DOCTOR_S:-75}" "$py" -m jaxformer doctor --out "$out/doctor.json" \
+  ${doctor_extra[@]+"${doctor_extra[@]}"}
 
 step train_smollm "${TRAIN_SMOLLM_S:-100}" "$py" -m jaxformer train "${smollm[@]}" "${train[@]}" \
   --out "$out/train_smollm" ${train_extra[@]+"${train_extra[@]}"}
