@@ -43,7 +43,7 @@ def fresh(tmp_path, monkeypatch):
     """An empty table: nothing in memory, $XDG_CACHE_HOME in a fresh folder."""
     monkeypatch.setattr(tune, "_memory", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    return tmp_path / "jaxformer" / "pallas_tune.json"
+    return tmp_path / "jaxformer" / "pallas_launches.json"
 
 
 def test_the_fastest_candidate_wins_and_failures_are_skipped(fresh):
@@ -106,9 +106,21 @@ def test_plan_takes_the_tuned_choice_on_a_gpu_and_config_blocks_win(monkeypatch)
         assert tiling.plan(device, SHAPE, 0, 0)[0][1:3] == (128, 128)
 
 
+@pytest.mark.parametrize("T, G", [(1024, 1), (2048, 3), (64, 2), (65536, 1)])
+def test_each_candidate_is_timed_on_a_batch_that_fills_the_gpu(T, G):
+    """The candidates race on at least TIMED_ROWS query rows x heads (the model's own step
+    runs thousands of programs; one sequence of 4 heads ran 64 and ranked the tiles wrong),
+    and on no more than one sequence past that."""
+    q, k = timing.timed_shapes(tune.Shape(T=T, Dh=64, dtype="bfloat16", causal=True, G=G))
+    B, H = q[0], q[1]
+    assert (H, k[1]) == (4 * G, 4) and q[2:] == k[2:] == (T, 64) and k[0] == B
+    assert B * H * T >= timing.TIMED_ROWS
+    assert B == 1 or (B - 1) * H * T < timing.TIMED_ROWS
+
+
 def test_cache_path_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tune.cache_path() == tmp_path / "jaxformer" / "pallas_tune.json"
+    assert tune.cache_path() == tmp_path / "jaxformer" / "pallas_launches.json"
 
 
 CONFIG = ModelConfig(vocab_size=32, d_model=32, n_heads=4, n_kv_heads=2, n_layers=1, d_ff=64, max_seq_len=24,

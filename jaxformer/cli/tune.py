@@ -1,5 +1,5 @@
 """``jaxformer tune``: tune the Pallas kernels' launch on this GPU for a model's
-attention shape and write it to the launch table (``~/.cache/jaxformer/pallas_tune.json``,
+attention shape and write it to the launch table (``~/.cache/jaxformer/pallas_launches.json``,
 ``$XDG_CACHE_HOME``), which every later trace of that shape on this GPU kind reads.
 
 Tuning is this explicit act (and ``jaxformer bench``'s, before it times the pallas step):

@@ -30,15 +30,33 @@ def time_step(device: str, q, k, v, do, causal: bool, tuned: pallas_tune.Choice)
     return backward_on(device, q, k, v, out, lse, do, causal=causal, tuned=tuned)
 
 
+# The query rows x heads each candidate is timed on: a batch that fills the GPU, as the
+# model's own step does (GPT-2 small's B16 x H12 x T1024 is 196,608). On one sequence of 4
+# heads the dK/dV kernel ran 64 programs on a 132-processor H200, where only the smallest
+# tiles fill the machine; the launch table then held block_q 32 for a step that runs 3,072
+# programs, and its attention took 12.7 ms where 64 x 64 tiles had taken 7.9.
+TIMED_ROWS = 2 ** 17
+
+
+def timed_shapes(shape: pallas_tune.Shape, rows: int = TIMED_ROWS) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The q (B, 4 G, T, Dh) and k (B, 4, T, Dh) shapes each candidate is timed on: 4
+    key/value heads of G query heads each, and the batch that brings B * 4 G * T to at
+    least ``rows`` (1 when one sequence does)."""
+    H = 4 * shape.G
+    B = max(1, -(-rows // (H * shape.T)))
+    return (B, H, shape.T, shape.Dh), (B, 4, shape.T, shape.Dh)
+
+
 def time_on_gpu(shape: pallas_tune.Shape, c: pallas_tune.Choice, repeats: int = 5) -> float:
-    """Seconds of the Triton forward and backward kernels at ``c`` on one (1, 4 G, T, Dh)
-    attention (4 key/value heads), the best of ``repeats`` after a warm-up."""
+    """Seconds of the Triton forward and backward kernels at ``c`` on an attention of
+    ``timed_shapes(shape)``, the best of ``repeats`` after a warm-up."""
     def step(q, k, v, do):
         return time_step("gpu", q, k, v, do, shape.causal, c)
 
     rng, dtype = np.random.default_rng(0), jnp.dtype(shape.dtype)
-    q, do = (rng.standard_normal((1, 4 * shape.G, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((1, 4, shape.T, shape.Dh)).astype(dtype) for _ in range(2))
+    q_shape, kv_shape = timed_shapes(shape)
+    q, do = (rng.standard_normal(q_shape).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal(kv_shape).astype(dtype) for _ in range(2))
     run = jax.jit(step).lower(q, k, v, do).compile()
     jax.block_until_ready(run(q, k, v, do))
     best = math.inf

@@ -1,6 +1,6 @@
 """The Pallas kernels' launch table on a GPU: for each (device kind, T, Dh, dtype, causal,
 G) shape, the fastest (block_q, block_k, num_warps, num_stages) found by timing, kept in
-``cache_path()`` (``$XDG_CACHE_HOME/jaxformer/pallas_tune.json``, else ``~/.cache/...``),
+``cache_path()`` (``$XDG_CACHE_HOME/jaxformer/pallas_launches.json``, else ``~/.cache/...``),
 written atomically, and in memory for this process.
 
 Two sides, kept apart:
@@ -52,9 +52,11 @@ _memory: dict[str, Choice] = {}  # key -> choice, this process
 
 
 def cache_path() -> Path:
-    """Where choices persist: $XDG_CACHE_HOME (else ~/.cache) / jaxformer / pallas_tune.json."""
+    """Where choices persist: $XDG_CACHE_HOME (else ~/.cache) / jaxformer / pallas_launches.json.
+    (The older pallas_tune.json held choices timed on one sequence of 4 heads, too small a
+    grid to rank the tiles: timing.TIMED_ROWS; it is left unread.)"""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "jaxformer" / "pallas_tune.json"
+    return Path(root) / "jaxformer" / "pallas_launches.json"
 
 
 def key(device_kind: str, shape: Shape) -> str:
