@@ -73,6 +73,7 @@ class Settings(NamedTuple):
     seed: int
     attention: tuple | None = None  # attention impls to run; None: bench_select's default here
     torch_compile_off: str = "--no-torch-compile"  # why torch_compile is False, for its skip line
+    tune: bool = True  # on a GPU, tune the Pallas launch first (False: the table's entry, else default tiles)
 
 
 # ----------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def run(s: Settings, say=lambda line: print(line, file=sys.stderr, flush=True)) 
     config, B, T = s.config, s.batch_size, s.seq_len
     specs, skipped, device = choose(s)
     say_skips(skipped, say)
-    if any(spec.attention == "pallas" for spec in specs):
+    if s.tune and any(spec.attention == "pallas" for spec in specs):
         tune_pallas(config, T, say)
     params = init_params(jax.random.PRNGKey(s.seed), config, dtype=jnp.float32)
     batch = random_batch(config, B, T, s.seed)

@@ -22,6 +22,7 @@ compile them for their values (``compile_check``: CHECK_COMPILE_OPTIONS), not fo
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from typing import Callable, NamedTuple
 
@@ -178,13 +179,17 @@ def train_config() -> tuple[ModelConfig, int, int]:
     return get_preset("tiny", attention_block=8), 8, 16
 
 
-def train_once(config: ModelConfig, grads: str, params, batch: dict, seed: int, platform: str) -> list[float]:
-    """The losses of TRAIN_STEPS steps (adam, lr 1e-2, the tiny preset's recipe) of
-    make_train_step with grad_source(grads) on ``batch``, from ``params`` (host arrays: the
-    step donates its state, so each run starts from its own device copy)."""
+def compile_train_step(config: ModelConfig, grads: str, params, batch: dict, seed: int, platform: str):
+    """(make_train_step with grad_source(grads) and adam lr 1e-2, compiled for its values
+    (compile_check), its first state from ``params``: host arrays, as the step donates its
+    state and each run starts from its own device copy)."""
     optimizer = make_optimizer("adam", lr=1e-2)
     state = init_state(jax.device_put(params), optimizer, seed)
-    step = compile_check(make_train_step(grad_source(grads, config), optimizer).lower(state, batch), platform)
+    return compile_check(make_train_step(grad_source(grads, config), optimizer).lower(state, batch), platform), state
+
+
+def train_once(step, state, batch: dict) -> list[float]:
+    """The losses of TRAIN_STEPS steps of the compiled ``step`` on ``batch`` from ``state``."""
     losses = []
     for _ in range(TRAIN_STEPS):
         state, metrics = step(state, batch)
@@ -195,7 +200,9 @@ def train_once(config: ModelConfig, grads: str, params, batch: dict, seed: int, 
 def training_checks(platform: str, seed: int) -> list[Check]:
     """One check per attention implementation (train_once), all from the same params and
     batch (drawn once: the attention implementation does not change them): every loss
-    finite, the last at least TRAIN_DROP below the first."""
+    finite, the last at least TRAIN_DROP below the first. The steps compile side by side in
+    threads (XLA compiles outside the GIL: on a 16-core GPU host the section takes about the
+    longest compile, not their sum); each runs, and is judged, in order."""
     config, B, T = train_config()
     params = jax.device_get(init_params(jax.random.PRNGKey(seed), config, jnp.float32))
     batch = compare.make_batch(config, B, T, seed)
@@ -206,21 +213,24 @@ def training_checks(platform: str, seed: int) -> list[Check]:
         runs[name] = config.replace(attention_impl=impl, compute_dtype=dtype), grads
 
     out = []
-    for name, (run_config, grads) in runs.items():
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        compiled = {name: pool.submit(compile_train_step, run_config, grads, params, batch, seed, platform)
+                    for name, (run_config, grads) in runs.items()}
+        for name, future in compiled.items():
 
-        def judge(name=name, run_config=run_config, grads=grads):
-            losses = train_once(run_config, grads, params, batch, seed, platform)
-            finite = all(math.isfinite(x) for x in losses)
-            ok = finite and losses[-1] <= (1 - TRAIN_DROP) * losses[0]
-            detail = f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
-            if not finite:
-                first = next(i for i, x in enumerate(losses) if not math.isfinite(x))
-                detail += f"; not finite from step {first + 1}"
-            elif not ok:
-                detail += f"; not {TRAIN_DROP:.0%} below the first"
-            return [Check("training", name, PASSED if ok else FAILED, detail, {"losses": losses})]
+            def judge(name=name, future=future):
+                losses = train_once(*future.result(), batch)  # a compile that raised raises here
+                finite = all(math.isfinite(x) for x in losses)
+                ok = finite and losses[-1] <= (1 - TRAIN_DROP) * losses[0]
+                detail = f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps"
+                if not finite:
+                    first = next(i for i, x in enumerate(losses) if not math.isfinite(x))
+                    detail += f"; not finite from step {first + 1}"
+                elif not ok:
+                    detail += f"; not {TRAIN_DROP:.0%} below the first"
+                return [Check("training", name, PASSED if ok else FAILED, detail, {"losses": losses})]
 
-        out += judged("training", name, judge)
+            out += judged("training", name, judge)
     if platform != "gpu":
         out.append(Check("training", "cudnn", NOT_CHECKED, NO_CUDNN))
     return out
@@ -234,7 +244,9 @@ def bench_settings(platform: str, quick: bool, seed: int) -> bench.Settings:
     """A short benchmark: tiny with ``quick``; loopos on a CPU (full attention, manual and
     jax.grad); on an accelerator GPT-2 small in bfloat16, manual gradients with the Pallas
     kernels (its compile is most of the section's time, so one contestant: cuDNN is checked
-    for values in the kernels and training sections, and raced in `jaxformer bench`)."""
+    for values in the kernels and training sections, and raced in `jaxformer bench`). The
+    Pallas launch is not tuned here (8 more compiles): the launch table's entry when
+    `jaxformer tune` or `bench` wrote one, else the default tiles."""
     if quick:
         config, B, T, rounds, steps, cpu_matmul, attention = get_preset("tiny"), 2, 8, 1, 1, 256, ("full",)
     elif platform == "cpu":
@@ -244,7 +256,7 @@ def bench_settings(platform: str, quick: bool, seed: int) -> bench.Settings:
         attention = ("pallas",)
     return bench.Settings(config=config, batch_size=B, seq_len=T, rounds=rounds, steps=steps, warmup=1,
                           depths=None, torch=False, torch_compile=False, cpu_matmul=cpu_matmul,
-                          torch_threads=None, seed=seed, attention=attention)
+                          torch_threads=None, seed=seed, attention=attention, tune=False)
 
 
 def bench_checks(s: bench.Settings, say) -> tuple[list[Check], dict]:
