@@ -6,6 +6,7 @@ prompts at each evaluation. One small LoRA run over test_gguf's tiny GGUF chat m
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -160,6 +161,28 @@ def test_lora_recipe_epochs_mix_and_replies(chat_model, tmp_path, capsys):
     prompts = [x["prompt"] for x in evaluated[-1]["samples"]]
     assert any(QUESTION in p for p in prompts) and all(p.endswith("<|im_start|>assistant\n") for p in prompts)
     assert any(ln.startswith(f"step {steps}: val loss ") and "greedy replies to 2 held-out" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("flags", [[], ["--batch-size", "8"]])
+def test_a_small_chat_folder_gets_a_batch_of_at_least_ten_steps_an_epoch(chat_model, flags, tmp_path):
+    """The lora recipe's 8 rows a step over a folder of ~16 rows made 2 steps an epoch: the
+    recipe's batch shrinks to rows // 10 (at least 1), saying why; a batch the user gave stays."""
+    from jaxformer.cli.main import build_parser
+    from jaxformer.cli.train import resolve_settings
+    from jaxformer.training import recipes
+    model, chats, _ = chat_model
+    args = build_parser().parse_args(["train", "--init-from", str(model), "--data", str(chats), "--lora-rank", "4",
+                                      "--epochs", "2", *flags, "--out", str(tmp_path / "r")])
+    settings, sources = resolve_settings(args)
+    assert settings.batch_size == 8
+    sized = recipes.size_to_run(settings, sources, "lora", 64)
+    rows = int(re.search(r"in (\d+) rows", sources.notes[-1]).group(1))
+    batch = 8 if flags else max(1, rows // recipes.MIN_STEPS_PER_EPOCH)
+    assert rows < 8 * recipes.MIN_STEPS_PER_EPOCH and sized.batch_size == batch
+    assert sized.steps == packing.steps_for_epochs(2, rows, batch, 0.0) >= (2 * recipes.MIN_STEPS_PER_EPOCH
+                                                                            if not flags else 1)
+    assert sources.get("batch_size") == ("flag" if flags else
+                                         f"recipe lora: {rows} rows, at least 10 steps an epoch")
 
 
 def test_runs_not_from_a_model_keep_their_preset_recipe(tmp_path):

@@ -36,6 +36,10 @@ WARMUP_FRACTION = 0.05  # of the run's updates
 EVALS_PER_RUN = 5  # evaluations (and their sampled replies) spread over the run, the last at its end
 CHECKPOINTS_PER_RUN = 4
 CHAT_EPOCHS = 3  # a chat folder's passes when neither --steps nor --epochs is given
+# A recipe's batch shrinks for a small dataset so that an epoch holds at least this many steps:
+# 24 conversations at 8 rows a step made 3 epochs of 9 updates, too few for an adapter to learn
+# a new fact at any sane rate; at 2 rows a step (33 updates) it does.
+MIN_STEPS_PER_EPOCH = 10
 TEXT_SEQ_LEN = 512  # a text corpus's rows (at most the model's max_seq_len)
 MAX_CHAT_SEQ_LEN = 2048  # a chat folder's rows hold its longest conversation, up to this
 ROUND = 64  # a chat row's length, rounded up to a multiple of this
@@ -117,7 +121,7 @@ def size_to_run(settings: TrainSettings, sources: Sources, recipe: str | None,
         sources.of["eval_samples"] = f"{label}: no chat validation split to sample"
     settings = settings.replace(**changes)
     if settings.epochs:
-        settings = _epochs(settings, sources, chat)
+        settings = _epochs(settings, sources, chat, label)
     if label:
         settings = _spread(settings, sources, label)
     return settings
@@ -127,8 +131,10 @@ def _has_val(data_dir: str, meta: dict) -> bool:
     return bool(meta["splits"]["val"]["shards"]) and any(s["tokens"] for s in meta["splits"]["val"]["shards"])
 
 
-def _epochs(settings: TrainSettings, sources: Sources, chat: dict | None) -> TrainSettings:
-    """--epochs: the steps that pass over the folder's rows that many times."""
+def _epochs(settings: TrainSettings, sources: Sources, chat: dict | None, label: str | None = None) -> TrainSettings:
+    """--epochs: the steps that pass over the folder's rows that many times. Under a recipe
+    (``label``) whose batch no flag or file chose, a folder of few rows gets a smaller batch:
+    at least MIN_STEPS_PER_EPOCH steps an epoch (one row a step at the least)."""
     if not settings.data:
         raise ValueError(f"epochs needs a prepared --data folder (`jaxformer prepare`); with --corpus "
                          f"{settings.corpus} give --steps")
@@ -153,6 +159,12 @@ def _epochs(settings: TrainSettings, sources: Sources, chat: dict | None) -> Tra
     else:
         rows = max(1, (len(ids) - 1) // settings.seq_len)
         what = f"{len(ids):,} tokens in {rows:,} windows of {settings.seq_len + 1}"
+    if label and not sources.chosen("batch_size"):
+        fit = max(1, min(settings.batch_size, int(rows * (1 - weight)) // MIN_STEPS_PER_EPOCH))
+        if fit < settings.batch_size:
+            settings = settings.replace(batch_size=fit)
+            sources.of["batch_size"] = (f"{label}: {rows:,} rows, at least {MIN_STEPS_PER_EPOCH} steps "
+                                        f"an epoch")
     steps = packing.steps_for_epochs(settings.epochs, rows, settings.batch_size, weight)
     per_epoch = rows / (settings.batch_size * (1 - weight))
     mixed = f" ({1 - weight:.0%} of each batch; --mix the rest)" if weight else ""
