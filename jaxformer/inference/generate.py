@@ -1,7 +1,7 @@
 """Sampling tokens from a trained model's params (text from a run folder: text.py).
 
 With the key/value cache (the default), the cache holds the prompt and the new tokens:
-S = P + N slots rounded up to a multiple of ROUND, at most the model's max_seq_len (a
+S = P + N slots rounded up to a multiple of kv_cache.ROUND, at most the model's max_seq_len (a
 shorter cache changes nothing position j computes). A prompt is run once (a prefill of
 its last max_seq_len tokens, padded to a multiple of ROUND, so nearby lengths share a compile) and
 then each new token is one step of the model on that token alone, inside one jitted
@@ -40,12 +40,9 @@ import numpy as np
 
 from jaxformer.model.checks import check_int, check_number
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.kv_cache import forward_cached, init_cache
+from jaxformer.model.kv_cache import cache_config, forward_cached, init_cache, round_up
 from jaxformer.model.transformer import forward
 from jaxformer.model.validate import validate_ids
-
-ROUND = 64  # cache and prefill lengths are multiples of this (nearby lengths share a compile)
-
 
 def check_options(max_new_tokens, temperature, top_k, top_p=None, num_samples=1):
     """ValueError naming the sampling option that is out of range (top_k 0 and top_p 1: no limit)."""
@@ -85,18 +82,6 @@ def _sample_rows(keys, logits, temperature, top_k, greedy, top_p):
 
 _DRAW = ("top_k", "greedy", "top_p")
 _STATIC = ("config", "max_new_tokens", *_DRAW)
-
-
-def cache_config(config: ModelConfig, length: int) -> ModelConfig:
-    """``config`` with max_seq_len cut to ``length`` rounded up to ROUND (never past the
-    model's own): the cache's slots. Position j computes the same in a shorter cache (rotary
-    and sinusoidal positions need no table; a learned table is the params' own, read at j)."""
-    return config.replace(max_seq_len=min(config.max_seq_len, round_up(length)))
-
-
-def round_up(length: int) -> int:
-    """``length`` rounded up to a multiple of ROUND (nearby lengths share a compile)."""
-    return -(-int(length) // ROUND) * ROUND
 
 
 def _draw_rows(keys, i, logits, temperature, top_k, greedy, top_p):

@@ -24,9 +24,9 @@ import numpy as np
 
 from jaxformer.data.chat import render_chat  # noqa: F401 (generate --chat renders with it)
 from jaxformer.formats.hf import read_chat, read_hf, resolve_source
-from jaxformer.inference.generate import cache_config, check_options, compiled, round_up, sample_logits
+from jaxformer.inference.generate import check_options, compiled, sample_logits
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.kv_cache import forward_cached, init_cache
+from jaxformer.model.kv_cache import cache_config, forward_cached, init_cache, round_up
 from jaxformer.model.validate import validate_ids
 
 

@@ -36,6 +36,20 @@ from jaxformer.model.params import head_weights
 from jaxformer.model.softcap import softcap
 from jaxformer.model.precision import matmul, upcast
 
+ROUND = 64  # cache and prefill lengths are multiples of this (nearby lengths share a compile)
+
+
+def round_up(length: int) -> int:
+    """``length`` rounded up to a multiple of ROUND (nearby lengths share a compile)."""
+    return -(-int(length) // ROUND) * ROUND
+
+
+def cache_config(config: ModelConfig, length: int) -> ModelConfig:
+    """``config`` with max_seq_len cut to ``length`` rounded up to ROUND (never past the
+    model's own): the cache's slots. Position j computes the same in a shorter cache (rotary
+    and sinusoidal positions need no table; a learned table is the params' own, read at j)."""
+    return config.replace(max_seq_len=min(config.max_seq_len, round_up(length)))
+
 
 def init_cache(config: ModelConfig, batch: int, dtype) -> dict:
     """An empty cache: {"k", "v"} each (L, B, Hkv, S, Dh) zeros."""

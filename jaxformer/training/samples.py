@@ -5,7 +5,7 @@ first N conversations of the folder's validation split, cuts each before its fir
 token (the prompt the model answers: the template's text up to the assistant's turn, as
 ``prepare`` rendered it), and samples greedily at most SAMPLE_TOKENS tokens, cut at the end
 of turn (the template's eos token, or the end-of-text id): ``greedy``, one prefill of the
-prompt's window (prompt + reply, rounded up to WINDOW_ROUND: one program for the run) over
+prompt's window (prompt + reply, rounded up as the generator's cache: kv_cache.cache_config) over
 the model's key/value cache (model/kv_cache.py, as ``jaxformer generate`` samples), then one
 cached step per token. A LoRA run's adapters are merged into its frozen base for it. The replies
 go to the run's log lines and, as ``samples``, to the evaluation's metrics record.
@@ -21,11 +21,10 @@ import numpy as np
 
 from jaxformer import data
 from jaxformer.data import packing
-from jaxformer.model.kv_cache import forward_cached, init_cache
+from jaxformer.model.kv_cache import cache_config, forward_cached, init_cache
 from jaxformer.model.lora import merge
 
 SAMPLE_TOKENS = 32
-WINDOW_ROUND = 64  # windows of nearby lengths share one compiled program
 
 
 @functools.lru_cache(maxsize=4)
@@ -68,7 +67,7 @@ def stop_ids(tokenizer, meta: dict) -> set[int]:
 @functools.partial(jax.jit, static_argnames=("config", "n_new"))
 def greedy(params, window, first, config, n_new: int):
     """window (1, W) int32 with a prompt in its first ``first`` positions (W a multiple of
-    WINDOW_ROUND, first + n_new <= W) -> the ``n_new`` greedy tokens (n_new,) after it: one
+    kv_cache.ROUND, first + n_new <= W) -> the ``n_new`` greedy tokens (n_new,) after it: one
     prefill of the window over the model's key/value cache (the slots past the prompt are
     masked, then overwritten), then one cached step per token."""
     cache = init_cache(config, 1, params["tok_embed"].dtype)
@@ -89,11 +88,11 @@ def replies(params, config, tokenizer, prompts, stops: set[int], max_new_tokens:
     out = []
     for prompt in prompts:
         room = max(0, min(max_new_tokens, config.max_seq_len - len(prompt)))
-        width = min(config.max_seq_len, -(-(len(prompt) + room) // WINDOW_ROUND) * WINDOW_ROUND)
-        window = np.zeros((1, width), np.int32)
+        windowed = cache_config(config, len(prompt) + room)
+        window = np.zeros((1, windowed.max_seq_len), np.int32)
         window[0, :len(prompt)] = prompt
-        new = np.asarray(greedy(params, jnp.asarray(window), jnp.int32(len(prompt)),
-                                config.replace(max_seq_len=width), room)).tolist() if room else []
+        new = np.asarray(greedy(params, jnp.asarray(window), jnp.int32(len(prompt)), windowed,
+                                room)).tolist() if room else []
         ended = next((i for i, t in enumerate(new) if t in stops), len(new))
         out.append((tokenizer.decode(prompt.tolist()), tokenizer.decode(new[:ended])))
     return out
