@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.activations import ACTIVATION_FNS, GELU_TANH_A, GELU_TANH_C
-from jaxformer.model.precision import kept
+from jaxformer.model.precision import kept, upcast
 
 
 class GeluRes(NamedTuple):
@@ -142,7 +142,8 @@ def activation_fwd(name: str, x, compute_dtype=None):
 
 
 def activation_bwd(res, dy):
-    """dy (...) -> dx (...), for the activation whose residual is ``res`` (read in dy's
-    dtype where it was kept narrower)."""
+    """dy (...) -> dx (...), for the activation whose residual is ``res``: the derivative in
+    float32 or wider (a bfloat16 dy, a product's cotangent, and a bfloat16 residual upcast)."""
+    dy = upcast(dy)
     res = type(res)(*(v.astype(jnp.promote_types(v.dtype, dy.dtype)) for v in res))
     return ACTIVATION_BWD[type(res)](res, dy)

@@ -50,12 +50,12 @@ from jaxformer.model.attention import (CORES, QKNorm, attention_spec, core_kv, m
                                        split_qkv)
 from jaxformer.model.linear import linear
 from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, repeat_kv
-from jaxformer.model.precision import cast, matmul
+from jaxformer.model.precision import cast, kept, matmul, upcast
 from jaxformer.model.quantized import columns
 from jaxformer.model.rotary import rope_spec, rope_tables
 from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
-from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd, widened
 from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.rotary import RopeRes, rope_bwd, rope_fwd
@@ -77,9 +77,9 @@ class QKVRes(NamedTuple):
 def qkv_fwd(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
     """p = {wq, bq, wk, bk, wv, bv, lora?, ...}; x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh))."""
     w, b = qkv_weights(p)
-    qkv = linear(x, w, b, compute_dtype)  # the model's qkv_heads: x @ [wq | wk | wv] + b ...
+    qkv = linear(x, w, b, compute_dtype, narrow=True)  # the model's qkv_heads: x @ [wq | wk | wv] + b ...
     qkv, lora_res = adapted_fwd(p, QKV, x, qkv, compute_dtype)  # ... + LoRA's terms
-    q, k, v = split_qkv(qkv, n_heads, n_kv_heads)
+    q, k, v = split_qkv(kept(qkv, compute_dtype), n_heads, n_kv_heads)  # bfloat16 under a bfloat16 policy
     return (q, k, v), QKVRes(cast(x, compute_dtype), p["wq"], p["wk"], p["wv"], b, lora_res)
 
 
@@ -163,19 +163,23 @@ def heads_fwd(p, x, config):
     """The model's ``attention_qkv``: x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh)):
     the projections, then QK-norm and rotary positions where config turns them on, then q
     scaled where config.attn_scalar is set."""
-    (q, k, v), qkv_res = qkv_fwd(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    (q, k), rot_res = rotate_qk_fwd(p, q, k, config.ln_eps, rope_spec(config), qk_norm_of(config))
+    cd = config.compute_dtype
+    (q, k, v), qkv_res = qkv_fwd(p, x, config.n_heads, cd, config.kv_heads)
+    (q, k), rot_res = rotate_qk_fwd(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), qk_norm_of(config))
     if not config.attn_scalar:
-        return (q, k, v), HeadsRes(qkv_res, rot_res)
+        return (kept(q, cd), kept(k, cd), v), HeadsRes(qkv_res, rot_res)
     c = jnp.asarray(query_scale(config), q.dtype)
-    return (q * c, k, v), HeadsRes(qkv_res, rot_res, c)
+    return (kept(q * c, cd), kept(k, cd), v), HeadsRes(qkv_res, rot_res, c)
 
 
 def heads_bwd(res: HeadsRes, dq, dk, dv):
     """dq (B, H, T, Dh), dk, dv (B, Hkv, T, Dh) -> (the projections' and norms' dp, dx (B, T, D))."""
+    dq, dk = upcast(dq), upcast(dk)  # q, k = kept(q), kept(k): a bfloat16 cotangent read in float32
     if res.q_scale is not None:  # q = q * query_scale(config)
         dq = dq * res.q_scale
-    d_rot, dq, dk = rotate_qk_bwd(res.rotate, dq, dk)  # q, k = rotate_qk(p, q, k)
+    d_rot, dq, dk = rotate_qk_bwd(res.rotate, dq, dk)  # q, k = rotate_qk(p, upcast(q), upcast(k))
+    cd = res.qkv.x.dtype  # the compute dtype where one is set (the projections' input is kept in it)
+    dq, dk, dv = (kept(d, cd) for d in (dq, dk, dv))  # q, k, v = split_qkv(kept(qkv)): jax.grad's rounding
     dp, dx = qkv_bwd(res.qkv, dq, dk, dv)  # q, k, v = split_qkv(x @ [wq | wk | wv] + b)
     return {**dp, **d_rot}, dx
 
@@ -312,6 +316,7 @@ def attention_bwd(res: AttentionRes, dy):
     dk, dv = sum_groups(dk, Hkv), sum_groups(dv, Hkv)  # (B, Hkv, T, Dh)
     # q, k, v = rotate_qk(split_qkv(x @ [wq | wk | wv] + [bq | bk | bv]))
     dp, dx = heads_bwd(heads_res, dq, dk, dv)  # dx (B, T, D)
+    dx = widened(dx, dy)
     dp["wo"] = d_out["w"]
     if d_lora:  # the output projection's adapter beside the input projections'
         dp["lora"] = {**dp.get("lora", {}), **d_lora["lora"]}

@@ -52,7 +52,7 @@ def _linear_fwd(x, w, b, compute_dtype):
 
 def _linear_bwd(res, dy):
     dp, dx = _lin.linear_bwd(res, dy)
-    return dx, dp["w"], dp["b"]
+    return _lin.widened(dx, dy), dp["w"], dp["b"]
 
 
 def _linear_nb_fwd(x, w, compute_dtype):
@@ -61,7 +61,7 @@ def _linear_nb_fwd(x, w, compute_dtype):
 
 def _linear_nb_bwd(res, dy):
     dp, dx = _lin.linear_bwd(res, dy)
-    return dx, dp["w"]
+    return _lin.widened(dx, dy), dp["w"]
 
 
 _linear = _register(_linear_fwd, _linear_bwd, nondiff_argnums=(3,))

@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxformer.model.linear import linear
-from jaxformer.model.precision import cast, matmul
+from jaxformer.model.precision import cast, kept, matmul, upcast
 from jaxformer.model.quantized import dense
 
 
@@ -30,9 +31,11 @@ class LinearRes(NamedTuple):
     b: jax.Array | None = None  # (O,) the bias, or None for a layer without one (no "b" gradient)
 
 
-def linear_fwd(p, x, compute_dtype=None):
-    """p = {"w": (I, O), "b": (O,) (optional)}; x (..., I) -> y (..., O)."""
-    y = linear(x, p["w"], p.get("b"), compute_dtype)  # (..., O)
+def linear_fwd(p, x, compute_dtype=None, narrow=False):
+    """p = {"w": (I, O), "b": (O,) (optional)}; x (..., I) -> y (..., O). ``narrow``: the model's
+    linear's (the product rounded to a 16-bit compute dtype before the bias; the backward is the
+    same: its caller rounds the sum's cotangent as well)."""
+    y = linear(x, p["w"], p.get("b"), compute_dtype, narrow)  # (..., O)
     return y, LinearRes(cast(x, compute_dtype), p["w"], p.get("b"))
 
 
@@ -42,11 +45,12 @@ def backward_dtype(x, w):
     return None if x.dtype == w.dtype else x.dtype
 
 
-def linear_bwd(res: LinearRes, dy):
+def linear_bwd(res: LinearRes, dy, round_dx=True):
     """dy (..., O) -> ({"w": (I, O), "b": (O,) if the layer has a bias}, dx (..., I)).
 
     Undoes ``y = x @ w + b``: dw = x^T dy and db = sum(dy), both summed over
-    every leading dim; dx = dy @ w^T.
+    every leading dim; dx = dy @ w^T, rounded to a 16-bit compute dtype (the dtype x is kept in:
+    ``precision.kept``) unless ``round_dx`` is False (the head's dx, the blocks' first cotangent).
     """
     x, w, b = res
     cd = backward_dtype(x, w)
@@ -56,7 +60,17 @@ def linear_bwd(res: LinearRes, dy):
     # y = matmul(x, dense(w)): dx through the same dequantized w (w itself when float)
     dx = matmul(dy2, dense(w).T, cd).reshape(dy.shape[:-1] + (I,))  # (..., I): from the (N, O) dy2 that
     # dw reads, so an elementwise producer of dy (the loss's dlogits, an activation's) runs once
+    if round_dx:  # under a bfloat16 policy x's cotangent in bfloat16, as jax.grad returns the cotangent of
+        dx = kept(dx, x.dtype)  # a product's bfloat16 input (and half the bytes to write and read back)
     if b is None:
         return {"w": dw.astype(w.dtype)}, dx
-    db = dy2.sum(axis=0)  # (O,)
+    db = upcast(dy2).sum(axis=0)  # (O,), summed in float32 or wider (dy2 may be a bfloat16 cotangent)
     return {"w": dw.astype(w.dtype), "b": db.astype(w.dtype)}, dx
+
+
+def widened(dx, dy):
+    """A layer's input cotangent dx in the dtype of its output cotangent dy where linear_bwd
+    rounded it narrower (float32 under a bfloat16 policy, the residual stream's dtype, as
+    jax.grad returns it); XLA fuses the cast into dx's consumer, so the product still writes
+    bfloat16."""
+    return dx.astype(jnp.promote_types(dx.dtype, dy.dtype))

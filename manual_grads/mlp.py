@@ -2,7 +2,8 @@
 of jaxformer/model/mlp.py's ``feed_forward`` and ``gated_feed_forward``.
 
     plain: h = x @ w_in + b_in;  a = act(h);  y = a @ w_out + b_out
-    (under a compute dtype the (..., F) residuals are kept in it: activations.py)
+    (under a bfloat16 compute dtype h is rounded to it, as autocast returns a product, and
+    the activation reads it in float32: precision.kept)
     gated: [gate | up] = x @ [w_gate | w_up] + [b_gate | b_up];  a = act(gate);  m = a * up;
            y = m @ w_down + b_down
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jaxformer.model.mlp import gate_up_weights
 from jaxformer.model.precision import kept, upcast
 from manual_grads.activations import activation_bwd, activation_fwd, activation_value
-from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd, widened
 from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 
 
@@ -36,7 +37,7 @@ class FeedForwardRes(NamedTuple):
 class GatedFeedForwardRes(NamedTuple):
     inp: LinearRes  # x (..., D), [w_gate | w_up] (D, 2F)
     act: NamedTuple  # (..., F): the gate's activation's residual (the backward recomputes act(gate) from it)
-    up: jax.Array  # (..., F) x @ w_up + b_up, in the compute dtype (float32 or wider without one)
+    up: jax.Array  # (..., F) x @ w_up + b_up, kept: bfloat16 under a bfloat16 policy, else as computed
     out: LinearRes  # act(gate) * up (..., F), w_down (F, D)
     lora_in: AdaptedRes | None = None  # the LoRA adapters' of [w_gate | w_up]; None: none
     lora_out: AdaptedRes | None = None  # of w_down
@@ -48,9 +49,9 @@ def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     (w_gate, w_up, w_down) runs gated_feed_forward_fwd."""
     if "w_gate" in p:
         return gated_feed_forward_fwd(p, x, activation_name, compute_dtype)
-    h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype)  # (..., F)
+    h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype, narrow=True)  # (..., F)
     h, lora_in = adapted_fwd(p, ("w_in",), x, h, compute_dtype)  # + LoRA's
-    a, act_res = activation_fwd(activation_name, h, compute_dtype)  # (..., F)
+    a, act_res = activation_fwd(activation_name, upcast(kept(h, compute_dtype)), compute_dtype)  # (..., F)
     y, out_res = linear_fwd(_lin(p, "out"), a, compute_dtype)  # (..., D)
     y, lora_out = adapted_fwd(p, ("w_out",), a, y, compute_dtype)  # + LoRA's
     return y, FeedForwardRes(inp_res, act_res, out_res, lora_in, lora_out)
@@ -62,10 +63,11 @@ def feed_forward_bwd(res, dy):
         return gated_feed_forward_bwd(res, dy)
     d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
     dl_out, da_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(a) A) B
-    dh = activation_bwd(res.act, add_dx(da, da_lora))  # a = act(h)
+    dh = activation_bwd(res.act, add_dx(da, da_lora))  # a = act(upcast(h))
+    dh = kept(dh, res.inp.x.dtype)  # h = kept(h): jax.grad's bfloat16 cotangent under a bfloat16 policy
     d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
     dl_in, dx_lora = adapted_bwd(res.lora_in, dh)  # h = h + s (drop(x) A) B
-    dx = add_dx(dx, dx_lora)
+    dx = widened(add_dx(dx, dx_lora), dy)
     dp = {"w_in": d_in["w"], "w_out": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)
         dp["b_in"] = d_in["b"]
@@ -78,13 +80,13 @@ def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     """p = {w_gate, w_up (D, F), w_down (F, D), b_gate, b_up (F,), b_down (D,)}; x (..., D) ->
     y = (act(x @ w_gate + b_gate) * (x @ w_up + b_up)) @ w_down + b_down (..., D)."""
     w, b = gate_up_weights(p)  # (D, 2F), (2F,) or None
-    gu, inp_res = linear_fwd({"w": w} if b is None else {"w": w, "b": b}, x, compute_dtype)  # (..., 2F)
+    gu, inp_res = linear_fwd({"w": w} if b is None else {"w": w, "b": b}, x, compute_dtype, narrow=True)  # (..., 2F)
     gu, lora_in = adapted_fwd(p, ("w_gate", "w_up"), x, gu, compute_dtype)  # + LoRA's
-    gate, up = jnp.split(gu, 2, axis=-1)  # (..., F) each
-    a, act_res = activation_fwd(activation_name, gate, compute_dtype)  # (..., F)
-    y, out_res = linear_fwd(_lin(p, "down"), a * up, compute_dtype)  # (..., D): m = a * up
-    y, lora_out = adapted_fwd(p, ("w_down",), a * up, y, compute_dtype)  # + LoRA's
-    up = kept(up, compute_dtype)  # bfloat16 under a bfloat16 policy (precision.kept)
+    gate, up = jnp.split(kept(gu, compute_dtype), 2, axis=-1)  # (..., F) each, bfloat16 under a bfloat16 policy
+    a, act_res = activation_fwd(activation_name, upcast(gate), compute_dtype)  # (..., F)
+    m = a * upcast(up)
+    y, out_res = linear_fwd(_lin(p, "down"), m, compute_dtype)  # (..., D)
+    y, lora_out = adapted_fwd(p, ("w_down",), m, y, compute_dtype)  # + LoRA's
     return y, GatedFeedForwardRes(inp_res, act_res, up, out_res, lora_in, lora_out)
 
 
@@ -92,14 +94,15 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
     """dy (..., D) -> ({w_gate, w_up, w_down, b_gate?, b_up?, b_down?}, dx (..., D))."""
     d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
     dl_out, dm_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(m) A) B
-    dm = add_dx(dm, dm_lora)
-    a = activation_value(res.act, dm.dtype)  # act(gate), recomputed
-    da, dup = dm * upcast(res.up), dm * a  # m = a * up
+    dm = upcast(add_dx(dm, dm_lora))  # (a bfloat16 product cotangent under a bfloat16 policy)
+    a = activation_value(res.act, dm.dtype)  # act(upcast(gate)), recomputed
+    da, dup = dm * upcast(res.up), dm * a  # m = a * upcast(up)
     dgate = activation_bwd(res.act, da)  # a = act(gate)
-    dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(gu)  (..., 2F)
+    dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(kept(gu))  (..., 2F)
+    dgu = kept(dgu, res.inp.x.dtype)  # jax.grad's bfloat16 cotangent of kept(gu) under a bfloat16 policy
     d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
     dl_in, dx_lora = adapted_bwd(res.lora_in, dgu)  # gu = gu + LoRA's [delta_gate | delta_up]
-    dx = add_dx(dx, dx_lora)
+    dx = widened(add_dx(dx, dx_lora), dy)
     dw_gate, dw_up = jnp.split(d_in["w"], 2, axis=1)  # w = [w_gate | w_up] (gate_up_weights), (D, F) each
     dp = {"w_gate": dw_gate, "w_up": dw_up, "w_down": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)

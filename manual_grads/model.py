@@ -92,7 +92,8 @@ def head_loss_bwd(res, dloss, tap=None):
     d_capped = dlogits
     if res.cap is not None:  # logits = softcap(logits, config.logit_softcap)
         dlogits = softcap_bwd(res.cap, dlogits)
-    d_head, dx = linear_bwd(res.head, dlogits)  # logits = x @ head.w + head.b
+    d_head, dx = linear_bwd(res.head, dlogits, round_dx=False)  # logits = x @ head.w + head.b; dx, the
+    # blocks' first cotangent, with one bfloat16 rounding (dlogits') as jax.grad's has one (its dx's)
     tap_backward(tap, "head", d_capped, d_head, dx)
     return d_head, dx
 

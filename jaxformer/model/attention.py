@@ -32,6 +32,7 @@ from jaxformer.model.blockwise import blockwise
 from jaxformer.model.cores import AttentionSpec, cudnn, cudnn_core, flash, full, repeat_kv  # noqa: F401
 from jaxformer.model.linear import linear
 from jaxformer.model.lora import adapted
+from jaxformer.model.precision import kept, upcast
 from jaxformer.model.quantized import columns
 from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.rotary import apply_rope, rope_spec, rope_tables
@@ -109,8 +110,8 @@ def merge_qkv(q, k, v):
 def qkv_heads(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
     """x (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh): one product x @ [wq | wk | wv] + [bq | bk | bv]."""
     w, b = qkv_weights(p)
-    qkv = adapted(p, ("wq", "wk", "wv"), x, linear(x, w, b, compute_dtype), compute_dtype)  # + LoRA's
-    return split_qkv(qkv, n_heads, n_kv_heads)
+    qkv = adapted(p, ("wq", "wk", "wv"), x, linear(x, w, b, compute_dtype, narrow=True), compute_dtype)  # + LoRA's
+    return split_qkv(kept(qkv, compute_dtype), n_heads, n_kv_heads)  # bfloat16 under a bfloat16 policy
 
 
 class QKNorm(NamedTuple):
@@ -154,10 +155,10 @@ def attention_qkv(p, x, config, start=0):
     projections, then QK-norm and rotary positions (``rotate_qk``) where config turns them
     on; ``start``: the position of x's first token (a decoder's cache)."""
     q, k, v = qkv_heads(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    q, k = rotate_qk(p, q, k, config.ln_eps, rope_spec(config), start, qk_norm_of(config))
+    q, k = rotate_qk(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), start, qk_norm_of(config))
     if config.attn_scalar:  # scores q k^T / sqrt(Dh) become q k^T / sqrt(attn_scalar)
         q = q * query_scale(config)
-    return q, k, v
+    return kept(q, config.compute_dtype), kept(k, config.compute_dtype), v  # as the core's products read them
 
 
 def core_kv(core: Core, q, k, v):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxformer.model.activations import activation
 from jaxformer.model.linear import linear
 from jaxformer.model.lora import adapted
+from jaxformer.model.precision import kept, upcast
 from jaxformer.model.quantized import columns
 
 
@@ -25,8 +26,8 @@ def feed_forward(p, x, activation_name, compute_dtype=None):
     gated_feed_forward."""
     if "w_gate" in p:
         return gated_feed_forward(p, x, activation_name, compute_dtype)
-    h = adapted(p, ("w_in",), x, linear(x, p["w_in"], p.get("b_in"), compute_dtype), compute_dtype)
-    a = activation(activation_name, h)
+    h = adapted(p, ("w_in",), x, linear(x, p["w_in"], p.get("b_in"), compute_dtype, narrow=True), compute_dtype)
+    a = activation(activation_name, upcast(kept(h, compute_dtype)))  # h rounded as autocast returns it
     return adapted(p, ("w_out",), a, linear(a, p["w_out"], p.get("b_out"), compute_dtype), compute_dtype)
 
 
@@ -40,7 +41,7 @@ def gate_up_weights(p):
 def gated_feed_forward(p, x, activation_name, compute_dtype=None):
     """(act(x @ w_gate + b_gate) * (x @ w_up + b_up)) @ w_down + b_down; x (..., D) -> (..., D).
     The gate and up projections are one product x @ [w_gate | w_up]."""
-    gu = adapted(p, ("w_gate", "w_up"), x, linear(x, *gate_up_weights(p), compute_dtype), compute_dtype)
-    gate, up = jnp.split(gu, 2, axis=-1)  # (..., F) each
-    m = activation(activation_name, gate) * up
+    gu = adapted(p, ("w_gate", "w_up"), x, linear(x, *gate_up_weights(p), compute_dtype, narrow=True), compute_dtype)
+    gate, up = jnp.split(kept(gu, compute_dtype), 2, axis=-1)  # (..., F) each, rounded as autocast returns them
+    m = activation(activation_name, upcast(gate)) * upcast(up)
     return adapted(p, ("w_down",), m, linear(m, p["w_down"], p.get("b_down"), compute_dtype), compute_dtype)

@@ -25,10 +25,12 @@ def cast(x, compute_dtype):
 
 
 def kept(x, compute_dtype):
-    """A residual that a backward reads and no product does (a norm's normalized input, an
-    activation's input), as the manual forward keeps it: in the compute dtype where that is
-    a 16-bit float (bfloat16: half the bytes to write and read back), else as computed, so
-    float32 and float64 runs keep full precision."""
+    """x in the compute dtype where that is a 16-bit float (bfloat16: half the bytes to write
+    and read back), else as computed, so float32 and float64 runs keep full precision. Two uses:
+    a residual that a backward reads and no product does (a norm's normalized input, an
+    activation's input), as the manual forward keeps it; and the output of a product that only
+    elementwise work and other products read (the q/k/v and feed-forward input projections,
+    rounded after their bias as autocast returns them; docs/design.md, "Mixed precision")."""
     if compute_dtype is None or jnp.dtype(compute_dtype).itemsize >= 4:
         return x
     return x.astype(compute_dtype)
@@ -37,9 +39,10 @@ def kept(x, compute_dtype):
 def matmul(a, b, compute_dtype=None):
     """a @ b with both inputs cast to ``compute_dtype`` and the product accumulated and
     returned in stats_dtype of the inputs' own dtype (float32 for float32 or bfloat16
-    inputs). None, or a compute dtype equal to the inputs', is plain ``a @ b``."""
+    inputs). None, or a float32 or wider compute dtype equal to the inputs', is plain ``a @ b``."""
     out = jnp.result_type(a, b)
-    if compute_dtype is None or (jnp.dtype(compute_dtype) == out == a.dtype == b.dtype):
+    if compute_dtype is None or (jnp.dtype(compute_dtype) == out == a.dtype == b.dtype
+                                 and jnp.dtype(compute_dtype).itemsize >= 4):
         return a @ b
     return jnp.matmul(a.astype(compute_dtype), b.astype(compute_dtype),
                       preferred_element_type=stats_dtype(out))

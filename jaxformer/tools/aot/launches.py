@@ -8,8 +8,9 @@ entry computation and of the computations it calls, a while loop's body once per
 ``known_trip_count``), a conditional's largest branch. Bookkeeping instructions that run no
 kernel (parameters, constants, tuples, get-tuple-element, bitcasts) are not counted.
 ``traffic(text)`` adds up the bytes each launch reads and writes (its operands' and its
-result's shapes, as the HLO prints them): a second proxy, for the memory-bound kernels. It
-counts whole operands, so a fusion that reads a slice of a buffer or updates one in place (a
+result's shapes; a compiled program's text names its operands without their shapes, so each
+is looked up where its computation defines it): a second proxy, for the memory-bound kernels.
+It counts whole operands, so a fusion that reads a slice of a buffer or updates one in place (a
 scan's stacked residuals) counts the whole buffer: compare programs of one structure with it.
 
     python -m jaxformer.tools.aot.launches FILE.hlo     prints the count, its kinds and bytes
@@ -30,6 +31,10 @@ _OPCODE = re.compile(r"[\]})]\s([a-z][a-z0-9\-]*)\(")  # "f32[2,3]{1,0} fusion("
 _SHAPE = re.compile(r"\b(pred|[a-z]+?)(\d*)\[([\d,]*)\]")  # "bf16[16,1024]" -> bf, 16, "16,1024"
 _ATTRIBUTES = re.compile(r", (?:kind|calls|custom_call_target|backend_config|metadata|to_apply|"
                          r"slice|dimensions|replica_groups|channel_id|index)=")
+
+
+_NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 def computations(text: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
@@ -72,13 +77,39 @@ def _trips(line: str) -> int:
     return int(m.group(1))
 
 
-def _bytes(line: str) -> int:
-    """The bytes of the shapes an instruction line names before its attributes: its result
-    and its operands."""
+def _shape_bytes(text: str) -> int:
+    """The bytes of the shapes ``text`` names ("f32[16,1024]", tuples: each element)."""
     total = 0
-    for kind, bits, dims in _SHAPE.findall(_ATTRIBUTES.split(line.split(" = ", 1)[1])[0]):
+    for kind, bits, dims in _SHAPE.findall(text):
         width = 1 if kind == "pred" else int(bits or 8) // 8
         total += width * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _result_bytes(lines: list[tuple[str, str]]) -> dict[str, int]:
+    """{instruction name: its result's bytes} of one computation's lines."""
+    sizes = {}
+    for opcode, line in lines:
+        m = _NAME.match(line)
+        if m:
+            rhs = line.split(" = ", 1)[1]
+            sizes[m.group(1)] = _shape_bytes(rhs[:rhs.index(f" {opcode}(") + 1])
+    return sizes
+
+
+def _bytes(line: str, sizes: dict[str, int]) -> int:
+    """The bytes an instruction reads and writes: its result's and its operands' shapes, an
+    operand printed without its shape looked up in ``sizes`` (its computation's results)."""
+    rhs = _ATTRIBUTES.split(line.split(" = ", 1)[1])[0]
+    m = _OPCODE.search(rhs)
+    result, operands = rhs[:m.start() + 1], rhs[m.end():]
+    total = _shape_bytes(result)
+    for operand in re.split(r",\s*(?![^\[]*\])", operands.rstrip(")")):
+        if _SHAPE.search(operand):
+            total += _shape_bytes(operand)
+        else:
+            names = _OPERAND.findall(operand)
+            total += sum(sizes.get(n, 0) for n in names)
     return total
 
 
@@ -86,6 +117,8 @@ def tally(text: str) -> tuple[collections.Counter, collections.Counter]:
     """({opcode: launches per run}, {opcode: bytes read and written per run}): one walk of the
     program for both counts."""
     comps, entry = computations(text)
+
+    sizes = {name: _result_bytes(lines) for name, lines in comps.items()}
 
     def walk(name: str, times: int, count: collections.Counter, moved: collections.Counter) -> None:
         for opcode, line in comps[name]:
@@ -109,7 +142,7 @@ def tally(text: str) -> tuple[collections.Counter, collections.Counter]:
                     walk(callee, times, count, moved)
             elif opcode not in FREE:
                 count[opcode] += times
-                moved[opcode] += times * _bytes(line)
+                moved[opcode] += times * _bytes(line, sizes[name])
 
     count: collections.Counter = collections.Counter()
     moved: collections.Counter = collections.Counter()
