@@ -339,6 +339,9 @@ def test_launches_count_loops_per_trip_and_the_largest_branch():
     # bytes: the body's fusion and GEMM read and write f32[4] (32 bytes) 12 times, the condition
     # reads a (s32[], f32[4]) tuple and writes a pred 13 times, the larger branch copies and adds
     assert traffic(HLO) == 12 * (32 + 32) + 13 * (4 + 16 + 1) + (32 + 32)
+    # a compiled program's text names its operands without their shapes: each is looked up
+    bare = HLO.replace("fusion(f32[4]{0} %x)", "fusion(%x)").replace("custom-call(f32[4]{0} %f)", "custom-call(%f)")
+    assert bare != HLO and traffic(bare) == traffic(HLO)
     with pytest.raises(ValueError, match="known trip count"):
         launches(HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', ""))
     with pytest.raises(ValueError, match="no ENTRY"):
