@@ -45,7 +45,8 @@ from jaxformer.model.config import ATTENTION_IMPLS, ModelConfig
 from jaxformer.model.params import init_params
 from jaxformer.tools.aot.launches import tally
 from jaxformer.tools.aot.report import describe
-from jaxformer.tools.aot.targets import TARGETS, Target, cudnn_problem, missing, target_devices
+from jaxformer.tools.aot.targets import (TARGETS, Target, abstract_device, compiling_for, cudnn_problem, missing,
+                                         target_devices)
 from jaxformer.training.sharding import AXES, make_mesh, mesh_shardings, state_shardings
 from jaxformer.training.step import grad_source, init_state, make_train_step
 from jaxformer.training.memory_plan import MemoryPlan as Memory  # XLA's plan, bytes per device
@@ -137,10 +138,11 @@ def _placed(tree, shardings):
 
 
 def build(config: ModelConfig, variant: Variant, batch_size: int, seq_len: int,
-          optimizer: optax.GradientTransformation, devices=None):
+          optimizer: optax.GradientTransformation, devices=None, target: Target | None = None):
     """(step, (state, batch)): the variant's jitted train step and its abstract arguments.
-    ``devices``: None (a mesh variant on an AbstractMesh, for export) or the target's
-    compile-only devices (the arguments placed on them)."""
+    ``devices``: None (a mesh variant on an AbstractMesh, for export, naming ``target``'s
+    device where given: ``targets.abstract_device``) or the target's compile-only devices
+    (the arguments placed on them)."""
     config = variant_config(config, variant)
     state = abstract_state(config, optimizer)
     batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in ("inputs", "targets")}
@@ -150,7 +152,11 @@ def build(config: ModelConfig, variant: Variant, batch_size: int, seq_len: int,
             one = SingleDeviceSharding(devices[0])
             state, batch = (_placed(t, jax.tree_util.tree_map(lambda _: one, t)) for t in (state, batch))
         return make_train_step(grad_fn, optimizer), (state, batch)
-    mesh = AbstractMesh(variant.mesh, AXES[:len(variant.mesh)]) if devices is None else make_mesh(devices, variant.mesh)
+    if devices is None:  # Auto axes, as a Mesh's (JAX 0.11's AbstractMesh defaults to Explicit)
+        mesh = AbstractMesh(variant.mesh, AXES[:len(variant.mesh)], (jax.sharding.AxisType.Auto,) * len(variant.mesh),
+                            abstract_device=abstract_device(target) if target else None)
+    else:
+        mesh = make_mesh(devices, variant.mesh)
     layout = state_shardings(state, mesh)
     _, split = mesh_shardings(mesh)
     state, batch = _placed(state, layout), _placed(batch, {k: split for k in batch})
@@ -176,8 +182,9 @@ def lower_for(config: ModelConfig, variant: Variant, platform: str, optimizer: o
     # the GPU target's compile-only devices instead
     by_jit = bool(variant.mesh) and variant.attention == "cudnn"
     devices = target_devices(TARGETS["h100"], variant.n_devices) if by_jit else None
-    with jax.enable_x64(False):
-        step, args = build(config, variant, batch_size, seq_len or config.max_seq_len, optimizer, devices)
+    target = TARGETS["h100"] if platform == "cuda" else TARGETS["tpu-v5e"]
+    with jax.enable_x64(False), compiling_for(target):
+        step, args = build(config, variant, batch_size, seq_len or config.max_seq_len, optimizer, devices, target)
         if by_jit:
             text = step.lower(*args).as_text()
         else:
@@ -198,9 +205,9 @@ def compile_for(config: ModelConfig, variant: Variant, target: str | Target,
     if reason:
         return Outcome(variant, target.name, "skipped", reason=reason, batch_size=batch_size)
     start = time.perf_counter()
-    with jax.enable_x64(False):
-        step, args = build(config, variant, batch_size, seq_len or config.max_seq_len, optimizer,
-                           devices=target_devices(target, variant.n_devices))
+    devices = target_devices(target, variant.n_devices)
+    with jax.enable_x64(False), compiling_for(target):
+        step, args = build(config, variant, batch_size, seq_len or config.max_seq_len, optimizer, devices=devices)
         lowered = step.lower(*args)
         try:
             compiled = lowered.compile()

@@ -13,10 +13,13 @@ capacity (the H100's 80 GB, as nvidia-smi counts it).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import re
 from typing import NamedTuple
 
+import jax
 from jax.experimental import topologies
 
 GiB = 2**30
@@ -34,7 +37,7 @@ TARGETS = {
     # (its out-of-memory error: "exceeds available HBM (15.75G)"); v5e:2x2 is four chips.
     "tpu-v5e": Target("tpu-v5e", "tpu", "TPU v5e (16 GiB HBM)", int(15.75 * GiB)),
     # H100 SXM 80GB: 81559 MiB, the total nvidia-smi reports (a JAX process preallocates
-    # 75% of it by default: XLA_PYTHON_CLIENT_MEM_FRACTION).
+    # 75% of it by default: XLA_PYTHON_CLIENT_MEM_FRACTION); the label is its device kind.
     "h100": Target("h100", "cuda", "NVIDIA H100 80GB HBM3", 81559 * 2**20),
 }
 
@@ -119,3 +122,26 @@ def target_devices(target: Target, count: int = 1) -> list:
     if len(devices) < count:
         raise ValueError(f"{target.label}: the topology has {len(devices)} devices, {count} are needed")
     return list(devices[:count])
+
+
+
+
+def abstract_device(target: Target):
+    """``target``'s device as JAX's abstract meshes name one (its kind, platform and cores), for
+    lowering without it; None for a TPU target, or where JAX has no abstract devices."""
+    if target.platform != "cuda" or not hasattr(jax.sharding, "AbstractDevice"):
+        return None
+    cores = int(re.search(r"core_count: (\d+)", H100_TARGET_CONFIG).group(1))
+    return jax.sharding.AbstractDevice(device_kind=target.label, platform="gpu", num_cores=cores)
+
+
+def compiling_for(target: Target):
+    """A context in which JAX lowers for ``target``. JAX 0.11's Pallas GPU lowering reads the
+    GPU it compiles Triton for from the abstract mesh's device, no longer from the device in
+    use (this machine's CPU): for a GPU target the context names the target's device there,
+    on an empty mesh (a step's own mesh names it too: ``steps.build``). Elsewhere, and where
+    JAX has no abstract devices, nothing."""
+    device = abstract_device(target)
+    if device is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
