@@ -161,6 +161,10 @@ def test_lora_recipe_epochs_mix_and_replies(chat_model, tmp_path, capsys):
     prompts = [x["prompt"] for x in evaluated[-1]["samples"]]
     assert any(QUESTION in p for p in prompts) and all(p.endswith("<|im_start|>assistant\n") for p in prompts)
     assert any(ln.startswith(f"step {steps}: val loss ") and "greedy replies to 2 held-out" in ln for ln in lines)
+    # the loop's own block is short: no dump of every field, no note about a preset's recipe
+    assert line("model").startswith("model    the initial params") and "config.toml" in line("model")
+    assert line("grads").startswith("grads    manual") and line("devices")
+    assert "vocab_size=" not in err and "recipe's" not in err and "note:" not in err
 
 
 @pytest.mark.parametrize("flags", [[], ["--batch-size", "8"]])

@@ -31,9 +31,16 @@ def _fields(d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items())
 
 
-def settings_block(settings, config, n_params: int, devices: str, grads: str, notes=()) -> list[str]:
+def settings_block(settings, config, n_params: int, devices: str, grads: str, notes=(),
+                   fields: bool = True) -> list[str]:
     """The resolved model and training settings, every field, a few wrapped lines; ``grads``:
-    the gradient source in words (training.settings.grads_text)."""
+    the gradient source in words (training.settings.grads_text). ``fields`` False (a run from
+    given params, a fine-tune: the command printed each chosen value with its source, and
+    config.toml keeps them all): the model's size, the gradients and the devices alone."""
+    if not fields:
+        family = f" ({config.family})" if config.family else ""
+        return [f"model    the initial params{family}: {n_params:,} params ({settings.dtype}); "
+                f"every setting in config.toml", f"grads    {grads}", f"devices  {devices}"]
     lines = [f"model    {settings.preset}: {n_params:,} params ({settings.dtype})"]
     wrap = dict(width=100, initial_indent=" " * 9, subsequent_indent=" " * 9)
     lines += textwrap.wrap(_fields(config.to_dict()), **wrap)

@@ -108,7 +108,8 @@ def train(settings: TrainSettings, out_dir, *, resume: bool = False, progress: b
                       allow_data_change=allow_data_change, check_memory=check_memory,
                       init_params=init_params)
     if log:
-        _log_settings(log, run.settings, run.config, run.state.params, run.mesh, run.spec.grads)
+        _log_settings(log, run.settings, run.config, run.state.params, run.mesh, run.spec.grads,
+                      from_preset=init_params is None)
     state, run_log = run_steps(run, progress=progress, log=log)
     return TrainResult(state, run.config, run.data.tokenizer, run_log.records, run.run_dir,
                        run_log.summary())
@@ -312,8 +313,13 @@ def evaluate(eval_fn, params, batches: list) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def _log_settings(log, settings: TrainSettings, config: ModelConfig, params, mesh, grads) -> None:
+def _log_settings(log, settings: TrainSettings, config: ModelConfig, params, mesh, grads,
+                  from_preset: bool = True) -> None:
+    """The settings block: every field, and the preset recipe's notes, for a run from a preset;
+    a run from given params (a fine-tune, its recipe's values printed with their sources by the
+    command) gets the short block, and no note about a preset's recipe it did not use."""
     devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s), mesh {dict(mesh.shape)}"
+    notes = recipe_notes(settings) if from_preset else []
     for line in report.settings_block(settings, config, count_params(params), devices,
-                                      grads_text(grads, config), recipe_notes(settings)):
+                                      grads_text(grads, config), notes, fields=from_preset):
         log(line)
