@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxformer.model.chunked_loss import position_weights
 from jaxformer.model.precision import upcast
-from jaxformer.model.losses import cross_entropy
+from jaxformer.model.losses import nll_and_logz, weighted_mean
 
 
 class CrossEntropyRes(NamedTuple):
@@ -28,8 +29,9 @@ class CrossEntropyRes(NamedTuple):
 
 def cross_entropy_fwd(logits, targets, mask=None):
     """logits (..., V), targets int (...), mask (...) or None -> scalar loss."""
-    loss = cross_entropy(logits, targets, mask)
-    probs = jax.nn.softmax(upcast(logits), axis=-1)  # (..., V): kept for the backward
+    nll, logz = nll_and_logz(logits, targets)  # the model's cross_entropy: the weighted mean of nll
+    loss = weighted_mean(nll, mask)
+    probs = jnp.exp(upcast(logits) - logz[..., None])  # (..., V) softmax(logits), from the forward's logz
     return loss, CrossEntropyRes(probs, targets, position_weights(targets, mask, probs.dtype))
 
 

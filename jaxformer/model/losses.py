@@ -28,10 +28,21 @@ def cross_entropy(logits, targets, mask=None):
     gradient of 0 (for a 0/1 mask: the masked sum over max(count, 1)), eagerly and
     under jit. Runs in float32 or wider (``upcast``).
     """
+    return weighted_mean(nll_and_logz(logits, targets)[0], mask)
+
+
+def nll_and_logz(logits, targets):
+    """(nll, logz), each (...) in float32 or wider: -log softmax(logits)[target] and the row's
+    log-sum-exp, which the manual backward's softmax exp(logits - logz) reuses (one pass over
+    the (..., V) logits for it, not a softmax of its own)."""
     logits = upcast(logits)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = logz - target_logit
+    return logz - target_logit, logz
+
+
+def weighted_mean(nll, mask=None):
+    """The mean of nll (...) over the positions, weighted by ``mask`` (``mask_weights``)."""
     if mask is None:
         return jnp.mean(nll)
     return jnp.sum(nll * mask_weights(mask, nll.dtype))
