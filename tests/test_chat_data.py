@@ -162,7 +162,7 @@ def prepared(tmp_path_factory, model_folder):
     return out
 
 
-def test_prepare_writes_the_mask_beside_each_shard(prepared, chat):
+def test_prepare_writes_the_mask_beside_each_shard(prepared, chat, model_folder):
     meta = data.read_meta(prepared)
     assert meta["mask"] is True and meta["documents"] == 24 and meta["chat"]["chat_template"] == CHATML
     assert data.verify(prepared) == len(meta["splits"]["train"]["shards"]) + len(meta["splits"]["val"]["shards"]) > 2
@@ -179,6 +179,16 @@ def test_prepare_writes_the_mask_beside_each_shard(prepared, chat):
                           "Hi! The cat sat on the mat.<|im_end|>\n"]
     eot = chat.tokenizer.tokenizer.token_to_id("<|endoftext|>")
     assert (first == eot).any() and not first_mask[first == eot].any()
+    # the model's stop ids, which the run's held-out replies stop at as generate --chat does
+    from jaxformer.formats.hf import read_chat
+    from jaxformer.training.samples import stop_ids
+    model = read_chat(model_folder)
+    assert meta["chat"]["stop_ids"] == list(model.stop_ids) and model.stop_ids
+    assert stop_ids(model.tokenizer, meta) == set(model.stop_ids)
+    im_end = model.tokenizer.tokenizer.token_to_id("<|im_end|>")
+    assert stop_ids(model.tokenizer, {**meta, "chat": {**meta["chat"], "stop_ids": [im_end]}}) == {im_end}  # read
+    older = {**meta, "chat": {k: v for k, v in meta["chat"].items() if k != "stop_ids"}}  # prepared before
+    assert stop_ids(model.tokenizer, older) == {model.tokenizer.tokenizer.token_to_id("<|im_end|>"), eot}
 
 
 def test_batches_carry_the_mask_of_the_targets_and_old_shards_have_none(prepared):

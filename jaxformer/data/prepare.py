@@ -314,5 +314,6 @@ def _write_chat(writer: ShardWriter, tok, chat, corpus: str, text_field: str, pr
         writer.close()
     extra = {"mask": True, "doc_starts": True,
              "chat": {"chat_template": chat.chat_template, "bos_token": chat.bos_token,
-                      "eos_token": chat.eos_token, "assistant_tokens": counts["assistant_tokens"]}}
+                      "eos_token": chat.eos_token, "stop_ids": [int(i) for i in chat.stop_ids],
+                      "assistant_tokens": counts["assistant_tokens"]}}
     return counts["documents"], counts["bytes"], extra

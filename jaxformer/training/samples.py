@@ -53,9 +53,14 @@ def held_out_prompts(data_dir: str, n: int) -> tuple[np.ndarray, ...]:
 
 
 def stop_ids(tokenizer, meta: dict) -> set[int]:
-    """The end-of-turn ids: the chat template's eos token and the end-of-text id."""
+    """The end-of-turn ids: the model's own, as ``generate --chat`` stops at them (``prepare``
+    records them in meta.json); for a folder prepared before that, the chat template's eos
+    token and the end-of-text id."""
+    chat = meta.get("chat") or {}
+    if chat.get("stop_ids"):
+        return {int(i) for i in chat["stop_ids"]}
     stops = set()
-    eos = (meta.get("chat") or {}).get("eos_token")
+    eos = chat.get("eos_token")
     lookup = getattr(getattr(tokenizer, "tokenizer", None), "token_to_id", None)
     if eos and lookup is not None and lookup(eos) is not None:
         stops.add(int(lookup(eos)))
