@@ -122,18 +122,6 @@ ACTIVATION_BWD = {GeluRes: gelu_bwd, GeluTanhRes: gelu_tanh_bwd, ReluRes: relu_b
                   SiluRes: silu_bwd, Relu2Res: relu2_bwd}
 
 
-RES_NAMES = {res: name for name, res in (("gelu", GeluRes), ("gelu_tanh", GeluTanhRes), ("relu", ReluRes),
-                                           ("tanh", TanhRes), ("silu", SiluRes), ("relu2", Relu2Res))}
-
-
-def activation_value(res, dtype):
-    """The activation's output, again, from its residual (in ``dtype`` or wider): a gated
-    MLP's backward needs act(gate) and recomputes it rather than keep it."""
-    if isinstance(res, TanhRes):
-        return res.y.astype(jnp.promote_types(res.y.dtype, dtype))
-    return ACTIVATION_FNS[RES_NAMES[type(res)]](res.x.astype(jnp.promote_types(res.x.dtype, dtype)))
-
-
 def activation_fwd(name: str, x, compute_dtype=None):
     """The activation called ``name`` (a ModelConfig.activation) of x (...); its residual
     kept as ``precision.kept`` says for ``compute_dtype``."""

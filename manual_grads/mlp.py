@@ -14,6 +14,7 @@ derivative. Without biases (ModelConfig.bias False) dp has no b_* leaves.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxformer.model.mlp import gate_up_weights
 from jaxformer.model.precision import kept, upcast
-from manual_grads.activations import activation_bwd, activation_fwd, activation_value
+from manual_grads.activations import activation_bwd, activation_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd, widened
 from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 
@@ -34,10 +35,18 @@ class FeedForwardRes(NamedTuple):
     lora_out: AdaptedRes | None = None  # of w_out
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """The activation's name (a ModelConfig.activation), carried by a residual as a static node."""
+    name: str
+
+
 class GatedFeedForwardRes(NamedTuple):
     inp: LinearRes  # x (..., D), [w_gate | w_up] (D, 2F)
-    act: NamedTuple  # (..., F): the gate's activation's residual (the backward recomputes act(gate) from it)
-    up: jax.Array  # (..., F) x @ w_up + b_up, kept: bfloat16 under a bfloat16 policy, else as computed
+    gu: jax.Array  # (..., 2F) [gate | up], kept: bfloat16 under a bfloat16 policy, else as computed; one
+    # buffer that the backward splits (two residuals would each be a copy of half of it)
+    act: Activation  # static: the activation of the gate, which the backward recomputes
     out: LinearRes  # act(gate) * up (..., F), w_down (F, D)
     lora_in: AdaptedRes | None = None  # the LoRA adapters' of [w_gate | w_up]; None: none
     lora_out: AdaptedRes | None = None  # of w_down
@@ -82,12 +91,13 @@ def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     w, b = gate_up_weights(p)  # (D, 2F), (2F,) or None
     gu, inp_res = linear_fwd({"w": w} if b is None else {"w": w, "b": b}, x, compute_dtype, narrow=True)  # (..., 2F)
     gu, lora_in = adapted_fwd(p, ("w_gate", "w_up"), x, gu, compute_dtype)  # + LoRA's
-    gate, up = jnp.split(kept(gu, compute_dtype), 2, axis=-1)  # (..., F) each, bfloat16 under a bfloat16 policy
-    a, act_res = activation_fwd(activation_name, upcast(gate), compute_dtype)  # (..., F)
+    gu = kept(gu, compute_dtype)  # bfloat16 under a bfloat16 policy
+    gate, up = jnp.split(gu, 2, axis=-1)  # (..., F) each
+    a, _ = activation_fwd(activation_name, upcast(gate))  # (..., F)
     m = a * upcast(up)
     y, out_res = linear_fwd(_lin(p, "down"), m, compute_dtype)  # (..., D)
     y, lora_out = adapted_fwd(p, ("w_down",), m, y, compute_dtype)  # + LoRA's
-    return y, GatedFeedForwardRes(inp_res, act_res, up, out_res, lora_in, lora_out)
+    return y, GatedFeedForwardRes(inp_res, gu, Activation(activation_name), out_res, lora_in, lora_out)
 
 
 def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
@@ -95,9 +105,10 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
     d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
     dl_out, dm_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(m) A) B
     dm = upcast(add_dx(dm, dm_lora))  # (a bfloat16 product cotangent under a bfloat16 policy)
-    a = activation_value(res.act, dm.dtype)  # act(upcast(gate)), recomputed
-    da, dup = dm * upcast(res.up), dm * a  # m = a * upcast(up)
-    dgate = activation_bwd(res.act, da)  # a = act(gate)
+    gate, up = jnp.split(upcast(res.gu), 2, axis=-1)  # gate, up = split(kept(gu))
+    a, act_res = activation_fwd(res.act.name, gate)  # act(upcast(gate)), recomputed with its residual
+    da, dup = dm * up, dm * a  # m = a * upcast(up)
+    dgate = activation_bwd(act_res, da)  # a = act(upcast(gate))
     dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(kept(gu))  (..., 2F)
     dgu = kept(dgu, res.inp.x.dtype)  # jax.grad's bfloat16 cotangent of kept(gu) under a bfloat16 policy
     d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
