@@ -3,6 +3,8 @@ bfloat16-vs-autodiff judgement, the equations of a jaxpr, and test inputs."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import random
 from typing import Callable, NamedTuple
@@ -294,3 +296,24 @@ def decode_one_at_a_time(params, inputs, config, prompt, dtype=jnp.float64):
         logits, cache = step(params, inputs[:, t:t + 1], cache, t, config)
         got.append(logits)
     return np.concatenate(got, axis=1)
+
+
+# ---------------------------------------------------------------- one computation per run
+
+
+def once_per_run(tmp_path_factory, name: str, compute: Callable[[], dict]) -> dict:
+    """compute()'s JSON result, computed once for the whole run and read by every pytest-xdist
+    worker: a module fixture runs once per worker that gets one of its tests, so an expensive
+    subprocess (the 8-device meshes) ran on both. The first worker computes under a file lock
+    in the run's shared temporary folder; the others wait for it and read the file."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return json.loads(path.read_text())
+        result = compute()
+        path.write_text(json.dumps(result))
+        return result

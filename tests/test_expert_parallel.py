@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import host_devices_flags
+from helpers import host_devices_flags, once_per_run
 from jax.sharding import AbstractMesh
 
 from jaxformer.model.config import PRESETS
@@ -135,8 +135,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def sharded():
+def _run_in_a_subprocess():
     env = dict(os.environ, XLA_FLAGS=host_devices_flags(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"  # compiled as the rest of the suite (conftest.py)
@@ -144,6 +143,11 @@ def sharded():
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "expert_parallel", _run_in_a_subprocess)  # one run, not one a worker
 
 
 @pytest.mark.parametrize("text", [t for t, _ in LAYER_CASES])

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 import pytest
-
+from helpers import once_per_run
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.tensor import check_tensor
@@ -127,8 +127,7 @@ def run_cases() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
+def _run_in_a_subprocess():
     # the programs are tiny: XLA's CPU backend need not optimize them (compile time is most of the run)
     flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
@@ -139,6 +138,11 @@ def results():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
     return json.loads(line[len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "tensor_parallel", _run_in_a_subprocess)  # one run, not one a worker
 
 
 @pytest.mark.parametrize("name", REGIONS)
