@@ -6,11 +6,14 @@
 #
 # With `ModelConfig(compute_dtype="bfloat16")` the parameters stay float32 (the master
 # copy the optimizer updates) but every matrix product reads its two inputs rounded to
-# bfloat16, and accumulates and returns in float32. Everything that is not a product
-# stays in float32: the residual stream, biases, layer-norm statistics, softmax,
+# bfloat16, and accumulates and returns in float32. Where only elementwise work and
+# another product read a product's result (the q/k/v and feed-forward input projections),
+# that result is rounded to bfloat16 too, as PyTorch's autocast returns it. Everything
+# else stays in float32: the residual stream, biases, layer-norm statistics, softmax,
 # activations, log-sum-exp and the cross entropy. Both gradient sources follow the same
 # policy: `jax.grad` of the configured model, and the hand-derived backward, whose every
-# product (dW = x^T dy, dx = dy W^T, ...) also rounds its inputs to bfloat16.
+# product (dW = x^T dy, dx = dy W^T, ...) also rounds its inputs to bfloat16, and which
+# returns dx, the cotangent of a bfloat16 input, in bfloat16 as `jax.grad` does.
 #
 # bfloat16 keeps float32's 8-bit exponent (the same range) but only 8 bits of
 # significand (float32 has 24), so one rounding moves a number by up to $2^{-8}$
@@ -104,7 +107,7 @@ for eqn in eqns[len(list(products(forward.jaxpr))):]:
 # feed-forward's two, and the head. Backward: two products for each forward product of
 # a weight ($\bar W = x^\top \bar y$ and $\bar x = \bar y W^\top$), and four for the two
 # products inside attention ($\bar P$, $\bar V$, $\bar Q$, $\bar K$). All read bfloat16,
-# all write float32.
+# all write float32 (a cast after some rounds the result: the input projections', dx).
 #
 # ## How far the gradients move
 #
