@@ -179,7 +179,7 @@ def heads_bwd(res: HeadsRes, dq, dk, dv):
         dq = dq * res.q_scale
     d_rot, dq, dk = rotate_qk_bwd(res.rotate, dq, dk)  # q, k = rotate_qk(p, upcast(q), upcast(k))
     cd = res.qkv.x.dtype  # the compute dtype where one is set (the projections' input is kept in it)
-    dq, dk, dv = (kept(d, cd) for d in (dq, dk, dv))  # q, k, v = split_qkv(kept(qkv)): jax.grad's rounding
+    dq, dk, dv = (kept(d, cd) for d in (dq, dk, dv))  # q, k, v = split_qkv(kept(qkv)): bfloat16 cotangents
     dp, dx = qkv_bwd(res.qkv, dq, dk, dv)  # q, k, v = split_qkv(x @ [wq | wk | wv] + b)
     return {**dp, **d_rot}, dx
 

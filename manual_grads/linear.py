@@ -60,8 +60,8 @@ def linear_bwd(res: LinearRes, dy, round_dx=True):
     # y = matmul(x, dense(w)): dx through the same dequantized w (w itself when float)
     dx = matmul(dy2, dense(w).T, cd).reshape(dy.shape[:-1] + (I,))  # (..., I): from the (N, O) dy2 that
     # dw reads, so an elementwise producer of dy (the loss's dlogits, an activation's) runs once
-    if round_dx:  # under a bfloat16 policy x's cotangent in bfloat16, as jax.grad returns the cotangent of
-        dx = kept(dx, x.dtype)  # a product's bfloat16 input (and half the bytes to write and read back)
+    if round_dx:  # under a bfloat16 policy the cotangent of the product's bfloat16 input is bfloat16 (and
+        dx = kept(dx, x.dtype)  # half the bytes to write and read back)
     if b is None:
         return {"w": dw.astype(w.dtype)}, dx
     db = upcast(dy2).sum(axis=0)  # (O,), summed in float32 or wider (dy2 may be a bfloat16 cotangent)
@@ -70,7 +70,7 @@ def linear_bwd(res: LinearRes, dy, round_dx=True):
 
 def widened(dx, dy):
     """A layer's input cotangent dx in the dtype of its output cotangent dy where linear_bwd
-    rounded it narrower (float32 under a bfloat16 policy, the residual stream's dtype, as
-    jax.grad returns it); XLA fuses the cast into dx's consumer, so the product still writes
+    rounded it narrower (float32 under a bfloat16 policy: the residual stream's dtype, the
+    layer input's own); XLA fuses the cast into dx's consumer, so the product still writes
     bfloat16."""
     return dx.astype(jnp.promote_types(dx.dtype, dy.dtype))

@@ -73,7 +73,7 @@ def feed_forward_bwd(res, dy):
     d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
     dl_out, da_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(a) A) B
     dh = activation_bwd(res.act, add_dx(da, da_lora))  # a = act(upcast(h))
-    dh = kept(dh, res.inp.x.dtype)  # h = kept(h): jax.grad's bfloat16 cotangent under a bfloat16 policy
+    dh = kept(dh, res.inp.x.dtype)  # h = kept(h): a bfloat16 value's cotangent is bfloat16
     d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
     dl_in, dx_lora = adapted_bwd(res.lora_in, dh)  # h = h + s (drop(x) A) B
     dx = widened(add_dx(dx, dx_lora), dy)
@@ -110,7 +110,7 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
     da, dup = dm * up, dm * a  # m = a * upcast(up)
     dgate = activation_bwd(act_res, da)  # a = act(upcast(gate))
     dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(kept(gu))  (..., 2F)
-    dgu = kept(dgu, res.inp.x.dtype)  # jax.grad's bfloat16 cotangent of kept(gu) under a bfloat16 policy
+    dgu = kept(dgu, res.inp.x.dtype)  # gu = kept(gu): a bfloat16 value's cotangent is bfloat16
     d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
     dl_in, dx_lora = adapted_bwd(res.lora_in, dgu)  # gu = gu + LoRA's [delta_gate | delta_up]
     dx = widened(add_dx(dx, dx_lora), dy)

@@ -93,7 +93,7 @@ def head_loss_bwd(res, dloss, tap=None):
     if res.cap is not None:  # logits = softcap(logits, config.logit_softcap)
         dlogits = softcap_bwd(res.cap, dlogits)
     d_head, dx = linear_bwd(res.head, dlogits, round_dx=False)  # logits = x @ head.w + head.b; dx, the
-    # blocks' first cotangent, with one bfloat16 rounding (dlogits') as jax.grad's has one (its dx's)
+    # blocks' first cotangent, keeps one bfloat16 rounding (dlogits', before the product), not two
     tap_backward(tap, "head", d_capped, d_head, dx)
     return d_head, dx
 

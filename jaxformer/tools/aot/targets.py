@@ -124,8 +124,6 @@ def target_devices(target: Target, count: int = 1) -> list:
     return list(devices[:count])
 
 
-
-
 def abstract_device(target: Target):
     """``target``'s device as JAX's abstract meshes name one (its kind, platform and cores), for
     lowering without it; None for a TPU target, or where JAX has no abstract devices."""
