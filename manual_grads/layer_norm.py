@@ -8,6 +8,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.layer_norm import layer_norm_stats
+from jaxformer.model.precision import upcast
+
+
+def column_sums(*xs):
+    """Each x (..., D) summed over every leading dim, (D,) each, in float32 or wider (as
+    ``jnp.sum`` sums a 16-bit x): one reduction over all of them (a variadic reduce: on a GPU
+    one kernel, where separate sums are a kernel, or two, apiece)."""
+    D = xs[0].shape[-1]
+    flat = [upcast(x).reshape(-1, D) for x in xs]
+    zeros = [jnp.zeros((), x.dtype) for x in flat]
+    return jax.lax.reduce(flat, zeros, lambda a, b: [u + v for u, v in zip(a, b)], (0,))
 
 
 class LayerNormRes(NamedTuple):
@@ -35,8 +46,8 @@ def layer_norm_bwd(res: LayerNormRes, dy):
     """
     xhat, rstd, scale, has_bias = res
     D = xhat.shape[-1]
-    dscale = (dy * xhat).reshape(-1, D).sum(axis=0)  # (D,)
-    dbias = dy.reshape(-1, D).sum(axis=0)  # (D,)
+    # dscale = sum(dy * xhat), dbias = sum(dy), over every leading dim: (D,) each, in one reduction
+    dscale, dbias = column_sums(dy * xhat, dy)
     dxhat = dy * scale  # (..., D)
     dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
                  - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))

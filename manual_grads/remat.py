@@ -17,6 +17,8 @@ recomputed forward is not shown to the tap again.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -63,6 +65,31 @@ def _layer(blocks, l):
     return jax.tree_util.tree_map(lambda a: a[l], blocks)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ParamRef:
+    """In a layer's kept residuals, the place of one of the layer's own params (a linear's w
+    and b): ``path`` into its slice of params["blocks"]. The params are the step's inputs,
+    alive for all of it anyway; kept as values they would be copies of their own, stacked
+    by a scan or, unrolled, sliced out of params["blocks"] for the backward's barrier (GPT-2
+    on an H100: 198 kernels a step). The backward reads them from params["blocks"] again,
+    the same slice, so a weight's bfloat16 cast is the forward's too."""
+    path: tuple
+
+
+def _named(res, p):
+    """res with each leaf that is one of the layer params ``p`` themselves replaced by its ParamRef."""
+    where = {id(a): path for path, a in jax.tree_util.tree_flatten_with_path(p)[0]}
+    return jax.tree_util.tree_map(lambda a: ParamRef(where[id(a)]) if id(a) in where else a, res)
+
+
+def _filled(res, p):
+    """res with each ParamRef replaced by that param of the layer's ``p``: _named undone."""
+    values = dict(jax.tree_util.tree_flatten_with_path(p)[0])
+    return jax.tree_util.tree_map(lambda a: values[a.path] if isinstance(a, ParamRef) else a, res,
+                                  is_leaf=lambda a: isinstance(a, ParamRef))
+
+
 def _key(key, l):
     """Layer l's dropout key (dropout.layer_key), or None."""
     return None if key is None else layer_key(key, l)
@@ -81,7 +108,7 @@ def blocks_fwd(blocks, x, config: ModelConfig, tap=None, key=None, segments=None
         def run(c):  # layer l's config (layer_kinds.per_layer); a scan keeps only x with mixed kinds
             out, res = block_fwd(p, x, c, tap, _key(key, l), segments)  # x_{l+1} = block_l(x_l)
             y, stats = ffn_output(out, config)
-            return y, ((x if config.remat == "block" else res), stats)
+            return y, ((x if config.remat == "block" else _named(res, p)), stats)
         return per_layer(config, l, run)
 
     if not python_loop(config, tap, unroll):
@@ -113,14 +140,15 @@ def blocks_bwd(blocks, kept, dy, config: ModelConfig, tap=None, key=None, segmen
         def run(c, k=k):  # layer l's config (layer_kinds.per_layer)
             if config.remat == "block":
                 _, k = block_fwd(p, k, c, None, _key(key, l), segments)  # x_{l+1} = block_l(x_l), recomputed
+            else:
+                k = _filled(k, p)  # the params the forward kept by name
             dp, dx_l = block_bwd(k, dx if ds is None else (dx, ds), tap)  # x_{l+1} = block_l(x_l)
             return dx_l, dp
         return per_layer(config, l, run)
 
     if not python_loop(config, tap, unroll):
-        p = blocks if config.remat == "block" else None  # only a recompute reads the params
         dx, dblocks = jax.lax.scan(lambda dx, xs: step(dx, *xs), dy,
-                                   (p, kept, dstats, jnp.arange(config.n_layers)), reverse=True)
+                                   (blocks, kept, dstats, jnp.arange(config.n_layers)), reverse=True)
         return dblocks, dx
     dps = [None] * config.n_layers
     dx = dy
