@@ -7,8 +7,9 @@ the GPT-2 block (pre layer norm, plain GELU MLP, biases; its tensor=2 also split
 over data=2) and a Llama-like one (RMS norm, gated SiLU MLP, rotary, QK-norm, 2 key/value
 heads for 4 query heads: split over tensor=2, replicated over tensor=4; post layout). Each
 mesh's loss, manual gradients and jax.grad through the same sharded forward are held to one
-device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10. The
-refusals and the sub-room's source rules run in this process."""
+device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10; the manual
+program's collectives are counted in its HLO (``collectives``). The refusals and the sub-room's
+source rules run in this process."""
 
 import dataclasses
 import json
@@ -124,7 +125,36 @@ def run_cases() -> dict:
         case = f"{cname} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
         out.update({f"{case}: {k}": float(v) for k, v in sharded(blocks, x, loss1, manual1).items()})
         out[f"{case}: leaves"] = float(len(leaves(manual1)))
+        out.update({f"{case}: {k}": v for k, v in collectives(config, mesh, blocks, x, r).items()})
     return out
+
+
+def collectives(config, mesh, blocks, x, r) -> dict:
+    """The manual forward and backward's collectives, counted in the program as lowered (the
+    scans' bodies once: one layer) and as compiled: all-reduces over the tensor axis and over
+    the others, and every other kind (an all-gather would be a weight or an activation gathered)."""
+    import re
+
+    import jax
+
+    from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
+
+    def step(blocks, x):
+        return tensor_blocks_bwd(tensor_blocks_fwd(blocks, x, config, mesh)[1], r)
+
+    lowered = jax.jit(step).lower(blocks, x)
+    text = lowered.as_text()
+    ids = np.arange(mesh.size).reshape(mesh.devices.shape)
+    axis = mesh.axis_names.index("tensor")
+    groups = np.moveaxis(ids, axis, -1).reshape(-1, ids.shape[axis]).tolist()
+    tensor_groups = f"replica_groups = dense<{groups}>".replace(" ", "")
+    reduces = re.findall(r"stablehlo\.all_reduce.*?replica_groups = dense<[^>]*>", text.replace("\n", " "))
+    tensor = sum(tensor_groups in r.replace(" ", "") for r in reduces)
+    others = re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_to_all|collective_permute)", text)
+    compiled = re.findall(r" (all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                          lowered.compile().as_text())
+    return {"tensor all-reduces": tensor, "other all-reduces": len(reduces) - tensor,
+            "other collectives": len(others) + len(compiled)}
 
 
 def _run_in_a_subprocess():
@@ -157,6 +187,36 @@ def test_blocks_equal_one_device(results, case):
     for what in ("loss", "manual = one device", "jax.grad sharded = one device",
                  "manual = jax.grad sharded"):
         assert results[f"{case}: {what}"] <= TOL, (what, results[f"{case}: {what}"])
+
+
+def read_per_device(config, t: int) -> int:
+    """The replicated attention leaves each device reads (attention_local_params: QK-norm's
+    scales, the key/value weights when t does not divide their heads): each a psum in the backward."""
+    import jax
+
+    from jaxformer.model.parallel.tensor import KV, split_kv
+    from jaxformer.model.params import init_params
+    attn = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))["blocks"]["attn"]
+    names = ["q_norm", "k_norm"] + ([] if split_kv(config, t) else list(KV))
+    return sum(len(jax.tree_util.tree_leaves(attn[n])) for n in names if n in attn)
+
+
+@pytest.mark.parametrize("cname, names, shape", CASES)
+def test_collectives_are_the_regions_and_the_batch_sum(results, cname, names, shape):
+    """A layer's manual forward and backward over the tensor axis: the two row-parallel sums
+    (forward), the two copy_to_tensor transposes (backward) and one psum for each replicated leaf
+    a device reads; over the batch axes one psum per gradient leaf; no all-gather, reduce-scatter,
+    all-to-all or permute: no weight or activation is gathered."""
+    import jax
+
+    from jaxformer.model.params import init_params
+    config = configs()[cname]
+    case = f"{cname} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+    t = dict(zip(names, shape))["tensor"]
+    assert results[f"{case}: tensor all-reduces"] == 2 + 2 + read_per_device(config, t)
+    n_leaves = len(jax.tree_util.tree_leaves(jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))["blocks"]))
+    assert results[f"{case}: other all-reduces"] == (n_leaves if len(names) > 1 else 0)
+    assert results[f"{case}: other collectives"] == 0
 
 
 @pytest.mark.parametrize("field, value, t, words", [
