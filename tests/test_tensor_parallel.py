@@ -5,7 +5,9 @@ the largest differences: each region's hand-written backward against jax.vjp of 
 (under shard_map, tensor=4), and the stacked blocks (2 layers) on tensor=2 and tensor=4 for
 the GPT-2 block (pre layer norm, plain GELU MLP, biases; its tensor=2 also splits the batch
 over data=2) and a Llama-like one (RMS norm, gated SiLU MLP, rotary, QK-norm, 2 key/value
-heads for 4 query heads: split over tensor=2, replicated over tensor=4; post layout). Each
+heads for 4 query heads: split over tensor=2, replicated over tensor=4; post layout), and with
+sequence parallelism (the activations between the sublayers split along T) the GPT-2 block on
+data=2 x tensor=2 and the Llama-like one on tensor=4. Each
 mesh's loss, manual gradients and jax.grad through the same sharded forward are held to one
 device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10; the manual
 program's collectives are counted in its HLO (``collectives``). The refusals and the sub-room's
@@ -28,8 +30,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-10
 REGIONS = ("copy_to_tensor", "reduce_from_tensor", "scatter_to_tensor", "gather_from_tensor",
            "gather_from_sequence", "reduce_scatter_to_sequence")
-CASES = [("gpt2", ("data", "tensor"), (2, 2)), ("gpt2", ("tensor",), (4,)),
-         ("llama", ("tensor",), (2,)), ("llama", ("tensor",), (4,))]
+# (model, mesh axes, sizes, sequence parallelism)
+CASES = [("gpt2", ("data", "tensor"), (2, 2), False), ("gpt2", ("tensor",), (4,), False),
+         ("llama", ("tensor",), (2,), False), ("llama", ("tensor",), (4,), False),
+         ("gpt2", ("data", "tensor"), (2, 2), True), ("llama", ("tensor",), (4,), True)]
+
+
+def case_name(cname, names, shape, sequence) -> str:
+    return f"{cname} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}{' sequence' if sequence else ''}"
 
 
 def configs():
@@ -97,7 +105,7 @@ def run_cases() -> dict:
     x, r = (jnp.asarray(rng.standard_normal((4, 8, 16))) for _ in range(2))  # (B, T, D)
     jdiff = lambda a, b: jnp.max(jnp.stack([jnp.max(jnp.abs(u - v)) for u, v in zip(leaves(a), leaves(b), strict=True)]))  # noqa: E731
     reference = {}
-    for cname, names, shape in CASES:
+    for cname, names, shape, sequence in CASES:
         config = configs()[cname]
         if cname not in reference:
             @jax.jit
@@ -113,23 +121,23 @@ def run_cases() -> dict:
 
         @jax.jit
         def sharded(blocks, x, loss1, manual1):
-            y, res = tensor_blocks_fwd(blocks, x, config, mesh)
+            y, res = tensor_blocks_fwd(blocks, x, config, mesh, sequence=sequence)
             manual = tensor_blocks_bwd(res, r)
-            auto_loss, auto = jax.value_and_grad(lambda b, x: jnp.sum(tensor_blocks(b, x, config, mesh) * r),
+            auto_loss, auto = jax.value_and_grad(lambda b, x: jnp.sum(tensor_blocks(b, x, config, mesh, sequence=sequence) * r),
                                                  (0, 1))(blocks, x)
             return {"loss": jnp.maximum(jnp.abs(jnp.sum(y * r) - loss1), jnp.abs(auto_loss - loss1)),
                     "manual = one device": jdiff(manual, manual1),
                     "jax.grad sharded = one device": jdiff(auto, manual1),
                     "manual = jax.grad sharded": jdiff(manual, auto)}
 
-        case = f"{cname} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+        case = case_name(cname, names, shape, sequence)
         out.update({f"{case}: {k}": float(v) for k, v in sharded(blocks, x, loss1, manual1).items()})
         out[f"{case}: leaves"] = float(len(leaves(manual1)))
-        out.update({f"{case}: {k}": v for k, v in collectives(config, mesh, blocks, x, r).items()})
+        out.update({f"{case}: {k}": v for k, v in collectives(config, mesh, blocks, x, r, sequence).items()})
     return out
 
 
-def collectives(config, mesh, blocks, x, r) -> dict:
+def collectives(config, mesh, blocks, x, r, sequence) -> dict:
     """The manual forward and backward's collectives, counted in the program as lowered (the
     scans' bodies once: one layer) and as compiled: all-reduces over the tensor axis and over
     the others, and every other kind (an all-gather would be a weight or an activation gathered)."""
@@ -140,7 +148,7 @@ def collectives(config, mesh, blocks, x, r) -> dict:
     from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
 
     def step(blocks, x):
-        return tensor_blocks_bwd(tensor_blocks_fwd(blocks, x, config, mesh)[1], r)
+        return tensor_blocks_bwd(tensor_blocks_fwd(blocks, x, config, mesh, sequence=sequence)[1], r)
 
     lowered = jax.jit(step).lower(blocks, x)
     text = lowered.as_text()
@@ -150,11 +158,13 @@ def collectives(config, mesh, blocks, x, r) -> dict:
     tensor_groups = f"replica_groups = dense<{groups}>".replace(" ", "")
     reduces = re.findall(r"stablehlo\.all_reduce.*?replica_groups = dense<[^>]*>", text.replace("\n", " "))
     tensor = sum(tensor_groups in r.replace(" ", "") for r in reduces)
-    others = re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_to_all|collective_permute)", text)
-    compiled = re.findall(r" (all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
-                          lowered.compile().as_text())
+    kinds = re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_to_all|collective_permute)", text)
+    compiled = re.findall(r" (all-gather|all-to-all|collective-permute)(?:-start)?\(", lowered.compile().as_text())
     return {"tensor all-reduces": tensor, "other all-reduces": len(reduces) - tensor,
-            "other collectives": len(others) + len(compiled)}
+            "all-gathers": kinds.count("all_gather"), "reduce-scatters": kinds.count("reduce_scatter"),
+            "compiled all-gathers": compiled.count("all-gather"),
+            "permutes": len(kinds) - kinds.count("all_gather") - kinds.count("reduce_scatter") + len(compiled)
+            - compiled.count("all-gather")}
 
 
 def _run_in_a_subprocess():
@@ -180,8 +190,7 @@ def test_region_backward_equals_vjp(results, name):
     assert results[f"region {name}"] <= TOL
 
 
-@pytest.mark.parametrize("case", [f"{c} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
-                                  for c, names, shape in CASES])
+@pytest.mark.parametrize("case", [case_name(*c) for c in CASES])
 def test_blocks_equal_one_device(results, case):
     assert results[f"{case}: leaves"] >= 12  # every block leaf compared
     for what in ("loss", "manual = one device", "jax.grad sharded = one device",
@@ -189,34 +198,46 @@ def test_blocks_equal_one_device(results, case):
         assert results[f"{case}: {what}"] <= TOL, (what, results[f"{case}: {what}"])
 
 
-def read_per_device(config, t: int) -> int:
-    """The replicated attention leaves each device reads (attention_local_params: QK-norm's
-    scales, the key/value weights when t does not divide their heads): each a psum in the backward."""
+def psum_leaves(config, t: int, sequence: bool) -> int:
+    """The replicated leaves whose gradient the manual backward sums over the tensor axis: those
+    each device reads per head (attention_local_params: QK-norm's scales, the key/value weights
+    when t does not divide their heads) and, with sequence parallelism, those the token-split
+    layers read (the norms, the row-parallel biases)."""
     import jax
 
-    from jaxformer.model.parallel.tensor import KV, split_kv
+    from jaxformer.model.parallel.tensor import KV, ROW_BIAS, split_kv
     from jaxformer.model.params import init_params
-    attn = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))["blocks"]["attn"]
+    blocks = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))["blocks"]
+    attn = blocks["attn"]
     names = ["q_norm", "k_norm"] + ([] if split_kv(config, t) else list(KV))
-    return sum(len(jax.tree_util.tree_leaves(attn[n])) for n in names if n in attn)
+    n = sum(len(jax.tree_util.tree_leaves(attn[k])) for k in names if k in attn)
+    if sequence:
+        n += sum(len(jax.tree_util.tree_leaves(blocks[k])) for k in ("ln1", "ln2", "ln1_post", "ln2_post") if k in blocks)
+        n += sum(b in blocks[s] for s in ("attn", "ffn") for b in np.atleast_1d(ROW_BIAS[s]))
+    return n
 
 
-@pytest.mark.parametrize("cname, names, shape", CASES)
-def test_collectives_are_the_regions_and_the_batch_sum(results, cname, names, shape):
+@pytest.mark.parametrize("cname, names, shape, sequence", CASES)
+def test_collectives_are_the_regions_and_the_batch_sum(results, cname, names, shape, sequence):
     """A layer's manual forward and backward over the tensor axis: the two row-parallel sums
-    (forward), the two copy_to_tensor transposes (backward) and one psum for each replicated leaf
-    a device reads; over the batch axes one psum per gradient leaf; no all-gather, reduce-scatter,
-    all-to-all or permute: no weight or activation is gathered."""
+    (forward) and the two copy_to_tensor transposes (backward), or with sequence parallelism two
+    all-gathers and two reduce-scatters each way; one psum for each replicated leaf summed over the
+    tensor axis (psum_leaves); over the batch axes one psum per gradient leaf; nothing else: no
+    weight is gathered, and without sequence parallelism no activation either."""
     import jax
 
     from jaxformer.model.params import init_params
     config = configs()[cname]
-    case = f"{cname} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+    case = case_name(cname, names, shape, sequence)
     t = dict(zip(names, shape))["tensor"]
-    assert results[f"{case}: tensor all-reduces"] == 2 + 2 + read_per_device(config, t)
+    regions = 0 if sequence else 4
+    assert results[f"{case}: tensor all-reduces"] == regions + psum_leaves(config, t, sequence)
+    assert results[f"{case}: all-gathers"] == results[f"{case}: reduce-scatters"] == (4 if sequence else 0)
+    if not sequence:
+        assert results[f"{case}: compiled all-gathers"] == 0
     n_leaves = len(jax.tree_util.tree_leaves(jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))["blocks"]))
     assert results[f"{case}: other all-reduces"] == (n_leaves if len(names) > 1 else 0)
-    assert results[f"{case}: other collectives"] == 0
+    assert results[f"{case}: permutes"] == 0
 
 
 @pytest.mark.parametrize("field, value, t, words", [
@@ -230,6 +251,14 @@ def test_mesh_that_does_not_divide_is_refused(field, value, t, words):
     with pytest.raises(ValueError) as err:
         check_tensor(config, t)
     assert str(err.value).startswith(words) and "\n" not in str(err.value)
+
+
+def test_sequence_that_does_not_divide_is_refused():
+    with pytest.raises(ValueError) as err:
+        check_tensor(configs()["gpt2"], 4, seq_len=10)
+    assert str(err.value) == ("mesh axis tensor=4 does not divide the sequence length 10: "
+                              "the tensor size must divide the sequence length")
+    check_tensor(configs()["gpt2"], 4)  # without sequence parallelism T is not split
 
 
 def test_key_value_heads_that_do_not_divide_are_replicated():

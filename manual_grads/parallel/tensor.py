@@ -23,6 +23,11 @@ for the pairs below. ``tensor_blocks_fwd`` / ``tensor_blocks_bwd`` scan the stac
 inside one shard_map each; every axis but tensor splits the batch, so every gradient is
 then summed over those axes.
 
+With sequence parallelism (``sequence=True``) each sublayer enters with gather_from_sequence and
+leaves with reduce_scatter_to_sequence (their backwards: reduce-scatter, all-gather), and the
+norms, residual adds and row-parallel biases run on device i's T/t tokens: their gradients are
+device i's tokens' part, summed over the tensor axis (``token_sum``) as over the batch axes.
+
 The manual shard_maps run with check_vma=False: the transposes are the ones written here,
 proven equal to one device and to automatic differentiation of the model's forward in
 tests/test_tensor_parallel.py (that forward keeps JAX's varying/invariant types, so that
@@ -38,14 +43,34 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.parallel.regions import TENSOR, copy_to_tensor, reduce_from_tensor
-from jaxformer.model.parallel.tensor import (KV, attention_local_params, batch_spec, block_specs, check_tensor,
-                                             ffn_bias, local_config, refuse_adapters, split_kv, tensor_size)
+from jaxformer.model.parallel.regions import TENSOR
+from jaxformer.model.parallel.tensor import (KV, attention_local_params, batch_spec, block_specs, check_tensor, enter,
+                                             ffn_bias, leave, local_config, refuse_adapters, split_kv, stream_spec,
+                                             tensor_size)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
-from manual_grads.parallel.regions import copy_to_tensor_bwd, reduce_from_tensor_bwd
+from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
+                                           reduce_scatter_to_sequence_bwd)
+
+
+def enter_bwd(dh, sequence: bool):
+    """Undoes ``h = enter(x, sequence)``: copy_to_tensor's psum, or gather_from_sequence's
+    reduce-scatter (device i's tokens of the sum)."""
+    return gather_from_sequence_bwd(dh) if sequence else copy_to_tensor_bwd(dh)
+
+
+def leave_bwd(dy, sequence: bool):
+    """Undoes ``y = leave(y_i, sequence)``: reduce_from_tensor's identity, or
+    reduce_scatter_to_sequence's all-gather (every device's partial y_i reads all of dy)."""
+    return reduce_scatter_to_sequence_bwd(dy) if sequence else reduce_from_tensor_bwd(dy)
+
+
+def token_sum(g, sequence: bool):
+    """A replicated leaf's gradient from device i's tokens: with sequence parallelism each device
+    saw T/t of them, so the whole gradient is their psum; without, every device saw all of them."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.psum(a, TENSOR), g) if sequence else g
 
 
 def bias_grad(dy):
@@ -73,26 +98,28 @@ class TensorAttentionRes(NamedTuple):
     attn: AttentionRes  # device i's attention on its heads (local_config), its local weights
     config: ModelConfig  # static: the whole model's (the heads to undo kv_columns)
     bias: bool  # static: the layer has bo
+    sequence: bool = False  # static: x and y are device i's T/t tokens
 
 
-def tensor_attention_fwd(p, x, config: ModelConfig, segments=None):
-    """tensor_attention with residuals: x (B, T, D) replicated -> (y (B, T, D), TensorAttentionRes)."""
+def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False):
+    """tensor_attention with residuals: x (B, T, D) replicated (``sequence``: device i's
+    (B, T/t, D)) -> (y, TensorAttentionRes)."""
     refuse_adapters(p)
     t = jax.lax.axis_size(TENSOR)
     local = attention_local_params(p, config, t)
-    y, res = attention_fwd(local, copy_to_tensor(x), local_config(config, t), None, segments)  # partial sums
-    y = reduce_from_tensor(y)
-    return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p)
+    y, res = attention_fwd(local, enter(x, sequence), local_config(config, t), None, segments)  # partial sums
+    y = leave(y, sequence)
+    return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence)
 
 
 def tensor_attention_bwd(res: TensorAttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys: device i's slices of the split leaves, dx (B, T, D))."""
     config, t = res.config, jax.lax.axis_size(TENSOR)
-    # y = reduce_from_tensor(attention(local, copy_to_tensor(x), local_config)) + bo
-    dp, dh = attention_bwd(res.attn, reduce_from_tensor_bwd(dy))
-    dx = copy_to_tensor_bwd(dh)
+    # y = leave(attention(local, enter(x), local_config)) + bo
+    dp, dh = attention_bwd(res.attn, leave_bwd(dy, res.sequence))
+    dx = enter_bwd(dh, res.sequence)
     if res.bias:
-        dp["bo"] = bias_grad(dy)
+        dp["bo"] = token_sum(bias_grad(dy), res.sequence)
     # local = attention_local_params(p): the replicated leaves read per device
     for n in ("q_norm", "k_norm"):
         if n in dp:
@@ -107,41 +134,46 @@ def tensor_attention_bwd(res: TensorAttentionRes, dy):
 class TensorFeedForwardRes(NamedTuple):
     ffn: FeedForwardRes | GatedFeedForwardRes  # device i's F/t features
     bias: str | None  # static: the row-parallel bias' name, None without one
+    sequence: bool = False  # static: x and y are device i's T/t tokens
 
 
-def tensor_feed_forward_fwd(p, x, config: ModelConfig):
+def tensor_feed_forward_fwd(p, x, config: ModelConfig, sequence: bool = False):
     """tensor_feed_forward with residuals: x (B, T, D) -> (y (B, T, D), TensorFeedForwardRes)."""
     refuse_adapters(p)
     bias = ffn_bias(p)
     local = {n: v for n, v in p.items() if n != bias}
-    y, res = feed_forward_fwd(local, copy_to_tensor(x), config.activation, config.compute_dtype)
-    y = reduce_from_tensor(y)
-    return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None)
+    y, res = feed_forward_fwd(local, enter(x, sequence), config.activation, config.compute_dtype)
+    y = leave(y, sequence)
+    return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None, sequence)
 
 
 def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
     """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
-    # y = reduce_from_tensor(feed_forward(local, copy_to_tensor(x))) + b
-    dp, dh = feed_forward_bwd(res.ffn, reduce_from_tensor_bwd(dy))
+    # y = leave(feed_forward(local, enter(x))) + b
+    dp, dh = feed_forward_bwd(res.ffn, leave_bwd(dy, res.sequence))
     if res.bias:
-        dp[res.bias] = bias_grad(dy)
-    return dp, copy_to_tensor_bwd(dh)
+        dp[res.bias] = token_sum(bias_grad(dy), res.sequence)
+    return dp, enter_bwd(dh, res.sequence)
 
 
-def tensor_block_fwd(p, x, config: ModelConfig, segments=None):
-    """One block on device i: manual_grads/block.py's sequence with the tensor-parallel sublayers."""
+NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")  # a layer's norms: on device i's tokens with sequence parallelism
+
+
+def tensor_block_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False):
+    """One block on device i: manual_grads/block.py's sequence with the tensor-parallel sublayers
+    (``sequence``: x and y device i's T/t tokens)."""
     if config.norm == "post":  # x1 = ln1(x + attn(x)); y = ln2(x1 + ffn(x1))
-        a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments)
+        a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments, sequence)
         x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, None, None)
-        f, ffn_res = tensor_feed_forward_fwd(p["ffn"], x1, config)
+        f, ffn_res = tensor_feed_forward_fwd(p["ffn"], x1, config, sequence)
         y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, None, None)
         return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
     h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T, D)
-    a, attn_res = tensor_attention_fwd(p["attn"], h1, config, segments)
+    a, attn_res = tensor_attention_fwd(p["attn"], h1, config, segments, sequence)
     a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, None, None, "attn", h1, p["attn"])
     x1 = x + a
     h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
-    f, ffn_res = tensor_feed_forward_fwd(p["ffn"], h2, config)
+    f, ffn_res = tensor_feed_forward_fwd(p["ffn"], h2, config, sequence)
     f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, None, None, "ffn", h2, p["ffn"])
     y = x1 + f
     return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
@@ -155,11 +187,13 @@ def tensor_block_bwd(res, dy):
                                                "ffn", dy, None)
         d_ln1, d_attn, dx = _post_sublayer_bwd(res.ln1, "ln1", res.drop_attn, res.attn, tensor_attention_bwd,
                                                "attn", dx1, None)
-        return {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}, dx
-    grads = {}
-    dx1 = _sublayer_bwd(res, "ffn", tensor_feed_forward_bwd, "ln2", dy, grads, None)  # y = x1 + ffn(ln2(x1))
-    dx = _sublayer_bwd(res, "attn", tensor_attention_bwd, "ln1", dx1, grads, None)  # x1 = x + attn(ln1(x))
-    return grads, dx
+        grads = {"ln1": d_ln1, "attn": d_attn, "ln2": d_ln2, "ffn": d_ffn}
+    else:
+        grads = {}
+        dx1 = _sublayer_bwd(res, "ffn", tensor_feed_forward_bwd, "ln2", dy, grads, None)  # y = x1 + ffn(ln2(x1))
+        dx = _sublayer_bwd(res, "attn", tensor_attention_bwd, "ln1", dx1, grads, None)  # x1 = x + attn(ln1(x))
+    # the norms ran on device i's tokens: their gradients are its tokens' part
+    return {n: token_sum(g, res.attn.sequence) if n in NORMS else g for n, g in grads.items()}, dx
 
 
 # ----------------------------------------------------------------------------
@@ -186,18 +220,20 @@ class TensorBlocksRes(NamedTuple):
     rest: tuple  # static: split_arrays' treedef and non-array leaves of one layer's residual
     specs: object  # static: the blocks' PartitionSpec tree
     mesh: object  # static: the mesh
+    stream: PartitionSpec = PartitionSpec()  # static: the residual stream's spec (stream_spec)
 
 
-def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
+def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):
     """tensor_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) -> (y, TensorBlocksRes)."""
     t = tensor_size(mesh)
-    check_tensor(config, t)
+    check_tensor(config, t, x.shape[1] if sequence else None)
     specs, rows, every = block_specs(blocks, config, t), batch_spec(mesh), PartitionSpec(mesh.axis_names)
+    stream = stream_spec(mesh, sequence)
     static = {}
 
     def step(carry, p):
         x, s = carry
-        y, res = tensor_block_fwd(p, x, config, s)
+        y, res = tensor_block_fwd(p, x, config, s, sequence)
         arrays, static["rest"] = split_arrays(res)
         return (y, s), arrays
 
@@ -205,14 +241,14 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
         (y, _), arrays = jax.lax.scan(step, (x, segments), blocks)
         return y, [a[None] for a in arrays]  # device s's residuals: row s
 
-    y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, rows, rows), out_specs=(rows, every),
+    y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, stream, rows), out_specs=(stream, every),
                               check_vma=False)(blocks, x, segments)
-    return y, TensorBlocksRes(arrays, static["rest"], specs, mesh)
+    return y, TensorBlocksRes(arrays, static["rest"], specs, mesh, stream)
 
 
 def tensor_blocks_bwd(res: TensorBlocksRes, dy):
     """dy (B, T, D) -> (the blocks' gradients (L, ...), laid out as the blocks, dx (B, T, D))."""
-    mesh, rows, every = res.mesh, batch_spec(res.mesh), PartitionSpec(res.mesh.axis_names)
+    mesh, stream, every = res.mesh, res.stream, PartitionSpec(res.mesh.axis_names)
     batch_axes = tuple(a for a in mesh.axis_names if a != TENSOR)
 
     def step(dy, arrays):
@@ -225,5 +261,5 @@ def tensor_blocks_bwd(res: TensorBlocksRes, dy):
             grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, batch_axes), grads)
         return grads, dx
 
-    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, rows), out_specs=(res.specs, rows),
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream), out_specs=(res.specs, stream),
                          check_vma=False)(res.arrays, dy)

@@ -22,6 +22,15 @@ takes from its copy the columns of the key/value head each of its H/t query head
 (``kv_columns``: repeat_kv on the weight, then its heads), so locally every query head has
 its own: the same products as one device; their gradients add over the devices (copy_to_tensor).
 
+Sequence parallelism (``sequence=True``, Megatron-LM's): between the sublayers the activations
+split along T over the same axis, so the norms, residual adds and the row-parallel biases run on
+each device's T/t tokens; a sublayer gathers its input along T (gather_from_sequence, where
+copy_to_tensor was) and reduce-scatters its output back (reduce_scatter_to_sequence, where
+reduce_from_tensor was): the same bytes as the all-reduce, and no device holds a whole (B, T, D)
+between the sublayers. The replicated leaves the token-split layers read (norms, row biases)
+then have one part of their gradient on each device: jax.grad sums them (shard_map's transpose
+of a replicated input), the manual backward with a psum of its own.
+
 ``tensor_blocks`` runs the stacked blocks (L, ...) under ``jax.shard_map`` on a mesh with a
 tensor axis; every other mesh axis splits the batch. A mesh that does not divide the model
 is refused in one line naming the axis, its size and what it must divide (``check_tensor``).
@@ -30,6 +39,7 @@ is refused in one line naming the axis, its size and what it must divide (``chec
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +50,8 @@ from jaxformer.model.block import BlockLayers, compose_block
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
-from jaxformer.model.parallel.regions import TENSOR, copy_to_tensor, reduce_from_tensor
+from jaxformer.model.parallel.regions import (TENSOR, copy_to_tensor, gather_from_sequence, reduce_from_tensor,
+                                              reduce_scatter_to_sequence)
 from jaxformer.model.rms_norm import rms_norm
 
 COLUMNS = {"attn": ("wq", "bq"), "ffn": ("w_in", "b_in", "w_gate", "b_gate", "w_up", "b_up")}
@@ -54,9 +65,11 @@ def split_kv(config: ModelConfig, t: int) -> bool:
     return config.kv_heads % t == 0
 
 
-def check_tensor(config: ModelConfig, t: int) -> None:
-    """A ValueError in one line unless a tensor axis of size t can split ``config``."""
-    for what, n in (("n_heads", config.n_heads), ("d_ff", config.d_ff)):
+def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> None:
+    """A ValueError in one line unless a tensor axis of size t can split ``config`` (and, with
+    sequence parallelism, sequences of ``seq_len`` tokens)."""
+    sizes = [("n_heads", config.n_heads), ("d_ff", config.d_ff)]
+    for what, n in sizes + ([("the sequence length", seq_len)] if seq_len is not None else []):
         if n % t:
             raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
     refused = [(config.n_experts, "n_experts (the experts split over the expert axis)"),
@@ -107,14 +120,27 @@ def refuse_adapters(p) -> None:
         raise ValueError("mesh axis tensor: tensor parallelism does not run LoRA adapters yet; use tensor=1")
 
 
-def tensor_attention(p, x, config: ModelConfig, key=None, segments=None):
+def enter(x, sequence: bool):
+    """A sublayer's input as its column-parallel products read it: x replicated, read per device
+    (copy_to_tensor), or, with sequence parallelism, device i's T/t tokens gathered along T."""
+    return gather_from_sequence(x) if sequence else copy_to_tensor(x)
+
+
+def leave(y, sequence: bool):
+    """A sublayer's partial output summed over the devices (the row-parallel reduction): on every
+    device, or, with sequence parallelism, device i's T/t tokens of the sum."""
+    return reduce_scatter_to_sequence(y) if sequence else reduce_from_tensor(y)
+
+
+def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False):
     """The attention layer on device i's heads (under shard_map): x (B, T, D) replicated ->
-    (y (B, T, D) replicated, None), a BlockLayers attention."""
+    (y (B, T, D) replicated, None), a BlockLayers attention. ``sequence``: x and y are device
+    i's (B, T/t, D); ``segments`` stay whole (B, T)."""
     refuse_adapters(p)
     t = jax.lax.axis_size(TENSOR)
     local = attention_local_params(p, config, t)
-    y = attention(local, copy_to_tensor(x), local_config(config, t), key, segments=segments)  # partial sums
-    y = reduce_from_tensor(y)  # the row-parallel product's sum over the devices
+    y = attention(local, enter(x, sequence), local_config(config, t), key, segments=segments)  # partial sums
+    y = leave(y, sequence)  # the row-parallel product's sum over the devices
     return (y + p["bo"] if "bo" in p else y), None
 
 
@@ -123,23 +149,26 @@ def ffn_bias(p) -> str:
     return "b_down" if "w_gate" in p else "b_out"
 
 
-def tensor_feed_forward(p, x, config: ModelConfig):
+def tensor_feed_forward(p, x, config: ModelConfig, sequence: bool = False):
     """The feed-forward on device i's F/t hidden features (under shard_map): x (B, T, D)
-    replicated -> y (B, T, D) replicated."""
+    replicated -> y (B, T, D) replicated (``sequence``: device i's (B, T/t, D) each)."""
     refuse_adapters(p)
     bias = ffn_bias(p)
     local = {n: v for n, v in p.items() if n != bias}
-    y = feed_forward(local, copy_to_tensor(x), config.activation, config.compute_dtype)  # partial sums
-    y = reduce_from_tensor(y)
+    y = feed_forward(local, enter(x, sequence), config.activation, config.compute_dtype)  # partial sums
+    y = leave(y, sequence)
     return y + p[bias] if bias in p else y
 
 
 TENSOR_LAYERS = BlockLayers(tensor_attention, tensor_feed_forward, layer_norm, rms_norm)
+SEQUENCE_LAYERS = BlockLayers(functools.partial(tensor_attention, sequence=True),
+                              functools.partial(tensor_feed_forward, sequence=True), layer_norm, rms_norm)
 
 
-def tensor_block(p, x, config: ModelConfig, key=None, segments=None):
-    """One block on device i (under shard_map): the model's compose_block with TENSOR_LAYERS."""
-    return compose_block(p, x, config, TENSOR_LAYERS, key, segments)[0]
+def tensor_block(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False):
+    """One block on device i (under shard_map): the model's compose_block with TENSOR_LAYERS
+    (SEQUENCE_LAYERS: x and y device i's T/t tokens)."""
+    return compose_block(p, x, config, SEQUENCE_LAYERS if sequence else TENSOR_LAYERS, key, segments)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -174,14 +203,23 @@ def batch_spec(mesh) -> PartitionSpec:
     return PartitionSpec(axes) if axes else PartitionSpec()
 
 
-def tensor_blocks(blocks, x, config: ModelConfig, mesh):
+def stream_spec(mesh, sequence: bool) -> PartitionSpec:
+    """The residual stream's (B, T, D) spec between the blocks: the batch's, and with sequence
+    parallelism T split over the tensor axis."""
+    axes = tuple(a for a in mesh.axis_names if a != TENSOR) or None
+    return PartitionSpec(axes, TENSOR) if sequence else batch_spec(mesh)
+
+
+def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):
     """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), each block
-    tensor parallel over the mesh's tensor axis, the batch split over its other axes."""
+    tensor parallel over the mesh's tensor axis, the batch split over its other axes;
+    ``sequence``: the activations between the sublayers split along T as well."""
     t = tensor_size(mesh)
-    check_tensor(config, t)
+    check_tensor(config, t, x.shape[1] if sequence else None)
 
-    def local(blocks, x):
-        return jax.lax.scan(lambda x, p: (tensor_block(p, x, config), None), x, blocks)[0]
+    def local(blocks, x, segments):
+        return jax.lax.scan(lambda x, p: (tensor_block(p, x, config, None, segments, sequence), None), x, blocks)[0]
 
-    rows = batch_spec(mesh)
-    return jax.shard_map(local, mesh=mesh, in_specs=(block_specs(blocks, config, t), rows), out_specs=rows)(blocks, x)
+    rows, stream = batch_spec(mesh), stream_spec(mesh, sequence)
+    return jax.shard_map(local, mesh=mesh, in_specs=(block_specs(blocks, config, t), stream, rows),
+                         out_specs=stream)(blocks, x, segments)
