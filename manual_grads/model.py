@@ -35,6 +35,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import embed_key
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.transformer import check_segments, head_params
+from jaxformer.model.parallel.tensor import tensor_mesh, tensor_size
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
@@ -44,6 +45,7 @@ from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.moe import moe_aux_loss_bwd
+from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
 from manual_grads import remat
 from manual_grads.remat import blocks_bwd, blocks_fwd, python_loop
 from manual_grads.softcap import softcap_bwd, softcap_fwd
@@ -142,7 +144,13 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     x, embed_res = embed_fwd(emb, inputs, config, None if key is None else embed_key(key, config.n_layers))
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
-    x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments, unroll)  # (B, T, D); residuals (L, ...)
+    mesh = tensor_mesh()  # a tensor axis: the blocks tensor parallel (manual_grads/parallel/tensor.py)
+    if mesh is not None and tap is not None:
+        raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: a tap runs on one device; use tensor=1")
+    if mesh is not None:
+        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments)
+    else:
+        x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments, unroll)  # (B, T, D); residuals (L, ...)
     x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics (L, ...)
     if config.norm != "post":
         h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
@@ -165,7 +173,10 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
         dx = dh
     if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
         dx = (dx, moe_aux_loss_bwd(stats, config))
-    grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments, unroll)  # (B, T, D)
+    if mesh is not None:
+        grads["blocks"], dx = tensor_blocks_bwd(blocks_res, dx)  # (B, T, D)
+    else:
+        grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments, unroll)
     d_embed, _ = embed_bwd(embed_res, dx)  # x = drop(tok_embed[inputs] + positions)
     tap_backward(tap, "embed", dx, d_embed)
     if config.tie_embeddings:  # tok_embed feeds the embedding and the head: the two gradients add

@@ -10,7 +10,8 @@ sequence parallelism (the activations between the sublayers split along T) the G
 data=2 x tensor=2 and the Llama-like one on tensor=4. Each
 mesh's loss, manual gradients and jax.grad through the same sharded forward are held to one
 device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10; the manual
-program's collectives are counted in its HLO (``collectives``). The refusals and the sub-room's
+program's collectives are counted in its HLO (``collectives``); the whole model under
+``jax.set_mesh`` of data=2 x tensor=2 (its blocks tensor parallel) equals one device. The refusals and the sub-room's
 source rules run in this process."""
 
 import dataclasses
@@ -134,6 +135,44 @@ def run_cases() -> dict:
         out.update({f"{case}: {k}": float(v) for k, v in sharded(blocks, x, loss1, manual1).items()})
         out[f"{case}: leaves"] = float(len(leaves(manual1)))
         out.update({f"{case}: {k}": v for k, v in collectives(config, mesh, blocks, x, r, sequence).items()})
+    out.update(whole_model(devices))
+    return out
+
+
+WHOLE = ("gpt2", "llama")  # the whole model on data=2 x tensor=2
+
+
+def whole_model(devices) -> dict:
+    """The whole model under ``jax.set_mesh`` of a data=2 x tensor=2 mesh: its blocks run tensor
+    parallel (model/parallel/tensor.tensor_mesh), the embedding and the head replicated over
+    tensor; loss and gradients of manual_grads.value_and_grad and of jax.grad against one device's
+    manual ones, per leaf."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import manual_grads
+    from jaxformer import loss_fn
+    from jaxformer.model.params import init_params
+
+    out, leaves = {}, jax.tree_util.tree_leaves
+    mesh = Mesh(devices[:4].reshape(2, 2), ("data", "tensor"))
+    for cname in WHOLE:
+        config = configs()[cname]
+        rng = np.random.default_rng(2)
+        shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+        params = jax.tree_util.tree_map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape)), shapes)
+        inputs = jnp.asarray(rng.integers(0, config.vocab_size, (4, 8)))
+        batch = {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1)}
+        loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
+        params, batch = jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(batch, NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            for name, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
+                loss, grads = jax.jit(f, static_argnums=2)(params, batch, config)
+                out[f"whole {cname}: {name} loss"] = abs(float(loss) - float(loss1))
+                out[f"whole {cname}: {name} = one device"] = max(
+                    float(jnp.max(jnp.abs(a - b))) for a, b in zip(leaves(grads), leaves(grads1), strict=True))
+        out[f"whole {cname}: leaves"] = len(leaves(grads1))
     return out
 
 
@@ -196,6 +235,14 @@ def test_blocks_equal_one_device(results, case):
     for what in ("loss", "manual = one device", "jax.grad sharded = one device",
                  "manual = jax.grad sharded"):
         assert results[f"{case}: {what}"] <= TOL, (what, results[f"{case}: {what}"])
+
+
+@pytest.mark.parametrize("cname", WHOLE)
+def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
+    assert results[f"whole {cname}: leaves"] >= 20  # embeddings, blocks, final norm, head
+    for name in ("manual", "jax.grad"):
+        assert results[f"whole {cname}: {name} loss"] <= TOL
+        assert results[f"whole {cname}: {name} = one device"] <= TOL, name
 
 
 def psum_leaves(config, t: int, sequence: bool) -> int:
@@ -265,6 +312,12 @@ def test_key_value_heads_that_do_not_divide_are_replicated():
     check_tensor(configs()["llama"], 4)  # 2 key/value heads over tensor=4: replicated, not refused
 
 
-def test_unsupported_options_are_refused():
-    with pytest.raises(ValueError, match="tensor=2: tensor parallelism does not run dropout"):
-        check_tensor(dataclasses.replace(configs()["gpt2"], dropout=0.1), 2)
+@pytest.mark.parametrize("changes, what", [
+    (dict(dropout=0.1), "dropout"), (dict(remat="block"), "remat 'block'"),
+    (dict(attention_impl="pallas"), "attention_impl 'pallas'"),
+    (dict(sliding_window=3, layer_types=("full_attention", "sliding_attention")), "layers of more than one kind"),
+])
+def test_unsupported_options_are_refused(changes, what):
+    with pytest.raises(ValueError, match=f"tensor=2: tensor parallelism does not run {what}"):
+        check_tensor(dataclasses.replace(configs()["gpt2"], **changes), 2)
+    check_tensor(dataclasses.replace(configs()["gpt2"], **changes), 1)  # one device runs them

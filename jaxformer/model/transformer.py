@@ -33,6 +33,7 @@ from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.dropout import embed_key, layer_key
+from jaxformer.model.parallel.tensor import tensor_blocks, tensor_mesh, tensor_size
 from jaxformer.model.params import head_weights, validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.rms_norm import rms_norm
@@ -101,7 +102,14 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
                                    layer(p, x, c, key=lkey, **seg), c)
         return per_layer(config, l, run)  # layer l's config: its kind of attention (layer_kinds.py)
 
-    x, stats = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
+    mesh = tensor_mesh()
+    if mesh is not None:  # the blocks tensor parallel over the mesh's tensor axis (model/parallel/tensor.py)
+        if layers is not MODEL_LAYERS:
+            raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: tensor parallelism runs the model's own layers "
+                             "(and the manual backward), not custom ones; use tensor=1")
+        x, stats = tensor_blocks(params["blocks"], x, config, mesh, segments), None
+    else:
+        x, stats = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
     if config.norm != "post":
         x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
     return x, stats

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec
 from jaxformer.model.attention import attention
 from jaxformer.model.block import BlockLayers, compose_block
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
 from jaxformer.model.parallel.regions import (TENSOR, copy_to_tensor, gather_from_sequence, reduce_from_tensor,
@@ -74,6 +75,9 @@ def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> Non
             raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
     refused = [(config.n_experts, "n_experts (the experts split over the expert axis)"),
                (config.dropout, "dropout (each device would draw its own heads' masks)"),
+               (config.remat == "block", "remat 'block' (the tensor-parallel blocks keep their residuals)"),
+               (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
+               (config.attention_impl == "pallas", "attention_impl 'pallas' (its kernel per tensor shard)"),
                (config.qk_norm_scope == "projection", "qk_norm_scope 'projection' (a norm over every head's features)"),
                (config.attention_impl == "cudnn", "attention_impl 'cudnn' (no hand-derived backward)")]
     for on, what in refused:
@@ -195,6 +199,15 @@ def block_specs(blocks, config: ModelConfig, t: int):
 
 def tensor_size(mesh) -> int:
     return dict(mesh.shape).get(TENSOR, 1)
+
+
+def tensor_mesh():
+    """The trace's mesh (``jax.set_mesh``, or the train step's abstract mesh) when it has a tensor
+    axis larger than 1: the whole model's blocks then run as ``tensor_blocks`` (the forward,
+    jaxformer/model/transformer.py) and ``tensor_blocks_fwd`` / ``_bwd`` (manual_grads/model.py);
+    None otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or tensor_size(mesh) == 1 else mesh
 
 
 def batch_spec(mesh) -> PartitionSpec:
