@@ -1,5 +1,6 @@
-"""Data x FSDP sharding through jax.sharding: on 8 host devices, every mesh gives the
-single-device losses (both gradient sources), and a run resumed on another mesh
+"""Data x FSDP (x tensor) sharding through jax.sharding: on 8 host devices, every mesh gives the
+single-device losses (both gradient sources; with a tensor axis the blocks run tensor parallel,
+their weights split over it), and a run resumed on another mesh
 continues with the same losses. One subprocess runs every sharded case."""
 
 import json
@@ -18,7 +19,10 @@ from helpers import host_devices_flags, tiny_settings
 STEPS = 3
 CASES = [("data=8", "auto", ""), ("data=2,fsdp=4", "auto", ""), ("data=8", "manual", ""),
          ("data=2,fsdp=4", "manual", ""), ("data=2,fsdp=4", "manual", "modern"),
-         ("data=2,fsdp=4", "manual", "pallas")]
+         ("data=2,fsdp=4", "manual", "pallas"),
+         # tensor parallel blocks (model/parallel/tensor.py); modern's one key/value head is replicated
+         ("data=4,tensor=2", "manual", ""), ("data=2,fsdp=2,tensor=2", "auto", ""),
+         ("data=2,fsdp=2,tensor=2", "manual", "modern")]
 # the modern block on the tiny preset: multi-query attention, rotary positions, RMS norm, SwiGLU, QK-norm
 MODERN = dict(norm_type="rms", positions="rope", mlp="gated", activation="silu", n_kv_heads=1,
               qk_norm=True, bias=False)
@@ -57,7 +61,13 @@ SCRIPT = textwrap.dedent("""
                        f"{out}/{mesh}-{grads}{kind}", progress=False)
         params = result.state.params
         out_records[f"{mesh} {grads}{kind}"] = result.records
-        if kind == "modern":  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too
+        if "tensor=2" in mesh:  # (L, D, F) = (2, 16, 24): F split over tensor (column parallel), D over fsdp
+            w = params["blocks"]["ffn"]["w_up" if kind == "modern" else "w_in"]
+            fsdp = 2 if "fsdp=2" in mesh else 1
+            assert [s.data.shape for s in w.addressable_shards] == [(2, 16 // fsdp, 12)] * 8
+            w_out = params["blocks"]["ffn"]["w_down" if kind == "modern" else "w_out"]  # (2, 24, 16): rows
+            assert w_out.sharding.spec[1] == "tensor"
+        elif kind == "modern":  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too
             w_up = params["blocks"]["ffn"]["w_up"]
             assert [s.data.shape for s in w_up.addressable_shards] == [(2, 16, 6)] * 8
         elif "fsdp=4" in mesh:  # (V, D) = (256, 16): split along V; ln_f scale (16,): along D
@@ -133,6 +143,13 @@ def test_mesh_shape():
         mesh_shape("data=2", 1)
     mesh = make_mesh(shape="data=1,fsdp=1")
     assert mesh.axis_names == ("data", "fsdp")
+    # a tensor axis brings an expert axis of 1 along: the sizes stay positional (sharding.AXES)
+    assert mesh_shape("tensor=2", 8) == (4, 1, 1, 2)
+    assert mesh_shape("fsdp=2,tensor=2", 8) == (2, 2, 1, 2)
+    with pytest.raises(ValueError, match="data x fsdp x expert x tensor = 2 x 1 x 1 x 2 = 4 devices, but 8"):
+        mesh_shape("data=2,tensor=2", 8)
+    with pytest.raises(ValueError, match="tensor=3 does not divide the 8 devices"):
+        mesh_shape("tensor=3", 8)
 
 
 def test_leaf_spec_picks_the_largest_divisible_dimension():

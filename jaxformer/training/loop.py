@@ -49,6 +49,7 @@ from jaxformer.training.memory_check import check_run_memory
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
 from jaxformer.training.run_data import RunData, run_data
 from jaxformer.training.settings import TrainSettings, grads_text, recipe_notes
+from jaxformer.model.parallel.tensor import check_tensor
 from jaxformer.training.sharding import check_batch_size, local_rows, make_mesh, put_batch
 from jaxformer.training.stopping import Interrupted, StopRequests
 from jaxformer.training.step import (GradFn, StepSpec, TrainState, check_init_vocab, compiled_eval_step,
@@ -149,6 +150,7 @@ def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False,
     check_batch_size(settings.batch_size, mesh)
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
     config = settings.model_config(data.tokenizer.vocab_size)
+    check_tensor(config, dict(mesh.shape).get("tensor", 1))  # before the step is compiled: one line
     if init_params is not None and (settings.lora_rank or not resume):
         check_init_vocab(init_params, config)  # before the step is compiled
     base = None

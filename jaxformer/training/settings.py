@@ -121,8 +121,9 @@ class TrainSettings:
                                 "split, printed beside the loss", group=_LOG, minimum=0, metavar="N")
     keep_checkpoints: int = setting(3, "latest checkpoints kept on disk", group=_LOG, minimum=1,
                                     metavar="N")
-    mesh: str = setting("", "device mesh data=N,fsdp=M[,expert=X]: the batch splits over N*M*X devices, params "
-                        "and optimizer state over M, an MoE model's experts over X (\"\": every device on data)",
+    mesh: str = setting("", "device mesh data=N,fsdp=M[,expert=X][,tensor=T]: the batch splits over N*M*X devices, "
+                        "params and optimizer state over M, an MoE model's experts over X, each block's matrices "
+                        "over T (tensor parallel) (\"\": every device on data)",
                         group=_DEV, metavar="SPEC")
 
     lora_rank: int = setting(0, "train LoRA adapters of rank R on the frozen model (--init-from's, else "

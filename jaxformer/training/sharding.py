@@ -1,15 +1,20 @@
-"""Data x FSDP (x expert) parallelism from JAX's own sharding: a ``Mesh`` of devices
-("data", "fsdp"), or ("data", "fsdp", "expert") when the mesh text names an expert axis,
+"""Data x FSDP (x expert x tensor) parallelism from JAX's own sharding: a ``Mesh`` of devices
+("data", "fsdp"), ("data", "fsdp", "expert") when the mesh text names an expert axis, or
+("data", "fsdp", "expert", "tensor") when it names a tensor axis (expert then 1 unless named),
 and the ``NamedSharding`` of each array on it. jit inserts the collectives (the gradient
 reduction, the parameter all-gathers); the MoE layer's token exchange over "expert" is
-its own (jaxformer/model/moe_parallel.py, under shard_map).
+its own (jaxformer/model/moe_parallel.py, under shard_map), and so are the tensor-parallel
+blocks' over "tensor" (jaxformer/model/parallel/tensor.py).
 
 - a batch is split along its first axis over every axis: PartitionSpec(("data", "fsdp"))
   or PartitionSpec(("data", "fsdp", "expert")) (outside the MoE layers the expert axis is
   more data parallelism)
+- the batch is replicated over "tensor": each device of a tensor group runs its slice of
+  every block on the same rows
 - the MoE experts (blocks.ffn.w_gate, w_up, w_down: (L, E, ...)) are split over "expert"
-  along E; every leaf is also split over "fsdp" along its largest other dimension that the
-  fsdp size divides (replicated when none does, and on fsdp=1)
+  along E; the blocks' column- and row-parallel weights over "tensor" as the tensor-parallel
+  block reads them (parallel/tensor.leaf_spec); every leaf is also split over "fsdp" along its
+  largest other dimension that the fsdp size divides (replicated when none does, and on fsdp=1)
 - scalars, the step counters and the rng key are replicated
 """
 
@@ -23,9 +28,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.model.moe_parallel import EXPERT_WEIGHTS, check_experts_divide
+from jaxformer.model.parallel.regions import TENSOR
+from jaxformer.model.parallel.tensor import leaf_spec as tensor_leaf_spec
 from jaxformer.observe.words import plural, verb
 
-AXES = ("data", "fsdp", "expert")  # a mesh has the first two, or all three
+AXES = ("data", "fsdp", "expert", "tensor")  # a mesh has the first two, three or all four
 
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$")
 
@@ -54,18 +61,20 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
 def mesh_shape(text: str | None, n_devices: int) -> tuple[int, ...]:
     """(data, fsdp) sizes of the mesh ``text`` over ``n_devices`` devices; (data, fsdp,
-    expert) when the text names an expert axis."""
+    expert) when the text names an expert axis; (data, fsdp, expert, tensor) when it names a
+    tensor axis."""
     sizes = parse_mesh(text)
-    fsdp, expert = sizes.get("fsdp", 1), sizes.get("expert", 1)
-    named = "data x fsdp" + (" x expert" if "expert" in sizes else "")
+    fsdp, expert, tensor = sizes.get("fsdp", 1), sizes.get("expert", 1), sizes.get("tensor", 1)
+    axes = 4 if "tensor" in sizes else 3 if "expert" in sizes else 2
+    named = " x ".join(AXES[:axes])
     if "data" in sizes:
         data = sizes["data"]
-    elif n_devices % (fsdp * expert) == 0:
-        data = n_devices // (fsdp * expert)
+    elif n_devices % (fsdp * expert * tensor) == 0:
+        data = n_devices // (fsdp * expert * tensor)
     else:
         rest = " x ".join(f"{a}={sizes[a]}" for a in AXES[1:] if a in sizes)
         raise ValueError(f"mesh {text!r}: {rest} does not divide the {plural(n_devices, 'device')}")
-    shape = (data, fsdp, expert) if "expert" in sizes else (data, fsdp)
+    shape = (data, fsdp, expert, tensor)[:axes]
     if math.prod(shape) != n_devices:
         raise ValueError(f"mesh {text!r} has {named} = {' x '.join(map(str, shape))} = {math.prod(shape)} "
                          f"devices, but {plural(n_devices, 'device')} {verb(n_devices, 'is')} in use")
@@ -74,8 +83,8 @@ def mesh_shape(text: str | None, n_devices: int) -> tuple[int, ...]:
 
 def make_mesh(devices=None, shape: str | tuple[int, ...] | None = None) -> Mesh:
     """A ("data", "fsdp") mesh over ``devices`` (default: all devices of all processes), or
-    ("data", "fsdp", "expert") for a three-size shape. ``shape``: (data, fsdp), (data, fsdp,
-    expert) or mesh text (``parse_mesh``); default: every device on data."""
+    ("data", "fsdp", "expert") for a three-size shape, ("data", "fsdp", "expert", "tensor") for
+    four. ``shape``: those sizes or mesh text (``parse_mesh``); default: every device on data."""
     devices = jax.devices() if devices is None else list(devices)
     if shape is None or isinstance(shape, str):
         shape = mesh_shape(shape, len(devices))
@@ -83,29 +92,45 @@ def make_mesh(devices=None, shape: str | tuple[int, ...] | None = None) -> Mesh:
 
 
 def mesh_size(mesh: Mesh) -> tuple[int, ...]:
-    """The sizes of ``mesh``'s axes: (data, fsdp) or (data, fsdp, expert)."""
+    """The sizes of ``mesh``'s axes: (data, fsdp), (data, fsdp, expert) or (data, fsdp, expert, tensor)."""
     return tuple(mesh.shape[a] for a in AXES if a in mesh.axis_names)
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the batch splits over: every axis but tensor (a tensor group shares its rows)."""
+    return tuple(a for a in AXES if a in mesh.axis_names and a != "tensor")
+
+
+def batch_devices(mesh: Mesh) -> int:
+    """How many ways the batch splits: the product of ``batch_axes``' sizes."""
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
+
+
 def describe(mesh: Mesh) -> str:
-    """``"data=2 x fsdp=2 x expert=2"``: the mesh's axes and sizes, for messages."""
-    return " x ".join(f"{a}={mesh.shape[a]}" for a in AXES if a in mesh.axis_names)
+    """``"data=2 x fsdp=2 x expert=2"``: the mesh's axes and sizes, for messages (an expert
+    axis of 1 that a tensor axis brought along is left out)."""
+    return " x ".join(f"{a}={mesh.shape[a]}" for a in AXES if a in mesh.axis_names
+                      and not (a == "expert" and mesh.shape[a] == 1 and "tensor" in mesh.axis_names))
 
 
 def mesh_shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
-    """(replicated, batch: split along the first axis over every mesh axis) on ``mesh``."""
-    batch = PartitionSpec(tuple(a for a in AXES if a in mesh.axis_names))
-    return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, batch)
+    """(replicated, batch: split along the first axis over every mesh axis but tensor) on ``mesh``."""
+    return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
-def leaf_spec(shape: tuple[int, ...], fsdp: int, expert_axis: int | None = None) -> PartitionSpec:
+def leaf_spec(shape: tuple[int, ...], fsdp: int, expert_axis: int | None = None,
+              tensor_axis: int | None = None) -> PartitionSpec:
     """Split over "fsdp" along the largest dimension ``fsdp`` divides (the first of
     equal ones); replicated when none does or fsdp is 1. ``expert_axis``: that dimension
-    is split over "expert" (an MoE expert leaf) and fsdp takes another."""
+    is split over "expert" (an MoE expert leaf) and fsdp takes another; ``tensor_axis``
+    likewise over "tensor" (a block's column- or row-parallel weight)."""
     spec = [None] * len(shape)
     if expert_axis is not None:
         spec[expert_axis] = "expert"
-    fits = [(size, -axis) for axis, size in enumerate(shape) if size % fsdp == 0 and axis != expert_axis]
+    if tensor_axis is not None:
+        spec[tensor_axis] = "tensor"
+    fits = [(size, -axis) for axis, size in enumerate(shape)
+            if size % fsdp == 0 and axis not in (expert_axis, tensor_axis)]
     if fsdp > 1 and fits:
         spec[-max(fits)[1]] = "fsdp"
     while spec and spec[-1] is None:
@@ -124,12 +149,29 @@ def expert_axis(path, shape: tuple[int, ...], expert: int) -> int | None:
     return 1
 
 
+def tensor_axis(path, shape: tuple[int, ...], tensor: int) -> int | None:
+    """The dimension a block leaf (params["blocks"][section][name], or its optimizer moments)
+    splits along over a tensor axis of size ``tensor`` > 1, as the tensor-parallel block reads it
+    (parallel/tensor.leaf_spec: output columns or input rows); None for any other leaf, and
+    where ``tensor`` does not divide that dimension (the block's shard_map then slices it)."""
+    keys = [getattr(k, "key", None) for k in path]
+    if tensor == 1 or "blocks" not in keys or keys.index("blocks") + 2 >= len(keys):
+        return None
+    i = keys.index("blocks")
+    spec = tensor_leaf_spec(keys[i + 1], keys[i + 2], len(shape), kv_split=True)
+    axis = next((a for a, name in enumerate(spec) if name == TENSOR), None)
+    return axis if axis is not None and shape[axis] % tensor == 0 else None
+
+
 def tree_shardings(tree, mesh: Mesh):
     """A NamedSharding per leaf of ``tree`` (arrays or ShapeDtypeStructs) by ``leaf_spec``;
-    the MoE experts split over "expert" along E on a mesh with that axis."""
-    fsdp, expert = mesh.shape["fsdp"], dict(mesh.shape).get("expert", 1)
+    the MoE experts split over "expert" along E on a mesh with that axis, the blocks'
+    column- and row-parallel weights over "tensor" on a mesh with that axis."""
+    sizes = dict(mesh.shape)
+    fsdp, expert, tensor = sizes["fsdp"], sizes.get("expert", 1), sizes.get("tensor", 1)
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, leaf_spec(x.shape, fsdp, expert_axis(path, x.shape, expert))), tree)
+        lambda path, x: NamedSharding(mesh, leaf_spec(x.shape, fsdp, expert_axis(path, x.shape, expert),
+                                                      tensor_axis(path, x.shape, tensor))), tree)
 
 
 def state_shardings(state, mesh: Mesh):
@@ -143,9 +185,10 @@ def state_shardings(state, mesh: Mesh):
 
 
 def check_batch_size(batch_size: int, mesh: Mesh) -> None:
-    n = math.prod(mesh_size(mesh))
+    n = batch_devices(mesh)
     if batch_size % n:
-        raise ValueError(f"batch_size {batch_size} must be divisible by the number of devices ({n}: "
+        what = "batch shards" if "tensor" in mesh.axis_names else "devices"
+        raise ValueError(f"batch_size {batch_size} must be divisible by the number of {what} ({n}: "
                          f"mesh {describe(mesh)})")
 
 
@@ -168,7 +211,7 @@ def put_batch(batch: dict, mesh: Mesh, replicate_short: bool = False) -> dict:
     it is replicated. Each process places only the rows of its own devices
     (``make_array_from_callback``), so every process may pass the same global batch."""
     replicated, split = mesh_shardings(mesh)
-    n = math.prod(mesh_size(mesh))
+    n = batch_devices(mesh)
     out = {}
     for key, value in batch.items():
         value = np.asarray(value)
