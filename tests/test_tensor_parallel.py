@@ -11,7 +11,8 @@ data=2 x tensor=2 and the Llama-like one on tensor=4. Each
 mesh's loss, manual gradients and jax.grad through the same sharded forward are held to one
 device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10; the manual
 program's collectives are counted in its HLO (``collectives``); the whole model under
-``jax.set_mesh`` of data=2 x tensor=2 (its blocks tensor parallel) equals one device. The refusals and the sub-room's
+``jax.set_mesh`` of data=2 x tensor=2 (its blocks tensor parallel) equals one device; the head and
+loss with the vocabulary split (parallel/vocab.py) equal one device's. The refusals and the sub-room's
 source rules run in this process."""
 
 import dataclasses
@@ -136,6 +137,53 @@ def run_cases() -> dict:
         out[f"{case}: leaves"] = float(len(leaves(manual1)))
         out.update({f"{case}: {k}": v for k, v in collectives(config, mesh, blocks, x, r, sequence).items()})
     out.update(whole_model(devices))
+    out.update(vocab_head(devices))
+    return out
+
+
+VOCAB_MESHES = [(("tensor",), (4,)), (("data", "tensor"), (2, 2))]
+
+
+def vocab_head(devices) -> dict:
+    """The head and cross entropy with the vocabulary split (parallel/vocab.py): the manual
+    gradients and jax.grad through the split forward against jax.grad of one device's head and
+    loss, and the manual program's collectives as lowered."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from jaxformer.model.linear import linear
+    from jaxformer.model.losses import cross_entropy
+    from jaxformer.model.parallel.vocab import vocab_head_loss
+    from manual_grads.parallel.vocab import vocab_head_loss_grads
+
+    rng = np.random.default_rng(3)
+    B, T, D, V = 4, 5, 6, 12
+    p = {"w": jnp.asarray(rng.standard_normal((D, V))), "b": jnp.asarray(rng.standard_normal(V))}
+    x = jnp.asarray(rng.standard_normal((B, T, D)))
+    targets = jnp.asarray(rng.integers(0, V, (B, T)))
+    mask = jnp.asarray(rng.integers(0, 2, (B, T)).astype(np.float64))
+    loss1, grads1 = jax.value_and_grad(lambda p, x: cross_entropy(linear(x, p["w"], p["b"]), targets, mask),
+                                       (0, 1))(p, x)
+    leaves = jax.tree_util.tree_leaves
+    diff = lambda a, b: max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(leaves(a), leaves(b), strict=True))  # noqa: E731
+    out = {}
+    for names, shape in VOCAB_MESHES:
+        mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
+        case = f"vocab {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+        manual = jax.jit(lambda p, x: vocab_head_loss_grads(p, x, targets, mask, mesh))
+        loss, dp, dx = manual(p, x)
+        auto_loss, auto = jax.jit(jax.value_and_grad(lambda p, x: vocab_head_loss(p, x, targets, mask, mesh),
+                                                     (0, 1)))(p, x)
+        out[f"{case}: loss"] = max(abs(float(loss - loss1)), abs(float(auto_loss - loss1)))
+        out[f"{case}: manual = one device"] = diff((dp, dx), grads1)
+        out[f"{case}: jax.grad sharded = one device"] = diff(auto, grads1)
+        kinds = re.findall(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)",
+                           manual.lower(p, x).as_text())
+        out[f"{case}: all-reduces"] = kinds.count("all_reduce")
+        out[f"{case}: other collectives"] = len(kinds) - kinds.count("all_reduce")
     return out
 
 
@@ -235,6 +283,25 @@ def test_blocks_equal_one_device(results, case):
     for what in ("loss", "manual = one device", "jax.grad sharded = one device",
                  "manual = jax.grad sharded"):
         assert results[f"{case}: {what}"] <= TOL, (what, results[f"{case}: {what}"])
+
+
+@pytest.mark.parametrize("names, shape", VOCAB_MESHES)
+def test_vocab_split_head_and_loss_equal_one_device(results, names, shape):
+    """Loss and gradients (w, b, x) equal one device's to 1e-10, by hand and by jax.grad; the
+    manual program reduces over the tensor axis four times (the max, the sum of exponentials,
+    the target's logit, dx), over the batch axes four more (the loss's sums, dw, db), and gathers
+    nothing: no device holds a (..., V) row."""
+    case = f"vocab {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+    for what in ("loss", "manual = one device", "jax.grad sharded = one device"):
+        assert results[f"{case}: {what}"] <= TOL, what
+    assert results[f"{case}: all-reduces"] == 4 + (4 if "data" in names else 0)
+    assert results[f"{case}: other collectives"] == 0
+
+
+def test_vocab_that_does_not_divide_is_refused():
+    from jaxformer.model.parallel.vocab import check_vocab
+    with pytest.raises(ValueError, match="^mesh axis tensor=4 does not divide vocab_size 11: the tensor size must"):
+        check_vocab(11, 4)
 
 
 @pytest.mark.parametrize("cname", WHOLE)

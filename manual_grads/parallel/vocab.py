@@ -1,0 +1,66 @@
+"""The vocab-parallel head and cross entropy's backward by hand (the forward's lines quoted from
+jaxformer/model/parallel/vocab.py). Per device i, bottom to top:
+
+    loss = psum(sum(nll * mask)) / psum(sum(mask))      dnll = dloss * mask / psum(sum(mask))
+    nll = logz - target                                 dlogz = dnll, dtarget = -dnll
+    target = psum(where(inside, logits_i[local], 0))    dlogits_i[local] -= dnll where inside
+                                                        (psum's transpose: every device's dtarget is dnll)
+    logz = m + log(psum(sum(exp(logits_i - m))))        dlogits_i += dnll * exp(logits_i - logz)
+                                                        (m carries no gradient; the psum's cotangent
+                                                        is the same everywhere)
+    logits_i = copy_to_tensor(x) @ w_i + b_i            linear_bwd: dw_i, db_i device i's columns;
+                                                        dx = psum(dh_i) (copy_to_tensor_bwd)
+Over the batch axes dw and db are summed (each device's rows gave part of them). No (..., V)
+row is formed on any device, forward or backward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxformer.model.parallel.regions import TENSOR
+from jaxformer.model.precision import upcast
+from jaxformer.model.parallel.vocab import check_vocab, head_specs, local_targets, vocab_nll_and_logz
+from manual_grads.linear import linear_bwd, linear_fwd
+from manual_grads.parallel.regions import copy_to_tensor_bwd
+
+
+def vocab_head_loss_grads_local(p, x, targets, mask, compute_dtype=None, batch_axes=()):
+    """Under shard_map: (loss, dp (device i's columns), dx (B, T, D), the same everywhere)."""
+    h = x  # copy_to_tensor(x): the identity on values; its backward is the psum below
+    logits, lin_res = linear_fwd(p, h, compute_dtype)  # (B, T, V/t)
+    nll, logz = vocab_nll_and_logz(logits, targets)
+    weights = jnp.ones_like(nll) if mask is None else mask.astype(nll.dtype)
+    den = jnp.sum(weights)
+    num = jnp.sum(nll * weights)
+    if batch_axes:
+        num, den = jax.lax.psum(num, batch_axes), jax.lax.psum(den, batch_axes)
+    den = jnp.where(den > 0, den, 1)
+    loss = num / den
+    # loss = num / den, num = sum(nll * weights)
+    dnll = weights / den  # (B, T)
+    # nll = logz - target; logz = m + log(psum(sum(exp(logits_i - m)))): the softmax of device i's slice
+    dlogits = dnll[..., None] * jnp.exp(upcast(logits) - logz[..., None])
+    # target = psum(where(inside, logits_i[local], 0))
+    local, inside = local_targets(targets, logits.shape[-1])
+    dlogits = dlogits - jax.nn.one_hot(local, logits.shape[-1], dtype=dlogits.dtype) * (inside * dnll)[..., None]
+    dp, dh = linear_bwd(lin_res, dlogits.astype(logits.dtype), round_dx=False)
+    dx = copy_to_tensor_bwd(dh)  # logits_i = copy_to_tensor(x) @ w_i + b_i
+    if batch_axes:
+        dp = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, batch_axes), dp)
+    return loss, dp, dx
+
+
+def vocab_head_loss_grads(p, x, targets, mask, mesh, compute_dtype=None):
+    """vocab_head_loss and its gradients by hand: (loss, dp laid out as p, dx (B, T, D))."""
+    check_vocab(p["w"].shape[-1], dict(mesh.shape)[TENSOR])
+    axes = tuple(a for a in mesh.axis_names if a != TENSOR)
+    rows = PartitionSpec(axes or None)
+
+    def local(p, x, targets, mask):
+        return vocab_head_loss_grads_local(p, x, targets, mask, compute_dtype, axes)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(head_specs(p), rows, rows, rows),
+                         out_specs=(PartitionSpec(), head_specs(p), rows), check_vma=False)(p, x, targets, mask)
