@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxformer.model.parallel.regions import TENSOR
 from jaxformer.model.precision import upcast
-from jaxformer.model.parallel.vocab import check_vocab, head_specs, local_targets, vocab_nll_and_logz
+from jaxformer.model.parallel.vocab import head_specs, local_targets, on_vocab_mesh, vocab_nll_and_logz
 from manual_grads.linear import linear_bwd, linear_fwd
 from manual_grads.parallel.regions import copy_to_tensor_bwd
 
@@ -55,12 +54,5 @@ def vocab_head_loss_grads_local(p, x, targets, mask, compute_dtype=None, batch_a
 
 def vocab_head_loss_grads(p, x, targets, mask, mesh, compute_dtype=None):
     """vocab_head_loss and its gradients by hand: (loss, dp laid out as p, dx (B, T, D))."""
-    check_vocab(p["w"].shape[-1], dict(mesh.shape)[TENSOR])
-    axes = tuple(a for a in mesh.axis_names if a != TENSOR)
-    rows = PartitionSpec(axes or None)
-
-    def local(p, x, targets, mask):
-        return vocab_head_loss_grads_local(p, x, targets, mask, compute_dtype, axes)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(head_specs(p), rows, rows, rows),
-                         out_specs=(PartitionSpec(), head_specs(p), rows), check_vma=False)(p, x, targets, mask)
+    return on_vocab_mesh(vocab_head_loss_grads_local, p, x, targets, mask, mesh, compute_dtype,
+                         out=lambda rows: (PartitionSpec(), head_specs(p), rows), check_vma=False)

@@ -72,15 +72,20 @@ def head_specs(p) -> dict:
     return {n: PartitionSpec(*([None] * (v.ndim - 1)), TENSOR) for n, v in p.items()}
 
 
-def vocab_head_loss(p, x, targets, mask, mesh, compute_dtype=None):
-    """The head and the mean cross entropy with the vocabulary split over ``mesh``'s tensor axis
-    (the batch over its other axes): p {"w": (D, V), "b"?}, x (B, T, D), targets (B, T) -> ()."""
+def on_vocab_mesh(local, p, x, targets, mask, mesh, compute_dtype=None, out=lambda rows: PartitionSpec(),
+                  check_vma: bool = True):
+    """``local(p, x, targets, mask, compute_dtype, batch_axes)`` under shard_map on ``mesh``: the
+    head's p split along V over the tensor axis, x, targets and mask split along B over the
+    others; ``out(rows)``: the out_specs (rows: the batch's spec)."""
     check_vocab(p["w"].shape[-1], dict(mesh.shape)[TENSOR])
     axes = tuple(a for a in mesh.axis_names if a != TENSOR)
     rows = PartitionSpec(axes or None)
+    return jax.shard_map(lambda *a: local(*a, compute_dtype, axes), mesh=mesh,
+                         in_specs=(head_specs(p), rows, rows, rows), out_specs=out(rows),
+                         check_vma=check_vma)(p, x, targets, mask)
 
-    def local(p, x, targets, mask):
-        return vocab_head_loss_local(p, x, targets, mask, compute_dtype, axes)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(head_specs(p), rows, rows, rows),
-                         out_specs=PartitionSpec())(p, x, targets, mask)
+def vocab_head_loss(p, x, targets, mask, mesh, compute_dtype=None):
+    """The head and the mean cross entropy with the vocabulary split over ``mesh``'s tensor axis
+    (the batch over its other axes): p {"w": (D, V), "b"?}, x (B, T, D), targets (B, T) -> ()."""
+    return on_vocab_mesh(vocab_head_loss_local, p, x, targets, mask, mesh, compute_dtype)
