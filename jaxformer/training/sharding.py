@@ -6,11 +6,10 @@ reduction, the parameter all-gathers); the MoE layer's token exchange over "expe
 its own (jaxformer/model/moe_parallel.py, under shard_map), and so are the tensor-parallel
 blocks' over "tensor" (jaxformer/model/parallel/tensor.py).
 
-- a batch is split along its first axis over every axis: PartitionSpec(("data", "fsdp"))
-  or PartitionSpec(("data", "fsdp", "expert")) (outside the MoE layers the expert axis is
-  more data parallelism)
-- the batch is replicated over "tensor": each device of a tensor group runs its slice of
-  every block on the same rows
+- a batch is split along its first axis over every axis but tensor: PartitionSpec(("data",
+  "fsdp")) or PartitionSpec(("data", "fsdp", "expert")) (outside the MoE layers the expert axis
+  is more data parallelism); over "tensor" it is replicated: each device of a tensor group runs
+  its slice of every block on the same rows
 - the MoE experts (blocks.ffn.w_gate, w_up, w_down: (L, E, ...)) are split over "expert"
   along E; the blocks' column- and row-parallel weights over "tensor" as the tensor-parallel
   block reads them (parallel/tensor.leaf_spec); every leaf is also split over "fsdp" along its
