@@ -27,7 +27,7 @@ import time  # noqa: E402
 
 from jaxformer.data.hf_tokenizers import GPT2_VOCAB_SIZE  # noqa: E402
 from jaxformer.model.config import get_preset  # noqa: E402
-from jaxformer.tools import aot  # noqa: E402
+from jaxformer.tools.aot import steps as aot  # noqa: E402
 from jaxformer.tools.aot.report import describe, table  # noqa: E402
 from jaxformer.tools.aot.targets import TARGETS, missing  # noqa: E402
 from jaxformer.training.optim import make_optimizer  # noqa: E402
