@@ -1,7 +1,7 @@
 """The vocab-parallel head and cross entropy's backward by hand (the forward's lines quoted from
 jaxformer/model/parallel/vocab.py). Per device i, bottom to top:
 
-    loss = psum(sum(nll * mask)) / psum(sum(mask))      dnll = dloss * mask / psum(sum(mask))
+    loss = psum(sum(nll * weights))                     dnll = dloss * weights (batch_weights: mask / psum(sum(mask)))
     nll = logz - target                                 dlogz = dnll, dtarget = -dnll
     target = psum(where(inside, logits_i[local], 0))    dlogits_i[local] -= dnll where inside
                                                         (psum's transpose: every device's dtarget is dnll)
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.precision import upcast
-from jaxformer.model.parallel.vocab import head_specs, local_targets, on_vocab_mesh, vocab_nll_and_logz
+from jaxformer.model.parallel.vocab import batch_weights, head_specs, local_targets, on_vocab_mesh, vocab_nll_and_logz
 from manual_grads.linear import linear_bwd, linear_fwd
 from manual_grads.parallel.regions import copy_to_tensor_bwd
 
@@ -31,15 +31,11 @@ def vocab_head_loss_grads_local(p, x, targets, mask, compute_dtype=None, batch_a
     h = x  # copy_to_tensor(x): the identity on values; its backward is the psum below
     logits, lin_res = linear_fwd(p, h, compute_dtype)  # (B, T, V/t)
     nll, logz = vocab_nll_and_logz(logits, targets)
-    weights = jnp.ones_like(nll) if mask is None else mask.astype(nll.dtype)
-    den = jnp.sum(weights)
-    num = jnp.sum(nll * weights)
-    if batch_axes:
-        num, den = jax.lax.psum(num, batch_axes), jax.lax.psum(den, batch_axes)
-    den = jnp.where(den > 0, den, 1)
-    loss = num / den
-    # loss = num / den, num = sum(nll * weights)
-    dnll = weights / den  # (B, T)
+    weights = batch_weights(nll, mask, batch_axes)  # (B, T): mask / psum(sum(mask))
+    loss = jnp.sum(nll * weights)
+    loss = jax.lax.psum(loss, batch_axes) if batch_axes else loss
+    # loss = psum(sum(nll * weights))
+    dnll = weights  # (B, T)
     # nll = logz - target; logz = m + log(psum(sum(exp(logits_i - m)))): the softmax of device i's slice
     dlogits = dnll[..., None] * jnp.exp(upcast(logits) - logz[..., None])
     # target = psum(where(inside, logits_i[local], 0))

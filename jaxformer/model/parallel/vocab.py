@@ -49,14 +49,20 @@ def vocab_nll_and_logz(logits, targets):
     return logz - target_logit, logz
 
 
-def batch_mean(nll, mask, batch_axes):
-    """The mean of nll over every position of the global batch, weighted by ``mask``
-    (losses.mask_weights: a mask that sums to 0 gives 0), the batch split over ``batch_axes``."""
+def batch_weights(nll, mask, batch_axes):
+    """Each position's share of the mean over the global batch (split over ``batch_axes``):
+    mask / psum(sum(mask)), as losses.mask_weights (a mask that sums to 0 gives weights of 0)."""
     mask = jnp.ones_like(nll) if mask is None else mask.astype(nll.dtype)
-    num, den = jnp.sum(nll * mask), jnp.sum(mask)
+    den = jnp.sum(mask)
     if batch_axes:
-        num, den = jax.lax.psum(num, batch_axes), jax.lax.psum(den, batch_axes)
-    return num / jnp.where(den > 0, den, 1)
+        den = jax.lax.psum(den, batch_axes)
+    return mask / jnp.where(den > 0, den, 1)
+
+
+def batch_mean(nll, mask, batch_axes):
+    """The mean of nll over every position of the global batch, weighted by ``mask`` (batch_weights)."""
+    total = jnp.sum(nll * batch_weights(nll, mask, batch_axes))
+    return jax.lax.psum(total, batch_axes) if batch_axes else total
 
 
 def vocab_head_loss_local(p, x, targets, mask, compute_dtype=None, batch_axes=()):
