@@ -46,6 +46,7 @@ from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
+from manual_grads.parallel.vocab import vocab_head_loss_grads
 from manual_grads import remat
 from manual_grads.remat import blocks_bwd, blocks_fwd, python_loop
 from manual_grads.softcap import softcap_bwd, softcap_fwd
@@ -156,13 +157,18 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
         h, ln_f_res = norm_fwd(params["ln_f"], x, config)  # (B, T, D)
         tap_forward(tap, "ln_f", x, h, params["ln_f"])
         x = h
-    loss, loss_res = head_loss_fwd(head, x, targets, mask, config, tap)  # ()
+    if mesh is not None:  # the head's vocabulary split over the tensor axis: its loss and backward at once
+        loss, d_head, dx = vocab_head_loss_grads(head, x, targets, mask, mesh, config.compute_dtype,
+                                                 config.logit_softcap, config.loss_chunk)
+    else:
+        loss, loss_res = head_loss_fwd(head, x, targets, mask, config, tap)  # ()
     if stats is not None:
         loss = loss + moe_aux_loss(stats, config)  # loss = cross entropy + the MoE auxiliary loss
 
     # backward, in reverse
     grads = {}
-    d_head, dx = head_loss_bwd(loss_res, jnp.ones((), loss.dtype), tap)  # (B, T, D)
+    if mesh is None:
+        d_head, dx = head_loss_bwd(loss_res, jnp.ones((), loss.dtype), tap)  # (B, T, D)
     if config.tie_embeddings:  # logits = x @ tok_embed^T (+ b): dtok_embed gets dw^T below
         d_tied = d_head.pop("w").T  # (V, D)
     if d_head:

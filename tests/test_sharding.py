@@ -67,6 +67,8 @@ SCRIPT = textwrap.dedent("""
             assert [s.data.shape for s in w.addressable_shards] == [(2, 16 // fsdp, 12)] * 8
             w_out = params["blocks"]["ffn"]["w_down" if kind == "modern" else "w_out"]  # (2, 24, 16): rows
             assert w_out.sharding.spec[1] == "tensor"
+            head = params["head"]["w"]  # (D, V) = (16, 256): V split over tensor (the vocab-parallel head)
+            assert [s.data.shape for s in head.addressable_shards] == [(16 // fsdp, 128)] * 8
         elif kind == "modern":  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too
             w_up = params["blocks"]["ffn"]["w_up"]
             assert [s.data.shape for s in w_up.addressable_shards] == [(2, 16, 6)] * 8

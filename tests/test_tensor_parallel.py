@@ -46,7 +46,8 @@ def configs():
     base = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=8)
     return {"gpt2": ModelConfig(**base),
             "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
-                                 positions="rope", n_kv_heads=2, qk_norm=True)}
+                                 positions="rope", n_kv_heads=2, qk_norm=True,
+                                 tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
 
 
 def run_cases() -> dict:
@@ -141,7 +142,13 @@ def run_cases() -> dict:
     return out
 
 
-VOCAB_MESHES = [(("tensor",), (4,)), (("data", "tensor"), (2, 2))]
+# (mesh axes, sizes, the logits' softcap, loss_chunk): V = 11 pads to 12 columns on either
+VOCAB_MESHES = [(("tensor",), (4,), 0.0, 0), (("data", "tensor"), (2, 2), 2.0, 7)]
+
+
+def vocab_case(names, shape, cap, chunk) -> str:
+    return f"vocab {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}{f' cap {cap}' if cap else ''}" \
+           f"{f' chunk {chunk}' if chunk else ''}"
 
 
 def vocab_head(devices) -> dict:
@@ -157,26 +164,28 @@ def vocab_head(devices) -> dict:
     from jaxformer.model.linear import linear
     from jaxformer.model.losses import cross_entropy
     from jaxformer.model.parallel.vocab import vocab_head_loss
+    from jaxformer.model.softcap import softcap
     from manual_grads.parallel.vocab import vocab_head_loss_grads
 
     rng = np.random.default_rng(3)
-    B, T, D, V = 4, 5, 6, 12
+    B, T, D, V = 4, 5, 6, 11
     p = {"w": jnp.asarray(rng.standard_normal((D, V))), "b": jnp.asarray(rng.standard_normal(V))}
     x = jnp.asarray(rng.standard_normal((B, T, D)))
     targets = jnp.asarray(rng.integers(0, V, (B, T)))
     mask = jnp.asarray(rng.integers(0, 2, (B, T)).astype(np.float64))
-    loss1, grads1 = jax.value_and_grad(lambda p, x: cross_entropy(linear(x, p["w"], p["b"]), targets, mask),
-                                       (0, 1))(p, x)
     leaves = jax.tree_util.tree_leaves
     diff = lambda a, b: max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(leaves(a), leaves(b), strict=True))  # noqa: E731
     out = {}
-    for names, shape in VOCAB_MESHES:
+    for names, shape, cap, chunk in VOCAB_MESHES:
+        capped = (lambda z: softcap(z, cap)) if cap else (lambda z: z)  # noqa: E731
+        loss1, grads1 = jax.value_and_grad(
+            lambda p, x: cross_entropy(capped(linear(x, p["w"], p["b"])), targets, mask), (0, 1))(p, x)
         mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
-        case = f"vocab {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
-        manual = jax.jit(lambda p, x: vocab_head_loss_grads(p, x, targets, mask, mesh))
+        case = vocab_case(names, shape, cap, chunk)
+        manual = jax.jit(lambda p, x: vocab_head_loss_grads(p, x, targets, mask, mesh, None, cap, chunk))
         loss, dp, dx = manual(p, x)
-        auto_loss, auto = jax.jit(jax.value_and_grad(lambda p, x: vocab_head_loss(p, x, targets, mask, mesh),
-                                                     (0, 1)))(p, x)
+        auto_loss, auto = jax.jit(jax.value_and_grad(
+            lambda p, x: vocab_head_loss(p, x, targets, mask, mesh, None, cap, chunk), (0, 1)))(p, x)
         out[f"{case}: loss"] = max(abs(float(loss - loss1)), abs(float(auto_loss - loss1)))
         out[f"{case}: manual = one device"] = diff((dp, dx), grads1)
         out[f"{case}: jax.grad sharded = one device"] = diff(auto, grads1)
@@ -285,28 +294,29 @@ def test_blocks_equal_one_device(results, case):
         assert results[f"{case}: {what}"] <= TOL, (what, results[f"{case}: {what}"])
 
 
-@pytest.mark.parametrize("names, shape", VOCAB_MESHES)
-def test_vocab_split_head_and_loss_equal_one_device(results, names, shape):
-    """Loss and gradients (w, b, x) equal one device's to 1e-10, by hand and by jax.grad; the
-    manual program reduces over the tensor axis four times (the max, the sum of exponentials,
-    the target's logit, dx), over the batch axes four more (the loss's sums, dw, db), and gathers
-    nothing: no device holds a (..., V) row."""
-    case = f"vocab {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}"
+@pytest.mark.parametrize("names, shape, cap, chunk", VOCAB_MESHES)
+def test_vocab_split_head_and_loss_equal_one_device(results, names, shape, cap, chunk):
+    """Loss and gradients (w, b, x) equal one device's to 1e-10, by hand and by jax.grad, with a
+    vocabulary the axis does not divide (padded), and with the logits' softcap and loss_chunk;
+    the manual program reduces over the tensor axis four times (the max, the sum of
+    exponentials, the target's logit, dx: a chunked scan's body counted once), over the batch
+    axes four more (the loss's sums, dw, db), and gathers nothing: no device holds a (..., V) row."""
+    case = vocab_case(names, shape, cap, chunk)
     for what in ("loss", "manual = one device", "jax.grad sharded = one device"):
         assert results[f"{case}: {what}"] <= TOL, what
     assert results[f"{case}: all-reduces"] == 4 + (4 if "data" in names else 0)
     assert results[f"{case}: other collectives"] == 0
 
 
-def test_vocab_that_does_not_divide_is_refused():
-    from jaxformer.model.parallel.vocab import check_vocab
-    with pytest.raises(ValueError, match="^mesh axis tensor=4 does not divide vocab_size 11: the tensor size must"):
-        check_vocab(11, 4)
-
-
 @pytest.mark.parametrize("cname", WHOLE)
 def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
-    assert results[f"whole {cname}: leaves"] >= 20  # embeddings, blocks, final norm, head
+    """GPT-2's block with its own head; the Llama-like one tied to the embedding, with the logits'
+    soft cap and loss_chunk: the head's vocabulary split (11 tokens, padded to 12) in both."""
+    import jax
+
+    from jaxformer.model.params import init_params
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), configs()[cname]))
+    assert results[f"whole {cname}: leaves"] == len(jax.tree_util.tree_leaves(params))  # every leaf compared
     for name in ("manual", "jax.grad"):
         assert results[f"whole {cname}: {name} loss"] <= TOL
         assert results[f"whole {cname}: {name} = one device"] <= TOL, name

@@ -34,6 +34,7 @@ from jaxformer.model.losses import cross_entropy
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.dropout import embed_key, layer_key
 from jaxformer.model.parallel.tensor import tensor_blocks, tensor_mesh, tensor_size
+from jaxformer.model.parallel.vocab import vocab_head_loss
 from jaxformer.model.params import head_weights, validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.rms_norm import rms_norm
@@ -153,7 +154,11 @@ def loss_and_stats(params, batch, config: ModelConfig, layers: ModelLayers = MOD
     validate_batch(batch, config)
     check_precision(params, config)
     x, stats = features_and_stats(params, batch["inputs"], config, layers, key, batch.get("segments"))  # (B, T, D)
-    if config.loss_chunk:
+    mesh = tensor_mesh()
+    if mesh is not None:  # the head's vocabulary split over the tensor axis too (model/parallel/vocab.py)
+        loss = vocab_head_loss(head_params(params, config), x, batch["targets"], batch.get("mask"), mesh,
+                               config.compute_dtype, config.logit_softcap, config.loss_chunk)
+    elif config.loss_chunk:
         cap = (config.logit_softcap,) if config.logit_softcap else ()
         loss = layers.chunked_head_loss(head_params(params, config), x, batch["targets"],
                                         batch.get("mask"), config.loss_chunk, config.compute_dtype, *cap)

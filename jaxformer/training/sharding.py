@@ -12,8 +12,9 @@ blocks' over "tensor" (jaxformer/model/parallel/tensor.py).
   its slice of every block on the same rows
 - the MoE experts (blocks.ffn.w_gate, w_up, w_down: (L, E, ...)) are split over "expert"
   along E; the blocks' column- and row-parallel weights over "tensor" as the tensor-parallel
-  block reads them (parallel/tensor.leaf_spec); every leaf is also split over "fsdp" along its
-  largest other dimension that the fsdp size divides (replicated when none does, and on fsdp=1)
+  block reads them (parallel/tensor.leaf_spec), and the head's w and b along V (parallel/vocab.py);
+  every leaf is also split over "fsdp" along its largest other dimension that the fsdp size
+  divides (replicated when none does, and on fsdp=1)
 - scalars, the step counters and the rng key are replicated
 """
 
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.model.moe_parallel import EXPERT_WEIGHTS, check_experts_divide
-from jaxformer.model.parallel.regions import TENSOR
+from jaxformer.model.parallel.regions import TENSOR, batch_axes  # batch_axes: every axis but tensor
 from jaxformer.model.parallel.tensor import leaf_spec as tensor_leaf_spec
 from jaxformer.observe.words import plural, verb
 
@@ -95,11 +96,6 @@ def mesh_size(mesh: Mesh) -> tuple[int, ...]:
     return tuple(mesh.shape[a] for a in AXES if a in mesh.axis_names)
 
 
-def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes the batch splits over: every axis but tensor (a tensor group shares its rows)."""
-    return tuple(a for a in AXES if a in mesh.axis_names and a != "tensor")
-
-
 def batch_devices(mesh: Mesh) -> int:
     """How many ways the batch splits: the product of ``batch_axes``' sizes."""
     return math.prod(mesh.shape[a] for a in batch_axes(mesh))
@@ -152,8 +148,12 @@ def tensor_axis(path, shape: tuple[int, ...], tensor: int) -> int | None:
     """The dimension a block leaf (params["blocks"][section][name], or its optimizer moments)
     splits along over a tensor axis of size ``tensor`` > 1, as the tensor-parallel block reads it
     (parallel/tensor.leaf_spec: output columns or input rows); None for any other leaf, and
-    where ``tensor`` does not divide that dimension (the block's shard_map then slices it)."""
+    where ``tensor`` does not divide that dimension (the block's shard_map then slices it).
+    The head's w (D, V) and b (V,) split along V, as the vocab-parallel head reads them
+    (parallel/vocab.py; where tensor does not divide V, they stay whole and it pads them)."""
     keys = [getattr(k, "key", None) for k in path]
+    if tensor > 1 and keys[-2:] in (["head", "w"], ["head", "b"]):
+        return len(shape) - 1 if shape[-1] % tensor == 0 else None
     if tensor == 1 or "blocks" not in keys or keys.index("blocks") + 2 >= len(keys):
         return None
     i = keys.index("blocks")

@@ -25,6 +25,12 @@ import jax
 TENSOR = "tensor"  # the mesh axis the model's matrices split over
 
 
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The axes a batch splits over on ``mesh`` (a Mesh or AbstractMesh): every axis but tensor
+    (the devices of a tensor group share their rows)."""
+    return tuple(a for a in mesh.axis_names if a != TENSOR)
+
+
 def _axis(x, axis: int) -> int:
     return axis % x.ndim
 

@@ -51,8 +51,8 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
-from jaxformer.model.parallel.regions import (TENSOR, copy_to_tensor, gather_from_sequence, reduce_from_tensor,
-                                              reduce_scatter_to_sequence)
+from jaxformer.model.parallel.regions import (TENSOR, batch_axes, copy_to_tensor, gather_from_sequence,
+                                              reduce_from_tensor, reduce_scatter_to_sequence)
 from jaxformer.model.rms_norm import rms_norm
 
 COLUMNS = {"attn": ("wq", "bq"), "ffn": ("w_in", "b_in", "w_gate", "b_gate", "w_up", "b_up")}
@@ -212,15 +212,14 @@ def tensor_mesh():
 
 def batch_spec(mesh) -> PartitionSpec:
     """The batch's (B, ...) spec: B split over every mesh axis but tensor (replicated over it)."""
-    axes = tuple(a for a in mesh.axis_names if a != TENSOR)
+    axes = batch_axes(mesh)
     return PartitionSpec(axes) if axes else PartitionSpec()
 
 
 def stream_spec(mesh, sequence: bool) -> PartitionSpec:
     """The residual stream's (B, T, D) spec between the blocks: the batch's, and with sequence
     parallelism T split over the tensor axis."""
-    axes = tuple(a for a in mesh.axis_names if a != TENSOR) or None
-    return PartitionSpec(axes, TENSOR) if sequence else batch_spec(mesh)
+    return PartitionSpec(batch_axes(mesh) or None, TENSOR) if sequence else batch_spec(mesh)
 
 
 def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):

@@ -3,31 +3,61 @@ entropy): device i of t holds the head's columns i V/t .. (i+1) V/t - 1 (w (D, V
 computes its (..., V/t) slice of the logits, and the loss comes from three reductions over the
 axis, so no device ever holds a whole (..., V) row:
 
-    m        = pmax(max(logits_i))                    the row's largest logit (no gradient: it cancels)
-    logz     = m + log(psum(sum(exp(logits_i - m))))  the log-sum-exp over every device's slice
-    target   = psum(logits_i[y - i V/t] where y is among device i's ids, else 0)
+    z_i      = c tanh((x @ w_i + b_i) / c)            device i's logits (the cap c only with logit_softcap)
+    m        = pmax(max(z_i))                         the row's largest logit (no gradient: it cancels)
+    logz     = m + log(psum(sum(exp(z_i - m))))       the log-sum-exp over every device's slice
+    target   = psum(z_i[y - i V/t] where y is among device i's ids, else 0)
     nll      = logz - target
-    loss     = psum(sum(nll * mask)) / psum(sum(mask))     over the batch axes too (mask_weights)
+    loss     = psum(sum(nll * weights))               weights = mask / psum(sum(mask)), over the batch axes too
 
-The manual backward is manual_grads/parallel/vocab.py.
+A vocabulary that t does not divide is padded with zero columns up to the next multiple of t;
+the padding's logits are -inf (``mask_padding``), outside every softmax, and their gradient is
+dropped with the padding. With loss_chunk C > 0 each device runs its rows C positions at a
+time (chunked_loss.py's chunks), so a device holds (C, V/t) logits at once.
+
+``jaxformer.loss_fn`` and ``manual_grads.value_and_grad`` run the head this way on a mesh with a
+tensor axis (parallel/tensor.tensor_mesh); the manual backward is manual_grads/parallel/vocab.py.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxformer.model.chunked_loss import to_chunks
 from jaxformer.model.linear import linear
-from jaxformer.model.parallel.regions import TENSOR, copy_to_tensor
-from jaxformer.model.precision import upcast
+from jaxformer.model.parallel.regions import TENSOR, batch_axes, copy_to_tensor
+from jaxformer.model.precision import stats_dtype, upcast
+from jaxformer.model.softcap import softcap
 
 
-def check_vocab(vocab_size: int, t: int) -> None:
-    """A ValueError in one line unless a tensor axis of size t splits the vocabulary."""
-    if vocab_size % t:
-        raise ValueError(f"mesh axis tensor={t} does not divide vocab_size {vocab_size}: the tensor size must "
-                         "divide vocab_size")
+def padded(p, t: int) -> dict:
+    """The head's params {"w": (D, V), "b"?: (V,)} with zero columns up to a multiple of t."""
+    extra = -p["w"].shape[-1] % t
+    if not extra:
+        return p
+    return {n: jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, extra)]) for n, v in p.items()}
+
+
+def mask_padding(logits, vocab_size: int):
+    """Device i's logits (..., V/t) with the padding columns (ids >= vocab_size) at -inf."""
+    v_local = logits.shape[-1]
+    if v_local * jax.lax.axis_size(TENSOR) == vocab_size:
+        return logits
+    ids = jax.lax.axis_index(TENSOR) * v_local + jnp.arange(v_local)
+    return jnp.where(ids < vocab_size, logits, -jnp.inf)
+
+
+def vocab_logits(p, x, vocab_size: int, compute_dtype=None, cap: float = 0.0):
+    """x (..., D) -> device i's logits (..., V/t) in stats_dtype: x @ w_i + b_i, capped to
+    c tanh(z / c) with ``cap`` c > 0, the padding at -inf."""
+    logits = upcast(linear(x, p["w"], p.get("b"), compute_dtype))
+    if cap:
+        logits = softcap(logits, cap)
+    return mask_padding(logits, vocab_size)
 
 
 def local_targets(targets, v_local: int):
@@ -49,28 +79,40 @@ def vocab_nll_and_logz(logits, targets):
     return logz - target_logit, logz
 
 
-def batch_weights(nll, mask, batch_axes):
-    """Each position's share of the mean over the global batch (split over ``batch_axes``):
-    mask / psum(sum(mask)), as losses.mask_weights (a mask that sums to 0 gives weights of 0)."""
-    mask = jnp.ones_like(nll) if mask is None else mask.astype(nll.dtype)
+def batch_weights(mask, shape, dtype, batch_axes):
+    """Each position's share (``shape``, ``dtype``) of the mean over the global batch (split over
+    ``batch_axes``): mask / psum(sum(mask)), as losses.mask_weights (a mask that sums to 0 gives
+    weights of 0); no mask: every position alike."""
+    mask = jnp.ones(shape, dtype) if mask is None else mask.astype(dtype)
     den = jnp.sum(mask)
     if batch_axes:
         den = jax.lax.psum(den, batch_axes)
     return mask / jnp.where(den > 0, den, 1)
 
 
-def batch_mean(nll, mask, batch_axes):
-    """The mean of nll over every position of the global batch, weighted by ``mask`` (batch_weights)."""
-    total = jnp.sum(nll * batch_weights(nll, mask, batch_axes))
-    return jax.lax.psum(total, batch_axes) if batch_axes else total
+def chunked_rows(chunk: int, *arrays):
+    """Each (B, T, ...) array -> (M, C, ...): the B T positions flattened, zero-padded, in chunks."""
+    return tuple(to_chunks(a.reshape(-1, *a.shape[2:]), chunk) for a in arrays)
 
 
-def vocab_head_loss_local(p, x, targets, mask, compute_dtype=None, batch_axes=()):
+def vocab_head_loss_local(p, x, targets, mask, batch_axes=(), *, vocab_size: int, compute_dtype=None,
+                          cap: float = 0.0, chunk: int = 0):
     """Under shard_map: the head's columns of device i ``p`` ({"w": (D, V/t), "b"?}), x (B, T, D)
     replicated over tensor, targets and mask (B, T) -> the mean cross entropy (the same everywhere)."""
-    logits = linear(copy_to_tensor(x), p["w"], p.get("b"), compute_dtype)  # (B, T, V/t): device i's slice
-    nll, _ = vocab_nll_and_logz(logits, targets)
-    return batch_mean(nll, mask, batch_axes)
+    h = copy_to_tensor(x)
+    f = stats_dtype(x.dtype)
+    weights = batch_weights(mask, targets.shape, f, batch_axes)  # (B, T)
+
+    def nll_sum(h, targets, weights):
+        nll, _ = vocab_nll_and_logz(vocab_logits(p, h, vocab_size, compute_dtype, cap), targets)
+        return jnp.sum(nll * weights)
+
+    if chunk:  # C positions at a time; jax.grad keeps no chunk's logits (jax.checkpoint)
+        step = jax.checkpoint(nll_sum)
+        total = jnp.sum(jax.lax.map(lambda xs: step(*xs), chunked_rows(chunk, h, targets, weights)))
+    else:
+        total = nll_sum(h, targets, weights)
+    return jax.lax.psum(total, batch_axes) if batch_axes else total
 
 
 def head_specs(p) -> dict:
@@ -78,20 +120,22 @@ def head_specs(p) -> dict:
     return {n: PartitionSpec(*([None] * (v.ndim - 1)), TENSOR) for n, v in p.items()}
 
 
-def on_vocab_mesh(local, p, x, targets, mask, mesh, compute_dtype=None, out=lambda rows: PartitionSpec(),
-                  check_vma: bool = True):
-    """``local(p, x, targets, mask, compute_dtype, batch_axes)`` under shard_map on ``mesh``: the
-    head's p split along V over the tensor axis, x, targets and mask split along B over the
-    others; ``out(rows)``: the out_specs (rows: the batch's spec)."""
-    check_vocab(p["w"].shape[-1], dict(mesh.shape)[TENSOR])
-    axes = tuple(a for a in mesh.axis_names if a != TENSOR)
+def on_vocab_mesh(local, p, x, targets, mask, mesh, out=lambda rows: PartitionSpec(), check_vma: bool = True,
+                  **options):
+    """``local(p, x, targets, mask, batch_axes, vocab_size=V, **options)`` under shard_map on ``mesh``:
+    the head's p padded to a multiple of t columns and split along V over the tensor axis, x,
+    targets and mask split along B over the others; ``out(rows)``: the out_specs (rows: the
+    batch's spec)."""
+    axes = batch_axes(mesh)
     rows = PartitionSpec(axes or None)
-    return jax.shard_map(lambda *a: local(*a, compute_dtype, axes), mesh=mesh,
-                         in_specs=(head_specs(p), rows, rows, rows), out_specs=out(rows),
+    body = functools.partial(local, batch_axes=axes, vocab_size=p["w"].shape[-1], **options)
+    p = padded(p, dict(mesh.shape)[TENSOR])
+    return jax.shard_map(body, mesh=mesh, in_specs=(head_specs(p), rows, rows, rows), out_specs=out(rows),
                          check_vma=check_vma)(p, x, targets, mask)
 
 
-def vocab_head_loss(p, x, targets, mask, mesh, compute_dtype=None):
+def vocab_head_loss(p, x, targets, mask, mesh, compute_dtype=None, cap: float = 0.0, chunk: int = 0):
     """The head and the mean cross entropy with the vocabulary split over ``mesh``'s tensor axis
     (the batch over its other axes): p {"w": (D, V), "b"?}, x (B, T, D), targets (B, T) -> ()."""
-    return on_vocab_mesh(vocab_head_loss_local, p, x, targets, mask, mesh, compute_dtype)
+    return on_vocab_mesh(vocab_head_loss_local, p, x, targets, mask, mesh, compute_dtype=compute_dtype, cap=cap,
+                         chunk=chunk)
