@@ -1,0 +1,134 @@
+"""Ring attention's hand-derived backward: the pair of jaxformer/model/parallel/ring.py (its
+forward's lines are quoted from there), FlashAttention-2's backward walked around the ring.
+
+Forward, on device i of the context axis (c devices), per visit of device j's chunk:
+    S = q k_j^T / sqrt(Dh), masked (global positions, documents)   ring.pair_scores
+    (m, l, acc) <- online_softmax_step(...)                        blockwise.online_softmax_step
+    O = acc / l;  lse = m + log l                                  after the c visits
+Backward, with P = exp(S - lse) recomputed one visit at a time (the forward's blocks: ``visited``):
+    D   = rowsum(dO * O)              = rowsum(dP * P), the softmax's correction (once, before the ring)
+    dV_j += P^T dO                    undoes O = P v   (the online sums' rescalings cancel: O = sum_j P_j v_j)
+    dP   = dO v_j^T
+    dS   = P * (dP - D)               undoes P = softmax(S) over all c chunks' keys
+    dq  += dS k_j / sqrt(Dh),  dK_j += dS^T q / sqrt(Dh)          undo S = q k_j^T / sqrt(Dh)
+    dK_j, dV_j of the Hkv heads: the G query heads' sums           undoes k_j = repeat_kv(k_j, G)
+dq stays on device i (its queries'); dK_j, dV_j travel WITH chunk j: at step s device i
+receives (k_j, v_j, the ids, dK_j, dV_j) from device i - 1, adds its queries' share and
+passes them on. After step c - 1 device i holds chunk i + 1's, and one final hop of dK, dV
+brings every chunk's gradients home: c - 1 hops of k, v (and the ids), c of dK, dV.
+
+Statistics and the running gradients stay in stats_dtype (float32 or wider), the products
+as the forward's (spec.compute_dtype: none here, the inputs' own dtype).
+
+The manual shard_map keeps check_vma (JAX's varying/invariant types): every array it carries
+is device i's own, varying over the context axis, and the only collectives are the ppermutes
+written here. Proven equal to one device's full core, and to automatic differentiation of
+the forward, in tests/test_ring_attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.model.cores import AttentionSpec, repeat_kv
+from jaxformer.model.parallel.ring import (CONTEXT, SELF, ZIGZAG, chunk_positions, holder, on_mesh,
+                                           pair_kind, pair_scores, part, ring_attention_fwd_stats, send,
+                                           switch_visit, visited)
+from jaxformer.model.precision import matmul
+from manual_grads.attention import sum_groups
+from manual_grads.blockwise import _softmax_correction
+
+
+class RingAttentionRes(NamedTuple):
+    q: jax.Array  # (B, H, T/c, Dh) this device's queries
+    k: jax.Array  # (B, Hkv, T/c, Dh) its own key/value chunk (the backward sends it round again)
+    v: jax.Array  # (B, Hkv, T/c, Dh)
+    out: jax.Array  # (B, H, T/c, Dh) O
+    lse: jax.Array  # (B, H, T/c) row log-sum-exp of the scores over all T keys, stats_dtype
+    segments: jax.Array | None  # (B, T/c) its tokens' document ids; None: one document
+    spec: AttentionSpec  # static: the mask rule
+    axis_name: str = CONTEXT  # static; the residual lives within one shard_map
+    layout: str = ZIGZAG  # static
+
+
+def ring_attention_fwd(q, k, v, causal: bool = True, segments=None, axis_name: str = CONTEXT,
+                       layout: str = ZIGZAG):
+    """Inside shard_map: ring_attention with residuals -> (O (B, H, T/c, Dh), RingAttentionRes)."""
+    out, lse = ring_attention_fwd_stats(q, k, v, causal=causal, segments=segments, axis_name=axis_name,
+                                        layout=layout)
+    return out, RingAttentionRes(q, k, v, out, lse, segments, AttentionSpec(causal=causal), axis_name, layout)
+
+
+def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where):
+    """Undoes ``visit``: add the block ``where`` (rows, columns; None: nothing) of the held chunk
+    (k, v, ids) to grads = (dq (B, H, T/c, Dh), dK, dV (B, Hkv, T/c, Dh)), all in stats_dtype."""
+    if where is None:
+        return grads
+    r, col = where
+    dq, dk, dv = grads
+    k, v, k_seg = chunk
+    f, cd, Hkv = dq.dtype, spec.compute_dtype, k.shape[1]
+    G, scale = q.shape[1] // Hkv, 1.0 / math.sqrt(q.shape[-1])
+    q_r, do_r = part(q, r, 2), part(do, r, 2).astype(f)  # (B, H, rows, Dh)
+    k_c, v_c = repeat_kv(part(k, col, 2), G), repeat_kv(part(v, col, 2), G)  # (B, H, columns, Dh)
+    # s = pair_scores(q, repeat_kv(k, G), q_pos, k_pos, spec, q_seg, k_seg): S, -inf where masked
+    s = pair_scores(q_r, k_c, q_pos[r], k_pos[col], spec, part(q_seg, r, 1), part(k_seg, col, 1))
+    # O = acc / l, acc = sum_j exp(S_j - m) v_j, l = sum_j rowsum exp(S_j - m): P_j = exp(S_j - lse)
+    p = jnp.where(jnp.isfinite(s), jnp.exp(s - part(lse, r, 2)[..., None]), 0.0)  # (B, H, rows, columns)
+    dv_c = matmul(jnp.swapaxes(p, -1, -2), do_r, cd)  # O = P v
+    dp = matmul(do_r, jnp.swapaxes(v_c, -1, -2).astype(f), cd)  # (B, H, rows, columns)
+    ds = p * (dp - part(d, r, 2)[..., None])  # P = softmax(S)
+    dq_r = matmul(ds, k_c.astype(f), cd) * scale  # S = q k^T / sqrt(Dh)
+    dk_c = matmul(jnp.swapaxes(ds, -1, -2), q_r.astype(f), cd) * scale
+    # k, v = repeat_kv(k, G), repeat_kv(v, G): each key/value head gets its G query heads' sum
+    dk_c, dv_c = sum_groups(dk_c, Hkv), sum_groups(dv_c, Hkv)
+    return dq.at[:, :, r].add(dq_r), dk.at[:, :, col].add(dk_c), dv.at[:, :, col].add(dv_c)
+
+
+def ring_attention_bwd(res: RingAttentionRes, do):
+    """Inside shard_map: dO (B, H, T/c, Dh) of this device's queries -> (dq (B, H, T/c, Dh),
+    dk, dv (B, Hkv, T/c, Dh)) of its own tokens."""
+    q, k, v, out, lse, segments, spec, axis_name, layout = res
+    causal, f = spec.causal, lse.dtype
+    c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    n_local = q.shape[2]
+    positions = functools.partial(chunk_positions, T=n_local * c, c=c, layout=layout)
+    q_pos = positions(i)
+    d = _softmax_correction(do, out)  # (B, H, T/c): D = rowsum(dO * O)
+    grads = (jnp.zeros(q.shape, f), jnp.zeros(k.shape, f), jnp.zeros(v.shape, f))  # dq, dK, dV
+    held = (k, v, segments)
+    # stats = visit(init, ..., visited(SELF)): step 0, the own chunk
+    grads = visit_bwd(grads, q, do, lse, d, q_pos, segments, held, q_pos, spec, visited(SELF, n_local, causal, layout))
+
+    def step(carry, s):
+        held, grads = carry
+        dq, dkv = grads[0], grads[1:]
+        # held = send(held): the chunk arrives with its gradients so far (device i - 1's share added)
+        held, dkv = send((held, dkv), axis_name)
+        j = holder(i, s, c)
+
+        def visit_kind(kind, grads):  # stats = switch_visit(pair_kind(i, j), visit_kind, ...)
+            return visit_bwd(grads, q, do, lse, d, q_pos, segments, held, positions(j), spec,
+                             visited(kind, n_local, causal, layout))
+
+        return (held, switch_visit(pair_kind(i, j), visit_kind, causal, (dq, *dkv))), None
+
+    (_, (dq, dk, dv)), _ = jax.lax.scan(step, (held, grads), jnp.arange(1, c))
+    dk, dv = send((dk, dv), axis_name)  # the final hop: device i held chunk i + 1's gradients
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def ring_attention_grads_on_mesh(q, k, v, do, mesh, causal: bool = True, segments=None, axis_name: str = CONTEXT,
+                                 layout: str = ZIGZAG):
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), dO (B, H, T, Dh), segments (B, T) or None, natural
+    order -> (dq, dk, dv) in natural order: the manual forward and backward in one shard_map
+    over the mesh's ``axis_name`` (jaxformer.model.parallel.ring.ring_attention_on_mesh's pair)."""
+    def local(q, k, v, do, segments):
+        _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout)
+        return ring_attention_bwd(res, do)
+    return on_mesh(local, mesh, (q, k, v, do), segments, axis_name, layout, n_out=3)

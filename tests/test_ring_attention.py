@@ -1,0 +1,263 @@
+"""Context parallelism: ring attention (jaxformer/model/parallel/ring.py) and its hand-derived
+backward (manual_grads/parallel/ring.py) equal one device's full core.
+
+One subprocess on 8 forced CPU devices, float64, runs every multi-device case (B=2, H=2,
+T=16, Dh=4) and returns the largest differences: the ring's output and row log-sum-exp
+against cores.full (and a logsumexp of its masked scores) on one device, the manual (dq, dk,
+dv) and jax.vjp through the ring's forward (its shard_map and ppermutes) against jax.vjp of
+cores.full with the same random cotangent, each to 1e-10; cases: context=2 and 4, causal,
+zig-zag; packed documents whose boundaries cut through the chunks; 1 key/value head for 2
+query heads; non-causal with documents; the contiguous layout. The programs' collectives are
+counted as lowered (sites) and in the jaxpr with each scan's trip count (hops actually sent).
+The layout's helpers (round trip, equal causal work, every unmasked pair inside the block a
+visit computes) and the refusals run in this process."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import once_per_run
+
+from jaxformer.model.parallel.ring import (CONTIGUOUS, EARLIER, LATER, SELF, ZIGZAG, check_context, chunk_positions,
+                                           from_layout, from_zigzag, layout_order, pair_kind, to_layout, to_zigzag,
+                                           visited)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOL = 1e-10
+B, H, T, DH = 2, 2, 16, 4
+DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5]  # two documents a row: boundaries at 5 and 11
+# (context size, causal, segments, key/value heads, layout)
+CASES = [(2, True, False, 2, ZIGZAG), (4, True, False, 2, ZIGZAG), (4, True, True, 2, ZIGZAG),
+         (2, True, True, 1, ZIGZAG), (4, False, True, 2, ZIGZAG), (4, True, False, 1, CONTIGUOUS)]
+DIFFS = ("output", "lse", "manual = one device", "jax.grad ring = one device", "manual = jax.grad ring")
+
+
+def case_name(c, causal, segments, hkv, layout) -> str:
+    return (f"context={c} {'causal' if causal else 'non-causal'}{' documents' if segments else ''}"
+            f"{f' Hkv={hkv}' if hkv != H else ''} {layout}")
+
+
+def ppermutes_sent(jaxpr, times: int = 1) -> int:
+    """The arrays ppermute sends when ``jaxpr`` runs: each ppermute's operands, times the trip
+    count of every scan around it."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            n += times * len(eqn.invars)
+        inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    n += ppermutes_sent(getattr(sub, "jaxpr", sub), inner)
+    return n
+
+
+def collectives(fn, *args) -> dict:
+    """fn(*args)'s collectives: each kind's sites in the lowered StableHLO, and the arrays its
+    ppermutes send when run (``ppermutes_sent``)."""
+    import re
+
+    import jax
+
+    kinds = re.findall(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)",
+                       jax.jit(fn).lower(*args).as_text())
+    return {"permute sites": kinds.count("collective_permute"),
+            "other collectives": len(kinds) - kinds.count("collective_permute"),
+            "arrays sent": ppermutes_sent(jax.make_jaxpr(fn)(*args).jaxpr)}
+
+
+def run_cases() -> dict:
+    """The subprocess' body: {name: number}."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxformer.model.cores import AttentionSpec, attention_scores, full, repeat_kv
+    from jaxformer.model.parallel.ring import (on_mesh, pair_mask, ring_attention, ring_attention_fwd_stats,
+                                               ring_attention_on_mesh)
+    from manual_grads.parallel.ring import ring_attention_grads_on_mesh
+
+    devices = np.array(jax.devices())
+    rng = np.random.default_rng(0)
+    out = {}
+    leaves = jax.tree_util.tree_leaves
+    jdiff = lambda a, b: jnp.max(jnp.stack([jnp.max(jnp.abs(u - v)) for u, v in zip(leaves(a), leaves(b), strict=True)]))  # noqa: E731
+    for case in CASES:
+        c, causal, documents, hkv, layout = case
+        q, do = (jnp.asarray(rng.standard_normal((B, H, T, DH))) for _ in range(2))
+        k, v = (jnp.asarray(rng.standard_normal((B, hkv, T, DH))) for _ in range(2))
+        segments = jnp.asarray(DOCUMENTS) if documents else None
+        mesh = Mesh(devices[:c], ("context",))
+        spec = AttentionSpec(causal=causal)
+
+        @jax.jit
+        def differences(q, k, v, do, segments):
+            one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, spec, segments=segments), q, k, v)
+            expected = one_vjp(do)
+            scores = attention_scores(q, repeat_kv(k, H // hkv))  # (B, H, T, T), natural order
+            mask = pair_mask(jnp.arange(T), jnp.arange(T), spec, segments, segments)
+            lse1 = jax.nn.logsumexp(scores if mask is None else jnp.where(mask, scores, -jnp.inf), axis=-1)
+            stats = lambda q, k, v, s: ring_attention_fwd_stats(q, k, v, causal=causal, segments=s,  # noqa: E731
+                                                                layout=layout)
+            o, lse = on_mesh(stats, mesh, (q, k, v), segments, layout=layout, n_out=2)
+            ring, ring_vjp = jax.vjp(lambda q, k, v: ring_attention_on_mesh(q, k, v, mesh, causal, segments,
+                                                                            layout=layout), q, k, v)
+            auto = ring_vjp(do)
+            manual = ring_attention_grads_on_mesh(q, k, v, do, mesh, causal, segments, layout=layout)
+            return {"output": jnp.maximum(jnp.max(jnp.abs(ring - one)), jnp.max(jnp.abs(o - one))),
+                    "lse": jnp.max(jnp.abs(lse - lse1)),
+                    "manual = one device": jdiff(manual, expected), "jax.grad ring = one device": jdiff(auto, expected),
+                    "manual = jax.grad ring": jdiff(manual, auto)}
+
+        name = case_name(*case)
+        out.update({f"{name}: {what}": float(d) for what, d in differences(q, k, v, do, segments).items()})
+        ring = lambda q, k, v, s: ring_attention_on_mesh(q, k, v, mesh, causal, s, layout=layout)  # noqa: E731
+        manual = lambda q, k, v, s: ring_attention_grads_on_mesh(q, k, v, q, mesh, causal, s, layout=layout)  # noqa: E731
+        for what, fn in (("forward", ring), ("manual", manual)):
+            out.update({f"{name}: {what} {kind}": n for kind, n in collectives(fn, q, k, v, segments).items()})
+
+    # the refusal inside shard_map: 12 tokens on context=4, 3 a device (2 x 4 = 8 does not divide 12)
+    mesh = Mesh(devices[:4], ("context",))
+    x = jnp.zeros((1, 1, 12, DH))
+    try:
+        jax.shard_map(ring_attention, mesh=mesh, in_specs=P(None, None, "context"),
+                      out_specs=P(None, None, "context"))(x, x, x)
+        out["refusal"] = ""
+    except ValueError as error:
+        out["refusal"] = str(error)
+    return out
+
+
+def _run_in_a_subprocess():
+    # the programs are tiny: neither JAX nor XLA need optimize them (compiling is most of the run;
+    # the two settings conftest.py gives the suite take the run from about 35 s to 14 here)
+    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
+           "PATH": "/usr/bin:/bin"}
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import json, test_ring_attention as t; " \
+           "print('RESULTS', json.dumps(t.run_cases()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "ring_attention", _run_in_a_subprocess)  # one run, not one a worker
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
+def test_ring_equals_one_device(results, case):
+    """Output, lse, the manual gradients and jax.grad through the ring's forward, to 1e-10."""
+    name = case_name(*case)
+    for what in DIFFS:
+        assert results[f"{name}: {what}"] <= TOL, (what, results[f"{name}: {what}"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
+def test_collectives_are_the_ring_hops(results, case):
+    """Only ppermutes, one site a travelling array (k, v, and the segment ids): the forward
+    sends each c - 1 times; the manual program adds the backward's c - 1 hops of k, v (ids)
+    with dK, dV beside them and one final hop of dK, dV. No all-gather, no all-reduce: no
+    device ever holds the whole sequence's keys."""
+    name, (c, _, documents, _, _) = case_name(*case), case
+    n = 3 if documents else 2  # k, v (and the ids)
+    assert results[f"{name}: forward other collectives"] == results[f"{name}: manual other collectives"] == 0
+    assert results[f"{name}: forward permute sites"] == n
+    assert results[f"{name}: manual permute sites"] == n + (n + 2) + 2
+    assert results[f"{name}: forward arrays sent"] == (c - 1) * n
+    assert results[f"{name}: manual arrays sent"] == (c - 1) * n + (c - 1) * (n + 2) + 2
+
+
+def test_refusal_inside_shard_map(results):
+    assert results["refusal"] == ("mesh axis context=4 does not fit the sequence length 12: 2 x context = 8 "
+                                  "(the zig-zag layout's equal pieces) must divide the sequence length")
+
+
+# ---------------------------------------------------------------- in this process: the layout
+
+
+def test_refused_lengths():
+    with pytest.raises(ValueError) as err:
+        check_context(20, 4)
+    assert str(err.value) == ("mesh axis context=4 does not fit the sequence length 20: 2 x context = 8 "
+                              "(the zig-zag layout's equal pieces) must divide the sequence length")
+    with pytest.raises(ValueError, match="^mesh axis context=3 does not fit the sequence length 10: context must"):
+        check_context(10, 3, layout=CONTIGUOUS)
+    check_context(16, 4)
+    check_context(12, 4, layout=CONTIGUOUS)
+
+
+def test_on_mesh_refuses_before_running():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxformer.model.parallel.ring import ring_attention_on_mesh
+    mesh = jax.sharding.AbstractMesh((4,), ("context",))
+    x = jnp.zeros((1, 1, 12, DH))
+    with pytest.raises(ValueError, match=r"^mesh axis context=4 does not fit the sequence length 12: 2 x context = 8"):
+        ring_attention_on_mesh(x, x, x, mesh)
+
+
+@pytest.mark.parametrize("c", [1, 2, 4])
+def test_zigzag_round_trip_and_positions(c):
+    x = np.arange(2 * T * 3).reshape(2, T, 3)
+    z = np.asarray(to_zigzag(x, c))
+    assert np.array_equal(np.asarray(from_zigzag(z, c)), x)
+    assert np.array_equal(np.asarray(from_layout(to_layout(x, c, 1, CONTIGUOUS), c, 1, CONTIGUOUS)), x)
+    n = T // (2 * c)
+    for i in range(c):  # device i's slots hold pieces i and 2c - 1 - i, and chunk_positions says so
+        held = z[0, i * (T // c):(i + 1) * (T // c), 0] // 3
+        assert held.tolist() == list(range(i * n, (i + 1) * n)) + list(range((2 * c - 1 - i) * n, (2 * c - i) * n))
+        assert np.array_equal(np.asarray(chunk_positions(i, T, c)), held)
+    assert sorted(layout_order(T, c).tolist()) == list(range(T))
+
+
+def causal_work(c: int, layout: str):
+    """Per device: the unmasked causal (query, key) pairs of its queries, and the pairs of the
+    blocks its c visits compute (``visited``)."""
+    Tc = T // c
+    pairs, computed = [], []
+    for i in range(c):
+        q = np.asarray(chunk_positions(i, T, c, layout))
+        pairs.append(int(np.sum(q + 1)))  # query t reads keys 0 .. t
+        blocks = [visited(int(pair_kind(i, j)), Tc, True, layout) for j in range(c)]
+        computed.append(sum(len(range(Tc)[r]) * len(range(Tc)[col]) for r, col in filter(None, blocks)))
+    return pairs, computed
+
+
+def test_zigzag_balances_causal_work():
+    for c in (2, 4):
+        pairs, computed = causal_work(c, ZIGZAG)
+        assert len(set(pairs)) == 1 and sum(pairs) == T * (T + 1) // 2
+        Tc = T // c
+        assert computed == [Tc * Tc + (c - 1) * Tc * Tc // 2] * c  # the own block, then half blocks
+        pairs, computed = causal_work(c, CONTIGUOUS)
+        assert pairs == sorted(pairs) and pairs[0] < pairs[-1]  # device c - 1 has the most
+        assert computed == [(i + 1) * Tc * Tc for i in range(c)]
+
+
+@pytest.mark.parametrize("layout", [ZIGZAG, CONTIGUOUS])
+@pytest.mark.parametrize("c", [2, 4])
+def test_each_visit_computes_every_unmasked_pair(layout, c):
+    """For every device i and chunk j: the causally unmasked (query, key) pairs all lie in the block
+    ``visited`` names for the pair's kind (the rest of the T/c x T/c block is masked)."""
+    Tc = T // c
+    for i in range(c):
+        q = np.asarray(chunk_positions(i, T, c, layout))
+        for j in range(c):
+            kind = int(pair_kind(i, j))
+            assert kind == (SELF if i == j else EARLIER if j < i else LATER)
+            unmasked = np.asarray(chunk_positions(j, T, c, layout))[None, :] <= q[:, None]  # (Tc, Tc)
+            where = visited(kind, Tc, True, layout)
+            inside = np.zeros((Tc, Tc), bool)
+            if where is not None:
+                inside[where[0], where[1]] = True
+            assert not np.any(unmasked & ~inside), (i, j)
+            assert visited(kind, Tc, False, layout) == (slice(None), slice(None))  # non-causal: whole blocks
