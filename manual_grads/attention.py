@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
-from jaxformer.model.attention import (CORES, QKNorm, attention_spec, core_kv, merge_heads, merge_qkv,
+from jaxformer.model.attention import (CORES, Core, QKNorm, attention_spec, core_kv, merge_heads, merge_qkv,
                                        qk_norm_of, qkv_heads, qkv_weights, query_scale, split_heads,
-                                       split_qkv)
+                                       split_qkv, token_positions)
 from jaxformer.model.linear import linear
 from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, repeat_kv
 from jaxformer.model.precision import cast, kept, matmul, upcast
@@ -126,17 +126,18 @@ def _qk_norm_bwd(res: RMSNormRes, dy):
     return dp, split_heads(dx, dy.shape[1])
 
 
-def rotate_qk_fwd(p, q, k, norm_eps, rope, qk: QKNorm = QKNorm()):
+def rotate_qk_fwd(p, q, k, norm_eps, rope, qk: QKNorm = QKNorm(), positions=None):
     """q (B, H, T, Dh), k (B, Hkv, T, Dh) -> (q, k), res: the model's ``rotate_qk``: an RMS
     norm over each head's width (``qk``: or over all heads' features, the scale offset) where
     p has q_norm and k_norm, then rotary positions where ``rope`` (a RopeSpec or a base theta)
-    is given: the model's own tables."""
+    is given: the model's own tables, at ``positions`` (T,) where given (else 0 .. T-1); the
+    backward turns each token back by its own angle, whatever the order."""
     q_res = k_res = rope_res = None
     if "q_norm" in p:
         q, q_res = _qk_norm_fwd(p["q_norm"], q, norm_eps, qk)
         k, k_res = _qk_norm_fwd(p["k_norm"], k, norm_eps, qk)
     if rope:
-        cos, sin = rope_tables(jnp.arange(q.shape[-2]), q.shape[-1], rope, q.dtype)  # (T, Dh)
+        cos, sin = rope_tables(token_positions(q.shape[-2], 0, positions), q.shape[-1], rope, q.dtype)  # (T, Dh)
         q, rope_res = rope_fwd(q, cos, sin)
         k, _ = rope_fwd(k, cos, sin)
     return (q, k), RotateQKRes(q_res, k_res, rope_res)
@@ -159,13 +160,14 @@ class HeadsRes(NamedTuple):
     q_scale: jax.Array | None = None  # () the factor on q (config.attn_scalar); None: none
 
 
-def heads_fwd(p, x, config):
+def heads_fwd(p, x, config, positions=None):
     """The model's ``attention_qkv``: x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh)):
-    the projections, then QK-norm and rotary positions where config turns them on, then q
-    scaled where config.attn_scalar is set."""
+    the projections, then QK-norm and rotary positions (at ``positions`` (T,) where given)
+    where config turns them on, then q scaled where config.attn_scalar is set."""
     cd = config.compute_dtype
     (q, k, v), qkv_res = qkv_fwd(p, x, config.n_heads, cd, config.kv_heads)
-    (q, k), rot_res = rotate_qk_fwd(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), qk_norm_of(config))
+    (q, k), rot_res = rotate_qk_fwd(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), qk_norm_of(config),
+                                    positions)
     if not config.attn_scalar:
         return (kept(q, cd), kept(k, cd), v), HeadsRes(qkv_res, rot_res)
     c = jnp.asarray(query_scale(config), q.dtype)
@@ -284,15 +286,20 @@ def _proj(p, name):
     return {"w": p["w" + name], "b": p["b" + name]} if "b" + name in p else {"w": p["w" + name]}
 
 
-def attention_fwd(p, x, config, key=None, segments=None):
+def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: Core | None = None,
+                  manual: ManualCore | None = None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D),
     around the core config.attention_impl names ("cudnn": ValueError, no manual backward).
     ``key`` (full, blockwise): the probabilities' dropout key; ``segments`` (B, T): the
-    documents of a packed row (the core's residual keeps what its backward needs of them)."""
-    if config.attention_impl not in MANUAL_CORES:
-        raise ValueError(CUDNN_REFUSED)
-    core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
-    (q, k, v), heads_res = heads_fwd(p, x, config)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
+    documents of a packed row (the core's residual keeps what its backward needs of them);
+    ``positions`` (T,): the tokens' rotary positions (the model's ``attention``'s); ``core``
+    and ``manual``: a core and its pair given in place of attention_impl's (context
+    parallelism's ring, whose backward ``attention_bwd`` is then given too)."""
+    if manual is None:
+        if config.attention_impl not in MANUAL_CORES:
+            raise ValueError(CUDNN_REFUSED)
+        core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
+    (q, k, v), heads_res = heads_fwd(p, x, config, positions)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key, segments)  # (B, H, T, Dh)
     h = merge_heads(o)  # (B, T, H Dh)
     y, out_res = linear_fwd(_proj(p, "o"), h, config.compute_dtype)  # (B, T, D)
@@ -300,10 +307,11 @@ def attention_fwd(p, x, config, key=None, segments=None):
     return y, AttentionRes(heads_res, core_res, out_res, lora_res)
 
 
-def attention_bwd(res: AttentionRes, dy):
-    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
+def attention_bwd(res: AttentionRes, dy, core_bwd: Callable | None = None):
+    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D)); ``core_bwd``: the backward of a core
+    given to attention_fwd (else found by the residual's type in MANUAL_CORES)."""
     heads_res, core_res, out_res, lora_res = res
-    core_bwd = next(c.bwd for c in MANUAL_CORES.values() if isinstance(core_res, c.res))
+    core_bwd = core_bwd or next(c.bwd for c in MANUAL_CORES.values() if isinstance(core_res, c.res))
     H, Dh = core_res.q.shape[-3], core_res.q.shape[-1]  # every core keeps q as (..., H, T or K, Dh)
     Hkv = heads_res.qkv.wk.shape[1] // Dh
     # y = merge_heads(O) @ wo + bo

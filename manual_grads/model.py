@@ -35,6 +35,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import embed_key
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.transformer import check_segments, head_params
+from jaxformer.model.parallel.context import context_mesh, context_size
 from jaxformer.model.parallel.tensor import tensor_mesh, tensor_size
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
@@ -45,6 +46,7 @@ from manual_grads.block import norm_bwd, norm_fwd
 from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
 from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
 from manual_grads.moe import moe_aux_loss_bwd
+from manual_grads.parallel.context import context_blocks_bwd, context_blocks_fwd
 from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
 from manual_grads.parallel.vocab import vocab_head_loss_grads
 from manual_grads import remat
@@ -146,9 +148,14 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
     mesh = tensor_mesh()  # a tensor axis: the blocks tensor parallel (manual_grads/parallel/tensor.py)
+    context = context_mesh()  # a context axis: the blocks context parallel (manual_grads/parallel/context.py)
+    if context is not None and tap is not None:
+        raise ValueError(f"mesh axis context={context_size(context)}: a tap runs on one device; use context=1")
     if mesh is not None and tap is not None:
         raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: a tap runs on one device; use tensor=1")
-    if mesh is not None:
+    if context is not None:
+        x, blocks_res = context_blocks_fwd(params["blocks"], x, config, context, segments)
+    elif mesh is not None:
         x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments)
     else:
         x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments, unroll)  # (B, T, D); residuals (L, ...)
@@ -179,7 +186,9 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
         dx = dh
     if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
         dx = (dx, moe_aux_loss_bwd(stats, config))
-    if mesh is not None:
+    if context is not None:
+        grads["blocks"], dx = context_blocks_bwd(blocks_res, dx)  # (B, T, D)
+    elif mesh is not None:
         grads["blocks"], dx = tensor_blocks_bwd(blocks_res, dx)  # (B, T, D)
     else:
         grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments, unroll)

@@ -136,26 +136,36 @@ def query_scale(config) -> float:
     return math.sqrt(config.d_head / config.attn_scalar) if config.attn_scalar else 1.0
 
 
-def rotate_qk(p, q, k, norm_eps, rope, start=0, qk: QKNorm = QKNorm()):
+def token_positions(T, start=0, positions=None):
+    """(T,) int: each token's position, ``positions`` where given (any order: context
+    parallelism's zig-zag chunks, parallel/context.py), else start + t (a decoder's cache:
+    ``start`` an int or a traced scalar)."""
+    return start + jnp.arange(T) if positions is None else positions
+
+
+def rotate_qk(p, q, k, norm_eps, rope, start=0, qk: QKNorm = QKNorm(), positions=None):
     """QK-norm then rotary positions on q (B, H, T, Dh) and k (B, Hkv, T, Dh): an RMS norm
     over each head's width where p has q_norm (and k_norm) (``qk``: over all heads' features,
     the scale offset); ``rope`` (a RopeSpec or a base theta; None or 0: none) rotates position
-    start + t. Neither option: q and k as they are."""
+    start + t, or positions[t] where ``positions`` (T,) int is given (it takes precedence).
+    Neither option: q and k as they are."""
     if "q_norm" in p:
         norm = (lambda *a: whole_norm(rms_norm, *a)) if qk.whole else rms_norm
         q, k = norm(p["q_norm"], q, norm_eps, qk.offset), norm(p["k_norm"], k, norm_eps, qk.offset)
     if rope:
-        cos, sin = rope_tables(start + jnp.arange(q.shape[-2]), q.shape[-1], rope, q.dtype)
+        cos, sin = rope_tables(token_positions(q.shape[-2], start, positions), q.shape[-1], rope, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (T, Dh) tables
     return q, k
 
 
-def attention_qkv(p, x, config, start=0):
+def attention_qkv(p, x, config, start=0, positions=None):
     """x (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh) as the core reads them: the
     projections, then QK-norm and rotary positions (``rotate_qk``) where config turns them
-    on; ``start``: the position of x's first token (a decoder's cache)."""
+    on; ``start``: the position of x's first token (a decoder's cache); ``positions`` (T,)
+    int, where given: each token's own (context parallelism's chunks), ``start`` unread."""
     q, k, v = qkv_heads(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    q, k = rotate_qk(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), start, qk_norm_of(config))
+    q, k = rotate_qk(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), start, qk_norm_of(config),
+                     positions)
     if config.attn_scalar:  # scores q k^T / sqrt(Dh) become q k^T / sqrt(attn_scalar)
         q = q * query_scale(config)
     return kept(q, config.compute_dtype), kept(k, config.compute_dtype), v  # as the core's products read them
@@ -181,13 +191,15 @@ def segment_args(segments) -> tuple:
     return () if segments is None else (segments,)
 
 
-def attention(p, x, config, key=None, core: Core | None = None, segments=None):
+def attention(p, x, config, key=None, core: Core | None = None, segments=None, positions=None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?} (bq bk bv, bo present as
     config.linear_biases says);
     x (B, T, D) -> (B, T, D). ``core``: CORES[config.attention_impl] unless given; ``key``
     (full, blockwise): the probabilities' dropout at config.dropout; ``segments`` (B, T) int:
-    each position's document in a packed row (another document's keys masked; None: one)."""
+    each position's document in a packed row (another document's keys masked; None: one);
+    ``positions`` (T,) int: x's tokens' rotary positions where they are not 0 .. T-1 (a
+    context-parallel device's chunks, parallel/context.py)."""
     core = core or CORES[config.attention_impl]
-    q, k, v = attention_qkv(p, x, config)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
+    q, k, v = attention_qkv(p, x, config, positions=positions)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     out = core.fn(q, *core_kv(core, q, k, v), attention_spec(config), key, *segment_args(segments))  # (B, H, T, Dh)
     return attention_out(p, out, config.compute_dtype)

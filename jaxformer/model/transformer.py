@@ -33,6 +33,7 @@ from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.dropout import embed_key, layer_key
+from jaxformer.model.parallel.context import context_blocks, context_mesh, context_size
 from jaxformer.model.parallel.tensor import tensor_blocks, tensor_mesh, tensor_size
 from jaxformer.model.parallel.vocab import vocab_head_loss
 from jaxformer.model.params import head_weights, validate_params
@@ -103,8 +104,13 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
                                    layer(p, x, c, key=lkey, **seg), c)
         return per_layer(config, l, run)  # layer l's config: its kind of attention (layer_kinds.py)
 
-    mesh = tensor_mesh()
-    if mesh is not None:  # the blocks tensor parallel over the mesh's tensor axis (model/parallel/tensor.py)
+    mesh, context = tensor_mesh(), context_mesh()
+    if context is not None:  # the blocks context parallel over the mesh's context axis (model/parallel/context.py)
+        if layers is not MODEL_LAYERS:
+            raise ValueError(f"mesh axis context={context_size(context)}: context parallelism runs the model's own "
+                             "layers (and the manual backward), not custom ones; use context=1")
+        x, stats = context_blocks(params["blocks"], x, config, context, segments), None
+    elif mesh is not None:  # the blocks tensor parallel over the mesh's tensor axis (model/parallel/tensor.py)
         if layers is not MODEL_LAYERS:
             raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: tensor parallelism runs the model's own layers "
                              "(and the manual backward), not custom ones; use tensor=1")

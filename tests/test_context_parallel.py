@@ -1,0 +1,230 @@
+"""Context parallelism for the whole model (jaxformer/model/parallel/context.py, its manual pair
+manual_grads/parallel/context.py) equals one device.
+
+One subprocess on 8 forced CPU devices, float64, runs every multi-device case and returns the
+largest differences: the whole model (B=4, T=16, 2 layers) under ``jax.set_mesh`` of a mesh with
+a context axis, its blocks ring-attention context parallel (model/parallel/context.context_mesh):
+the GPT-2-like config (learned positions, pre layer norm, GELU, biases) on data=2 x context=2,
+the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's global position,
+2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) on
+context=4, and the Llama-like one on context=2 with packed documents whose boundaries cut
+through the chunks. Each mesh's loss and every gradient leaf, of manual_grads.value_and_grad and
+of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
+collectives counted as lowered. The refusals run in this process."""
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import once_per_run
+
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.parallel.context import check_context_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOL = 1e-10
+B, T = 4, 16
+# packed rows: boundaries inside the zig-zag pieces (n = 4 tokens on context=2)
+DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
+# (model, mesh axes, sizes, packed documents)
+CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama", ("context",), (4,), False),
+         ("llama", ("context",), (2,), True)]
+
+
+def case_name(cname, names, shape, documents) -> str:
+    return f"{cname} {'x'.join(f'{n}={s}' for n, s in zip(names, shape))}{' documents' if documents else ''}"
+
+
+def configs():
+    base = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=T)
+    return {"gpt2": ModelConfig(**base),
+            "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
+                                 positions="rope", n_kv_heads=2, qk_norm=True,
+                                 tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
+
+
+def collectives(lowered, compiled) -> dict:
+    """A program's collectives as lowered (the shard_maps' own: what the manual code writes, a
+    scan's body counted once) and, reported but not held, as compiled (with what the partitioner
+    adds outside the shard_maps: the reorder of x and dx between natural and zig-zag order)."""
+    import re
+
+    kinds = re.findall(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)",
+                       lowered.as_text())
+    done = re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                      compiled.as_text())
+    out = {f"lowered {k}": kinds.count(k) for k in ("collective_permute", "all_reduce", "all_gather",
+                                                      "reduce_scatter", "all_to_all")}
+    out.update({f"compiled {k}": done.count(k) for k in ("collective-permute", "all-reduce", "all-gather",
+                                                           "reduce-scatter", "all-to-all")})
+    return out
+
+
+def run_cases() -> dict:
+    """The subprocess' body: {name: number}."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import manual_grads
+    from jaxformer import loss_fn
+    from jaxformer.model.params import init_params
+
+    out, leaves = {}, jax.tree_util.tree_leaves
+    devices = np.array(jax.devices())
+    diff = lambda a, b: max(float(jnp.max(jnp.abs(u - v)))  # noqa: E731
+                            for u, v in zip(leaves(a), leaves(b), strict=True))
+    start = time.perf_counter()
+    for case in CASES:
+        cname, names, shape, documents = case
+        name, config = case_name(*case), configs()[cname]
+        rng = np.random.default_rng(2)
+        shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+        params = jax.tree_util.tree_map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape)), shapes)
+        inputs = jnp.asarray(rng.integers(0, config.vocab_size, (B, T)))
+        batch = {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1)}
+        if documents:
+            batch["segments"] = jnp.asarray(DOCUMENTS)
+        loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
+        mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
+        rows = P("data") if "data" in names else P()
+        params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated
+        batch = jax.device_put(batch, NamedSharding(mesh, rows))  # the rows over data, where the mesh has it
+        with jax.set_mesh(mesh):
+            for what, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
+                lowered = jax.jit(f, static_argnums=2).lower(params, batch, config)
+                compiled = lowered.compile()
+                if what == "manual":
+                    out.update({f"{name}: {k}": n for k, n in collectives(lowered, compiled).items()})
+                loss, grads = compiled(params, batch)
+                out[f"{name}: {what} loss"] = abs(float(loss) - float(loss1))
+                out[f"{name}: {what} = one device"] = diff(grads, grads1)
+                out[f"{name}: {what} leaves"] = len(leaves(grads))
+        out[f"{name}: leaves"] = len(leaves(grads1))
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def _run_in_a_subprocess():
+    # the programs are tiny: neither JAX nor XLA need optimize them (compiling is most of the run)
+    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
+           "PATH": "/usr/bin:/bin"}
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import json, test_context_parallel as t; " \
+           "print('RESULTS', json.dumps(t.run_cases()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "context_parallel", _run_in_a_subprocess)  # one run, not one a worker
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
+def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
+    """Loss and every gradient leaf, by hand and by jax.grad through the ring's forward, equal one
+    device's manual ones to 1e-10."""
+    import jax
+
+    from jaxformer.model.params import init_params
+    name = case_name(*case)
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), configs()[case[0]]))
+    n = len(jax.tree_util.tree_leaves(params))
+    assert results[f"{name}: leaves"] == n  # every leaf compared
+    for what in ("manual", "jax.grad"):
+        assert results[f"{name}: {what} leaves"] == n
+        assert results[f"{name}: {what} loss"] <= TOL, (what, results[f"{name}: {what} loss"])
+        assert results[f"{name}: {what} = one device"] <= TOL, (what, results[f"{name}: {what} = one device"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
+def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
+    """As lowered (the layer scans' bodies once): the ring's ppermutes, k and v (and the ids) in the
+    forward, the same with dK, dV beside them in the backward and dK, dV's final hop; one all-reduce
+    per block leaf (its gradient summed over context and the batch axes); no all-gather, no
+    all-to-all, no reduce-scatter: no device gathers a (B, T, D) activation, nor the keys and values."""
+    import jax
+
+    from jaxformer.model.params import init_params
+    name, documents = case_name(*case), case[3]
+    n = 3 if documents else 2  # k, v (and the ids)
+    blocks = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), configs()[case[0]]))["blocks"]
+    assert results[f"{name}: lowered collective_permute"] == n + (n + 2) + 2
+    assert results[f"{name}: lowered all_reduce"] == len(jax.tree_util.tree_leaves(blocks))
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert results[f"{name}: lowered {kind}"] == 0, kind
+
+
+# ---------------------------------------------------------------- in this process: the refusals
+
+
+def refusal(config, c=2, seq_len=T, t=1) -> str:
+    with pytest.raises(ValueError) as err:
+        check_context_model(config, c, seq_len, t)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("changes, what", [
+    (dict(dropout=0.1), "dropout"),
+    (dict(attention_impl="pallas"), "attention_impl 'pallas' (the ring's visits are the full core's math: "
+                                    "use attention_impl 'full')"),
+    (dict(sliding_window=4), "sliding windows"),
+    (dict(attn_softcap=20.0), "attn_softcap"),
+    (dict(remat="block"), "remat 'block'"),
+])
+def test_unsupported_options_are_refused(changes, what):
+    config = dataclasses.replace(configs()["gpt2"], **changes)
+    assert refusal(config).startswith(f"mesh axis context=2: context parallelism does not run {what}")
+    check_context_model(config, 1, T)  # one device runs them
+
+
+def test_tensor_beside_context_is_refused():
+    assert refusal(configs()["llama"], t=2) == ("mesh axis context=2: context parallelism does not run a tensor "
+                                                "axis beside it (tensor=2: one of the two splits at a time) yet; "
+                                                "use context=1")
+
+
+def test_sequence_that_does_not_fit_is_refused():
+    assert refusal(configs()["gpt2"], c=4, seq_len=20) == (
+        "mesh axis context=4 does not fit the sequence length 20: 2 x context = 8 (the zig-zag layout's equal "
+        "pieces) must divide the sequence length")
+    check_context_model(configs()["gpt2"], 4, 16)
+
+
+def test_tap_and_custom_layers_are_refused():
+    """Under a mesh with a context axis (abstract: traced only), a tap and custom layers are refused."""
+    import jax
+    import jax.numpy as jnp
+
+    import manual_grads
+    from jaxformer import loss_fn
+    from jaxformer.model.params import init_params
+    from jaxformer.model.transformer import MODEL_LAYERS
+
+    config = configs()["gpt2"]
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+    batch = {"inputs": jnp.zeros((B, T), jnp.int32), "targets": jnp.zeros((B, T), jnp.int32)}
+
+    class Tap:
+        def forward(self, *args):
+            pass
+
+        def backward(self, *args):
+            pass
+
+    layers = MODEL_LAYERS._replace(block=lambda *a, **k: MODEL_LAYERS.block(*a, **k))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("context",))):
+        with pytest.raises(ValueError, match="^mesh axis context=2: a tap runs on one device; use context=1"):
+            jax.eval_shape(lambda p, b: manual_grads.value_and_grad(p, b, config, tap=Tap()), params, batch)
+        with pytest.raises(ValueError, match="^mesh axis context=2: context parallelism runs the model's own layers"):
+            jax.eval_shape(lambda p, b: loss_fn(p, b, config, layers), params, batch)
