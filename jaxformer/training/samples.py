@@ -28,10 +28,16 @@ SAMPLE_TOKENS = 32
 
 
 @functools.lru_cache(maxsize=4)
+def folder_meta(data_dir: str) -> dict:
+    """A data folder's meta.json, read once (each evaluation asks for it); read-only."""
+    return data.read_meta(data_dir)
+
+
+@functools.lru_cache(maxsize=4)
 def held_out_prompts(data_dir: str, n: int) -> tuple[np.ndarray, ...]:
     """The prompts (int32 ids) of the first ``n`` validation conversations of a chat data
     folder that hold an assistant token: each up to that token."""
-    meta = data.read_meta(data_dir)
+    meta = folder_meta(data_dir)
     if not meta.get("doc_starts") or not meta.get("mask"):
         return ()
     val = data.open_split(data_dir, meta, "val")
@@ -119,7 +125,7 @@ def at_eval(run, params, step: int, val_loss: float, log) -> dict:
         return {}
     if run.spec.frozen is not None:
         params = merge(run.spec.frozen.params, params, run.spec.lora)
-    stops = stop_ids(run.data.tokenizer, data.read_meta(settings.data))
+    stops = stop_ids(run.data.tokenizer, folder_meta(str(settings.data)))
     pairs = replies(params, run.config, run.data.tokenizer, prompts, stops)
     if log:
         log(f"step {step}: val loss {val_loss:.4f}; greedy replies to {len(pairs)} held-out prompts:")
