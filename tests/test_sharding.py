@@ -22,7 +22,9 @@ CASES = [("data=8", "auto", ""), ("data=2,fsdp=4", "auto", ""), ("data=8", "manu
          ("data=2,fsdp=4", "manual", "pallas"),
          # tensor parallel blocks (model/parallel/tensor.py); modern's one key/value head is replicated
          ("data=4,tensor=2", "manual", ""), ("data=2,fsdp=2,tensor=2", "auto", ""),
-         ("data=2,fsdp=2,tensor=2", "manual", "modern")]
+         ("data=2,fsdp=2,tensor=2", "manual", "modern"),
+         # context parallel blocks (model/parallel/context.py): ring attention over T split in two
+         ("data=4,context=2", "auto", ""), ("data=2,fsdp=2,context=2", "manual", "modern")]
 # the modern block on the tiny preset: multi-query attention, rotary positions, RMS norm, SwiGLU, QK-norm
 MODERN = dict(norm_type="rms", positions="rope", mlp="gated", activation="silu", n_kv_heads=1,
               qk_norm=True, bias=False)
@@ -49,7 +51,7 @@ SCRIPT = textwrap.dedent("""
     except ValueError as e:
         errors["rows"] = str(e)
     for name, kwargs in [("batch", dict(batch_size=12)), ("product", dict(mesh="data=3,fsdp=2")),
-                         ("fsdp", dict(mesh="fsdp=3"))]:
+                         ("fsdp", dict(mesh="fsdp=3")), ("context", dict(mesh="context=2", model={"dropout": 0.1}))]:
         try:
             train(tiny_settings(corpus, steps=1, **kwargs), out + "-bad", progress=False)
         except ValueError as e:
@@ -69,9 +71,10 @@ SCRIPT = textwrap.dedent("""
             assert w_out.sharding.spec[1] == "tensor"
             head = params["head"]["w"]  # (D, V) = (16, 256): V split over tensor (the vocab-parallel head)
             assert [s.data.shape for s in head.addressable_shards] == [(16 // fsdp, 128)] * 8
-        elif kind == "modern":  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too
-            w_up = params["blocks"]["ffn"]["w_up"]
-            assert [s.data.shape for s in w_up.addressable_shards] == [(2, 16, 6)] * 8
+        elif kind == "modern":  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too (over
+            w_up = params["blocks"]["ffn"]["w_up"]  # fsdp alone: the params are replicated over context)
+            fsdp = 2 if "fsdp=2" in mesh else 4
+            assert [s.data.shape for s in w_up.addressable_shards] == [(2, 16, 24 // fsdp)] * 8
         elif "fsdp=4" in mesh:  # (V, D) = (256, 16): split along V; ln_f scale (16,): along D
             assert [s.data.shape for s in params["tok_embed"].addressable_shards] == [(64, 16)] * 8
             assert [s.data.shape for s in params["ln_f"]["scale"].addressable_shards] == [(4,)] * 8
@@ -106,6 +109,8 @@ def test_meshes_match_one_device(corpus, tmp_path):
     assert "data x fsdp = 3 x 2 = 6 devices, but 8 devices are in use" in errors["product"]
     assert "fsdp=3 does not divide the 8 devices" in errors["fsdp"]
     assert "has 6 rows, which do not divide over the 8 devices" in errors["rows"]
+    assert errors["context"] == "mesh axis context=2: context parallelism does not run dropout (each device would " \
+                                "draw its own tokens' masks) yet; use context=1"
     sharded = result["records"]
     for grads, kind in (("auto", ""), ("manual", ""), ("manual", "modern"), ("manual", "pallas")):
         single = train(tiny_settings(corpus, steps=STEPS, eval_every=STEPS, grads=grads, model=KINDS[kind]),
@@ -152,6 +157,10 @@ def test_mesh_shape():
         mesh_shape("data=2,tensor=2", 8)
     with pytest.raises(ValueError, match="tensor=3 does not divide the 8 devices"):
         mesh_shape("tensor=3", 8)
+    # so does a context axis, and the axes between
+    assert mesh_shape("context=2", 8) == (4, 1, 1, 1, 2)
+    assert mesh_shape("fsdp=2,context=2", 8) == (2, 2, 1, 1, 2)
+    assert make_mesh(shape="context=1").axis_names == ("data", "fsdp", "expert", "tensor", "context")
 
 
 def test_leaf_spec_picks_the_largest_divisible_dimension():

@@ -49,8 +49,9 @@ from jaxformer.training.memory_check import check_run_memory
 from jaxformer.training.resume import check_fresh, checkpoint_meta, restore_newest, resume_settings
 from jaxformer.training.run_data import RunData, run_data
 from jaxformer.training.settings import TrainSettings, grads_text, recipe_notes
+from jaxformer.model.parallel.context import check_context_model
 from jaxformer.model.parallel.tensor import check_tensor
-from jaxformer.training.sharding import check_batch_size, local_rows, make_mesh, put_batch
+from jaxformer.training.sharding import check_batch_size, describe, local_rows, make_mesh, put_batch
 from jaxformer.training.stopping import Interrupted, StopRequests
 from jaxformer.training.step import (GradFn, StepSpec, TrainState, check_init_vocab, compiled_eval_step,
                                      compiled_step, init_fn, with_params)
@@ -150,7 +151,9 @@ def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False,
     check_batch_size(settings.batch_size, mesh)
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
     config = settings.model_config(data.tokenizer.vocab_size)
-    check_tensor(config, dict(mesh.shape).get("tensor", 1))  # before the step is compiled: one line
+    sizes = dict(mesh.shape)  # before the step is compiled: one line each
+    check_tensor(config, sizes.get("tensor", 1))
+    check_context_model(config, sizes.get("context", 1), settings.seq_len, sizes.get("tensor", 1))
     if init_params is not None and (settings.lora_rank or not resume):
         check_init_vocab(init_params, config)  # before the step is compiled
     base = None
@@ -320,7 +323,7 @@ def _log_settings(log, settings: TrainSettings, config: ModelConfig, params, mes
     """The settings block: every field, and the preset recipe's notes, for a run from a preset;
     a run from given params (a fine-tune, its recipe's values printed with their sources by the
     command) gets the short block, and no note about a preset's recipe it did not use."""
-    devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s), mesh {dict(mesh.shape)}"
+    devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s), mesh {describe(mesh)}"
     notes = recipe_notes(settings) if from_preset else []
     for line in report.settings_block(settings, config, count_params(params), devices,
                                       grads_text(grads, config), notes, fields=from_preset):

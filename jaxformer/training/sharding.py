@@ -1,15 +1,18 @@
-"""Data x FSDP (x expert x tensor) parallelism from JAX's own sharding: a ``Mesh`` of devices
-("data", "fsdp"), ("data", "fsdp", "expert") when the mesh text names an expert axis, or
-("data", "fsdp", "expert", "tensor") when it names a tensor axis (expert then 1 unless named),
-and the ``NamedSharding`` of each array on it. jit inserts the collectives (the gradient
-reduction, the parameter all-gathers); the MoE layer's token exchange over "expert" is
-its own (jaxformer/model/moe_parallel.py, under shard_map), and so are the tensor-parallel
-blocks' over "tensor" (jaxformer/model/parallel/tensor.py).
+"""Data x FSDP (x expert x tensor x context) parallelism from JAX's own sharding: a ``Mesh`` of
+devices ("data", "fsdp"), ("data", "fsdp", "expert") when the mesh text names an expert axis,
+("data", "fsdp", "expert", "tensor") when it names a tensor axis, and "context" after them when
+it names a context axis (the axes before the last named one 1 unless named), and the
+``NamedSharding`` of each array on it. jit inserts the collectives (the gradient reduction, the
+parameter all-gathers); the MoE layer's token exchange over "expert" is its own
+(jaxformer/model/moe_parallel.py, under shard_map), and so are the tensor-parallel blocks' over
+"tensor" (jaxformer/model/parallel/tensor.py) and the context-parallel blocks' ring over
+"context" (jaxformer/model/parallel/context.py).
 
-- a batch is split along its first axis over every axis but tensor: PartitionSpec(("data",
-  "fsdp")) or PartitionSpec(("data", "fsdp", "expert")) (outside the MoE layers the expert axis
-  is more data parallelism); over "tensor" it is replicated: each device of a tensor group runs
-  its slice of every block on the same rows
+- a batch is split along its first axis over every axis but tensor and context:
+  PartitionSpec(("data", "fsdp")) or PartitionSpec(("data", "fsdp", "expert")) (outside the MoE
+  layers the expert axis is more data parallelism); over "tensor" and "context" it is
+  replicated: each device of a tensor group runs its slice of every block on the same rows, each
+  device of a context group its part of the same rows' tokens
 - the MoE experts (blocks.ffn.w_gate, w_up, w_down: (L, E, ...)) are split over "expert"
   along E; the blocks' column- and row-parallel weights over "tensor" as the tensor-parallel
   block reads them (parallel/tensor.leaf_spec), and the head's w and b along V (parallel/vocab.py);
@@ -28,11 +31,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.model.moe_parallel import EXPERT_WEIGHTS, check_experts_divide
-from jaxformer.model.parallel.regions import TENSOR, batch_axes  # batch_axes: every axis but tensor
+from jaxformer.model.parallel.regions import TENSOR, batch_axes  # batch_axes: every axis but tensor, context
 from jaxformer.model.parallel.tensor import leaf_spec as tensor_leaf_spec
 from jaxformer.observe.words import plural, verb
 
-AXES = ("data", "fsdp", "expert", "tensor")  # a mesh has the first two, three or all four
+AXES = ("data", "fsdp", "expert", "tensor", "context")  # a mesh has the first two, three, four or all five
 
 _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$")
 
@@ -62,19 +65,20 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 def mesh_shape(text: str | None, n_devices: int) -> tuple[int, ...]:
     """(data, fsdp) sizes of the mesh ``text`` over ``n_devices`` devices; (data, fsdp,
     expert) when the text names an expert axis; (data, fsdp, expert, tensor) when it names a
-    tensor axis."""
+    tensor axis; all five (..., context) when it names a context axis (the axes before it 1
+    unless named)."""
     sizes = parse_mesh(text)
-    fsdp, expert, tensor = sizes.get("fsdp", 1), sizes.get("expert", 1), sizes.get("tensor", 1)
-    axes = 4 if "tensor" in sizes else 3 if "expert" in sizes else 2
+    rest = [sizes.get(a, 1) for a in AXES[1:]]  # fsdp, expert, tensor, context
+    axes = max([2] + [i + 1 for i, a in enumerate(AXES) if a in sizes])
     named = " x ".join(AXES[:axes])
     if "data" in sizes:
         data = sizes["data"]
-    elif n_devices % (fsdp * expert * tensor) == 0:
-        data = n_devices // (fsdp * expert * tensor)
+    elif n_devices % math.prod(rest) == 0:
+        data = n_devices // math.prod(rest)
     else:
-        rest = " x ".join(f"{a}={sizes[a]}" for a in AXES[1:] if a in sizes)
-        raise ValueError(f"mesh {text!r}: {rest} does not divide the {plural(n_devices, 'device')}")
-    shape = (data, fsdp, expert, tensor)[:axes]
+        given = " x ".join(f"{a}={sizes[a]}" for a in AXES[1:] if a in sizes)
+        raise ValueError(f"mesh {text!r}: {given} does not divide the {plural(n_devices, 'device')}")
+    shape = (data, *rest)[:axes]
     if math.prod(shape) != n_devices:
         raise ValueError(f"mesh {text!r} has {named} = {' x '.join(map(str, shape))} = {math.prod(shape)} "
                          f"devices, but {plural(n_devices, 'device')} {verb(n_devices, 'is')} in use")
@@ -84,7 +88,7 @@ def mesh_shape(text: str | None, n_devices: int) -> tuple[int, ...]:
 def make_mesh(devices=None, shape: str | tuple[int, ...] | None = None) -> Mesh:
     """A ("data", "fsdp") mesh over ``devices`` (default: all devices of all processes), or
     ("data", "fsdp", "expert") for a three-size shape, ("data", "fsdp", "expert", "tensor") for
-    four. ``shape``: those sizes or mesh text (``parse_mesh``); default: every device on data."""
+    four, and "context" too for five. ``shape``: those sizes or mesh text (``parse_mesh``); default: every device on data."""
     devices = jax.devices() if devices is None else list(devices)
     if shape is None or isinstance(shape, str):
         shape = mesh_shape(shape, len(devices))
@@ -92,7 +96,8 @@ def make_mesh(devices=None, shape: str | tuple[int, ...] | None = None) -> Mesh:
 
 
 def mesh_size(mesh: Mesh) -> tuple[int, ...]:
-    """The sizes of ``mesh``'s axes: (data, fsdp), (data, fsdp, expert) or (data, fsdp, expert, tensor)."""
+    """The sizes of ``mesh``'s axes: (data, fsdp), (data, fsdp, expert), (data, fsdp, expert, tensor)
+    or all five."""
     return tuple(mesh.shape[a] for a in AXES if a in mesh.axis_names)
 
 
@@ -102,14 +107,16 @@ def batch_devices(mesh: Mesh) -> int:
 
 
 def describe(mesh: Mesh) -> str:
-    """``"data=2 x fsdp=2 x expert=2"``: the mesh's axes and sizes, for messages (an expert
-    axis of 1 that a tensor axis brought along is left out)."""
+    """``"data=2 x fsdp=2 x expert=2"``: the mesh's axes and sizes, for messages (an axis of 1
+    that a later axis brought along, expert or tensor, is left out)."""
+    last = max(AXES.index(a) for a in mesh.axis_names if a in AXES)
     return " x ".join(f"{a}={mesh.shape[a]}" for a in AXES if a in mesh.axis_names
-                      and not (a == "expert" and mesh.shape[a] == 1 and "tensor" in mesh.axis_names))
+                      and not (a in ("expert", "tensor") and mesh.shape[a] == 1 and AXES.index(a) < last))
 
 
 def mesh_shardings(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
-    """(replicated, batch: split along the first axis over every mesh axis but tensor) on ``mesh``."""
+    """(replicated, batch: split along the first axis over every mesh axis but tensor and context)
+    on ``mesh``."""
     return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
@@ -186,7 +193,7 @@ def state_shardings(state, mesh: Mesh):
 def check_batch_size(batch_size: int, mesh: Mesh) -> None:
     n = batch_devices(mesh)
     if batch_size % n:
-        what = "batch shards" if "tensor" in mesh.axis_names else "devices"
+        what = "batch shards" if {"tensor", "context"} & set(mesh.axis_names) else "devices"
         raise ValueError(f"batch_size {batch_size} must be divisible by the number of {what} ({n}: "
                          f"mesh {describe(mesh)})")
 

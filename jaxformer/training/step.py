@@ -184,13 +184,14 @@ def make_eval_step(config: ModelConfig, mesh: Mesh | None = None):
     """Jitted ``(params, batch) -> loss``. On a mesh with an expert axis it is traced under the
     mesh, as the train step is, so that the MoE layers keep their experts split and exchange
     the tokens (model/moe_parallel.py) rather than gather every expert on each device; on one
-    with a tensor axis so that the blocks run tensor parallel (model/parallel/tensor.py)."""
+    with a tensor or context axis so that the blocks run tensor or context parallel
+    (model/parallel/tensor.py, context.py)."""
     kwargs = {}
     loss = lambda params, batch: loss_fn(params, batch, config)  # noqa: E731
     if mesh is not None:
         replicated, _ = mesh_shardings(mesh)
         kwargs.update(out_shardings=replicated)
-        if "expert" in mesh.axis_names or "tensor" in mesh.axis_names:
+        if {"expert", "tensor", "context"} & set(mesh.axis_names):
             loss = _under_mesh(loss, mesh)
     return jax.jit(loss, **kwargs)
 

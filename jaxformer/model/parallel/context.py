@@ -35,7 +35,7 @@ from jaxformer.model.block import BlockLayers, compose_block, model_feed_forward
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
-from jaxformer.model.parallel.regions import TENSOR
+from jaxformer.model.parallel.regions import TENSOR, batch_axes
 from jaxformer.model.parallel.ring import (CONTEXT, check_context, chunk_positions, from_zigzag, ring_attention,
                                            to_zigzag)
 from jaxformer.model.rms_norm import rms_norm
@@ -56,8 +56,8 @@ def context_mesh():
 
 def row_axes(mesh) -> tuple[str, ...]:
     """The axes the batch's rows split over in the context-parallel blocks: every mesh axis but
-    tensor and context (regions.batch_axes less context: a context group shares its rows)."""
-    return tuple(a for a in mesh.axis_names if a not in (TENSOR, CONTEXT))
+    tensor and context (regions.batch_axes: a context group shares its rows)."""
+    return batch_axes(mesh)
 
 
 def stream_spec(mesh) -> PartitionSpec:

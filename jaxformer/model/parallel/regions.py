@@ -23,12 +23,13 @@ from __future__ import annotations
 import jax
 
 TENSOR = "tensor"  # the mesh axis the model's matrices split over
+CONTEXT = "context"  # the mesh axis the sequence splits over (context parallelism, ring.py)
 
 
 def batch_axes(mesh) -> tuple[str, ...]:
-    """The axes a batch splits over on ``mesh`` (a Mesh or AbstractMesh): every axis but tensor
-    (the devices of a tensor group share their rows)."""
-    return tuple(a for a in mesh.axis_names if a != TENSOR)
+    """The axes a batch's rows split over on ``mesh`` (a Mesh or AbstractMesh): every axis but
+    tensor and context (the devices of a tensor or a context group share their rows)."""
+    return tuple(a for a in mesh.axis_names if a not in (TENSOR, CONTEXT))
 
 
 def _axis(x, axis: int) -> int:

@@ -62,9 +62,9 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.blockwise import online_softmax_step
 from jaxformer.model.cores import AttentionSpec, attention_scores, repeat_kv, segment_mask
+from jaxformer.model.parallel.regions import CONTEXT  # the mesh axis the sequence splits over
 from jaxformer.model.precision import stats_dtype
 
-CONTEXT = "context"  # the mesh axis the sequence splits over
 ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"
 LAYOUTS = (ZIGZAG, CONTIGUOUS)
 SELF, EARLIER, LATER = 0, 1, 2  # the kinds of a visit: the own chunk, an earlier device's, a later one's
