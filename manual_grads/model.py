@@ -156,7 +156,7 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     if context is not None:
         x, blocks_res = context_blocks_fwd(params["blocks"], x, config, context, segments)
     elif mesh is not None:
-        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments)
+        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
     else:
         x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments, unroll)  # (B, T, D); residuals (L, ...)
     x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics (L, ...)

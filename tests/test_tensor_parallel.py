@@ -44,7 +44,7 @@ def case_name(cname, names, shape, sequence) -> str:
 
 def configs():
     base = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=8)
-    return {"gpt2": ModelConfig(**base),
+    return {"gpt2": ModelConfig(**base), "gpt2-sequence": ModelConfig(**base, sequence_parallel=True),
             "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
                                  positions="rope", n_kv_heads=2, qk_norm=True,
                                  tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
@@ -196,7 +196,7 @@ def vocab_head(devices) -> dict:
     return out
 
 
-WHOLE = ("gpt2", "llama")  # the whole model on data=2 x tensor=2
+WHOLE = ("gpt2", "llama", "gpt2-sequence")  # the whole model on data=2 x tensor=2 (sequence_parallel: T split too)
 
 
 def whole_model(devices) -> dict:
@@ -229,6 +229,8 @@ def whole_model(devices) -> dict:
                 out[f"whole {cname}: {name} loss"] = abs(float(loss) - float(loss1))
                 out[f"whole {cname}: {name} = one device"] = max(
                     float(jnp.max(jnp.abs(a - b))) for a, b in zip(leaves(grads), leaves(grads1), strict=True))
+            text = jax.jit(manual_grads.value_and_grad, static_argnums=2).lower(params, batch, config).as_text()
+            out[f"whole {cname}: all-gathers"] = text.count("stablehlo.all_gather")  # the sequence's, T
         out[f"whole {cname}: leaves"] = len(leaves(grads1))
     return out
 
@@ -312,13 +314,16 @@ def test_vocab_split_head_and_loss_equal_one_device(results, names, shape, cap, 
 
 @pytest.mark.parametrize("cname", WHOLE)
 def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
-    """GPT-2's block with its own head; the Llama-like one tied to the embedding, with the logits'
-    soft cap and loss_chunk: the head's vocabulary split (11 tokens, padded to 12) in both."""
+    """GPT-2's block with its own head (and again with sequence_parallel); the Llama-like one tied
+    to the embedding, with the logits' soft cap and loss_chunk: the head's vocabulary split (11
+    tokens, padded to 12) in each."""
     import jax
 
     from jaxformer.model.params import init_params
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), configs()[cname]))
     assert results[f"whole {cname}: leaves"] == len(jax.tree_util.tree_leaves(params))  # every leaf compared
+    # sequence_parallel: each sublayer gathers its input along T (two a layer, forward and backward)
+    assert results[f"whole {cname}: all-gathers"] == (4 if configs()[cname].sequence_parallel else 0)
     for name in ("manual", "jax.grad"):
         assert results[f"whole {cname}: {name} loss"] <= TOL
         assert results[f"whole {cname}: {name} = one device"] <= TOL, name

@@ -23,7 +23,7 @@ from jaxformer.model.hf_presets import FAMILY_PRESETS, FAMILY_TRAINING
 # The fields that choose how the model is computed, not what it computes: a model read
 # from a checkpoint (--init-from) keeps every other field but vocab_size (model_fields_of_weights).
 HOW_FIELDS = ("attention_impl", "attention_block", "pallas_block_q", "pallas_block_k", "loss_chunk",
-              "remat", "compute_dtype", "dropout")
+              "remat", "sequence_parallel", "compute_dtype", "dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,7 @@ class ModelConfig:
     pallas_block_k: int = 0  # pallas: key block size; 0 takes the device's default (jaxformer/kernels/pallas/)
     loss_chunk: int = 0  # 0: head + cross entropy on all positions; N: N positions at a time
     remat: str = "none"  # none: each block keeps its residuals; block: keep the input, recompute
+    sequence_parallel: bool = False  # on a mesh's tensor axis: the activations between the sublayers split along T
     # --- precision: None computes in the params' dtype; else matmul inputs are cast to it
     compute_dtype: str | None = None  # None | float32 | bfloat16 | float16 (params stay the master copy)
     # --- GPT-2 / nanoGPT options (docs/design.md, "Model options")

@@ -72,6 +72,7 @@ FIELD_RULES: dict[str, Rule] = {
     "pallas_block_k": NON_NEGATIVE._replace(note="0: the device's default"),
     "loss_chunk": NON_NEGATIVE._replace(note="0: no chunking"),
     "remat": Rule("choice", choices=REMATS),
+    "sequence_parallel": BOOL._replace(note="a tensor axis only"),
     "compute_dtype": Rule("choice", choices=(None, *COMPUTE_DTYPES), note="None: the params' dtype"),
     "tie_embeddings": BOOL, "bias": BOOL, "head_bias": BOOL,
     "dropout": Rule("number", low=0, high=1, high_open=True),

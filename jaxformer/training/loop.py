@@ -152,7 +152,7 @@ def prepare_run(settings: TrainSettings, run_dir: Path, *, resume: bool = False,
     data = run_data(settings, run_dir, saved_meta, allow_data_change, log)
     config = settings.model_config(data.tokenizer.vocab_size)
     sizes = dict(mesh.shape)  # before the step is compiled: one line each
-    check_tensor(config, sizes.get("tensor", 1))
+    check_tensor(config, sizes.get("tensor", 1), settings.seq_len if config.sequence_parallel else None)
     check_context_model(config, sizes.get("context", 1), settings.seq_len, sizes.get("tensor", 1))
     if init_params is not None and (settings.lora_rank or not resume):
         check_init_vocab(init_params, config)  # before the step is compiled
