@@ -14,7 +14,7 @@ import argparse
 import signal
 import sys
 
-from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, prepare, presets, train, tune
+from jaxformer.cli import bench, compare_grads, diagnose, doctor, export, generate, plan, prepare, presets, train, tune
 from jaxformer.cli.args import Parser, UsageError, exit_at_ctrl_c, run_command
 from jaxformer.cli.platforms import cpu_only_without_tpu_probe
 import jaxformer
@@ -56,7 +56,8 @@ Run `jaxformer COMMAND --help` for the options of each command.
 
 # The subcommands in the order --help lists them: name -> module with add_parser and run.
 COMMANDS = {"prepare": prepare, "train": train, "generate": generate, "presets": presets, "diagnose": diagnose,
-            "compare-grads": compare_grads, "bench": bench, "export": export, "doctor": doctor, "tune": tune}
+            "compare-grads": compare_grads, "bench": bench, "export": export, "doctor": doctor, "tune": tune,
+            "memory": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:

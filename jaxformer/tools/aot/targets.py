@@ -42,6 +42,10 @@ TARGETS = {
 }
 
 TPU_TOPOLOGY = "v5e:2x2"
+# the v5e slices libtpu's topology makes, by chip count (v5litepod-4 ... -256); fewer than four
+# chips are the first of TPU_TOPOLOGY's (a one-chip program is compiled the same)
+TPU_SLICES = {4: "v5e:2x2", 8: "v5e:2x4", 16: "v5e:4x4", 32: "v5e:4x8", 64: "v5e:8x8", 128: "v5e:8x16",
+              256: "v5e:16x16"}
 
 # stream_executor.GpuTargetConfigProto (text) of an H100 SXM5 80GB: compute capability 9.0,
 # 132 SMs, 228 KiB shared memory per SM (227 KiB per block opt-in), 50 MiB L2, 3.35 TB/s,
@@ -105,17 +109,28 @@ def missing(target: Target) -> str | None:
     return None
 
 
+def tpu_topology(count: int) -> str:
+    """libtpu's topology name for ``count`` v5e chips: TPU_TOPOLOGY up to its four, else the
+    slice of exactly that many (TPU_SLICES); ValueError naming the counts there are."""
+    if count <= 4:
+        return TPU_TOPOLOGY
+    if count not in TPU_SLICES:
+        raise ValueError(f"a TPU v5e slice has {', '.join(map(str, TPU_SLICES))} chips (or one chip), "
+                         f"not {count}")
+    return TPU_SLICES[count]
+
+
 def target_devices(target: Target, count: int = 1) -> list:
     """``count`` compile-only devices of ``target``. The TPU's come from libtpu's topology
-    (loaded here, with its cloud metadata queries off); run with JAX_PLATFORMS=cpu so that
-    JAX does not also look for a TPU to run on."""
+    (loaded here, with its cloud metadata queries off): ``tpu_topology(count)``'s; run with
+    JAX_PLATFORMS=cpu so that JAX does not also look for a TPU to run on."""
     reason = missing(target)
     if reason:
         raise RuntimeError(reason)
     if target.platform == "tpu":
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no cloud metadata server here
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=TPU_TOPOLOGY).devices
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=tpu_topology(count)).devices
     else:
         devices = topologies.get_topology_desc(
             target.name, "cuda", target_config=H100_TARGET_CONFIG, topology=f"1x1x{count}").devices
