@@ -1,5 +1,5 @@
 """The ``jaxformer`` command: prepare, train, generate, presets, diagnose, compare-grads, bench,
-export, doctor, tune.
+export, doctor, tune, memory.
 
 Each command is a module of this package with ``add_parser(subparsers)`` and
 ``run(args) -> int``; this one assembles them and dispatches. Bad input ends with
@@ -48,6 +48,8 @@ examples:
   jaxformer doctor
         check this install on this device: the attention kernels against full
         attention, manual gradients against jax.grad, training, speed and MFU
+  jaxformer memory --preset llama3.2-1b --seq-len 8192 --devices 8 --target tpu-v5e
+        the meshes of 8 TPU v5e chips that fit the model, compiled ahead of time here
   jaxformer tune --preset gpt2 --compute-dtype bfloat16 --seq-len 1024
         time the Pallas kernels' launches on this GPU and keep the fastest
 
