@@ -6,7 +6,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pathlib
 import random
+import subprocess
+import sys
 from typing import Callable, NamedTuple
 
 import jax
@@ -317,3 +320,21 @@ def once_per_run(tmp_path_factory, name: str, compute: Callable[[], dict]) -> di
         result = compute()
         path.write_text(json.dumps(result))
         return result
+
+
+def run_cases_on_8_devices(module: str) -> dict:
+    """``tests/{module}.py``'s ``run_cases()`` in a subprocess on 8 forced CPU devices in float64,
+    its JSON result. The programs are tiny: neither JAX nor XLA need optimize them (compiling is
+    most of the run; the settings conftest.py gives the suite halve it)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
+           "PATH": "/usr/bin:/bin"}
+    code = f"import sys; sys.path.insert(0, {str(tests)!r}); import json, {module} as t; " \
+           "print('RESULTS', json.dumps(t.run_cases()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tests.parent, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])

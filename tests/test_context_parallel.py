@@ -13,20 +13,15 @@ of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual p
 collectives counted as lowered. The refusals run in this process."""
 
 import dataclasses
-import json
-import pathlib
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import once_per_run
+from helpers import once_per_run, run_cases_on_8_devices
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.context import check_context_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-10
 B, T = 4, 16
 # packed rows: boundaries inside the zig-zag pieces (n = 4 tokens on context=2)
@@ -110,23 +105,9 @@ def run_cases() -> dict:
     return out
 
 
-def _run_in_a_subprocess():
-    # the programs are tiny: neither JAX nor XLA need optimize them (compiling is most of the run)
-    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
-    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
-           "PATH": "/usr/bin:/bin"}
-    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import json, test_context_parallel as t; " \
-           "print('RESULTS', json.dumps(t.run_cases()))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return once_per_run(tmp_path_factory, "context_parallel", _run_in_a_subprocess)  # one run, not one a worker
+    return once_per_run(tmp_path_factory, "context_parallel", lambda: run_cases_on_8_devices("test_context_parallel"))  # one run, not one a worker
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])

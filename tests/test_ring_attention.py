@@ -12,20 +12,15 @@ counted as lowered (sites) and in the jaxpr with each scan's trip count (hops ac
 The layout's helpers (round trip, equal causal work, every unmasked pair inside the block a
 visit computes) and the refusals run in this process."""
 
-import json
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers import once_per_run
+from helpers import once_per_run, run_cases_on_8_devices
 
 from jaxformer.model.parallel.ring import (CONTIGUOUS, EARLIER, LATER, SELF, ZIGZAG, check_context, chunk_positions,
                                            from_layout, from_zigzag, layout_order, pair_kind, to_layout, to_zigzag,
                                            visited)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-10
 B, H, T, DH = 2, 2, 16, 4
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5]  # two documents a row: boundaries at 5 and 11
@@ -132,24 +127,9 @@ def run_cases() -> dict:
     return out
 
 
-def _run_in_a_subprocess():
-    # the programs are tiny: neither JAX nor XLA need optimize them (compiling is most of the run;
-    # the two settings conftest.py gives the suite take the run from about 35 s to 14 here)
-    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
-    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
-           "PATH": "/usr/bin:/bin"}
-    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import json, test_ring_attention as t; " \
-           "print('RESULTS', json.dumps(t.run_cases()))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return once_per_run(tmp_path_factory, "ring_attention", _run_in_a_subprocess)  # one run, not one a worker
+    return once_per_run(tmp_path_factory, "ring_attention", lambda: run_cases_on_8_devices("test_ring_attention"))  # one run, not one a worker
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])

@@ -16,19 +16,14 @@ loss with the vocabulary split (parallel/vocab.py) equal one device's. The refus
 source rules run in this process."""
 
 import dataclasses
-import json
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers import once_per_run
+from helpers import once_per_run, run_cases_on_8_devices
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.tensor import check_tensor
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-10
 REGIONS = ("copy_to_tensor", "reduce_from_tensor", "scatter_to_tensor", "gather_from_tensor",
            "gather_from_sequence", "reduce_scatter_to_sequence")
@@ -265,24 +260,9 @@ def collectives(config, mesh, blocks, x, r, sequence) -> dict:
             - compiled.count("all-gather")}
 
 
-def _run_in_a_subprocess():
-    # the programs are tiny: neither JAX nor XLA need optimize them (compiling is most of the run;
-    # the two settings conftest.py gives the suite halve it here)
-    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
-    env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
-           "PATH": "/usr/bin:/bin"}
-    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import json, test_tensor_parallel as t; " \
-           "print('RESULTS', json.dumps(t.run_cases()))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return once_per_run(tmp_path_factory, "tensor_parallel", _run_in_a_subprocess)  # one run, not one a worker
+    return once_per_run(tmp_path_factory, "tensor_parallel", lambda: run_cases_on_8_devices("test_tensor_parallel"))  # one run, not one a worker
 
 
 @pytest.mark.parametrize("name", REGIONS)
