@@ -35,23 +35,21 @@ from jaxformer.model.block import BlockLayers, compose_block, model_feed_forward
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
-from jaxformer.model.parallel.regions import TENSOR, batch_axes
+from jaxformer.model.parallel.regions import TENSOR, axis_size, batch_axes, trace_mesh_with
 from jaxformer.model.parallel.ring import (CONTEXT, check_context, chunk_positions, from_zigzag, ring_attention,
                                            to_zigzag)
 from jaxformer.model.rms_norm import rms_norm
 
 
 def context_size(mesh) -> int:
-    return dict(mesh.shape).get(CONTEXT, 1)
+    return axis_size(mesh, CONTEXT)
 
 
 def context_mesh():
-    """The trace's mesh (``jax.set_mesh``, or the train step's abstract mesh) when it has a context
-    axis larger than 1: the whole model's blocks then run as ``context_blocks`` (the forward,
-    jaxformer/model/transformer.py) and ``context_blocks_fwd`` / ``_bwd`` (manual_grads/model.py);
-    None otherwise."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty or context_size(mesh) == 1 else mesh
+    """The trace's mesh when it has a context axis larger than 1 (regions.trace_mesh_with): the
+    whole model's blocks then run as ``context_blocks`` (the forward, jaxformer/model/transformer.py)
+    and ``context_blocks_fwd`` / ``_bwd`` (manual_grads/model.py); None otherwise."""
+    return trace_mesh_with(CONTEXT)
 
 
 def row_axes(mesh) -> tuple[str, ...]:

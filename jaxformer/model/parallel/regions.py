@@ -26,6 +26,18 @@ TENSOR = "tensor"  # the mesh axis the model's matrices split over
 CONTEXT = "context"  # the mesh axis the sequence splits over (context parallelism, ring.py)
 
 
+def axis_size(mesh, name: str) -> int:
+    """The size of ``mesh``'s axis ``name`` (1 where it has none)."""
+    return dict(mesh.shape).get(name, 1)
+
+
+def trace_mesh_with(name: str):
+    """The trace's mesh (``jax.set_mesh``, or the train step's abstract mesh) when its axis
+    ``name`` is larger than 1, else None: the model's blocks then run split over that axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or axis_size(mesh, name) == 1 else mesh
+
+
 def batch_axes(mesh) -> tuple[str, ...]:
     """The axes a batch's rows split over on ``mesh`` (a Mesh or AbstractMesh): every axis but
     tensor and context (the devices of a tensor or a context group share their rows)."""

@@ -51,8 +51,8 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
-from jaxformer.model.parallel.regions import (TENSOR, batch_axes, copy_to_tensor, gather_from_sequence,
-                                              reduce_from_tensor, reduce_scatter_to_sequence)
+from jaxformer.model.parallel.regions import (TENSOR, axis_size, batch_axes, copy_to_tensor, gather_from_sequence,
+                                              reduce_from_tensor, reduce_scatter_to_sequence, trace_mesh_with)
 from jaxformer.model.rms_norm import rms_norm
 
 COLUMNS = {"attn": ("wq", "bq"), "ffn": ("w_in", "b_in", "w_gate", "b_gate", "w_up", "b_up")}
@@ -198,16 +198,14 @@ def block_specs(blocks, config: ModelConfig, t: int):
 
 
 def tensor_size(mesh) -> int:
-    return dict(mesh.shape).get(TENSOR, 1)
+    return axis_size(mesh, TENSOR)
 
 
 def tensor_mesh():
-    """The trace's mesh (``jax.set_mesh``, or the train step's abstract mesh) when it has a tensor
-    axis larger than 1: the whole model's blocks then run as ``tensor_blocks`` (the forward,
-    jaxformer/model/transformer.py) and ``tensor_blocks_fwd`` / ``_bwd`` (manual_grads/model.py);
-    None otherwise."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty or tensor_size(mesh) == 1 else mesh
+    """The trace's mesh when it has a tensor axis larger than 1 (regions.trace_mesh_with): the
+    whole model's blocks then run as ``tensor_blocks`` (the forward, jaxformer/model/transformer.py)
+    and ``tensor_blocks_fwd`` / ``_bwd`` (manual_grads/model.py); None otherwise."""
+    return trace_mesh_with(TENSOR)
 
 
 def batch_spec(mesh) -> PartitionSpec:

@@ -60,7 +60,7 @@ def computations(text: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
     return out, entry
 
 
-def _called(line: str, *attributes: str) -> list[str]:
+def called(line: str, *attributes: str) -> list[str]:
     """The computations an instruction names in ``attributes`` (one name, or a {list})."""
     names = []
     for attribute in attributes:
@@ -124,13 +124,13 @@ def tally(text: str) -> tuple[collections.Counter, collections.Counter]:
         for opcode, line in comps[name]:
             if opcode == "while":
                 trips = _trips(line)
-                for body in _called(line, "body"):
+                for body in called(line, "body"):
                     walk(body, times * trips, count, moved)
-                for cond in _called(line, "condition"):
+                for cond in called(line, "condition"):
                     walk(cond, times * (trips + 1), count, moved)
             elif opcode == "conditional":
                 branches = []
-                for branch in _called(line, "branch_computations", "true_computation", "false_computation"):
+                for branch in called(line, "branch_computations", "true_computation", "false_computation"):
                     branches.append((collections.Counter(), collections.Counter()))
                     walk(branch, times, *branches[-1])
                 if branches:
@@ -138,7 +138,7 @@ def tally(text: str) -> tuple[collections.Counter, collections.Counter]:
                     count.update(most[0])
                     moved.update(most[1])
             elif opcode == "call":
-                for callee in _called(line, "to_apply"):
+                for callee in called(line, "to_apply"):
                     walk(callee, times, count, moved)
             elif opcode not in FREE:
                 count[opcode] += times

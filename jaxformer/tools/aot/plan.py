@@ -45,7 +45,7 @@ import optax
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.moe_parallel import check_experts_divide
 from jaxformer.model.parallel.tensor import check_tensor
-from jaxformer.tools.aot.launches import computations
+from jaxformer.tools.aot.launches import called, computations
 from jaxformer.tools.aot.steps import Variant, build, oom_line
 from jaxformer.tools.aot.targets import TARGETS, TPU_SLICES, Target, compiling_for, missing, target_devices
 from jaxformer.training.memory_plan import MemoryPlan
@@ -155,15 +155,6 @@ def _result_bytes(opcode: str, line: str) -> int:
     return shape_bytes(rhs[:rhs.index(f" {opcode}(") + 1])
 
 
-def _called(line: str, *attributes: str) -> list[str]:
-    names = []
-    for attribute in attributes:
-        m = re.search(rf"\b{attribute}=(\{{[^}}]*\}}|%?[\w.\-]+)", line)
-        if m:
-            names += [n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", m.group(1))]
-    return names
-
-
 def trip_count(line: str, condition: list[tuple[str, str]]) -> int:
     """A while loop's trips: its ``known_trip_count`` (XLA's GPU compiler writes it), else its
     condition's ``counter < N`` against a constant N (a TPU program's; JAX's loops count from 0
@@ -235,13 +226,13 @@ def collective_bytes(text: str) -> dict[str, int]:
                     kind, size = scattered.get(_name(line), (base, _result_bytes(opcode, line)))
                     into[kind] += times * size
             elif opcode == "while":
-                body, = _called(line, "body")
-                condition = _called(line, "condition")
+                body, = called(line, "body")
+                condition = called(line, "condition")
                 walk(body, times * trip_count(line, comps.get(condition[0], []) if condition else []),
                      into, stack + (name,))
             elif opcode == "conditional":
                 branches = []
-                for branch in _called(line, "branch_computations", "true_computation", "false_computation"):
+                for branch in called(line, "branch_computations", "true_computation", "false_computation"):
                     branches.append(dict.fromkeys(COLLECTIVES, 0))
                     walk(branch, times, branches[-1], stack + (name,))
                 if branches:
@@ -249,10 +240,10 @@ def collective_bytes(text: str) -> dict[str, int]:
                     for kind, n in most.items():
                         into[kind] += n
             elif opcode == "call":
-                for callee in _called(line, "to_apply"):
+                for callee in called(line, "to_apply"):
                     walk(callee, times, into, stack + (name,))
             elif opcode in ("fusion", "async-start"):
-                for callee in _called(line, "calls"):
+                for callee in called(line, "calls"):
                     walk(callee, times, into, stack + (name,))
 
     walk(entry, 1, out, ())
