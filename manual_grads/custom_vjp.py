@@ -31,7 +31,7 @@ from manual_grads import losses as _loss
 from manual_grads import mlp as _mlp
 from manual_grads import moe_parallel as _moe_parallel
 from manual_grads import softcap as _cap
-from manual_grads.model import embed_params
+from manual_grads.embedding import embed_params
 
 
 def _register(fwd, bwd, nondiff_argnums=()):

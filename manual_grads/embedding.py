@@ -20,6 +20,14 @@ from jaxformer.model.embedding import sinusoidal_positions, token_embedding, tok
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 
 
+EMBED_KEYS = ("tok_embed", "pos_embed")
+
+
+def embed_params(params):
+    """The embedding's slice of params: tok_embed, and pos_embed when positions are learned."""
+    return {k: params[k] for k in EMBED_KEYS if k in params}
+
+
 class TokenEmbedRes(NamedTuple):
     ids: jax.Array  # (B, T) int, the token ids
     table: jax.Array  # (V, D) tok_embed; kept for its shape
@@ -44,23 +52,26 @@ def token_embed_bwd(res: TokenEmbedRes, dx):
 
 class LearnedPosRes(NamedTuple):
     table: jax.Array  # (max_seq_len, D) pos_embed; kept for its shape
+    at: jax.Array | None = None  # (T,) int, the rows read where not the first T (positions' ``at``)
 
 
-def learned_positions_fwd(table, T):
-    """table (max_seq_len, D) -> its first T rows (T, D)."""
-    return table[:T], LearnedPosRes(table)
+def learned_positions_fwd(table, T, at=None):
+    """table (max_seq_len, D) -> its first T rows (T, D), or its rows ``at`` (T,) int."""
+    return (table[:T] if at is None else table[at]), LearnedPosRes(table, at)
 
 
 def learned_positions_bwd(res: LearnedPosRes, dpos):
-    """dpos (T, D) -> dtable (max_seq_len, D): undoes ``pos = table[:T]``; rows
-    past T were not read and get zero."""
+    """dpos (T, D) -> dtable (max_seq_len, D): undoes ``pos = table[:T]`` (or ``table[at]``:
+    each row of dpos added into the row it was read from); rows not read get zero."""
     T = dpos.shape[0]
-    return jnp.zeros(res.table.shape, dpos.dtype).at[:T].set(dpos).astype(res.table.dtype)
+    rows = slice(T) if res.at is None else res.at
+    return jnp.zeros(res.table.shape, dpos.dtype).at[rows].add(dpos).astype(res.table.dtype)
 
 
-def sinusoidal_positions_fwd(T, D, dtype):
-    """The fixed (T, D) table; no parameters, so the residual is None."""
-    return sinusoidal_positions(T, D, dtype), None
+def sinusoidal_positions_fwd(T, D, dtype, at=None):
+    """The fixed (T, D) table (its rows ``at`` where given); no parameters, so the residual is None."""
+    table = sinusoidal_positions(T, D, dtype)
+    return (table if at is None else table[at]), None
 
 
 class EmbedRes(NamedTuple):
@@ -70,9 +81,10 @@ class EmbedRes(NamedTuple):
     drop: DropoutRes | None = None  # the output's dropout key and rate; None: no dropout
 
 
-def embed_fwd(p, inputs, config: ModelConfig, key=None):
+def embed_fwd(p, inputs, config: ModelConfig, key=None, at=None):
     """p = {"tok_embed": (V, D), "pos_embed": (max_seq_len, D) if learned};
-    inputs int (B, T) -> x (B, T, D); with a ``key`` through dropout at config.dropout."""
+    inputs int (B, T) -> x (B, T, D); with a ``key`` through dropout at config.dropout;
+    ``at`` (T,) int: the tokens' positions where not 0 .. T-1 (the forward's ``embed``)."""
     T = inputs.shape[-1]
     tok, tok_res = token_embed_fwd(p["tok_embed"], inputs)  # (B, T, D)
     scale = None
@@ -82,10 +94,10 @@ def embed_fwd(p, inputs, config: ModelConfig, key=None):
     if config.positions == "rope":  # no position term: rotary positions act in attention
         x, pos_res = tok, None
     elif config.positions == "learned":
-        pos, pos_res = learned_positions_fwd(p["pos_embed"], T)  # (T, D)
+        pos, pos_res = learned_positions_fwd(p["pos_embed"], T, at)  # (T, D)
         x = tok + pos
     else:
-        pos, pos_res = sinusoidal_positions_fwd(T, config.d_model, tok.dtype)  # (T, D)
+        pos, pos_res = sinusoidal_positions_fwd(T, config.d_model, tok.dtype, at)  # (T, D)
         x = tok + pos
     x, drop_res = dropout_fwd(x, config.dropout, key)  # (B, T, D)
     return x, EmbedRes(tok_res, pos_res, scale, drop_res)

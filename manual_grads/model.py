@@ -26,7 +26,6 @@ the backward redraws every mask from its key (per layer: fold_in of the layer in
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,68 +39,16 @@ from jaxformer.model.parallel.tensor import tensor_mesh, tensor_size
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
-from manual_grads.chunked_loss import ChunkedLossRes, chunked_head_loss_bwd, chunked_head_loss_fwd
-from manual_grads.embedding import embed_bwd, embed_fwd
+from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
 from manual_grads.block import norm_bwd, norm_fwd
-from manual_grads.linear import LinearRes, linear_bwd, linear_fwd
-from manual_grads.losses import CrossEntropyRes, cross_entropy_bwd, cross_entropy_fwd
+from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.moe import moe_aux_loss_bwd
-from manual_grads.parallel.context import context_blocks_bwd, context_blocks_fwd
+from manual_grads.parallel.context import context_value_and_grad
 from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
 from manual_grads.parallel.vocab import vocab_head_loss_grads
 from manual_grads import remat
 from manual_grads.remat import blocks_bwd, blocks_fwd, python_loop
-from manual_grads.softcap import softcap_bwd, softcap_fwd
 from manual_grads.tap import tap_backward, tap_forward
-
-EMBED_KEYS = ("tok_embed", "pos_embed")
-
-
-def embed_params(params):
-    """The embedding's slice of params: tok_embed, and pos_embed when positions are learned."""
-    return {k: params[k] for k in EMBED_KEYS if k in params}
-
-
-class HeadLossRes(NamedTuple):
-    head: LinearRes  # x (B, T, D), w (D, V)
-    loss: CrossEntropyRes  # probs (B, T, V), targets, weights (B, T)
-    cap: jax.Array | None = None  # (B, T, V) tanh(logits / logit_softcap); None: no softcap
-
-
-def head_loss_fwd(head, x, targets, mask, config: ModelConfig, tap=None):
-    """x (B, T, D) -> (loss (), res): the head and the cross entropy, or with loss_chunk > 0
-    both chunk by chunk (res a ChunkedLossRes; no (B, T, V) logits)."""
-    cd = config.compute_dtype
-    if config.loss_chunk:
-        loss, res = chunked_head_loss_fwd(head, x, targets, mask, config.loss_chunk, cd, config.logit_softcap)
-        tap_forward(tap, "head + loss", x, loss, head)
-        return loss, res
-    logits, head_res = linear_fwd(head, x, cd)  # (B, T, V)
-    cap_res = None
-    if config.logit_softcap:
-        logits, cap_res = softcap_fwd(logits, config.logit_softcap)  # (B, T, V)
-    tap_forward(tap, "head", x, logits, head)
-    loss, loss_res = cross_entropy_fwd(logits, targets, mask)  # ()
-    tap_forward(tap, "loss", logits, loss)
-    return loss, HeadLossRes(head_res, loss_res, cap_res)
-
-
-def head_loss_bwd(res, dloss, tap=None):
-    """dloss () -> (dhead {"w", "b"?}, dx (B, T, D))."""
-    if isinstance(res, ChunkedLossRes):
-        d_head, dx = chunked_head_loss_bwd(res, dloss)  # loss = chunked_head_loss(head, x)
-        tap_backward(tap, "head + loss", dloss, d_head, dx)
-        return d_head, dx
-    dlogits, _, _ = cross_entropy_bwd(res.loss, dloss)  # loss = cross_entropy(logits)
-    tap_backward(tap, "loss", dloss, None, dlogits)
-    d_capped = dlogits
-    if res.cap is not None:  # logits = softcap(logits, config.logit_softcap)
-        dlogits = softcap_bwd(res.cap, dlogits)
-    d_head, dx = linear_bwd(res.head, dlogits, round_dx=False)  # logits = x @ head.w + head.b; dx, the
-    # blocks' first cotangent, keeps one bfloat16 rounding (dlogits', before the product), not two
-    tap_backward(tap, "head", d_capped, d_head, dx)
-    return d_head, dx
-
 
 def value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with_stats: bool = False):
     """(loss, grads) for batch = {"inputs", "targets", "mask"?, "segments"?}; grads has the tree
@@ -137,6 +84,12 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     loop at any depth (remat.blocks_fwd)."""
     inputs, targets, mask = batch["inputs"], batch["targets"], batch.get("mask")
     segments = check_segments(batch.get("segments"), inputs)  # (B, T) or None: packed documents
+    context = context_mesh()  # a context axis: the whole composition context parallel (parallel/context.py)
+    if context is not None:
+        if tap is not None:
+            raise ValueError(f"mesh axis context={context_size(context)}: a tap runs on one device; use context=1")
+        loss, grads = context_value_and_grad(params, batch, config, context)
+        return (loss, grads, None) if with_stats else (loss, grads)
     emb = embed_params(params)
 
     if not config.dropout:
@@ -148,14 +101,9 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     x = upcast(x)  # (B, T, D): the residual stream runs in float32 or wider; embed_bwd casts back
     tap_forward(tap, "embed", None, x, emb)
     mesh = tensor_mesh()  # a tensor axis: the blocks tensor parallel (manual_grads/parallel/tensor.py)
-    context = context_mesh()  # a context axis: the blocks context parallel (manual_grads/parallel/context.py)
-    if context is not None and tap is not None:
-        raise ValueError(f"mesh axis context={context_size(context)}: a tap runs on one device; use context=1")
     if mesh is not None and tap is not None:
         raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: a tap runs on one device; use tensor=1")
-    if context is not None:
-        x, blocks_res = context_blocks_fwd(params["blocks"], x, config, context, segments)
-    elif mesh is not None:
+    if mesh is not None:
         x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
     else:
         x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments, unroll)  # (B, T, D); residuals (L, ...)
@@ -186,9 +134,7 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
         dx = dh
     if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
         dx = (dx, moe_aux_loss_bwd(stats, config))
-    if context is not None:
-        grads["blocks"], dx = context_blocks_bwd(blocks_res, dx)  # (B, T, D)
-    elif mesh is not None:
+    if mesh is not None:
         grads["blocks"], dx = tensor_blocks_bwd(blocks_res, dx)  # (B, T, D)
     else:
         grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments, unroll)

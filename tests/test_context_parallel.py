@@ -10,7 +10,7 @@ the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's 
 context=4, and the Llama-like one on context=2 with packed documents whose boundaries cut
 through the chunks. Each mesh's loss and every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
-collectives counted as lowered. The refusals run in this process."""
+collectives counted, and every program's logits shapes. The refusals run in this process."""
 
 import dataclasses
 import time
@@ -45,8 +45,7 @@ def configs():
 
 def collectives(lowered, compiled) -> dict:
     """A program's collectives as lowered (the shard_maps' own: what the manual code writes, a
-    scan's body counted once) and, reported but not held, as compiled (with what the partitioner
-    adds outside the shard_maps: the reorder of x and dx between natural and zig-zag order)."""
+    scan's body counted once) and as compiled (with what the partitioner adds outside them)."""
     import re
 
     kinds = re.findall(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)",
@@ -58,6 +57,18 @@ def collectives(lowered, compiled) -> dict:
     out.update({f"compiled {k}": done.count(k) for k in ("collective-permute", "all-reduce", "all-gather",
                                                            "reduce-scatter", "all-to-all")})
     return out
+
+
+def logits_shapes(compiled, config, rows: int) -> dict:
+    """How many of the compiled (per device) program's values are logits over the whole
+    sequence (rows, T, V) and over one device's tokens (rows, T/c, V), ``rows`` the batch's rows
+    on a device."""
+    import re
+
+    shapes = re.findall(r"f64\[(\d+),(\d+),(\d+)\]", compiled.as_text())
+    return {"full-sequence logits": sum(s == (str(rows), str(T), str(config.vocab_size)) for s in shapes),
+            "local logits": sum(s[0] == str(rows) and s[2] == str(config.vocab_size) and int(s[1]) < T
+                                for s in shapes)}
 
 
 def run_cases() -> dict:
@@ -88,6 +99,7 @@ def run_cases() -> dict:
         loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
         mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
         rows = P("data") if "data" in names else P()
+        per_device = B // dict(zip(names, shape)).get("data", 1)  # the batch's rows on a device
         params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated
         batch = jax.device_put(batch, NamedSharding(mesh, rows))  # the rows over data, where the mesh has it
         with jax.set_mesh(mesh):
@@ -96,6 +108,7 @@ def run_cases() -> dict:
                 compiled = lowered.compile()
                 if what == "manual":
                     out.update({f"{name}: {k}": n for k, n in collectives(lowered, compiled).items()})
+                out.update({f"{name}: {what} {k}": n for k, n in logits_shapes(compiled, config, per_device).items()})
                 loss, grads = compiled(params, batch)
                 out[f"{name}: {what} loss"] = abs(float(loss) - float(loss1))
                 out[f"{name}: {what} = one device"] = diff(grads, grads1)
@@ -131,18 +144,33 @@ def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
 def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
     """As lowered (the layer scans' bodies once): the ring's ppermutes, k and v (and the ids) in the
     forward, the same with dK, dV beside them in the backward and dK, dV's final hop; one all-reduce
-    per block leaf (its gradient summed over context and the batch axes); no all-gather, no
-    all-to-all, no reduce-scatter: no device gathers a (B, T, D) activation, nor the keys and values."""
+    per gradient leaf (summed over context and the batch axes; a tied head's w and tok_embed's each
+    once), and two for the loss (each device's token count, its share of the mean); no all-gather,
+    no all-to-all, no reduce-scatter, as lowered or as compiled: no device gathers a (B, T, D)
+    activation, nor the keys and values, nor the tokens around the embedding and the head."""
     import jax
 
     from jaxformer.model.params import init_params
     name, documents = case_name(*case), case[3]
+    config = configs()[case[0]]
     n = 3 if documents else 2  # k, v (and the ids)
-    blocks = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), configs()[case[0]]))["blocks"]
+    params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
     assert results[f"{name}: lowered collective_permute"] == n + (n + 2) + 2
-    assert results[f"{name}: lowered all_reduce"] == len(jax.tree_util.tree_leaves(blocks))
+    assert results[f"{name}: lowered all_reduce"] == len(jax.tree_util.tree_leaves(params)) + config.tie_embeddings + 2
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
         assert results[f"{name}: lowered {kind}"] == 0, kind
+    for kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        assert results[f"{name}: compiled {kind}"] == 0, kind
+
+
+def test_no_device_holds_the_whole_sequence_s_logits(results):
+    """The compiled programs of the unchunked head (GPT-2-like on data=2 x context=2), per device:
+    logits of the device's own T/c tokens, never of all T, by hand and through jax.grad (the
+    tokens are put in the ring's order before the embedding and never put back)."""
+    name = case_name(*CASES[0])
+    for what in ("manual", "jax.grad"):
+        assert results[f"{name}: {what} full-sequence logits"] == 0, what
+        assert results[f"{name}: {what} local logits"] > 0, what  # the count sees logits where they are
 
 
 # ---------------------------------------------------------------- in this process: the refusals

@@ -83,3 +83,21 @@ def test_embed_scale_multiplies_token_rows_by_sqrt_d_model():
     dp, _ = embed_bwd(res, dx)
     unscaled, _ = embed_bwd(embed_fwd(p, ids, config.replace(embed_scale=False))[1], dx)
     np.testing.assert_allclose(dp["tok_embed"], 3.0 * unscaled["tok_embed"], rtol=1e-14)
+
+
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+def test_positions_at_given_rows_match_autodiff(positions):
+    """``at`` (a permutation of some of the table's rows, as context parallelism's zig-zag order
+    reads them): the forward adds row at[t] to token t, and the manual backward adds dx's rows back
+    into those rows, as jax.vjp does; reordering the tokens and ``at`` alike reorders x."""
+    config = ModelConfig(vocab_size=7, d_model=6, n_heads=2, max_seq_len=12, positions=positions)
+    p, ids, dx = make(5, config, 3, 8)
+    at = jnp.asarray([0, 1, 6, 7, 2, 3, 4, 5])
+    layer = Layer(lambda p, ids, config: embed_fwd(p, ids, config, None, at), embed_bwd,
+                  lambda p, ids, config: embed(p, ids, config, None, at), cotangents=lambda out: out[:1])
+    (x, (dp, _)), _ = assert_layer_matches_vjp(layer, (p,), dx, consts=(ids,), static=(config,), y_rtol=1e-14,
+                                               y_atol=1e-14)
+    natural = embed(p, jnp.take(ids, jnp.argsort(at), axis=1), config)  # the same tokens in position order
+    np.testing.assert_allclose(x, jnp.take(natural, at, axis=1), rtol=1e-14, atol=1e-14)
+    if positions == "learned":
+        np.testing.assert_array_equal(dp["pos_embed"][8:], 0.0)  # rows never read

@@ -23,7 +23,7 @@ from jaxformer.model.losses import cross_entropy
 from jaxformer.model.softcap import softcap
 from jaxformer.model.transformer import loss_fn
 from manual_grads.attention import MANUAL_CORES, attention_bwd, attention_fwd
-from manual_grads.model import head_loss_bwd, head_loss_fwd
+from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.softcap import softcap_bwd, softcap_fwd
 
 B, H, T, Dh = 2, 4, 11, 4  # T = 11 leaves the last block of 4 padded (blockwise)
@@ -108,7 +108,7 @@ HEAD_LOSS = Layer(head_loss_fwd, head_loss_bwd, capped_loss)
 @pytest.mark.parametrize("chunk, mask_name", [(0, "none"), (0, "mostly_zero"), (3, "none"), (5, "bool"),
                                               (22, "mostly_zero")])
 def test_capped_head_loss_matches_autodiff(chunk, mask_name):
-    """manual_grads.model's head_loss_fwd / head_loss_bwd with logit_softcap (chunked: the
+    """manual_grads.head's head_loss_fwd / head_loss_bwd with logit_softcap (chunked: the
     residual keeps lse, never the logits) against jax.vjp of the unchunked capped loss; the
     model's own chunked loss with the cap gives the same value and jax.vjp."""
     head, x, targets = head_inputs(chunk + len(mask_name))

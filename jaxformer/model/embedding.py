@@ -21,14 +21,16 @@ def sinusoidal_positions(T, D, dtype=jnp.float32):
     return table.astype(dtype)
 
 
-def positions(params, T, config: ModelConfig, dtype):
+def positions(params, T, config: ModelConfig, dtype, at=None):
     """The (T, D) position term added to the token embeddings (0 with rotary positions,
-    which turn q and k inside attention instead)."""
+    which turn q and k inside attention instead): positions 0 .. T-1, or ``at`` (T,) int
+    where given (the tokens in another order: context parallelism's, parallel/context.py)."""
     if config.positions == "learned":
-        return params["pos_embed"][:T]
+        return params["pos_embed"][:T] if at is None else params["pos_embed"][at]
     if config.positions == "rope":
         return jnp.zeros((), dtype)
-    return sinusoidal_positions(T, config.d_model, dtype)
+    table = sinusoidal_positions(T, config.d_model, dtype)
+    return table if at is None else table[at]
 
 
 def token_scale(config: ModelConfig) -> float:
@@ -42,12 +44,13 @@ def token_embedding(table, ids):
     return jnp.take(table, ids, axis=0)
 
 
-def embed(params, inputs, config: ModelConfig, key=None):
+def embed(params, inputs, config: ModelConfig, key=None, at=None):
     """inputs int (B, T) -> tok_embed[inputs] * token_scale + positions (B, T, D); with a
-    ``key`` (that of the embedding, dropout.embed_key) through dropout at config.dropout."""
+    ``key`` (that of the embedding, dropout.embed_key) through dropout at config.dropout.
+    ``at`` (T,) int: the tokens' positions where they are not 0 .. T-1 (``positions``)."""
     x = token_embedding(params["tok_embed"], inputs)
     if config.embed_scale:
         x = x * token_scale(config)
     if config.positions != "rope":  # rotary positions turn q and k inside attention instead
-        x = x + positions(params, inputs.shape[-1], config, x.dtype)
+        x = x + positions(params, inputs.shape[-1], config, x.dtype, at)
     return dropout(x, config.dropout, key)

@@ -33,7 +33,9 @@ from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.dropout import embed_key, layer_key
-from jaxformer.model.parallel.context import context_blocks, context_mesh, context_size
+from jaxformer.model.parallel.context import (context_blocks, context_mesh, context_size, ring_ordered,
+                                              ring_positions)
+from jaxformer.model.parallel.ring import from_zigzag
 from jaxformer.model.parallel.tensor import tensor_blocks, tensor_mesh, tensor_size
 from jaxformer.model.parallel.vocab import vocab_head_loss
 from jaxformer.model.params import head_weights, validate_params
@@ -41,6 +43,9 @@ from jaxformer.model.precision import upcast
 from jaxformer.model.rms_norm import rms_norm
 from jaxformer.model.softcap import softcap
 from jaxformer.model.validate import check_precision, validate_batch, validate_tokens
+
+
+TOKEN_KEYS = ("inputs", "targets", "mask", "segments")  # a batch's (B, T) arrays, one entry a token
 
 
 class ModelLayers(NamedTuple):
@@ -81,16 +86,21 @@ def features(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LA
 
 
 def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers = MODEL_LAYERS, key=None,
-                       segments=None):
+                       segments=None, *, ring_order: bool = False):
     """(features (B, T, D), the MoE layers' MoeStats stacked over L, or None without experts).
     With remat "block" each scanned block is layers.remat_block (the model's: a
     jax.checkpoint, so JAX's grad keeps only its input and recomputes the rest).
     ``key``: dropout's PRNG key (None: no dropout); ``segments`` (B, T) int: each position's
     document in a packed row, every attention masking the keys of other documents (None: one
-    document a row). Positions run on across a row's documents (docs/design.md, "Packed documents")."""
+    document a row). Positions run on across a row's documents (docs/design.md, "Packed documents").
+    Under a mesh with a context axis (model/parallel/context.py) the features come back in natural
+    order, or, with ``ring_order``, in the context axis' order the inputs and segments are then in."""
     validate_tokens("inputs", inputs, config)
     seg = {} if check_segments(segments, inputs) is None else {"segments": segments}
     validate_params(params, config)
+    context = context_mesh()
+    if context is not None:  # the sequence split over the mesh's context axis from the embedding on
+        return _context_features(params, inputs, config, layers, segments, context, ring_order), None
     if not config.dropout:
         key = None
     ekey = None if key is None else embed_key(key, config.n_layers)
@@ -104,13 +114,8 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
                                    layer(p, x, c, key=lkey, **seg), c)
         return per_layer(config, l, run)  # layer l's config: its kind of attention (layer_kinds.py)
 
-    mesh, context = tensor_mesh(), context_mesh()
-    if context is not None:  # the blocks context parallel over the mesh's context axis (model/parallel/context.py)
-        if layers is not MODEL_LAYERS:
-            raise ValueError(f"mesh axis context={context_size(context)}: context parallelism runs the model's own "
-                             "layers (and the manual backward), not custom ones; use context=1")
-        x, stats = context_blocks(params["blocks"], x, config, context, segments), None
-    elif mesh is not None:  # the blocks tensor parallel over the mesh's tensor axis (model/parallel/tensor.py)
+    mesh = tensor_mesh()
+    if mesh is not None:  # the blocks tensor parallel over the mesh's tensor axis (model/parallel/tensor.py)
         if layers is not MODEL_LAYERS:
             raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: tensor parallelism runs the model's own layers "
                              "(and the manual backward), not custom ones; use tensor=1")
@@ -120,6 +125,24 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
     if config.norm != "post":
         x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
     return x, stats
+
+
+def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, segments, mesh, ring_order: bool):
+    """features on ``mesh``'s context axis: the tokens (and document ids) in its zig-zag order
+    from the embedding on (``ring_ordered``: already so with ``ring_order``), each at its global
+    position, the blocks ring-attention context parallel; x (B, T, D) returned in that order with
+    ``ring_order`` (the loss reads its targets so), else in natural order."""
+    c = context_size(mesh)
+    if layers is not MODEL_LAYERS:
+        raise ValueError(f"mesh axis context={c}: context parallelism runs the model's own layers (and the manual "
+                         "backward), not custom ones; use context=1")
+    if not ring_order:
+        inputs, segments = ring_ordered(inputs, mesh), ring_ordered(segments, mesh)
+    x = upcast(embed(params, inputs, config, None, ring_positions(inputs.shape[1], c)))  # no dropout: refused
+    x = context_blocks(params["blocks"], x, config, mesh, segments)
+    if config.norm != "post":
+        x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
+    return x if ring_order else from_zigzag(x, c)
 
 
 def head_params(params, config: ModelConfig) -> dict:
@@ -159,7 +182,12 @@ def loss_and_stats(params, batch, config: ModelConfig, layers: ModelLayers = MOD
     """(loss_fn's loss, the MoE layers' MoeStats stacked over L, or None without experts)."""
     validate_batch(batch, config)
     check_precision(params, config)
-    x, stats = features_and_stats(params, batch["inputs"], config, layers, key, batch.get("segments"))  # (B, T, D)
+    context = context_mesh()
+    if context is not None:  # every token, target, weight and document id in the context axis' order
+        batch = {k: ring_ordered(v, context) if k in TOKEN_KEYS else v for k, v in batch.items()}  # (a mean
+        # over the tokens is the same in any order)
+    x, stats = features_and_stats(params, batch["inputs"], config, layers, key, batch.get("segments"),
+                                  ring_order=context is not None)  # (B, T, D)
     mesh = tensor_mesh()
     if mesh is not None:  # the head's vocabulary split over the tensor axis too (model/parallel/vocab.py)
         loss = vocab_head_loss(head_params(params, config), x, batch["targets"], batch.get("mask"), mesh,

@@ -1,15 +1,14 @@
 """The context-parallel blocks' hand-derived backward: the pair of
 jaxformer/model/parallel/context.py (its forward's lines are quoted from there).
 
-Forward, the sequence split over the context axis (c devices), the rows over the other axes:
-    xz = to_zigzag(x)                       a fixed permutation of the T tokens
+Forward, the sequence split over the context axis (c devices), the rows over the other axes, x
+in the zig-zag order the tokens were put in before the embedding (``ring_ordered``: the
+embedding, the head and the loss act token by token, manual_grads/model.py runs them so):
     x_i = block_l(x_i), l = 0 .. L-1        per device, under one shard_map: manual_grads/block.py's
                                             sequence, its attention the model's around ring attention
                                             (manual_grads/attention.py's pieces, ring_attention_fwd as
                                             the core, the rotary tables at each token's global position)
-    y = from_zigzag(yz)
 Backward, bottom to top:
-    y = from_zigzag(yz):     dyz = to_zigzag(dy)  (a permutation: its transpose is its inverse)
     the blocks:              per device, a reverse scan of the blocks' backward on its T/c tokens:
                              the norms, feed-forward, projections and residual adds as one device's
                              (token by token), the core ring_attention_bwd (dK, dV travel with
@@ -17,7 +16,13 @@ Backward, bottom to top:
                              turned back by its own global angle)
     blocks replicated:       dp = psum(dp_i) over the context axis and the batch axes: each device's
                              gradient is its own tokens' and rows' part
-    xz = to_zigzag(x):       dx = from_zigzag(dxz)
+The embedding, the final norm, the head and the loss act token by token; ``context_value_and_grad``
+(what manual_grads.value_and_grad runs on a context axis) runs their backwards on each device's
+tokens too (``context_top_grads``, ``context_embed_bwd``), so that nothing reshapes a split
+(B, T, ...) array into rows XLA would gather first:
+    loss = psum(loss_i * n_i / n)           device i's mean over its n_i weighted tokens, n = psum(n_i):
+                                            dloss_i = dloss * n_i / n, then head_loss_bwd on its tokens
+    ln_f, head, embedding replicated        dp = psum(dp_i), as the blocks'
 No activation is gathered: the only collectives are the ring's ppermutes and the one psum of
 each gradient leaf.
 
@@ -32,17 +37,21 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.context import (CONTEXT, RING_CORE, check_context_model, context_size,
-                                              local_positions, refuse_adapters, row_axes, stream_spec,
-                                              zigzag_or_none)
+                                              local_positions, refuse_adapters, ring_ordered, ring_positions,
+                                              row_axes, stream_spec)
+from jaxformer.model.precision import upcast
+from jaxformer.model.transformer import TOKEN_KEYS, head_params
 from jaxformer.model.parallel.regions import TENSOR
-from jaxformer.model.parallel.ring import from_zigzag, to_zigzag
 from manual_grads.attention import ManualCore, attention_bwd, attention_fwd
+from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
+from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
-                                _post_sublayer_fwd, _sublayer_bwd)
+                                _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd)
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
 from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_attention_fwd
 from manual_grads.parallel.tensor import join_arrays, split_arrays
@@ -110,12 +119,11 @@ class ContextBlocksRes(NamedTuple):
     arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each
     rest: tuple  # static: split_arrays' treedef and non-array leaves of one layer's residual
     mesh: object  # static: the mesh
-    c: int  # static: the context axis' size
 
 
 def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
     """context_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) and segments
-    (B, T) or None in natural order -> (y (B, T, D) in natural order, ContextBlocksRes)."""
+    (B, T) or None in the context axis' zig-zag order -> (y (B, T, D) in that order, ContextBlocksRes)."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
     refuse_adapters(blocks, c)
@@ -131,17 +139,17 @@ def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
         y, arrays = jax.lax.scan(lambda x, p: step(x, p, segments), x, blocks)
         return y, [a[None] for a in arrays]  # device s's residuals: row s
 
-    # x = to_zigzag(x); the blocks on each device's T/c tokens; y = from_zigzag(y)
+    # the blocks on each device's T/c tokens
     y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=(stream, every),
-                              check_vma=False)(blocks, to_zigzag(x, c), zigzag_or_none(segments, c))
-    return from_zigzag(y, c), ContextBlocksRes(arrays, static["rest"], mesh, c)
+                              check_vma=False)(blocks, x, segments)
+    return y, ContextBlocksRes(arrays, static["rest"], mesh)
 
 
 def context_blocks_bwd(res: ContextBlocksRes, dy):
-    """dy (B, T, D) in natural order -> (the blocks' gradients (L, ...), dx (B, T, D) in natural order)."""
-    mesh, c = res.mesh, res.c
+    """dy (B, T, D) -> (the blocks' gradients (L, ...), dx (B, T, D)), both in the zig-zag order."""
+    mesh = res.mesh
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
-    summed = (*row_axes(mesh), CONTEXT)
+    summed = summed_axes(mesh)
 
     def step(dy, arrays):
         dp, dx = context_block_bwd(join_arrays(arrays, res.rest), dy)
@@ -154,7 +162,86 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
         grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, summed), grads)
         return grads, dx
 
-    # y = from_zigzag(yz): a permutation of T, whose transpose is its inverse: dyz = to_zigzag(dy)
-    grads, dxz = jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream), out_specs=(PartitionSpec(), stream),
-                               check_vma=False)(res.arrays, to_zigzag(dy, c))
-    return grads, from_zigzag(dxz, c)  # xz = to_zigzag(x): dx = from_zigzag(dxz)
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream), out_specs=(PartitionSpec(), stream),
+                         check_vma=False)(res.arrays, dy)
+
+
+# ----------------------------------------------------------------------------
+# the embedding, the head and the loss on each device's tokens
+
+
+def summed_axes(mesh) -> tuple[str, ...]:
+    """The axes a replicated param's gradient is summed over: every device's tokens and rows."""
+    return (*row_axes(mesh), CONTEXT)
+
+
+def context_top_grads(top, x, targets, mask, config: ModelConfig, mesh):
+    """The final norm, the head and the mean cross entropy on each device's tokens (x (B, T, D),
+    targets and mask (B, T) in the context axis' order), forward and backward at once: top =
+    {"ln_f"? (not with norm "post"), "head"} -> (loss, dtop laid out as top, dx (B, T, D))."""
+    stream, summed = stream_spec(mesh), summed_axes(mesh)
+
+    def local(top, x, targets, mask):
+        n_i = targets.size if mask is None else jnp.sum(mask.astype(x.dtype))  # device i's weight
+        n = jax.lax.psum(jnp.asarray(n_i, x.dtype), summed)
+        share = n_i / jnp.where(n > 0, n, 1)  # loss = psum(loss_i * n_i / n): the mean over every token
+        h, ln_f_res = norm_fwd(top["ln_f"], x, config) if "ln_f" in top else (x, None)  # x = ln_f(x)
+        loss_i, res = head_loss_fwd(top["head"], h, targets, mask, config)  # device i's mean over its tokens
+        dtop = {}
+        dtop["head"], dx = head_loss_bwd(res, share.astype(loss_i.dtype))  # dloss_i = n_i / n
+        if ln_f_res is not None:
+            dtop["ln_f"], dx = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
+        return (jax.lax.psum(loss_i * share, summed),
+                jax.tree_util.tree_map(lambda g: jax.lax.psum(g, summed), dtop), dx)
+
+    specs = (PartitionSpec(), stream, stream, None if mask is None else stream)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(PartitionSpec(), PartitionSpec(), stream),
+                         check_vma=False)(top, x, targets, mask)
+
+
+def context_embed_bwd(emb, inputs, at, dx, config: ModelConfig, mesh):
+    """embed_bwd on each device's tokens (inputs (B, T), their positions ``at`` (T,) and dx (B, T, D)
+    in the context axis' order), summed over the devices: the embedding's gradients, laid out as emb."""
+    stream = stream_spec(mesh)
+
+    def local(emb, inputs, at, dx):
+        _, res = embed_fwd(emb, inputs, config, None, at)  # the residuals: the ids and the tables
+        d_embed, _ = embed_bwd(res, dx)  # x = tok_embed[inputs] * s + positions[at]
+        return jax.tree_util.tree_map(lambda g: jax.lax.psum(g, summed_axes(mesh)), d_embed)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, PartitionSpec(CONTEXT), stream),
+                         out_specs=PartitionSpec(), check_vma=False)(emb, inputs, at, dx)
+
+
+# ----------------------------------------------------------------------------
+# the whole composition
+
+
+def context_value_and_grad(params, batch, config: ModelConfig, mesh):
+    """manual_grads.value_and_grad's (loss, grads) on a mesh with a context axis (no dropout, no
+    experts, no tap: check_context_model refuses them), the model's lines in order
+    (jaxformer/model/transformer.py's features_and_stats on the context axis, loss_and_stats):
+        ids, targets, mask, segments = ring_ordered(...)     the tokens in the context axis' order
+        x = tok_embed[ids] * s + positions[at]                at = ring_positions(T, c)
+        x = context_blocks(blocks, x)                         the ring
+        loss = CE(head(ln_f(x)), targets)                     each device's tokens
+    and back, bottom to top."""
+    inputs, targets, mask, segments = (ring_ordered(batch.get(k), mesh) for k in TOKEN_KEYS)
+    at = ring_positions(inputs.shape[1], context_size(mesh))  # each token's global position
+    emb = embed_params(params)
+    top = {"head": head_params(params, config)}  # {"w": head.w or tok_embed^T, "b"?}
+    if config.norm != "post":
+        top["ln_f"] = params["ln_f"]
+    # forward
+    x = upcast(embed_fwd(emb, inputs, config, None, at)[0])  # (B, T, D); its backward recomputes its residuals
+    x, blocks_res = context_blocks_fwd(params["blocks"], x, config, mesh, segments)
+    # the final norm, the head and the loss, forward and backward; then the rest, in reverse
+    loss, grads, dx = context_top_grads(top, x, targets, mask, config, mesh)
+    grads["blocks"], dx = context_blocks_bwd(blocks_res, dx)  # x = context_blocks(blocks, x)
+    grads.update(context_embed_bwd(emb, inputs, at, dx, config, mesh))  # x = tok_embed[ids] * s + positions[at]
+    d_head = grads.pop("head")
+    if config.tie_embeddings:  # logits = x @ tok_embed^T (+ b): the two gradients of tok_embed add
+        grads["tok_embed"] = grads["tok_embed"] + d_head.pop("w").T.astype(grads["tok_embed"].dtype)
+    if d_head:
+        grads["head"] = d_head
+    return loss, grads

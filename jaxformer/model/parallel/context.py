@@ -1,23 +1,31 @@
-"""Context parallelism for the whole model: the stacked blocks with the sequence split over the
-mesh's ``context`` axis (c devices), each device holding T/c tokens of every activation, and
-attention the one layer that reads other devices' tokens: ring attention (ring.py).
+"""Context parallelism for the whole model: the sequence split over the mesh's ``context`` axis
+(c devices), each device holding T/c tokens of every activation from the embedding to the loss,
+and attention the one layer that reads other devices' tokens: ring attention (ring.py).
 
-    x = to_zigzag(x)                      (B, T, D), natural order -> zig-zag (ring.py's layout):
-                                          device i's slots hold pieces i and 2c-1-i of n = T/2c tokens
+    ids = to_zigzag(inputs)               (B, T) int, natural order -> zig-zag order (ring.py's
+                                          layout: device i's slots hold pieces i and 2c-1-i of
+                                          n = T/2c tokens); targets, mask and document ids alike
+    x = embed(ids, positions=ring_positions(T, c))
+                                          each token's row and its GLOBAL position's (B, T, D)
     x_i = x[:, device i's T/c slots]      shard_map: T over context, B over every other axis
     x_i = block_l(x_i), l = 0 .. L-1      the model's compose_block (block.py), its attention's core
                                           ring attention over the context axis, the rotary
-                                          positions each token's GLOBAL one (chunk_positions)
-    y = from_zigzag(concat_i x_i)         natural order again
+                                          positions each token's global one (chunk_positions)
+    loss = mean over tokens of CE(head(norm(x)), targets)
+                                          token by token: each device's T/c tokens (a mean does
+                                          not depend on the tokens' order)
 
-Everything else in a block acts token by token: the norms, the feed-forward, the residual
-adds, the q/k/v and output projections, QK-norm; each device runs them on its own T/c tokens
-unchanged (the model's own layers, no math written twice). Learned (or sinusoidal) position
-embeddings are added in the embedding, before the blocks, in natural order: already right.
+Everything but attention acts token by token: the embedding, the norms, the feed-forward, the
+residual adds, the q/k/v and output projections, QK-norm, the head and the loss; each device runs
+them on its own T/c tokens unchanged (the model's own layers, no math written twice). So the
+tokens are reordered once, as integers, before the embedding (``ring_ordered``), and the loss
+never puts them back: no (B, T, D) activation and no (B, T, V) logits on any device. ``forward``
+(the logits in natural order) reorders its logits back (``from_zigzag``).
 Packed documents' ids (B, T) are reordered and split like the tokens; the ring masks other
 documents' keys. The params are replicated: each device's gradient is its tokens' and rows'
 part, summed over the context axis and the batch axes (jax.grad: shard_map's transpose of a
-replicated input; the manual backward, manual_grads/parallel/context.py, with a psum of its own).
+replicated input and the partitioner's sums outside it; the manual backward,
+manual_grads/parallel/context.py, with a psum of its own for the blocks).
 
 ``context_blocks`` is what the model's forward runs under a mesh with a context axis larger
 than 1 (``context_mesh``; jaxformer/model/transformer.py, manual_grads/model.py). What the ring
@@ -28,7 +36,8 @@ divide (``check_context_model``).
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxformer.model.attention import Core, attention
 from jaxformer.model.block import BlockLayers, compose_block, model_feed_forward
@@ -36,8 +45,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.parallel.regions import TENSOR, axis_size, batch_axes, trace_mesh_with
-from jaxformer.model.parallel.ring import (CONTEXT, check_context, chunk_positions, from_zigzag, ring_attention,
-                                           to_zigzag)
+from jaxformer.model.parallel.ring import CONTEXT, check_context, chunk_positions, ring_attention, to_zigzag
 from jaxformer.model.rms_norm import rms_norm
 
 
@@ -124,14 +132,26 @@ def context_block(p, x, config: ModelConfig, segments=None):
     return compose_block(p, x, config, CONTEXT_LAYERS, None, segments)[0]
 
 
-def zigzag_or_none(a, c: int):
-    return None if a is None else to_zigzag(a, c)
+def ring_positions(T: int, c: int):
+    """(T,) int: the global position of each token in the zig-zag order (device 0's T/c first)."""
+    return to_zigzag(jnp.arange(T)[None], c)[0]
+
+
+def ring_ordered(a, mesh):
+    """A (B, T, ...) batch array (inputs, targets, mask, document ids) or None, in natural order
+    -> in the context axis' zig-zag order, split as the blocks' stream is (``stream_spec``: B over
+    the batch axes, T over context), so that what acts token by token before and after the blocks
+    (the embedding, the head, the loss) runs on each device's own T/c tokens."""
+    if a is None:
+        return None
+    a = to_zigzag(a, context_size(mesh))
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, stream_spec(mesh)))
 
 
 def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
-    """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) in natural token order ->
-    (B, T, D) in natural order, the tokens split over the mesh's context axis (zig-zag), the
-    rows over its other axes; ``segments`` (B, T) int document ids, or None."""
+    """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), both in the
+    context axis' zig-zag order (``ring_ordered``), the tokens split over the mesh's context axis,
+    the rows over its other axes; ``segments`` (B, T) int document ids in the same order, or None."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
     refuse_adapters(blocks, c)
@@ -140,6 +160,5 @@ def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
         return jax.lax.scan(lambda x, p: (context_block(p, x, config, segments), None), x, blocks)[0]
 
     stream = stream_spec(mesh)  # x (B, T, D) and the ids (B, T) alike
-    y = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=stream)(
-        blocks, to_zigzag(x, c), zigzag_or_none(segments, c))
-    return from_zigzag(y, c)
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=stream)(
+        blocks, x, segments)
