@@ -8,7 +8,9 @@ the GPT-2-like config (learned positions, pre layer norm, GELU, biases) on data=
 the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's global position,
 2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) on
 context=4, and the Llama-like one on context=2 with packed documents whose boundaries cut
-through the chunks. Each mesh's loss and every gradient leaf, of manual_grads.value_and_grad and
+through the chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split):
+the GPT-2-like one on data=2 x tensor=2 x context=2, the Llama-like one with documents on
+tensor=2 x context=4. Each mesh's loss and every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
 collectives counted, and every program's logits shapes. The refusals run in this process."""
 
@@ -29,6 +31,10 @@ DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7
 # (model, mesh axes, sizes, packed documents)
 CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama", ("context",), (4,), False),
          ("llama", ("context",), (2,), True)]
+# with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
+# rows split over it), attention the ring, the head's vocabulary split over tensor (V = 11 padded)
+TENSOR_CASES = [("gpt2", ("data", "tensor", "context"), (2, 2, 2), False),
+                ("llama", ("tensor", "context"), (2, 4), True)]
 
 
 def case_name(cname, names, shape, documents) -> str:
@@ -59,16 +65,16 @@ def collectives(lowered, compiled) -> dict:
     return out
 
 
-def logits_shapes(compiled, config, rows: int) -> dict:
+def logits_shapes(compiled, config, rows: int, t: int) -> dict:
     """How many of the compiled (per device) program's values are logits over the whole
-    sequence (rows, T, V) and over one device's tokens (rows, T/c, V), ``rows`` the batch's rows
-    on a device."""
+    sequence (rows, T, V/t) and over one device's tokens (rows, T/c, V/t), ``rows`` the batch's
+    rows on a device, V/t its columns of a tensor axis of t (V padded to a multiple of t)."""
     import re
 
-    shapes = re.findall(r"f64\[(\d+),(\d+),(\d+)\]", compiled.as_text())
-    return {"full-sequence logits": sum(s == (str(rows), str(T), str(config.vocab_size)) for s in shapes),
-            "local logits": sum(s[0] == str(rows) and s[2] == str(config.vocab_size) and int(s[1]) < T
-                                for s in shapes)}
+    v = -(-config.vocab_size // t)
+    shapes = [tuple(map(int, s)) for s in re.findall(r"f64\[(\d+),(\d+),(\d+)\]", compiled.as_text())]
+    return {"full-sequence logits": sum(s == (rows, T, v) for s in shapes),
+            "local logits": sum(s[0] == rows and s[1] < T and s[2] == v for s in shapes)}
 
 
 def run_cases() -> dict:
@@ -86,7 +92,7 @@ def run_cases() -> dict:
     diff = lambda a, b: max(float(jnp.max(jnp.abs(u - v)))  # noqa: E731
                             for u, v in zip(leaves(a), leaves(b), strict=True))
     start = time.perf_counter()
-    for case in CASES:
+    for case in CASES + TENSOR_CASES:
         cname, names, shape, documents = case
         name, config = case_name(*case), configs()[cname]
         rng = np.random.default_rng(2)
@@ -99,7 +105,8 @@ def run_cases() -> dict:
         loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
         mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
         rows = P("data") if "data" in names else P()
-        per_device = B // dict(zip(names, shape)).get("data", 1)  # the batch's rows on a device
+        sizes = dict(zip(names, shape))
+        per_device = B // sizes.get("data", 1)  # the batch's rows on a device
         params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated
         batch = jax.device_put(batch, NamedSharding(mesh, rows))  # the rows over data, where the mesh has it
         with jax.set_mesh(mesh):
@@ -108,7 +115,7 @@ def run_cases() -> dict:
                 compiled = lowered.compile()
                 if what == "manual":
                     out.update({f"{name}: {k}": n for k, n in collectives(lowered, compiled).items()})
-                out.update({f"{name}: {what} {k}": n for k, n in logits_shapes(compiled, config, per_device).items()})
+                out.update({f"{name}: {what} {k}": n for k, n in logits_shapes(compiled, config, per_device, sizes.get("tensor", 1)).items()})
                 loss, grads = compiled(params, batch)
                 out[f"{name}: {what} loss"] = abs(float(loss) - float(loss1))
                 out[f"{name}: {what} = one device"] = diff(grads, grads1)
@@ -123,7 +130,7 @@ def results(tmp_path_factory):
     return once_per_run(tmp_path_factory, "context_parallel", lambda: run_cases_on_8_devices("test_context_parallel"))  # one run, not one a worker
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
+@pytest.mark.parametrize("case", CASES + TENSOR_CASES, ids=[case_name(*c) for c in CASES + TENSOR_CASES])
 def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
     """Loss and every gradient leaf, by hand and by jax.grad through the ring's forward, equal one
     device's manual ones to 1e-10."""
@@ -163,14 +170,31 @@ def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
         assert results[f"{name}: compiled {kind}"] == 0, kind
 
 
-def test_no_device_holds_the_whole_sequence_s_logits(results):
-    """The compiled programs of the unchunked head (GPT-2-like on data=2 x context=2), per device:
-    logits of the device's own T/c tokens, never of all T, by hand and through jax.grad (the
-    tokens are put in the ring's order before the embedding and never put back)."""
-    name = case_name(*CASES[0])
+@pytest.mark.parametrize("case", [CASES[0], TENSOR_CASES[0]], ids=[case_name(*CASES[0]), case_name(*TENSOR_CASES[0])])
+def test_no_device_holds_the_whole_sequence_s_logits(results, case):
+    """The compiled programs of the unchunked head (GPT-2-like on data=2 x context=2, and with
+    tensor=2 beside: the vocabulary split too), per device: logits of the device's own T/c tokens,
+    never of all T, by hand and through jax.grad (the tokens are put in the ring's order before
+    the embedding and never put back)."""
+    name = case_name(*case)
     for what in ("manual", "jax.grad"):
         assert results[f"{name}: {what} full-sequence logits"] == 0, what
         assert results[f"{name}: {what} local logits"] > 0, what  # the count sees logits where they are
+
+
+@pytest.mark.parametrize("case", TENSOR_CASES, ids=[case_name(*c) for c in TENSOR_CASES])
+def test_tensor_beside_context_gathers_no_activation(results, case):
+    """With a tensor axis beside the context axis, the manual program as lowered: the ring's
+    permutes as without it, no all-gather, reduce-scatter or all-to-all (the row-parallel sums and
+    the vocabulary's reductions are all-reduces); compiled, at most the head's gradient leaves
+    (split along V over tensor, gathered into the replicated (D, V) and (V,) the test asks for)."""
+    name, documents = case_name(*case), case[3]
+    n = 3 if documents else 2
+    assert results[f"{name}: lowered collective_permute"] == n + (n + 2) + 2
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert results[f"{name}: lowered {kind}"] == 0, kind
+    head_leaves = 1 if configs()[case[0]].tie_embeddings else 2
+    assert results[f"{name}: compiled all-gather"] <= head_leaves
 
 
 # ---------------------------------------------------------------- in this process: the refusals
@@ -197,10 +221,12 @@ def test_unsupported_options_are_refused(changes, what):
     check_context_model(config, 1, T)  # one device runs them
 
 
-def test_tensor_beside_context_is_refused():
-    assert refusal(configs()["llama"], t=2) == ("mesh axis context=2: context parallelism does not run a tensor "
-                                                "axis beside it (tensor=2: one of the two splits at a time) yet; "
-                                                "use context=1")
+def test_sequence_parallel_beside_context_is_refused():
+    config = dataclasses.replace(configs()["llama"], sequence_parallel=True)
+    assert refusal(config, t=2) == ("mesh axis context=2: context parallelism does not run sequence_parallel beside "
+                                    "a tensor axis (tensor=2: the tokens are split over context already) yet; "
+                                    "use context=1")
+    check_context_model(configs()["llama"], 2, T, 2)  # tensor beside context runs
 
 
 def test_sequence_that_does_not_fit_is_refused():

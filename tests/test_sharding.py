@@ -23,8 +23,10 @@ CASES = [("data=8", "auto", ""), ("data=2,fsdp=4", "auto", ""), ("data=8", "manu
          # tensor parallel blocks (model/parallel/tensor.py); modern's one key/value head is replicated
          ("data=4,tensor=2", "manual", ""), ("data=2,fsdp=2,tensor=2", "auto", ""),
          ("data=2,fsdp=2,tensor=2", "manual", "modern"),
-         # context parallel blocks (model/parallel/context.py): ring attention over T split in two
-         ("data=4,context=2", "auto", ""), ("data=2,fsdp=2,context=2", "manual", "modern")]
+         # context parallel blocks (model/parallel/context.py): ring attention over T split in two (with
+         # a tensor axis beside: the blocks tensor parallel too, the head's vocabulary split)
+         ("data=2,tensor=2,context=2", "auto", ""), ("data=2,fsdp=2,context=2", "manual", "modern"),
+         ("fsdp=2,tensor=2,context=2", "manual", "modern")]
 # the modern block on the tiny preset: multi-query attention, rotary positions, RMS norm, SwiGLU, QK-norm
 MODERN = dict(norm_type="rms", positions="rope", mlp="gated", activation="silu", n_kv_heads=1,
               qk_norm=True, bias=False)

@@ -139,7 +139,10 @@ def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, 
     if not ring_order:
         inputs, segments = ring_ordered(inputs, mesh), ring_ordered(segments, mesh)
     x = upcast(embed(params, inputs, config, None, ring_positions(inputs.shape[1], c)))  # no dropout: refused
-    x = context_blocks(params["blocks"], x, config, mesh, segments)
+    if tensor_mesh() is not None:  # a tensor axis beside: the blocks tensor parallel too, attention the ring
+        x = tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
+    else:
+        x = context_blocks(params["blocks"], x, config, mesh, segments)
     if config.norm != "post":
         x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
     return x if ring_order else from_zigzag(x, c)

@@ -46,24 +46,17 @@ from jaxformer.model.parallel.context import (CONTEXT, RING_CORE, check_context_
                                               row_axes, stream_spec)
 from jaxformer.model.precision import upcast
 from jaxformer.model.transformer import TOKEN_KEYS, head_params
-from jaxformer.model.parallel.regions import TENSOR
-from manual_grads.attention import ManualCore, attention_bwd, attention_fwd
+from jaxformer.model.parallel.regions import TENSOR, axis_size
+from jaxformer.model.parallel.vocab import head_specs, padded
+from manual_grads.attention import attention_bwd, attention_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
 from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd)
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
-from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_attention_fwd
-from manual_grads.parallel.tensor import join_arrays, split_arrays
-
-
-def ring_core_fwd(q, k, v, spec, key=None, segments=None):
-    """The ring's pair as a manual core (manual_grads/attention.py's ``ManualCore`` signature),
-    the forward's ``ring_core``: (O (B, H, T/c, Dh), RingAttentionRes)."""
-    return ring_attention_fwd(q, k, v, spec.causal, segments)
-
-
-RING_MANUAL = ManualCore(ring_core_fwd, ring_attention_bwd, RingAttentionRes)
+from manual_grads.parallel.ring import RING_MANUAL, ring_attention_bwd
+from manual_grads.parallel.tensor import join_arrays, split_arrays, tensor_blocks_bwd, tensor_blocks_fwd
+from manual_grads.parallel.vocab import vocab_head_loss_grads_local
 
 
 def context_attention_fwd(p, x, config: ModelConfig, segments=None):
@@ -159,7 +152,7 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
         dx, grads = jax.lax.scan(step, dy, [a[0] for a in arrays], reverse=True)
         # in_specs=(PartitionSpec(), ...): the blocks replicated, each device's use of them its
         # tokens' and rows' part of their gradient: the whole is the sum over every such device
-        grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, summed), grads)
+        grads = psum_tree(grads, summed)
         return grads, dx
 
     return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream), out_specs=(PartitionSpec(), stream),
@@ -178,25 +171,43 @@ def summed_axes(mesh) -> tuple[str, ...]:
 def context_top_grads(top, x, targets, mask, config: ModelConfig, mesh):
     """The final norm, the head and the mean cross entropy on each device's tokens (x (B, T, D),
     targets and mask (B, T) in the context axis' order), forward and backward at once: top =
-    {"ln_f"? (not with norm "post"), "head"} -> (loss, dtop laid out as top, dx (B, T, D))."""
-    stream, summed = stream_spec(mesh), summed_axes(mesh)
+    {"ln_f"? (not with norm "post"), "head"} -> (loss, dtop laid out as top, dx (B, T, D)).
+    With a tensor axis too the head's vocabulary is split over it (manual_grads/parallel/vocab.py)."""
+    stream, summed, t = stream_spec(mesh), summed_axes(mesh), axis_size(mesh, TENSOR)
+    V = top["head"]["w"].shape[-1]
+    specs = {n: PartitionSpec() for n in top}
+    if t > 1:  # the head's columns split over the tensor axis, padded to a multiple of t
+        top = {**top, "head": padded(top["head"], t)}
+        specs["head"] = head_specs(top["head"])
 
     def local(top, x, targets, mask):
-        n_i = targets.size if mask is None else jnp.sum(mask.astype(x.dtype))  # device i's weight
-        n = jax.lax.psum(jnp.asarray(n_i, x.dtype), summed)
-        share = n_i / jnp.where(n > 0, n, 1)  # loss = psum(loss_i * n_i / n): the mean over every token
         h, ln_f_res = norm_fwd(top["ln_f"], x, config) if "ln_f" in top else (x, None)  # x = ln_f(x)
-        loss_i, res = head_loss_fwd(top["head"], h, targets, mask, config)  # device i's mean over its tokens
         dtop = {}
-        dtop["head"], dx = head_loss_bwd(res, share.astype(loss_i.dtype))  # dloss_i = n_i / n
+        if t > 1:  # the vocab-parallel head and loss, summed over the rows and tokens (``summed``) inside
+            loss, dtop["head"], dx = vocab_head_loss_grads_local(
+                top["head"], h, targets, mask, summed, vocab_size=V, compute_dtype=config.compute_dtype,
+                cap=config.logit_softcap, chunk=config.loss_chunk)
+        else:
+            n_i = targets.size if mask is None else jnp.sum(mask.astype(x.dtype))  # device i's weight
+            n = jax.lax.psum(jnp.asarray(n_i, x.dtype), summed)
+            share = n_i / jnp.where(n > 0, n, 1)  # loss = psum(loss_i * n_i / n): the mean over every token
+            loss_i, res = head_loss_fwd(top["head"], h, targets, mask, config)  # device i's mean over its tokens
+            d_head, dx = head_loss_bwd(res, share.astype(loss_i.dtype))  # dloss_i = n_i / n
+            loss, dtop["head"] = jax.lax.psum(loss_i * share, summed), psum_tree(d_head, summed)
         if ln_f_res is not None:
-            dtop["ln_f"], dx = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
-        return (jax.lax.psum(loss_i * share, summed),
-                jax.tree_util.tree_map(lambda g: jax.lax.psum(g, summed), dtop), dx)
+            d_ln_f, dx = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
+            dtop["ln_f"] = psum_tree(d_ln_f, summed)
+        return loss, dtop, dx
 
-    specs = (PartitionSpec(), stream, stream, None if mask is None else stream)
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(PartitionSpec(), PartitionSpec(), stream),
-                         check_vma=False)(top, x, targets, mask)
+    in_specs = (specs, stream, stream, None if mask is None else stream)
+    loss, dtop, dx = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(), specs, stream),
+                                   check_vma=False)(top, x, targets, mask)
+    dtop["head"] = {n: g[..., :V] for n, g in dtop["head"].items()}  # z = where(id < V, ...): the padding dropped
+    return loss, dtop, dx
+
+
+def psum_tree(tree, axes):
+    return jax.tree_util.tree_map(lambda g: jax.lax.psum(g, axes), tree)
 
 
 def context_embed_bwd(emb, inputs, at, dx, config: ModelConfig, mesh):
@@ -207,7 +218,7 @@ def context_embed_bwd(emb, inputs, at, dx, config: ModelConfig, mesh):
     def local(emb, inputs, at, dx):
         _, res = embed_fwd(emb, inputs, config, None, at)  # the residuals: the ids and the tables
         d_embed, _ = embed_bwd(res, dx)  # x = tok_embed[inputs] * s + positions[at]
-        return jax.tree_util.tree_map(lambda g: jax.lax.psum(g, summed_axes(mesh)), d_embed)
+        return psum_tree(d_embed, summed_axes(mesh))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, PartitionSpec(CONTEXT), stream),
                          out_specs=PartitionSpec(), check_vma=False)(emb, inputs, at, dx)
@@ -223,7 +234,7 @@ def context_value_and_grad(params, batch, config: ModelConfig, mesh):
     (jaxformer/model/transformer.py's features_and_stats on the context axis, loss_and_stats):
         ids, targets, mask, segments = ring_ordered(...)     the tokens in the context axis' order
         x = tok_embed[ids] * s + positions[at]                at = ring_positions(T, c)
-        x = context_blocks(blocks, x)                         the ring
+        x = context_blocks(blocks, x)                         the ring (tensor_blocks with a tensor axis)
         loss = CE(head(ln_f(x)), targets)                     each device's tokens
     and back, bottom to top."""
     inputs, targets, mask, segments = (ring_ordered(batch.get(k), mesh) for k in TOKEN_KEYS)
@@ -234,10 +245,14 @@ def context_value_and_grad(params, batch, config: ModelConfig, mesh):
         top["ln_f"] = params["ln_f"]
     # forward
     x = upcast(embed_fwd(emb, inputs, config, None, at)[0])  # (B, T, D); its backward recomputes its residuals
-    x, blocks_res = context_blocks_fwd(params["blocks"], x, config, mesh, segments)
+    tensor = axis_size(mesh, TENSOR) > 1  # a tensor axis beside: the blocks tensor parallel too (parallel/tensor.py)
+    if tensor:
+        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
+    else:
+        x, blocks_res = context_blocks_fwd(params["blocks"], x, config, mesh, segments)
     # the final norm, the head and the loss, forward and backward; then the rest, in reverse
     loss, grads, dx = context_top_grads(top, x, targets, mask, config, mesh)
-    grads["blocks"], dx = context_blocks_bwd(blocks_res, dx)  # x = context_blocks(blocks, x)
+    grads["blocks"], dx = (tensor_blocks_bwd if tensor else context_blocks_bwd)(blocks_res, dx)  # x = blocks(x)
     grads.update(context_embed_bwd(emb, inputs, at, dx, config, mesh))  # x = tok_embed[ids] * s + positions[at]
     d_head = grads.pop("head")
     if config.tie_embeddings:  # logits = x @ tok_embed^T (+ b): the two gradients of tok_embed add

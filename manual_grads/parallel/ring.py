@@ -40,7 +40,7 @@ from jaxformer.model.parallel.ring import (CONTEXT, SELF, ZIGZAG, chunk_position
                                            pair_kind, pair_scores, part, ring_attention_fwd_stats, send,
                                            switch_visit, visited)
 from jaxformer.model.precision import matmul
-from manual_grads.attention import sum_groups
+from manual_grads.attention import ManualCore, sum_groups
 from manual_grads.blockwise import _softmax_correction
 
 
@@ -132,3 +132,12 @@ def ring_attention_grads_on_mesh(q, k, v, do, mesh, causal: bool = True, segment
         _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout)
         return ring_attention_bwd(res, do)
     return on_mesh(local, mesh, (q, k, v, do), segments, axis_name, layout, n_out=3)
+
+
+def ring_core_fwd(q, k, v, spec, key=None, segments=None):
+    """The ring's pair as a manual core (manual_grads/attention.py's ``ManualCore`` signature),
+    the forward's ``parallel.context.ring_core``: (O (B, H, T/c, Dh), RingAttentionRes)."""
+    return ring_attention_fwd(q, k, v, spec.causal, segments)
+
+
+RING_MANUAL = ManualCore(ring_core_fwd, ring_attention_bwd, RingAttentionRes)

@@ -44,13 +44,15 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.regions import TENSOR
-from jaxformer.model.parallel.tensor import (KV, attention_local_params, batch_spec, block_specs, check_tensor, enter,
-                                             ffn_bias, leave, local_config, refuse_adapters, split_kv, stream_spec,
-                                             tensor_size)
+from jaxformer.model.parallel.context import RING_CORE, local_positions
+from jaxformer.model.parallel.tensor import (KV, attention_local_params, block_specs, check_tensor_blocks, enter,
+                                             ffn_bias, leave, local_config, refuse_adapters, ring_on, segments_spec,
+                                             split_kv, stream_spec, tensor_size)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
+from manual_grads.parallel.ring import RING_MANUAL, ring_attention_bwd
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
                                            reduce_scatter_to_sequence_bwd)
 
@@ -99,24 +101,28 @@ class TensorAttentionRes(NamedTuple):
     config: ModelConfig  # static: the whole model's (the heads to undo kv_columns)
     bias: bool  # static: the layer has bo
     sequence: bool = False  # static: x and y are device i's T/t tokens
+    ring: bool = False  # static: x and y are device i's T/c tokens of a context axis, the core the ring
 
 
-def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False):
+def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False):
     """tensor_attention with residuals: x (B, T, D) replicated (``sequence``: device i's
-    (B, T/t, D)) -> (y, TensorAttentionRes)."""
+    (B, T/t, D); ``ring``: its (B, T/c, D) of a context axis) -> (y, TensorAttentionRes)."""
     refuse_adapters(p)
     t = jax.lax.axis_size(TENSOR)
     local = attention_local_params(p, config, t)
-    y, res = attention_fwd(local, enter(x, sequence), local_config(config, t), None, segments)  # partial sums
+    h = enter(x, sequence)
+    # attention(local, h, local_config, key, segments=segments, **ring_args(ring, T/c)): the ring's pair as the core
+    core = (local_positions(h.shape[1]), RING_CORE, RING_MANUAL) if ring else ()
+    y, res = attention_fwd(local, h, local_config(config, t), None, segments, *core)  # partial sums
     y = leave(y, sequence)
-    return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence)
+    return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence, ring)
 
 
 def tensor_attention_bwd(res: TensorAttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys: device i's slices of the split leaves, dx (B, T, D))."""
     config, t = res.config, jax.lax.axis_size(TENSOR)
     # y = leave(attention(local, enter(x), local_config)) + bo
-    dp, dh = attention_bwd(res.attn, leave_bwd(dy, res.sequence))
+    dp, dh = attention_bwd(res.attn, leave_bwd(dy, res.sequence), ring_attention_bwd if res.ring else None)
     dx = enter_bwd(dh, res.sequence)
     if res.bias:
         dp["bo"] = token_sum(bias_grad(dy), res.sequence)
@@ -159,17 +165,17 @@ def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
 NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")  # a layer's norms: on device i's tokens with sequence parallelism
 
 
-def tensor_block_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False):
+def tensor_block_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False):
     """One block on device i: manual_grads/block.py's sequence with the tensor-parallel sublayers
-    (``sequence``: x and y device i's T/t tokens)."""
+    (``sequence``: x and y device i's T/t tokens; ``ring``: its T/c tokens of a context axis)."""
     if config.norm == "post":  # x1 = ln1(x + attn(x)); y = ln2(x1 + ffn(x1))
-        a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments, sequence)
+        a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments, sequence, ring)
         x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, None, None)
         f, ffn_res = tensor_feed_forward_fwd(p["ffn"], x1, config, sequence)
         y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, None, None)
         return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
     h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T, D)
-    a, attn_res = tensor_attention_fwd(p["attn"], h1, config, segments, sequence)
+    a, attn_res = tensor_attention_fwd(p["attn"], h1, config, segments, sequence, ring)
     a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, None, None, "attn", h1, p["attn"])
     x1 = x + a
     h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
@@ -224,16 +230,17 @@ class TensorBlocksRes(NamedTuple):
 
 
 def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):
-    """tensor_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) -> (y, TensorBlocksRes)."""
-    t = tensor_size(mesh)
-    check_tensor(config, t, x.shape[1] if sequence else None)
-    specs, rows, every = block_specs(blocks, config, t), batch_spec(mesh), PartitionSpec(mesh.axis_names)
+    """tensor_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) -> (y, TensorBlocksRes)
+    (on a mesh with a context axis: x and segments in its zig-zag order, T split over it)."""
+    check_tensor_blocks(config, mesh, x, sequence)
+    t, ring = tensor_size(mesh), ring_on(mesh)
+    specs, rows, every = block_specs(blocks, config, t), segments_spec(mesh), PartitionSpec(mesh.axis_names)
     stream = stream_spec(mesh, sequence)
     static = {}
 
     def step(carry, p):
         x, s = carry
-        y, res = tensor_block_fwd(p, x, config, s, sequence)
+        y, res = tensor_block_fwd(p, x, config, s, sequence, ring)
         arrays, static["rest"] = split_arrays(res)
         return (y, s), arrays
 
@@ -249,7 +256,7 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
 def tensor_blocks_bwd(res: TensorBlocksRes, dy):
     """dy (B, T, D) -> (the blocks' gradients (L, ...), laid out as the blocks, dx (B, T, D))."""
     mesh, stream, every = res.mesh, res.stream, PartitionSpec(res.mesh.axis_names)
-    batch_axes = tuple(a for a in mesh.axis_names if a != TENSOR)
+    batch_axes = tuple(a for a in mesh.axis_names if a != TENSOR)  # the rows' axes, and a context axis' tokens
 
     def step(dy, arrays):
         dp, dx = tensor_block_bwd(join_arrays(arrays, res.rest), dy)

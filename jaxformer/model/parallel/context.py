@@ -74,12 +74,13 @@ def stream_spec(mesh) -> PartitionSpec:
 def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -> None:
     """A ValueError in one line unless a context axis of size c can run ``config`` on sequences of
     ``seq_len`` tokens (2c must divide it: the zig-zag layout's pieces); ``t``: the mesh's tensor
-    axis, refused beside it."""
+    axis (the blocks then tensor parallel as well: parallel/tensor.py, without sequence parallelism)."""
     if c <= 1:
         return
     check_context(seq_len, c)
     impl = config.attention_impl
-    refused = [(t > 1, f"a tensor axis beside it (tensor={t}: one of the two splits at a time)"),
+    refused = [(t > 1 and config.sequence_parallel, f"sequence_parallel beside a tensor axis (tensor={t}: the "
+                                                      "tokens are split over context already)"),
                (config.dropout, "dropout (each device would draw its own tokens' masks)"),
                (impl != "full", f"attention_impl {impl!r} (the ring's visits are the full core's math: "
                                 "use attention_impl 'full')"),

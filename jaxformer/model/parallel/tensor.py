@@ -51,8 +51,10 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
-from jaxformer.model.parallel.regions import (TENSOR, axis_size, batch_axes, copy_to_tensor, gather_from_sequence,
-                                              reduce_from_tensor, reduce_scatter_to_sequence, trace_mesh_with)
+from jaxformer.model.parallel.context import RING_CORE, check_context_model, local_positions
+from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
+                                              gather_from_sequence, reduce_from_tensor, reduce_scatter_to_sequence,
+                                              trace_mesh_with)
 from jaxformer.model.rms_norm import rms_norm
 
 COLUMNS = {"attn": ("wq", "bq"), "ffn": ("w_in", "b_in", "w_gate", "b_gate", "w_up", "b_up")}
@@ -136,14 +138,22 @@ def leave(y, sequence: bool):
     return reduce_scatter_to_sequence(y) if sequence else reduce_from_tensor(y)
 
 
-def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False):
+def ring_args(ring: bool, n_local: int) -> dict:
+    """attention's core and rotary positions on a mesh with a context axis too (``ring``): ring
+    attention over it, each of the device's ``n_local`` tokens at its global position."""
+    return {"core": RING_CORE, "positions": local_positions(n_local)} if ring else {}
+
+
+def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False, ring: bool = False):
     """The attention layer on device i's heads (under shard_map): x (B, T, D) replicated ->
     (y (B, T, D) replicated, None), a BlockLayers attention. ``sequence``: x and y are device
-    i's (B, T/t, D); ``segments`` stay whole (B, T)."""
+    i's (B, T/t, D); ``segments`` stay whole (B, T). ``ring``: x, y and segments are device i's
+    T/c tokens of a context axis (parallel/context.py), the core ring attention over it."""
     refuse_adapters(p)
     t = jax.lax.axis_size(TENSOR)
     local = attention_local_params(p, config, t)
-    y = attention(local, enter(x, sequence), local_config(config, t), key, segments=segments)  # partial sums
+    h = enter(x, sequence)
+    y = attention(local, h, local_config(config, t), key, segments=segments, **ring_args(ring, h.shape[1]))  # partial sums
     y = leave(y, sequence)  # the row-parallel product's sum over the devices
     return (y + p["bo"] if "bo" in p else y), None
 
@@ -167,12 +177,14 @@ def tensor_feed_forward(p, x, config: ModelConfig, sequence: bool = False):
 TENSOR_LAYERS = BlockLayers(tensor_attention, tensor_feed_forward, layer_norm, rms_norm)
 SEQUENCE_LAYERS = BlockLayers(functools.partial(tensor_attention, sequence=True),
                               functools.partial(tensor_feed_forward, sequence=True), layer_norm, rms_norm)
+RING_LAYERS = BlockLayers(functools.partial(tensor_attention, ring=True), tensor_feed_forward, layer_norm, rms_norm)
 
 
-def tensor_block(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False):
+def tensor_block(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False, ring: bool = False):
     """One block on device i (under shard_map): the model's compose_block with TENSOR_LAYERS
-    (SEQUENCE_LAYERS: x and y device i's T/t tokens)."""
-    return compose_block(p, x, config, SEQUENCE_LAYERS if sequence else TENSOR_LAYERS, key, segments)[0]
+    (SEQUENCE_LAYERS: x and y device i's T/t tokens; RING_LAYERS: its T/c tokens of a context axis)."""
+    layers = RING_LAYERS if ring else SEQUENCE_LAYERS if sequence else TENSOR_LAYERS
+    return compose_block(p, x, config, layers, key, segments)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -214,22 +226,46 @@ def batch_spec(mesh) -> PartitionSpec:
     return PartitionSpec(axes) if axes else PartitionSpec()
 
 
+def ring_on(mesh) -> bool:
+    """Whether ``mesh`` has a context axis larger than 1 beside the tensor axis: the tokens are
+    then split over it (in its zig-zag order, parallel/context.py) and attention is the ring."""
+    return axis_size(mesh, CONTEXT) > 1
+
+
 def stream_spec(mesh, sequence: bool) -> PartitionSpec:
-    """The residual stream's (B, T, D) spec between the blocks: the batch's, and with sequence
-    parallelism T split over the tensor axis."""
-    return PartitionSpec(batch_axes(mesh) or None, TENSOR) if sequence else batch_spec(mesh)
+    """The residual stream's (B, T, D) spec between the blocks: the batch's, and T split over the
+    tensor axis with sequence parallelism, or over the context axis where the mesh has one."""
+    if sequence:
+        return PartitionSpec(batch_axes(mesh) or None, TENSOR)
+    return PartitionSpec(batch_axes(mesh) or None, CONTEXT) if ring_on(mesh) else batch_spec(mesh)
+
+
+def segments_spec(mesh) -> PartitionSpec:
+    """The packed documents' ids' (B, T) spec: the batch's (whole rows with sequence parallelism:
+    attention gathers its tokens), T over the context axis where the mesh has one."""
+    return stream_spec(mesh, False)
+
+
+def check_tensor_blocks(config: ModelConfig, mesh, x, sequence: bool) -> None:
+    """check_tensor, and check_context_model where the mesh has a context axis too."""
+    t = tensor_size(mesh)
+    check_tensor(config, t, x.shape[1] if sequence else None)
+    if ring_on(mesh):
+        check_context_model(config, axis_size(mesh, CONTEXT), x.shape[1], t)
 
 
 def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):
     """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), each block
     tensor parallel over the mesh's tensor axis, the batch split over its other axes;
-    ``sequence``: the activations between the sublayers split along T as well."""
-    t = tensor_size(mesh)
-    check_tensor(config, t, x.shape[1] if sequence else None)
+    ``sequence``: the activations between the sublayers split along T as well. On a mesh with a
+    context axis, x and segments are in its zig-zag order, T split over it, attention the ring."""
+    check_tensor_blocks(config, mesh, x, sequence)
+    t, ring = tensor_size(mesh), ring_on(mesh)
 
     def local(blocks, x, segments):
-        return jax.lax.scan(lambda x, p: (tensor_block(p, x, config, None, segments, sequence), None), x, blocks)[0]
+        return jax.lax.scan(lambda x, p: (tensor_block(p, x, config, None, segments, sequence, ring), None), x,
+                            blocks)[0]
 
-    rows, stream = batch_spec(mesh), stream_spec(mesh, sequence)
-    return jax.shard_map(local, mesh=mesh, in_specs=(block_specs(blocks, config, t), stream, rows),
+    stream = stream_spec(mesh, sequence)
+    return jax.shard_map(local, mesh=mesh, in_specs=(block_specs(blocks, config, t), stream, segments_spec(mesh)),
                          out_specs=stream)(blocks, x, segments)

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.chunked_loss import to_chunks
 from jaxformer.model.linear import linear
-from jaxformer.model.parallel.regions import TENSOR, batch_axes, copy_to_tensor
+from jaxformer.model.parallel.regions import CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor
 from jaxformer.model.precision import stats_dtype, upcast
 from jaxformer.model.softcap import softcap
 
@@ -124,10 +124,13 @@ def on_vocab_mesh(local, p, x, targets, mask, mesh, out=lambda rows: PartitionSp
                   **options):
     """``local(p, x, targets, mask, batch_axes, vocab_size=V, **options)`` under shard_map on ``mesh``:
     the head's p padded to a multiple of t columns and split along V over the tensor axis, x,
-    targets and mask split along B over the others; ``out(rows)``: the out_specs (rows: the
-    batch's spec)."""
+    targets and mask split along B over the others (and along T over a context axis, where the
+    mesh has one: its tokens in that axis' order, summed over it as over the rows); ``out(rows)``:
+    the out_specs (rows: the batch's spec)."""
     axes = batch_axes(mesh)
     rows = PartitionSpec(axes or None)
+    if axis_size(mesh, CONTEXT) > 1:  # the tokens split over the context axis too (parallel/context.py)
+        axes, rows = (*axes, CONTEXT), PartitionSpec(axes or None, CONTEXT)
     body = functools.partial(local, batch_axes=axes, vocab_size=p["w"].shape[-1], **options)
     p = padded(p, dict(mesh.shape)[TENSOR])
     return jax.shard_map(body, mesh=mesh, in_specs=(head_specs(p), rows, rows, rows), out_specs=out(rows),
