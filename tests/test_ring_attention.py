@@ -115,6 +115,7 @@ def run_cases() -> dict:
         for what, fn in (("forward", ring), ("manual", manual)):
             out.update({f"{name}: {what} {kind}": n for kind, n in collectives(fn, q, k, v, segments).items()})
 
+    out.update(bfloat16_errors(devices, rng))
     # the refusal inside shard_map: 12 tokens on context=4, 3 a device (2 x 4 = 8 does not divide 12)
     mesh = Mesh(devices[:4], ("context",))
     x = jnp.zeros((1, 1, 12, DH))
@@ -125,6 +126,38 @@ def run_cases() -> dict:
     except ValueError as error:
         out["refusal"] = str(error)
     return out
+
+
+def bfloat16_errors(devices, rng) -> dict:
+    """float32 q, k, v with compute_dtype bfloat16 on context=4 (causal, documents, 1 key/value
+    head): each one's largest error against the float64 full core's output and jax.vjp, for the
+    ring's forward, its manual backward, jax.vjp through the ring's forward and one device's full
+    core with the same compute dtype; and how far the bfloat16 ring is from the float32 one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from jaxformer.model.cores import AttentionSpec, full
+    from jaxformer.model.parallel.ring import ring_attention_on_mesh
+    from manual_grads.parallel.ring import ring_attention_grads_on_mesh
+
+    mesh, bf16, segments = Mesh(devices[:4], ("context",)), jnp.bfloat16, jnp.asarray(DOCUMENTS)
+    q, do = (jnp.asarray(rng.standard_normal((B, H, T, DH))) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((B, 1, T, DH))) for _ in range(2))
+    err = lambda a, b: max(float(jnp.max(jnp.abs(x.astype(jnp.float64) - y))) for x, y in zip(a, b))  # noqa: E731
+    ref, ref_vjp = jax.vjp(lambda q, k, v: full(q, k, v, AttentionSpec(causal=True), segments=segments), q, k, v)
+    ref_grads = ref_vjp(do)
+    q32, k32, v32, do32 = (a.astype(jnp.float32) for a in (q, k, v, do))
+    ring = lambda dtype: (lambda q, k, v: ring_attention_on_mesh(q, k, v, mesh, True, segments,  # noqa: E731
+                                                                 compute_dtype=dtype))
+    out, ring_vjp = jax.vjp(ring(bf16), q32, k32, v32)
+    one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, AttentionSpec(causal=True, compute_dtype=bf16),
+                                                segments=segments), q32, k32, v32)
+    manual = ring_attention_grads_on_mesh(q32, k32, v32, do32, mesh, True, segments, compute_dtype=bf16)
+    return {"bf16 ring output": err([out], [ref]), "bf16 one device output": err([one], [ref]),
+            "bf16 ring manual grads": err(manual, ref_grads), "bf16 ring jax.grad": err(ring_vjp(do32), ref_grads),
+            "bf16 one device grads": err(one_vjp(do32), ref_grads),
+            "bf16 ring - f32 ring": err([out], [ring(None)(q32, k32, v32).astype(jnp.float64)])}
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +186,17 @@ def test_collectives_are_the_ring_hops(results, case):
     assert results[f"{name}: manual permute sites"] == n + (n + 2) + 2
     assert results[f"{name}: forward arrays sent"] == (c - 1) * n
     assert results[f"{name}: manual arrays sent"] == (c - 1) * n + (c - 1) * (n + 2) + 2
+
+
+def test_bfloat16_products_err_as_one_device_s(results):
+    """With compute_dtype bfloat16 the ring's products run in it (its output is a bfloat16
+    rounding away from the float32 ring's) and its errors against the float64 reference are
+    those of one device's full core with the same compute dtype: the output, the manual
+    gradients and jax.grad through the ring's forward, each within 2x of one device's."""
+    assert results["bf16 ring - f32 ring"] > 1e-4  # the compute dtype is read
+    assert results["bf16 ring output"] <= 2 * results["bf16 one device output"]
+    for what in ("manual grads", "jax.grad"):
+        assert results[f"bf16 ring {what}"] <= 2 * results["bf16 one device grads"], (what, results)
 
 
 def test_refusal_inside_shard_map(results):

@@ -18,7 +18,7 @@ passes them on. After step c - 1 device i holds chunk i + 1's, and one final hop
 brings every chunk's gradients home: c - 1 hops of k, v (and the ids), c of dK, dV.
 
 Statistics and the running gradients stay in stats_dtype (float32 or wider), the products
-as the forward's (spec.compute_dtype: none here, the inputs' own dtype).
+as the forward's (spec.compute_dtype: the model's compute dtype, or the inputs' own).
 
 The manual shard_map keeps check_vma (JAX's varying/invariant types): every array it carries
 is device i's own, varying over the context axis, and the only collectives are the ppermutes
@@ -51,17 +51,18 @@ class RingAttentionRes(NamedTuple):
     out: jax.Array  # (B, H, T/c, Dh) O
     lse: jax.Array  # (B, H, T/c) row log-sum-exp of the scores over all T keys, stats_dtype
     segments: jax.Array | None  # (B, T/c) its tokens' document ids; None: one document
-    spec: AttentionSpec  # static: the mask rule
+    spec: AttentionSpec  # static: the mask rule and the products' compute dtype
     axis_name: str = CONTEXT  # static; the residual lives within one shard_map
     layout: str = ZIGZAG  # static
 
 
 def ring_attention_fwd(q, k, v, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                       layout: str = ZIGZAG):
+                       layout: str = ZIGZAG, compute_dtype=None):
     """Inside shard_map: ring_attention with residuals -> (O (B, H, T/c, Dh), RingAttentionRes)."""
     out, lse = ring_attention_fwd_stats(q, k, v, causal=causal, segments=segments, axis_name=axis_name,
-                                        layout=layout)
-    return out, RingAttentionRes(q, k, v, out, lse, segments, AttentionSpec(causal=causal), axis_name, layout)
+                                        layout=layout, compute_dtype=compute_dtype)
+    spec = AttentionSpec(causal=causal, compute_dtype=compute_dtype)
+    return out, RingAttentionRes(q, k, v, out, lse, segments, spec, axis_name, layout)
 
 
 def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where):
@@ -124,12 +125,12 @@ def ring_attention_bwd(res: RingAttentionRes, do):
 
 
 def ring_attention_grads_on_mesh(q, k, v, do, mesh, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                                 layout: str = ZIGZAG):
+                                 layout: str = ZIGZAG, compute_dtype=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), dO (B, H, T, Dh), segments (B, T) or None, natural
     order -> (dq, dk, dv) in natural order: the manual forward and backward in one shard_map
     over the mesh's ``axis_name`` (jaxformer.model.parallel.ring.ring_attention_on_mesh's pair)."""
     def local(q, k, v, do, segments):
-        _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout)
+        _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout, compute_dtype)
         return ring_attention_bwd(res, do)
     return on_mesh(local, mesh, (q, k, v, do), segments, axis_name, layout, n_out=3)
 
@@ -137,7 +138,7 @@ def ring_attention_grads_on_mesh(q, k, v, do, mesh, causal: bool = True, segment
 def ring_core_fwd(q, k, v, spec, key=None, segments=None):
     """The ring's pair as a manual core (manual_grads/attention.py's ``ManualCore`` signature),
     the forward's ``parallel.context.ring_core``: (O (B, H, T/c, Dh), RingAttentionRes)."""
-    return ring_attention_fwd(q, k, v, spec.causal, segments)
+    return ring_attention_fwd(q, k, v, spec.causal, segments, compute_dtype=spec.compute_dtype)
 
 
 RING_MANUAL = ManualCore(ring_core_fwd, ring_attention_bwd, RingAttentionRes)

@@ -111,8 +111,9 @@ def local_positions(n_local: int):
 def ring_core(q, k, v, spec, key=None, segments=None):
     """A core (cores.py's signature) inside shard_map over the context axis: q (B, H, T/c, Dh),
     k, v (B, Hkv, T/c, Dh) of this device's tokens -> O (B, H, T/c, Dh), its queries' attention
-    over the whole sequence (ring.ring_attention; spec.causal, no dropout: ``key`` unread)."""
-    return ring_attention(q, k, v, causal=spec.causal, segments=segments)
+    over the whole sequence (ring.ring_attention; spec.causal and spec.compute_dtype, no dropout:
+    ``key`` unread)."""
+    return ring_attention(q, k, v, causal=spec.causal, segments=segments, compute_dtype=spec.compute_dtype)
 
 
 RING_CORE = Core(ring_core, True)  # reads k, v with their Hkv heads: fewer bytes travel

@@ -224,11 +224,12 @@ def switch_visit(kind, visit_kind, causal: bool, operand):
 
 
 def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                             layout: str = ZIGZAG):
+                             layout: str = ZIGZAG, compute_dtype=None):
     """Inside shard_map over ``axis_name``: this device's q (B, H, T/c, Dh), k, v (B, Hkv, T/c,
     Dh) and segment ids (B, T/c) or None, in ``layout`` -> (O (B, H, T/c, Dh), lse (B, H, T/c)
-    in stats_dtype), the attention of its queries over the whole sequence."""
-    spec = AttentionSpec(causal=causal)
+    in stats_dtype), the attention of its queries over the whole sequence; the products' inputs
+    in ``compute_dtype`` (ModelConfig.compute_dtype; None: q's own), as every core's."""
+    spec = AttentionSpec(causal=causal, compute_dtype=compute_dtype)
     c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     n_local = q.shape[2]
     T = n_local * c
@@ -258,11 +259,11 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
 
 
 def ring_attention(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                   layout: str = ZIGZAG):
+                   layout: str = ZIGZAG, compute_dtype=None):
     """Inside shard_map over ``axis_name``: ring_attention_fwd_stats' output alone,
     softmax(q k^T / sqrt(Dh)) v for this device's queries (B, H, T/c, Dh)."""
     return ring_attention_fwd_stats(q, k, v, causal=causal, segments=segments, axis_name=axis_name,
-                                    layout=layout)[0]
+                                    layout=layout, compute_dtype=compute_dtype)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -290,9 +291,10 @@ def on_mesh(local, mesh, arrays, segments, axis_name: str = CONTEXT, layout: str
 
 
 def ring_attention_on_mesh(q, k, v, mesh, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                           layout: str = ZIGZAG):
+                           layout: str = ZIGZAG, compute_dtype=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), segments (B, T) or None, natural token order ->
     O (B, H, T, Dh) in natural order: ring_attention over the mesh's ``axis_name``."""
     def local(q, k, v, segments):
-        return ring_attention(q, k, v, causal=causal, segments=segments, axis_name=axis_name, layout=layout)
+        return ring_attention(q, k, v, causal=causal, segments=segments, axis_name=axis_name, layout=layout,
+                              compute_dtype=compute_dtype)
     return on_mesh(local, mesh, (q, k, v), segments, axis_name, layout)
