@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
+from jaxformer.model.embedding import sinusoidal_positions, token_rows, token_scale
+from jaxformer.model.parallel.regions import TENSOR, trace_mesh_with
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
+from manual_grads.parallel.vocab import vocab_token_embedding_bwd
 
 
 EMBED_KEYS = ("tok_embed", "pos_embed")
@@ -34,17 +36,22 @@ class TokenEmbedRes(NamedTuple):
 
 
 def token_embed_fwd(table, ids):
-    """table (V, D), ids int (B, T) -> x (B, T, D)."""
-    return token_embedding(table, ids), TokenEmbedRes(ids, table)
+    """table (V, D), ids int (B, T) -> x (B, T, D) (its rows split over the tensor axis under a
+    mesh with one: the forward's ``token_rows``)."""
+    return token_rows(table, ids), TokenEmbedRes(ids, table)
 
 
 def token_embed_bwd(res: TokenEmbedRes, dx):
     """dx (B, T, D) -> (dtable (V, D), None).
 
     Undoes ``x = table[ids]``: a scatter-add of the rows of dx into the rows
-    they were read from; an id that appears n times accumulates n rows.
+    they were read from; an id that appears n times accumulates n rows. Under a mesh with a
+    tensor axis (``token_rows``' split), manual_grads/parallel/vocab.vocab_token_embedding_bwd.
     """
     ids, table = res
+    mesh = trace_mesh_with(TENSOR)
+    if mesh is not None:  # x = vocab_token_embedding(table, ids, mesh)
+        return vocab_token_embedding_bwd(ids, table, dx, mesh), None
     D = table.shape[-1]
     dtable = jnp.zeros(table.shape, dx.dtype).at[ids.reshape(-1)].add(dx.reshape(-1, D))
     return dtable.astype(table.dtype), None

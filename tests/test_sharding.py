@@ -73,6 +73,8 @@ SCRIPT = textwrap.dedent("""
             assert w_out.sharding.spec[1] == "tensor"
             head = params["head"]["w"]  # (D, V) = (16, 256): V split over tensor (the vocab-parallel head)
             assert [s.data.shape for s in head.addressable_shards] == [(16 // fsdp, 128)] * 8
+            table = params["tok_embed"]  # (V, D) = (256, 16): its rows split over tensor (the embedding's)
+            assert [s.data.shape for s in table.addressable_shards] == [(128, 16 // fsdp)] * 8
         elif kind == "modern":  # the gated MLP's (L, D, F) = (2, 16, 24) is split along F too (over
             w_up = params["blocks"]["ffn"]["w_up"]  # fsdp alone: the params are replicated over context)
             fsdp = 2 if "fsdp=2" in mesh else 4

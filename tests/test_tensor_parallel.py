@@ -196,9 +196,11 @@ WHOLE = ("gpt2", "llama", "gpt2-sequence")  # the whole model on data=2 x tensor
 
 def whole_model(devices) -> dict:
     """The whole model under ``jax.set_mesh`` of a data=2 x tensor=2 mesh: its blocks run tensor
-    parallel (model/parallel/tensor.tensor_mesh), the embedding and the head replicated over
-    tensor; loss and gradients of manual_grads.value_and_grad and of jax.grad against one device's
+    parallel (model/parallel/tensor.tensor_mesh), the embedding's rows and the head's columns split
+    over tensor (parallel/vocab.py); loss and gradients of manual_grads.value_and_grad and of jax.grad against one device's
     manual ones, per leaf."""
+    import re
+
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -226,6 +228,12 @@ def whole_model(devices) -> dict:
                     float(jnp.max(jnp.abs(a - b))) for a, b in zip(leaves(grads), leaves(grads1), strict=True))
             text = jax.jit(manual_grads.value_and_grad, static_argnums=2).lower(params, batch, config).as_text()
             out[f"whole {cname}: all-gathers"] = text.count("stablehlo.all_gather")  # the sequence's, T
+            # the embedding's rows split over tensor: the lookup gathers from device i's (V/t, D) = (6, 16)
+            # slice of tok_embed (padded from 11 rows), not from the whole (11, 16) table
+            for name, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
+                lowered = jax.jit(f, static_argnums=2).lower(params, batch, config).as_text()
+                out[f"whole {cname}: {name} table slices"] = len(re.findall(r"gather.*\(tensor<6x16xf64>", lowered))
+                out[f"whole {cname}: {name} whole tables"] = len(re.findall(r"gather.*\(tensor<11x16xf64>", lowered))
         out[f"whole {cname}: leaves"] = len(leaves(grads1))
     return out
 
@@ -295,8 +303,8 @@ def test_vocab_split_head_and_loss_equal_one_device(results, names, shape, cap, 
 @pytest.mark.parametrize("cname", WHOLE)
 def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
     """GPT-2's block with its own head (and again with sequence_parallel); the Llama-like one tied
-    to the embedding, with the logits' soft cap and loss_chunk: the head's vocabulary split (11
-    tokens, padded to 12) in each."""
+    to the embedding, with the logits' soft cap and loss_chunk: the head's vocabulary and the
+    embedding's rows split (11 tokens, padded to 12) in each."""
     import jax
 
     from jaxformer.model.params import init_params
@@ -305,6 +313,8 @@ def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
     # sequence_parallel: each sublayer gathers its input along T (two a layer, forward and backward)
     assert results[f"whole {cname}: all-gathers"] == (4 if configs()[cname].sequence_parallel else 0)
     for name in ("manual", "jax.grad"):
+        assert results[f"whole {cname}: {name} table slices"] == 1, name  # the embedding's rows split too
+        assert results[f"whole {cname}: {name} whole tables"] == 0, name
         assert results[f"whole {cname}: {name} loss"] <= TOL
         assert results[f"whole {cname}: {name} = one device"] <= TOL, name
 

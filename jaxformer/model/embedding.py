@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import dropout
+from jaxformer.model.parallel.regions import TENSOR, trace_mesh_with
+from jaxformer.model.parallel.vocab import vocab_token_embedding
 
 def sinusoidal_positions(T, D, dtype=jnp.float32):
     """(T, D) table: sin(t / 10000^(2i/D)) at feature 2i, cos(...) at feature 2i+1."""
@@ -44,11 +46,18 @@ def token_embedding(table, ids):
     return jnp.take(table, ids, axis=0)
 
 
+def token_rows(table, ids):
+    """table[ids], the rows split over the tensor axis under a mesh with one (parallel/vocab.py's
+    vocab_token_embedding, as the head's columns are), else ``token_embedding``."""
+    mesh = trace_mesh_with(TENSOR)
+    return token_embedding(table, ids) if mesh is None else vocab_token_embedding(table, ids, mesh)
+
+
 def embed(params, inputs, config: ModelConfig, key=None, at=None):
     """inputs int (B, T) -> tok_embed[inputs] * token_scale + positions (B, T, D); with a
     ``key`` (that of the embedding, dropout.embed_key) through dropout at config.dropout.
     ``at`` (T,) int: the tokens' positions where they are not 0 .. T-1 (``positions``)."""
-    x = token_embedding(params["tok_embed"], inputs)
+    x = token_rows(params["tok_embed"], inputs)
     if config.embed_scale:
         x = x * token_scale(config)
     if config.positions != "rope":  # rotary positions turn q and k inside attention instead

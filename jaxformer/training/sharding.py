@@ -156,11 +156,14 @@ def tensor_axis(path, shape: tuple[int, ...], tensor: int) -> int | None:
     splits along over a tensor axis of size ``tensor`` > 1, as the tensor-parallel block reads it
     (parallel/tensor.leaf_spec: output columns or input rows); None for any other leaf, and
     where ``tensor`` does not divide that dimension (the block's shard_map then slices it).
-    The head's w (D, V) and b (V,) split along V, as the vocab-parallel head reads them
-    (parallel/vocab.py; where tensor does not divide V, they stay whole and it pads them)."""
+    The head's w (D, V) and b (V,) split along V, as the vocab-parallel head reads them, and
+    tok_embed (V, D) along V, as the vocab-parallel embedding does (parallel/vocab.py; where tensor
+    does not divide V, they stay whole and it pads them)."""
     keys = [getattr(k, "key", None) for k in path]
     if tensor > 1 and keys[-2:] in (["head", "w"], ["head", "b"]):
         return len(shape) - 1 if shape[-1] % tensor == 0 else None
+    if tensor > 1 and keys[-1:] == ["tok_embed"]:  # (V, D): its rows, as the vocab-parallel embedding reads them
+        return 0 if shape[0] % tensor == 0 else None
     if tensor == 1 or "blocks" not in keys or keys.index("blocks") + 2 >= len(keys):
         return None
     i = keys.index("blocks")

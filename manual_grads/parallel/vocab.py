@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxformer.model.parallel.regions import TENSOR
 from jaxformer.model.parallel.vocab import (batch_weights, chunked_rows, head_specs, local_targets, mask_padding,
-                                            on_vocab_mesh, vocab_nll_and_logz)
+                                            on_vocab_mesh, token_axes, vocab_nll_and_logz)
 from jaxformer.model.precision import stats_dtype, upcast
 from manual_grads.linear import linear_bwd, linear_fwd
 from manual_grads.parallel.regions import copy_to_tensor_bwd
@@ -98,3 +99,26 @@ def vocab_head_loss_grads(p, x, targets, mask, mesh, compute_dtype=None, cap: fl
                                  out=lambda rows: (PartitionSpec(), head_specs(p), rows), check_vma=False,
                                  compute_dtype=compute_dtype, cap=cap, chunk=chunk)
     return loss, {n: g[..., :V] for n, g in dp.items()}, dx  # z = where(id < V, ...): the padding dropped
+
+
+def vocab_token_embedding_bwd(ids, table, dx, mesh):
+    """Undoes ``x = vocab_token_embedding(table, ids)``: ids (B, T), table (V, D) (kept for its
+    shape and dtype), dx (B, T, D) -> dtable (V, D), its rows split over the tensor axis.
+        x = psum(where(inside, table_i[local], 0))    the psum's cotangent is dx on every device;
+                                                      dtable_i = scatter-add of dx's rows into the
+                                                      rows of device i's ids (zero elsewhere)
+    summed over the axes the tokens split over (each device's part of the batch)."""
+    V, D = table.shape
+    t = dict(mesh.shape)[TENSOR]
+    v_local = -(-V // t)  # padded_rows: V up to a multiple of t
+    axes, rows = token_axes(mesh)
+
+    def body(ids, dx):
+        local, inside = local_targets(ids, v_local)  # table_i[local] where inside
+        d = jnp.zeros((v_local, D), dx.dtype).at[local.reshape(-1)].add(
+            jnp.where(inside[..., None], dx, 0).reshape(-1, D))
+        return jax.lax.psum(d, axes) if axes else d
+
+    dtable = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows), out_specs=PartitionSpec(TENSOR, None),
+                           check_vma=False)(ids, dx)
+    return dtable[:V].astype(table.dtype)  # the padding rows dropped

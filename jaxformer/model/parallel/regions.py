@@ -33,9 +33,12 @@ def axis_size(mesh, name: str) -> int:
 
 def trace_mesh_with(name: str):
     """The trace's mesh (``jax.set_mesh``, or the train step's abstract mesh) when its axis
-    ``name`` is larger than 1, else None: the model's blocks then run split over that axis."""
+    ``name`` is larger than 1, else None: the model's blocks then run split over that axis.
+    None inside a shard_map over that axis too (the axis manual: its code sees its own part)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty or axis_size(mesh, name) == 1 else mesh
+    if mesh.empty or axis_size(mesh, name) == 1 or name in mesh.manual_axes:
+        return None
+    return mesh
 
 
 def batch_axes(mesh) -> tuple[str, ...]:

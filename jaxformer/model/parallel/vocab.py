@@ -17,6 +17,8 @@ time (chunked_loss.py's chunks), so a device holds (C, V/t) logits at once.
 
 ``jaxformer.loss_fn`` and ``manual_grads.value_and_grad`` run the head this way on a mesh with a
 tensor axis (parallel/tensor.tensor_mesh); the manual backward is manual_grads/parallel/vocab.py.
+The embedding's rows split the same way (``vocab_token_embedding``): device i looks up the ids
+among its V/t rows, and the parts are summed over the axis.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.chunked_loss import to_chunks
 from jaxformer.model.linear import linear
-from jaxformer.model.parallel.regions import CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor
+from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
+                                              reduce_from_tensor)
 from jaxformer.model.precision import stats_dtype, upcast
 from jaxformer.model.softcap import softcap
 
@@ -115,6 +118,15 @@ def vocab_head_loss_local(p, x, targets, mask, batch_axes=(), *, vocab_size: int
     return jax.lax.psum(total, batch_axes) if batch_axes else total
 
 
+def token_axes(mesh) -> tuple[tuple[str, ...], PartitionSpec]:
+    """(the axes a batch's tokens split over, the (B, T) spec): B over the batch axes, and T over
+    the context axis where the mesh has one (its tokens in that axis' order, parallel/context.py)."""
+    axes = batch_axes(mesh)
+    if axis_size(mesh, CONTEXT) > 1:
+        return (*axes, CONTEXT), PartitionSpec(axes or None, CONTEXT)
+    return axes, PartitionSpec(axes or None)
+
+
 def head_specs(p) -> dict:
     """The head's PartitionSpecs: w (D, V) and b (V,) split along V over the tensor axis."""
     return {n: PartitionSpec(*([None] * (v.ndim - 1)), TENSOR) for n, v in p.items()}
@@ -127,10 +139,7 @@ def on_vocab_mesh(local, p, x, targets, mask, mesh, out=lambda rows: PartitionSp
     targets and mask split along B over the others (and along T over a context axis, where the
     mesh has one: its tokens in that axis' order, summed over it as over the rows); ``out(rows)``:
     the out_specs (rows: the batch's spec)."""
-    axes = batch_axes(mesh)
-    rows = PartitionSpec(axes or None)
-    if axis_size(mesh, CONTEXT) > 1:  # the tokens split over the context axis too (parallel/context.py)
-        axes, rows = (*axes, CONTEXT), PartitionSpec(axes or None, CONTEXT)
+    axes, rows = token_axes(mesh)
     body = functools.partial(local, batch_axes=axes, vocab_size=p["w"].shape[-1], **options)
     p = padded(p, dict(mesh.shape)[TENSOR])
     return jax.shard_map(body, mesh=mesh, in_specs=(head_specs(p), rows, rows, rows), out_specs=out(rows),
@@ -142,3 +151,32 @@ def vocab_head_loss(p, x, targets, mask, mesh, compute_dtype=None, cap: float = 
     (the batch over its other axes): p {"w": (D, V), "b"?}, x (B, T, D), targets (B, T) -> ()."""
     return on_vocab_mesh(vocab_head_loss_local, p, x, targets, mask, mesh, compute_dtype=compute_dtype, cap=cap,
                          chunk=chunk)
+
+
+# ----------------------------------------------------------------------------
+# the embedding's rows split over the tensor axis (Megatron-LM's VocabParallelEmbedding)
+
+
+def padded_rows(table, t: int):
+    """tok_embed (V, D) with zero rows up to a multiple of t (no id reads them)."""
+    extra = -table.shape[0] % t
+    return jnp.pad(table, [(0, extra), (0, 0)]) if extra else table
+
+
+def local_rows(table_i, ids):
+    """Under shard_map: device i's rows table_i (V/t, D), ids (...) -> its part of table[ids]:
+    the rows of the ids among its own, zero for the others (``local_targets``)."""
+    local, inside = local_targets(ids, table_i.shape[0])
+    return jnp.where(inside[..., None], jnp.take(table_i, local, axis=0), 0)
+
+
+def vocab_token_embedding(table, ids, mesh):
+    """table (V, D) with its rows split over ``mesh``'s tensor axis, ids (B, T) -> table[ids]
+    (B, T, D): each device looks up the ids among its V/t rows and the parts are summed over the
+    axis (reduce_from_tensor), so no device needs the whole table:
+        x = psum(where(id among device i's rows, table_i[id - i V/t], 0))
+    The ids (and x) split as the batch's tokens are (``token_axes``), replicated over tensor."""
+    _, rows = token_axes(mesh)
+    table = padded_rows(table, dict(mesh.shape)[TENSOR])
+    body = lambda table_i, ids: reduce_from_tensor(local_rows(table_i, ids))  # noqa: E731
+    return jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(TENSOR, None), rows), out_specs=rows)(table, ids)
