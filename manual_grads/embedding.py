@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.embedding import sinusoidal_positions, token_rows, token_scale
+from jaxformer.model.embedding import sinusoidal_positions, token_embedding, token_scale
 from jaxformer.model.parallel.regions import TENSOR, trace_mesh_with
+from jaxformer.model.parallel.vocab import vocab_token_embedding
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.parallel.vocab import vocab_token_embedding_bwd
 
@@ -36,22 +37,17 @@ class TokenEmbedRes(NamedTuple):
 
 
 def token_embed_fwd(table, ids):
-    """table (V, D), ids int (B, T) -> x (B, T, D) (its rows split over the tensor axis under a
-    mesh with one: the forward's ``token_rows``)."""
-    return token_rows(table, ids), TokenEmbedRes(ids, table)
+    """table (V, D), ids int (B, T) -> x (B, T, D)."""
+    return token_embedding(table, ids), TokenEmbedRes(ids, table)
 
 
 def token_embed_bwd(res: TokenEmbedRes, dx):
     """dx (B, T, D) -> (dtable (V, D), None).
 
     Undoes ``x = table[ids]``: a scatter-add of the rows of dx into the rows
-    they were read from; an id that appears n times accumulates n rows. Under a mesh with a
-    tensor axis (``token_rows``' split), manual_grads/parallel/vocab.vocab_token_embedding_bwd.
+    they were read from; an id that appears n times accumulates n rows.
     """
     ids, table = res
-    mesh = trace_mesh_with(TENSOR)
-    if mesh is not None:  # x = vocab_token_embedding(table, ids, mesh)
-        return vocab_token_embedding_bwd(ids, table, dx, mesh), None
     D = table.shape[-1]
     dtable = jnp.zeros(table.shape, dx.dtype).at[ids.reshape(-1)].add(dx.reshape(-1, D))
     return dtable.astype(table.dtype), None
@@ -81,8 +77,13 @@ def sinusoidal_positions_fwd(T, D, dtype, at=None):
     return (table if at is None else table[at]), None
 
 
+class VocabRowsRes(NamedTuple):  # the rows split over a tensor axis (parallel/vocab.py)
+    ids: jax.Array  # (B, T) int
+    table: jax.Array  # (V, D) tok_embed; kept for its shape
+
+
 class EmbedRes(NamedTuple):
-    tok: TokenEmbedRes
+    tok: TokenEmbedRes | VocabRowsRes
     pos: LearnedPosRes | None  # None for sinusoidal and rotary positions
     scale: jax.Array | None = None  # () the factor s on the token rows; None without embed_scale
     drop: DropoutRes | None = None  # the output's dropout key and rate; None: no dropout
@@ -93,7 +94,11 @@ def embed_fwd(p, inputs, config: ModelConfig, key=None, at=None):
     inputs int (B, T) -> x (B, T, D); with a ``key`` through dropout at config.dropout;
     ``at`` (T,) int: the tokens' positions where not 0 .. T-1 (the forward's ``embed``)."""
     T = inputs.shape[-1]
-    tok, tok_res = token_embed_fwd(p["tok_embed"], inputs)  # (B, T, D)
+    mesh = trace_mesh_with(TENSOR)  # a tensor axis: the table's rows split over it (the forward's token_rows)
+    if mesh is None:
+        tok, tok_res = token_embed_fwd(p["tok_embed"], inputs)  # (B, T, D)
+    else:
+        tok, tok_res = vocab_token_embedding(p["tok_embed"], inputs, mesh), VocabRowsRes(inputs, p["tok_embed"])
     scale = None
     if config.embed_scale:
         scale = jnp.asarray(token_scale(config), tok.dtype)  # ()
@@ -118,7 +123,10 @@ def embed_bwd(res: EmbedRes, dx):
     """
     dx = dropout_bwd(res.drop, dx)  # dropout(x + positions(...), config.dropout, key)
     dtok = dx if res.scale is None else dx * res.scale  # x = token_embedding(...) * token_scale(config)
-    dp = {"tok_embed": token_embed_bwd(res.tok, dtok)[0]}
+    if isinstance(res.tok, VocabRowsRes):  # x = vocab_token_embedding(table, ids, mesh)
+        dp = {"tok_embed": vocab_token_embedding_bwd(*res.tok, dtok, trace_mesh_with(TENSOR))}
+    else:
+        dp = {"tok_embed": token_embed_bwd(res.tok, dtok)[0]}
     if res.pos is not None:
         dp["pos_embed"] = learned_positions_bwd(res.pos, dx.sum(axis=0))
     return dp, None
