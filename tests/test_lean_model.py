@@ -1,7 +1,9 @@
 """The memory options (attention_impl, attention_block, loss_chunk, remat) on the whole
 model, in float64: manual_grads.value_and_grad and jax.grad of the configured model
 equal jax.grad of the PLAIN model (full attention, no chunking, no recompute), over a
-pairwise covering set of every option; so does jax.grad of the custom_vjp model."""
+pairwise covering set of every option; so does jax.grad of the custom_vjp model.
+embed_scale beside these options (and every other) is the pairwise option matrix's
+(test_modern_options.py: manual == jax.grad == custom_vjp per leaf)."""
 
 import itertools
 
@@ -71,17 +73,6 @@ def test_custom_vjp_model_honours_the_options(norm):
     config = LEAN_TINY.replace(attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block",
                           norm=norm)
     check(config, jnp.float64, 2, 13, "mostly_zero", CUSTOM_VJP, ("custom_vjp",))
-
-
-@pytest.mark.parametrize("norm,positions", [("pre", "learned"), ("post", "sinusoidal")])
-def test_embed_scale_on_the_whole_model_float64(norm, positions):
-    """embed_scale (token rows times sqrt(D)) with each norm and each position kind (the
-    scale touches only the embedding, whose backward depends on the position kind), the
-    lean options on: manual == jax.grad of the plain model; so does the custom_vjp model."""
-    config = LEAN_TINY.replace(embed_scale=True, norm=norm, positions=positions,
-                          attention_impl="blockwise", attention_block=4, loss_chunk=5, remat="block")
-    check(config, jnp.float64, 2, 13, "mostly_zero")
-    check(config, jnp.float64, 2, 7, None, CUSTOM_VJP, ("custom_vjp",))
 
 
 def test_every_option_on_float32():

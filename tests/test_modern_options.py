@@ -102,6 +102,13 @@ SHAPES = [(2, 13, "mostly_zero"), (2, 7, None), (3, 5, "bool")]
 KEY = jax.random.PRNGKey(7)
 
 
+# the values whose models compile longest (alone each adds 1-2.5 s to a 3 s program, together
+# superlinearly: blockwise attention with dropout 9.5 s): of equal gains the fill takes a lighter
+# value, and of candidate rows covering as many pairs the one with fewer of these
+HEAVY = {("attention_impl", "blockwise"), ("attention_impl", "pallas"), ("dropout", 0.2), ("remat", "block"),
+         ("n_experts", 4), ("layer_types", MIXED), ("rope_layers", (0, 1))}
+
+
 def _pair(a, b):
     return tuple(sorted((a, b)))
 
@@ -126,7 +133,8 @@ def covering_rows(fields=None, wanted=lambda a, b: True, tries: int = 30, seed: 
         pair = max(sorted(count), key=count.get)
         starts = sorted((p for p in missing if (p[0][0], p[1][0]) == pair), key=repr)
         candidates = [_fill(fields, dict(rng.choice(starts)), missing, rng) for _ in range(tries)]
-        best = max((row for row in candidates if row), key=lambda row: _covers(row, missing))
+        best = max((row for row in candidates if row),
+                   key=lambda row: (_covers(row, missing), -sum(item in HEAVY for item in row.items())))
         missing -= {_pair(x, y) for x, y in itertools.combinations(best.items(), 2)}
         rows.append(best)
     return rows
@@ -145,11 +153,12 @@ def _fill(fields, row, missing, rng):
         if not options:
             return None
         gain = {v: sum(_pair((name, v), item) in missing for item in row.items()) for v in options}
-        row[name] = rng.choice([v for v in options if gain[v] == max(gain.values())])
+        best = [v for v in options if gain[v] == max(gain.values())]
+        row[name] = rng.choice([v for v in best if (name, v) not in HEAVY] or best)
     return row
 
 
-ROWS = covering_rows(seed=1)  # seed 1: 20 rows, the fewest of seeds 0-15 (seed 0 gives 21)
+ROWS = covering_rows(seed=2)  # seed 2: 20 rows (seeds 0-11: 20-24), 46 heavy values (seed 1 before: 58)
 CASES = [(BASE.replace(**row), *SHAPES[i % len(SHAPES)]) for i, row in enumerate(ROWS)]
 
 

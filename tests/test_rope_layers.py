@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_sources_agree, decode_one_at_a_time, make_batch, make_params
+from helpers import FORWARD, assert_sources_agree, decode_one_at_a_time, make_batch, make_params
 
 from jaxformer.model.block import block
 from jaxformer.model.config import ModelConfig
@@ -48,10 +48,10 @@ def test_each_layer_rotates_as_its_kind():
     for l in range(BASE.n_layers):
         x = block(jax.tree_util.tree_map(lambda a: a[l], params["blocks"]), x, _own_config(BASE, l))
     x = rms_norm(params["ln_f"], x, BASE.ln_eps)
-    np.testing.assert_allclose(features(params, inputs, BASE), x, rtol=1e-12, atol=1e-12)
-    logits = forward(params, inputs, BASE)
+    np.testing.assert_allclose(jax.jit(features, static_argnums=2)(params, inputs, BASE), x, rtol=1e-12, atol=1e-12)
+    logits = FORWARD(params, inputs, BASE)
     for other in (dict(rope_local_theta=0.0), dict(rope_layers=())):  # each field changes the model
-        assert np.max(np.abs(forward(params, inputs, BASE.replace(**other)) - logits)) > 1e-5
+        assert np.max(np.abs(FORWARD(params, inputs, BASE.replace(**other)) - logits)) > 1e-5
 
 
 def test_kinds_and_specs():
@@ -77,7 +77,7 @@ def test_three_gradient_sources_agree(remat):
 def test_cached_decoding_equals_the_forward():
     params = make_params(BASE, jnp.float64)
     inputs = make_batch(BASE, 2, 16, None)["inputs"]
-    np.testing.assert_allclose(decode_one_at_a_time(params, inputs, BASE, 5), forward(params, inputs, BASE),
+    np.testing.assert_allclose(decode_one_at_a_time(params, inputs, BASE, 5), FORWARD(params, inputs, BASE),
                                rtol=1e-11, atol=1e-11)
 
 

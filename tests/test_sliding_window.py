@@ -4,13 +4,16 @@ kernels in interpret mode) equals a dense masked softmax written here, and its m
 equals jax.vjp of the full core; a window W >= T is no window, W = 1 reads the query's own key;
 blockwise and the kernels walk only the key blocks the window reaches; cuDNN's
 local_window_size means the same window; layers of two kinds (layer_types) run each its own
-mask, forward, three gradient sources and the cache decoder alike; bad values are named."""
+mask, forward and the cache decoder alike; bad values are named. The three gradient sources on
+layers of two kinds: the sliding layer first in test_rope_layers.py (sliding, full, sliding,
+full, with a local rotary base and NoPE layers), the full one first in the pairwise option
+matrix (test_modern_options.py), with every core and every option."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FORWARD, Layer, assert_layer_matches_vjp, assert_sources_agree, decode_one_at_a_time, make_batch, make_params
+from helpers import FORWARD, Layer, assert_layer_matches_vjp, decode_one_at_a_time, make_batch, make_params
 
 from jaxformer.kernels.pallas import forward as pa
 from jaxformer.kernels.pallas import tiling as pt
@@ -172,15 +175,6 @@ def test_layer_types_give_each_layer_its_own_mask():
     logits = FORWARD(params, inputs, config)
     for other in (BASE, BASE.replace(sliding_window=0)):
         assert np.max(np.abs(FORWARD(params, inputs, other) - logits)) > 1e-3
-
-
-def test_three_gradient_sources_agree():
-    """The sliding layer first, then the full one: manual value_and_grad (unrolled), jax.grad and
-    the custom_vjp model, float64, 1e-10 per leaf. The other order (full, sliding) is the pairwise
-    option matrix's (test_modern_options.py, layer_types ("full_attention", "sliding_attention")),
-    with every core and every option, remat "block" (the manual scan with a lax.cond per layer)
-    and attention_impl "blockwise" among them: each of those pairs is in a row it checks."""
-    assert_sources_agree(BASE.replace(layer_types=MIXED), 2, 13, "mostly_zero", None)
 
 
 @pytest.mark.parametrize("layers", [(), MIXED])
