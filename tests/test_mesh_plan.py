@@ -53,6 +53,19 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
     assert "n_experts 4 does not divide over the mesh's expert axis (expert=8)" in refused["data=1,fsdp=1,expert=8"]
     assert "does not run n_experts" in refused["data=4,fsdp=1,tensor=2"]
 
+    # a context axis (the sequence split, ring attention) only when asked for, on the full core, where
+    # 2 x context divides the sequence
+    full = TINY.replace(attention_impl="full")
+    assert aot_plan.candidate_meshes(full, 4, seq_len=16) == aot_plan.candidate_meshes(blockwise, 4)
+    with_context = aot_plan.candidate_meshes(full, 4, seq_len=16, context=True)
+    assert with_context[:5] == aot_plan.candidate_meshes(blockwise, 4) and set(with_context[5:]) == {
+        "data=2,fsdp=1,context=2", "data=1,fsdp=2,context=2", "data=1,fsdp=1,tensor=2,context=2",
+        "data=1,fsdp=1,context=4"}
+    assert "does not fit the sequence length 12" in dict(aot_plan.refused_meshes(
+        full, 4, seq_len=12, context=True))["data=1,fsdp=1,context=4"]
+    assert "does not run attention_impl 'blockwise'" in dict(aot_plan.refused_meshes(
+        blockwise, 4, context=True))["data=2,fsdp=1,context=2"]
+
 
 def test_the_devices_a_target_has():
     assert [tpu_topology(n) for n in (1, 4, 8, 16, 256)] == ["v5e:2x2", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v5e:16x16"]
@@ -185,19 +198,23 @@ import json, sys
 from jaxformer.model.config import get_preset
 from jaxformer.tools.aot import plan
 rows = plan.plan(get_preset("tiny"), 4, "tpu-v5e", attention="pallas", meshes=sys.argv[1:])
+rows += plan.plan(get_preset("tiny"), 4, "tpu-v5e", attention="full", meshes=[CONTEXT])
 print(json.dumps([dict(mesh=r.mesh, shape=r.shape, memory=r.memory and r.memory._asdict(), fits=r.fits,
                        collectives=r.collectives, seconds=r.seconds, error=r.error) for r in rows]))
 """
 
 
 PLANNED = ["data=4,fsdp=1", "data=1,fsdp=4"]  # two of its three candidates: the suite stays fast
+CONTEXT = "data=2,fsdp=1,context=2"  # and a context mesh (full attention: the ring's core)
+PLAN = PLAN.replace("[CONTEXT]", repr([CONTEXT]))
 
 
 def test_a_plan_of_four_tpu_v5e_chips():
     """The tiny preset's manual step (pallas, bfloat16 products, batch 4 x 16) on a v5e:2x2 slice
     as data=4 and as fsdp=4: each compiles and fits; the data-only mesh moves the least (its one
     all-reduce of the float32 gradients, about the params' bytes) and is proposed; fsdp splits
-    the state (fewer argument bytes) and gathers the params."""
+    the state (fewer argument bytes) and gathers the params. And data=2 x context=2 (full
+    attention): it compiles and fits, its ring's hops collective-permutes."""
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'jaxformer[tpu]'): the TPU compile needs it")
     env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
@@ -205,7 +222,9 @@ def test_a_plan_of_four_tpu_v5e_chips():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [aot_plan.Row(r["mesh"], tuple(r["shape"]), MemoryPlan(**r["memory"]), r["fits"], r["collectives"],
                          r["seconds"], r["error"]) for r in json.loads(done.stdout.strip().splitlines()[-1])]
-    assert [r.mesh for r in rows] == PLANNED
+    assert [r.mesh for r in rows] == PLANNED + [CONTEXT]
+    ring = rows.pop()
+    assert ring.error == "" and ring.fits and ring.collectives["collective-permute"] > 0, ring
     assert set(PLANNED) < set(aot_plan.candidate_meshes(TINY.replace(attention_impl="pallas"), 4))
     for r in rows:
         assert r.error == "" and r.fits and 0 < r.memory.total < TARGETS["tpu-v5e"].hbm_bytes, r

@@ -32,8 +32,8 @@ DEFAULT_SEQ_LEN = 2048  # a preset without a training recipe's: its max_seq_len,
 SHOWN = 6  # refused meshes named per reason
 
 DESCRIPTION = """\
-Plan a pod ahead of time: compile the train step for every mesh (data x fsdp x expert x tensor)
-of --devices devices of --target that the model takes, without having the devices (XLA's own
+Plan a pod ahead of time: compile the train step for every mesh (data x fsdp x expert x tensor,
+x context with --context) of --devices devices of --target that the model takes, without having the devices (XLA's own
 compiler: libtpu for a TPU v5e slice, JAX's CUDA plugin for H100s), and print per mesh XLA's
 memory per device, whether it fits the device's memory, the bytes its collectives move per step
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute results per device) and
@@ -50,6 +50,9 @@ examples:
       --target h100 --mesh fsdp=16
         a shape without a preset (Llama 3 70B's: the model flags change the preset's), one mesh
         (fsdp=16: data takes the other 2)
+  jaxformer memory --preset llama3.2-1b --seq-len 8192 --devices 8 --target tpu-v5e --attention full \
+      --remat none --mesh fsdp=8 --mesh fsdp=2,context=4
+        the sequence split over 4 chips (ring attention runs on the full core)
 
 A TPU v5e slice has 1, 4, 8, 16, 32, 64, 128 or 256 chips; H100s any number. The H100
 compiles need JAX's CUDA plugin importable (python -m jaxformer.tools.aot.plugin puts it in
@@ -79,6 +82,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mesh", action="append", metavar="TEXT",
                    help="compile only this mesh, e.g. fsdp=8 or data=2,fsdp=4 (repeat for more; default: "
                         "every candidate)")
+    p.add_argument("--context", action="store_true",
+                   help="also the meshes with a context axis (the sequence split over devices, ring attention; "
+                        "the model must run --attention full)")
     add_model_flags(p)
     return p
 
@@ -151,11 +157,13 @@ def line(cells: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     config, target, batch_size, seq_len, attention, grads, dtype = resolve(args)
     checked = config.replace(attention_impl=attention, compute_dtype=dtype)
-    candidates = aot_plan.candidate_meshes(checked, args.devices, batch_size)
-    refused = aot_plan.refused_meshes(checked, args.devices, batch_size)
     meshes = None
     if args.mesh:
         meshes = [aot_plan.normal_mesh(text, args.devices) for text in args.mesh]  # ValueError: one line
+    context = args.context or any("context=" in mesh for mesh in meshes or ())
+    candidates = aot_plan.candidate_meshes(checked, args.devices, batch_size, seq_len, context)
+    refused = aot_plan.refused_meshes(checked, args.devices, batch_size, seq_len, context)
+    if args.mesh:
         for text, mesh in zip(args.mesh, meshes):
             if mesh not in candidates:
                 raise UsageError(f"--mesh {text}: {dict(refused)[mesh]}")
@@ -180,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             target_devices(target, args.devices)  # libtpu starts here, once
     print("\n" + line(HEAD) + "\n" + line(["---", "---:", "---", "---:", "---:"]), flush=True)
     rows = aot_plan.plan(config, args.devices, target, batch_size, seq_len, attention, grads, dtype,
-                         meshes=meshes, say=lambda row: print(line(cell(row)), flush=True))
+                         meshes=meshes, say=lambda row: print(line(cell(row)), flush=True), context=context)
     notes = [f"{row.mesh}: {row.error}" for row in rows if row.error and row.memory is not None]
     for note in notes:
         print(note)

@@ -3,11 +3,13 @@ for the target (aot/targets.py: a TPU v5e slice of libtpu's topology, or N devic
 without the devices, and per mesh XLA's memory plan per device and the bytes its collectives
 move per step; the meshes that fit, fewest collective bytes first.
 
-- ``candidate_meshes(config, n_devices, batch_size)``: every (data, fsdp, expert, tensor)
-  factorization of n_devices the model takes, as the mesh text ``--mesh`` reads
-  ("data=2,fsdp=2,tensor=2"); ``refused_meshes`` the others, each with why (a tensor size
-  ``check_tensor`` refuses, an expert size without experts or not dividing them, a batch that
-  does not split over data x fsdp x expert).
+- ``candidate_meshes(config, n_devices, batch_size, seq_len, context)``: every (data, fsdp,
+  expert, tensor, context) factorization of n_devices the model takes, as the mesh text
+  ``--mesh`` reads ("data=2,fsdp=2,tensor=2"), the context axis (the sequence split over it,
+  ring attention: model/parallel/context.py) only with ``context``; ``refused_meshes`` the
+  others, each with why (a tensor size ``check_tensor`` refuses, a context size
+  ``check_context_model`` refuses, an expert size without experts or not dividing them, a batch
+  that does not split over data x fsdp x expert).
 - ``plan(config, n_devices, target, batch_size, seq_len, ...)``: a ``Row`` per candidate: the
   project's train step (training/step.py, the gradient source ``grads``, float32 params,
   ``dtype`` products, the optimizer given or AdamW) laid out by training/sharding.py on a mesh
@@ -44,6 +46,7 @@ import optax
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.moe_parallel import check_experts_divide
+from jaxformer.model.parallel.context import check_context_model
 from jaxformer.model.parallel.tensor import check_tensor
 from jaxformer.tools.aot.launches import called, computations
 from jaxformer.tools.aot.steps import Variant, build, oom_line
@@ -61,8 +64,8 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 
 def mesh_text(shape: tuple[int, ...]) -> str:
-    """(data, fsdp, expert, tensor) -> the ``--mesh`` text: data and fsdp always, expert and
-    tensor where above 1 ("data=2,fsdp=2,tensor=2")."""
+    """(data, fsdp, expert, tensor, context) -> the ``--mesh`` text: data and fsdp always, the
+    others where above 1 ("data=2,fsdp=2,tensor=2")."""
     sizes = dict(zip(AXES, shape))
     return ",".join(f"{a}={sizes[a]}" for a in AXES if a in ("data", "fsdp") or sizes.get(a, 1) > 1)
 
@@ -71,7 +74,7 @@ def normal_mesh(text: str, n_devices: int) -> str:
     """Any ``--mesh`` text of ``n_devices`` devices ("fsdp=8") as ``mesh_text`` writes it
     ("data=1,fsdp=8"); ValueError (training/sharding.py's) for one that is not such a mesh."""
     shape = mesh_shape(text, n_devices)
-    return mesh_text(shape + (1,) * (4 - len(shape)))
+    return mesh_text(shape + (1,) * (len(AXES) - len(shape)))
 
 
 def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -81,15 +84,18 @@ def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
 
 
-def why_not(config: ModelConfig, shape: tuple[int, int, int, int], batch_size: int) -> str | None:
-    """Why the model cannot train on the (data, fsdp, expert, tensor) mesh ``shape`` at the
-    global ``batch_size`` (one line), or None."""
-    data, fsdp, expert, tensor = shape
-    if tensor > 1:
-        try:
-            check_tensor(config, tensor)
-        except ValueError as error:
-            return str(error)
+def why_not(config: ModelConfig, shape: tuple[int, ...], batch_size: int, seq_len: int | None = None) -> str | None:
+    """Why the model cannot train on the (data, fsdp, expert, tensor, context) mesh ``shape`` at
+    the global ``batch_size`` and ``seq_len`` (default max_seq_len) tokens (one line), or None."""
+    data, fsdp, expert, tensor, context = shape
+    for size, check in ((tensor, lambda: check_tensor(config, tensor)),
+                        (context, lambda: check_context_model(config, context, seq_len or config.max_seq_len,
+                                                              tensor))):
+        if size > 1:
+            try:
+                check()
+            except ValueError as error:
+                return str(error)
     if expert > 1:
         if not config.n_experts:
             return "mesh axis expert: the model has no experts (n_experts 0) to split over it"
@@ -100,39 +106,44 @@ def why_not(config: ModelConfig, shape: tuple[int, int, int, int], batch_size: i
     split = data * fsdp * expert
     if batch_size % split:
         return (f"the global batch {batch_size} does not divide over data x fsdp x expert = {split} "
-                f"(the batch splits over every axis but tensor)")
+                f"(the batch splits over every axis but tensor and context)")
     return None
 
 
 def _ordered(shape: tuple[int, ...]) -> tuple[int, ...]:
-    data, fsdp, expert, tensor = shape
-    return tensor, expert, fsdp  # data-only first, then fsdp, expert, tensor growing
+    data, fsdp, expert, tensor, context = shape
+    return context, tensor, expert, fsdp  # data-only first, then fsdp, expert, tensor, context growing
 
 
-def mesh_choices(config: ModelConfig, n_devices: int, batch_size: int | None = None
-                 ) -> tuple[list[tuple[int, int, int, int]], list[tuple[tuple[int, int, int, int], str]]]:
-    """([(data, fsdp, expert, tensor) the model takes], [(shape, why not) of the others]) over
-    ``n_devices`` devices, at the global ``batch_size`` (default: n_devices)."""
+def mesh_choices(config: ModelConfig, n_devices: int, batch_size: int | None = None, seq_len: int | None = None,
+                 context: bool = False) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], str]]]:
+    """([(data, fsdp, expert, tensor, context) the model takes], [(shape, why not) of the others])
+    over ``n_devices`` devices, at the global ``batch_size`` (default: n_devices) and ``seq_len``
+    tokens (default max_seq_len); a context axis larger than 1 only with ``context``."""
     if n_devices < 1:
         raise ValueError(f"the device count must be positive, got {n_devices}")
     batch_size = n_devices if batch_size is None else batch_size
     taken, refused = [], []
-    for shape in sorted(factorizations(n_devices, 4), key=_ordered):
-        reason = why_not(config, shape, batch_size)
+    shapes = [s for s in factorizations(n_devices, len(AXES)) if context or s[-1] == 1]
+    for shape in sorted(shapes, key=_ordered):
+        reason = why_not(config, shape, batch_size, seq_len)
         (taken.append(shape) if reason is None else refused.append((shape, reason)))
     return taken, refused
 
 
-def candidate_meshes(config: ModelConfig, n_devices: int, batch_size: int | None = None) -> list[str]:
-    """The mesh texts of every (data, fsdp, expert, tensor) factorization of ``n_devices`` the
-    model takes at the global ``batch_size`` (default: n_devices), data-only first. (The
-    sequence length does not enter: the train step splits no sequence over devices.)"""
-    return [mesh_text(shape) for shape in mesh_choices(config, n_devices, batch_size)[0]]
+def candidate_meshes(config: ModelConfig, n_devices: int, batch_size: int | None = None, seq_len: int | None = None,
+                     context: bool = False) -> list[str]:
+    """The mesh texts of every (data, fsdp, expert, tensor, context) factorization of ``n_devices``
+    the model takes at the global ``batch_size`` (default: n_devices) and ``seq_len`` tokens,
+    data-only first; the context axis (the sequence split over devices) only with ``context``."""
+    return [mesh_text(shape) for shape in mesh_choices(config, n_devices, batch_size, seq_len, context)[0]]
 
 
-def refused_meshes(config: ModelConfig, n_devices: int, batch_size: int | None = None) -> list[tuple[str, str]]:
+def refused_meshes(config: ModelConfig, n_devices: int, batch_size: int | None = None, seq_len: int | None = None,
+                   context: bool = False) -> list[tuple[str, str]]:
     """[(mesh text, why not)] of the factorizations ``candidate_meshes`` leaves out."""
-    return [(mesh_text(shape), reason) for shape, reason in mesh_choices(config, n_devices, batch_size)[1]]
+    return [(mesh_text(shape), reason)
+            for shape, reason in mesh_choices(config, n_devices, batch_size, seq_len, context)[1]]
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -255,7 +266,7 @@ def collective_bytes(text: str) -> dict[str, int]:
 
 class Row(NamedTuple):
     mesh: str  # "data=2,fsdp=2,tensor=2"
-    shape: tuple[int, int, int, int]  # (data, fsdp, expert, tensor)
+    shape: tuple[int, ...]  # (data, fsdp, expert, tensor, context)
     memory: MemoryPlan | None  # XLA's plan, bytes per device; None where it did not compile
     fits: bool  # compiled, and memory.total <= the target's hbm_bytes
     collectives: dict[str, int] | None  # collective_bytes of the compiled program; None: not read
@@ -307,7 +318,7 @@ def refusal(error: BaseException) -> str:
     return first[:300]
 
 
-def compile_mesh(config: ModelConfig, shape: tuple[int, int, int, int], target: Target, devices,
+def compile_mesh(config: ModelConfig, shape: tuple[int, ...], target: Target, devices,
                  batch_size: int, seq_len: int, attention: str, grads: str, dtype: str,
                  optimizer: optax.GradientTransformation) -> Row:
     """One mesh's Row: the step built on ``devices`` (len = prod(shape)) and compiled."""
@@ -315,7 +326,7 @@ def compile_mesh(config: ModelConfig, shape: tuple[int, int, int, int], target: 
     text = mesh_text(shape)
     try:
         with jax.enable_x64(False), compiling_for(target), scanned_layers():
-            # the axes `--mesh TEXT` makes: (data, fsdp), with expert and tensor where named
+            # the axes `--mesh TEXT` makes: (data, fsdp), with expert, tensor and context where named
             axes = mesh_shape(text, len(devices))
             step, args = build(config, Variant(attention, grads, dtype, axes), batch_size, seq_len, optimizer,
                                devices=devices)
@@ -346,9 +357,10 @@ def device_problem(target: Target, n_devices: int) -> str | None:
 def plan(config: ModelConfig, n_devices: int, target: str | Target, batch_size: int | None = None,
          seq_len: int | None = None, attention: str | None = None, grads: str = "manual",
          dtype: str = "bfloat16", optimizer: optax.GradientTransformation | None = None,
-         meshes: list[str] | None = None, say=None) -> list[Row]:
+         meshes: list[str] | None = None, say=None, context: bool = False) -> list[Row]:
     """A Row per mesh of ``candidate_meshes`` (or of ``meshes``, a subset of them in any
-    ``--mesh`` text, in that order): the train step at ``batch_size`` (global; default n_devices) x ``seq_len`` (default
+    ``--mesh`` text, in that order; with ``context`` the meshes with a context axis too; a
+    ``meshes`` entry may name one either way): the train step at ``batch_size`` (global; default n_devices) x ``seq_len`` (default
     max_seq_len) compiled for ``n_devices`` devices of ``target`` (a TARGETS name). ``attention``:
     the attention_impl (default: the config's); ``grads``: manual | auto; ``dtype``: the
     products' (params float32); ``optimizer``: default AdamW. ``say`` hears each row as it
@@ -365,11 +377,13 @@ def plan(config: ModelConfig, n_devices: int, target: str | Target, batch_size: 
     seq_len = seq_len or config.max_seq_len
     attention = attention or config.attention_impl
     checked = config.replace(attention_impl=attention, compute_dtype=dtype)  # the config the mesh must take
-    taken = {mesh_text(s): s for s in mesh_choices(checked, n_devices, batch_size)[0]}
-    todo = list(taken) if meshes is None else [normal_mesh(m, n_devices) for m in meshes]
+    named = None if meshes is None else [normal_mesh(m, n_devices) for m in meshes]
+    context = context or any("context=" in m for m in named or ())  # mesh_text names context only above 1
+    taken = {mesh_text(s): s for s in mesh_choices(checked, n_devices, batch_size, seq_len, context)[0]}
+    todo = list(taken) if named is None else named
     unknown = [m for m in todo if m not in taken]
     if unknown:
-        refused = dict(refused_meshes(checked, n_devices, batch_size))
+        refused = dict(refused_meshes(checked, n_devices, batch_size, seq_len, context))
         raise ValueError(f"mesh {unknown[0]}: {refused.get(unknown[0], 'not a candidate of these devices')}")
     devices = target_devices(target, n_devices)
     rows = []
