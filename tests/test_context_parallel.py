@@ -7,8 +7,8 @@ a context axis, its blocks ring-attention context parallel (model/parallel/conte
 the GPT-2-like config (learned positions, pre layer norm, GELU, biases) on data=2 x context=2,
 the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's global position,
 2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) on
-context=4, and the Llama-like one on context=2 with packed documents whose boundaries cut
-through the chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split):
+context=4, and the Llama-like one with remat "block" (each block's forward run again in the
+backward) on context=2 with packed documents whose boundaries cut through the chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split):
 the GPT-2-like one on data=2 x tensor=2 x context=2, the Llama-like one with documents on
 tensor=2 x context=4. Each mesh's loss and every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
@@ -30,7 +30,7 @@ B, T = 4, 16
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
 # (model, mesh axes, sizes, packed documents)
 CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama", ("context",), (4,), False),
-         ("llama", ("context",), (2,), True)]
+         ("llama-remat", ("context",), (2,), True)]
 # with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
 # rows split over it), attention the ring, the head's vocabulary split over tensor (V = 11 padded)
 TENSOR_CASES = [("gpt2", ("data", "tensor", "context"), (2, 2, 2), False),
@@ -43,10 +43,11 @@ def case_name(cname, names, shape, documents) -> str:
 
 def configs():
     base = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=T)
-    return {"gpt2": ModelConfig(**base),
-            "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
-                                 positions="rope", n_kv_heads=2, qk_norm=True,
-                                 tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
+    gpt2 = ModelConfig(**base)
+    llama = ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu", positions="rope",
+                        n_kv_heads=2, qk_norm=True, tie_embeddings=True, head_bias=False, logit_softcap=3.0,
+                        loss_chunk=5)
+    return {"gpt2": gpt2, "llama": llama, "llama-remat": llama.replace(remat="block")}
 
 
 def collectives(lowered, compiled) -> dict:
@@ -150,7 +151,8 @@ def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
 def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
     """As lowered (the layer scans' bodies once): the ring's ppermutes, k and v (and the ids) in the
-    forward, the same with dK, dV beside them in the backward and dK, dV's final hop; one all-reduce
+    forward (twice with remat "block": the backward's forward again), the same with dK, dV beside
+    them in the backward and dK, dV's final hop; one all-reduce
     per gradient leaf (summed over context and the batch axes; a tied head's w and tok_embed's each
     once), and two for the loss (each device's token count, its share of the mean); no all-gather,
     no all-to-all, no reduce-scatter, as lowered or as compiled: no device gathers a (B, T, D)
@@ -162,7 +164,8 @@ def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
     config = configs()[case[0]]
     n = 3 if documents else 2  # k, v (and the ids)
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
-    assert results[f"{name}: lowered collective_permute"] == n + (n + 2) + 2
+    forwards = 2 if config.remat == "block" else 1  # remat "block": the backward runs the forward's ring again
+    assert results[f"{name}: lowered collective_permute"] == forwards * n + (n + 2) + 2
     assert results[f"{name}: lowered all_reduce"] == len(jax.tree_util.tree_leaves(params)) + config.tie_embeddings + 2
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
         assert results[f"{name}: lowered {kind}"] == 0, kind
@@ -213,7 +216,6 @@ def refusal(config, c=2, seq_len=T, t=1) -> str:
                                     "use attention_impl 'full')"),
     (dict(sliding_window=4), "sliding windows"),
     (dict(attn_softcap=20.0), "attn_softcap"),
-    (dict(remat="block"), "remat 'block'"),
 ])
 def test_unsupported_options_are_refused(changes, what):
     config = dataclasses.replace(configs()["gpt2"], **changes)

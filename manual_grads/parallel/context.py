@@ -109,22 +109,28 @@ def context_block_bwd(res, dy):
 
 
 class ContextBlocksRes(NamedTuple):
-    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each
-    rest: tuple  # static: split_arrays' treedef and non-array leaves of one layer's residual
+    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each (remat "block": the block's input)
+    rest: tuple | None  # static: split_arrays' treedef and non-array leaves of one layer's residual
     mesh: object  # static: the mesh
+    blocks: dict | None = None  # remat "block": the stacked params, to run each block's forward again
+    segments: jax.Array | None = None  # remat "block": the document ids (B, T) the blocks read
+    config: ModelConfig | None = None  # static; remat "block" only
 
 
 def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
     """context_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) and segments
-    (B, T) or None in the context axis' zig-zag order -> (y (B, T, D) in that order, ContextBlocksRes)."""
+    (B, T) or None in the context axis' zig-zag order -> (y (B, T, D) in that order, ContextBlocksRes).
+    With remat "block" a layer keeps only its input; the backward runs its forward again."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
     refuse_adapters(blocks, c)
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
-    static = {}
+    remat, static = config.remat == "block", {}
 
     def step(x, p, segments):
         y, res = context_block_fwd(p, x, config, segments)
+        if remat:
+            return y, [x]  # the block's input alone (its residuals are dropped)
         arrays, static["rest"] = split_arrays(res)
         return y, arrays
 
@@ -135,28 +141,39 @@ def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
     # the blocks on each device's T/c tokens
     y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=(stream, every),
                               check_vma=False)(blocks, x, segments)
+    if remat:
+        return y, ContextBlocksRes(arrays, None, mesh, blocks, segments, config)
     return y, ContextBlocksRes(arrays, static["rest"], mesh)
 
 
 def context_blocks_bwd(res: ContextBlocksRes, dy):
     """dy (B, T, D) -> (the blocks' gradients (L, ...), dx (B, T, D)), both in the zig-zag order."""
-    mesh = res.mesh
+    mesh, remat = res.mesh, res.blocks is not None
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
     summed = summed_axes(mesh)
 
-    def step(dy, arrays):
-        dp, dx = context_block_bwd(join_arrays(arrays, res.rest), dy)
-        return dx, dp
+    def bwd(arrays, dy, blocks, segments):
+        def step(dy, xs):
+            arrays, p = xs
+            if remat:  # remat "block": the block's forward again from its input, for its residuals
+                layer = context_block_fwd(p, arrays[0], res.config, segments)[1]
+            else:
+                layer = join_arrays(arrays, res.rest)
+            dp, dx = context_block_bwd(layer, dy)
+            return dx, dp
 
-    def bwd(arrays, dy):
-        dx, grads = jax.lax.scan(step, dy, [a[0] for a in arrays], reverse=True)
+        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks), reverse=True)
         # in_specs=(PartitionSpec(), ...): the blocks replicated, each device's use of them its
         # tokens' and rows' part of their gradient: the whole is the sum over every such device
         grads = psum_tree(grads, summed)
         return grads, dx
 
-    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream), out_specs=(PartitionSpec(), stream),
-                         check_vma=False)(res.arrays, dy)
+    if not remat:  # the blocks' params are not read again: a scan over nothing but the residuals
+        return jax.shard_map(lambda arrays, dy: bwd(arrays, dy, None, None), mesh=mesh, in_specs=(every, stream),
+                             out_specs=(PartitionSpec(), stream), check_vma=False)(res.arrays, dy)
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, PartitionSpec(), stream),
+                         out_specs=(PartitionSpec(), stream), check_vma=False)(res.arrays, dy, res.blocks,
+                                                                               res.segments)
 
 
 # ----------------------------------------------------------------------------

@@ -88,8 +88,7 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
                                              "causally over every key)"),
                (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
                (config.attn_softcap, "attn_softcap (the ring's scores are not capped)"),
-               (config.n_experts, "n_experts (the experts split over the expert axis)"),
-               (config.remat == "block", "remat 'block' (the context-parallel blocks keep their residuals)")]
+               (config.n_experts, "n_experts (the experts split over the expert axis)")]
     for on, what in refused:
         if on:
             raise ValueError(f"mesh axis context={c}: context parallelism does not run {what} yet; use context=1")
@@ -159,7 +158,10 @@ def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
     refuse_adapters(blocks, c)
 
     def local(blocks, x, segments):
-        return jax.lax.scan(lambda x, p: (context_block(p, x, config, segments), None), x, blocks)[0]
+        layer = lambda p, x: context_block(p, x, config, segments)  # noqa: E731
+        if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
+            layer = jax.checkpoint(layer)
+        return jax.lax.scan(lambda x, p: (layer(p, x), None), x, blocks)[0]
 
     stream = stream_spec(mesh)  # x (B, T, D) and the ids (B, T) alike
     return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=stream)(
