@@ -43,10 +43,10 @@ from jax.sharding import PartitionSpec
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.context import (CONTEXT, RING_CORE, check_context_model, context_size,
                                               local_positions, refuse_adapters, ring_ordered, ring_positions,
-                                              row_axes, stream_spec)
+                                              stream_spec)
 from jaxformer.model.precision import upcast
 from jaxformer.model.transformer import TOKEN_KEYS, head_params
-from jaxformer.model.parallel.regions import TENSOR, axis_size
+from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes
 from jaxformer.model.parallel.vocab import head_specs, padded
 from manual_grads.attention import attention_bwd, attention_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
@@ -181,8 +181,9 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
 
 
 def summed_axes(mesh) -> tuple[str, ...]:
-    """The axes a replicated param's gradient is summed over: every device's tokens and rows."""
-    return (*row_axes(mesh), CONTEXT)
+    """The axes a replicated param's gradient is summed over: every device's tokens and rows
+    (regions.token_axes)."""
+    return token_axes(mesh)[0]
 
 
 def context_top_grads(top, x, targets, mask, config: ModelConfig, mesh):

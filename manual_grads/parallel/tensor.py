@@ -52,7 +52,7 @@ from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
-from manual_grads.parallel.ring import RING_MANUAL, ring_attention_bwd
+from manual_grads.parallel.ring import RING_MANUAL, RingAttentionRes, ring_attention_bwd
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
                                            reduce_scatter_to_sequence_bwd)
 
@@ -101,7 +101,6 @@ class TensorAttentionRes(NamedTuple):
     config: ModelConfig  # static: the whole model's (the heads to undo kv_columns)
     bias: bool  # static: the layer has bo
     sequence: bool = False  # static: x and y are device i's T/t tokens
-    ring: bool = False  # static: x and y are device i's T/c tokens of a context axis, the core the ring
 
 
 def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False):
@@ -115,14 +114,15 @@ def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: boo
     core = (local_positions(h.shape[1]), RING_CORE, RING_MANUAL) if ring else ()
     y, res = attention_fwd(local, h, local_config(config, t), None, segments, *core)  # partial sums
     y = leave(y, sequence)
-    return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence, ring)
+    return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence)
 
 
 def tensor_attention_bwd(res: TensorAttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys: device i's slices of the split leaves, dx (B, T, D))."""
     config, t = res.config, jax.lax.axis_size(TENSOR)
     # y = leave(attention(local, enter(x), local_config)) + bo
-    dp, dh = attention_bwd(res.attn, leave_bwd(dy, res.sequence), ring_attention_bwd if res.ring else None)
+    ring = isinstance(res.attn.core, RingAttentionRes)  # the ring's core (a context axis beside)
+    dp, dh = attention_bwd(res.attn, leave_bwd(dy, res.sequence), ring_attention_bwd if ring else None)
     dx = enter_bwd(dh, res.sequence)
     if res.bias:
         dp["bo"] = token_sum(bias_grad(dy), res.sequence)

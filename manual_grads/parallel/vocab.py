@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxformer.model.parallel.regions import TENSOR
+from jaxformer.model.parallel.regions import TENSOR, token_axes
 from jaxformer.model.parallel.vocab import (batch_weights, chunked_rows, head_specs, local_targets, mask_padding,
-                                            on_vocab_mesh, token_axes, vocab_nll_and_logz)
+                                            on_vocab_mesh, vocab_nll_and_logz)
 from jaxformer.model.precision import stats_dtype, upcast
 from manual_grads.linear import linear_bwd, linear_fwd
 from manual_grads.parallel.regions import copy_to_tensor_bwd

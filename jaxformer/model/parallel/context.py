@@ -44,7 +44,7 @@ from jaxformer.model.block import BlockLayers, compose_block, model_feed_forward
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
-from jaxformer.model.parallel.regions import TENSOR, axis_size, batch_axes, trace_mesh_with
+from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes, trace_mesh_with
 from jaxformer.model.parallel.ring import CONTEXT, check_context, chunk_positions, ring_attention, to_zigzag
 from jaxformer.model.rms_norm import rms_norm
 
@@ -60,15 +60,11 @@ def context_mesh():
     return trace_mesh_with(CONTEXT)
 
 
-def row_axes(mesh) -> tuple[str, ...]:
-    """The axes the batch's rows split over in the context-parallel blocks: every mesh axis but
-    tensor and context (regions.batch_axes: a context group shares its rows)."""
-    return batch_axes(mesh)
-
-
 def stream_spec(mesh) -> PartitionSpec:
-    """The (B, T, ...) spec inside the context-parallel blocks: B over ``row_axes``, T over context."""
-    return PartitionSpec(row_axes(mesh) or None, CONTEXT)
+    """The (B, T, ...) spec of the context-parallel blocks' activations and of the batch's ids: B
+    over the batch axes (regions.batch_axes: a context group shares its rows), T over context
+    (regions.token_axes)."""
+    return token_axes(mesh)[1]
 
 
 def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -> None:

@@ -21,6 +21,7 @@ so that JAX's own transpose of it (jax.grad through these regions) is the psum t
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec
 
 TENSOR = "tensor"  # the mesh axis the model's matrices split over
 CONTEXT = "context"  # the mesh axis the sequence splits over (context parallelism, ring.py)
@@ -45,6 +46,16 @@ def batch_axes(mesh) -> tuple[str, ...]:
     """The axes a batch's rows split over on ``mesh`` (a Mesh or AbstractMesh): every axis but
     tensor and context (the devices of a tensor or a context group share their rows)."""
     return tuple(a for a in mesh.axis_names if a not in (TENSOR, CONTEXT))
+
+
+def token_axes(mesh) -> tuple[tuple[str, ...], PartitionSpec]:
+    """(the axes a batch's tokens split over, the (B, T, ...) spec): B over the batch axes, and T
+    over the context axis where the mesh has one larger than 1 (its tokens in that axis' zig-zag
+    order, parallel/context.py); the one rule the context, tensor and vocabulary splits read."""
+    axes = batch_axes(mesh)
+    if axis_size(mesh, CONTEXT) > 1:
+        return (*axes, CONTEXT), PartitionSpec(axes or None, CONTEXT)
+    return axes, PartitionSpec(axes or None)
 
 
 def _axis(x, axis: int) -> int:

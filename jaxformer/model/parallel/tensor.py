@@ -54,7 +54,7 @@ from jaxformer.model.mlp import feed_forward
 from jaxformer.model.parallel.context import RING_CORE, check_context_model, local_positions
 from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
                                               gather_from_sequence, reduce_from_tensor, reduce_scatter_to_sequence,
-                                              trace_mesh_with)
+                                              token_axes, trace_mesh_with)
 from jaxformer.model.rms_norm import rms_norm
 
 COLUMNS = {"attn": ("wq", "bq"), "ffn": ("w_in", "b_in", "w_gate", "b_gate", "w_up", "b_up")}
@@ -220,12 +220,6 @@ def tensor_mesh():
     return trace_mesh_with(TENSOR)
 
 
-def batch_spec(mesh) -> PartitionSpec:
-    """The batch's (B, ...) spec: B split over every mesh axis but tensor (replicated over it)."""
-    axes = batch_axes(mesh)
-    return PartitionSpec(axes) if axes else PartitionSpec()
-
-
 def ring_on(mesh) -> bool:
     """Whether ``mesh`` has a context axis larger than 1 beside the tensor axis: the tokens are
     then split over it (in its zig-zag order, parallel/context.py) and attention is the ring."""
@@ -237,7 +231,7 @@ def stream_spec(mesh, sequence: bool) -> PartitionSpec:
     tensor axis with sequence parallelism, or over the context axis where the mesh has one."""
     if sequence:
         return PartitionSpec(batch_axes(mesh) or None, TENSOR)
-    return PartitionSpec(batch_axes(mesh) or None, CONTEXT) if ring_on(mesh) else batch_spec(mesh)
+    return token_axes(mesh)[1]  # the batch's rows, and T over a context axis
 
 
 def segments_spec(mesh) -> PartitionSpec:

@@ -31,8 +31,7 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.chunked_loss import to_chunks
 from jaxformer.model.linear import linear
-from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
-                                              reduce_from_tensor)
+from jaxformer.model.parallel.regions import TENSOR, copy_to_tensor, reduce_from_tensor, token_axes
 from jaxformer.model.precision import stats_dtype, upcast
 from jaxformer.model.softcap import softcap
 
@@ -116,15 +115,6 @@ def vocab_head_loss_local(p, x, targets, mask, batch_axes=(), *, vocab_size: int
     else:
         total = nll_sum(h, targets, weights)
     return jax.lax.psum(total, batch_axes) if batch_axes else total
-
-
-def token_axes(mesh) -> tuple[tuple[str, ...], PartitionSpec]:
-    """(the axes a batch's tokens split over, the (B, T) spec): B over the batch axes, and T over
-    the context axis where the mesh has one (its tokens in that axis' order, parallel/context.py)."""
-    axes = batch_axes(mesh)
-    if axis_size(mesh, CONTEXT) > 1:
-        return (*axes, CONTEXT), PartitionSpec(axes or None, CONTEXT)
-    return axes, PartitionSpec(axes or None)
 
 
 def head_specs(p) -> dict:
