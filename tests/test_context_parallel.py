@@ -6,10 +6,12 @@ largest differences: the whole model (B=4, T=16, 2 layers) under ``jax.set_mesh`
 a context axis, its blocks ring-attention context parallel (model/parallel/context.context_mesh):
 the GPT-2-like config (learned positions, pre layer norm, GELU, biases) on data=2 x context=2,
 the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's global position,
-2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) on
-context=4, and the Llama-like one with remat "block" (each block's forward run again in the
-backward) on context=2 with packed documents whose boundaries cut through the chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split):
-the GPT-2-like one on data=2 x tensor=2 x context=2, the Llama-like one with documents on
+2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) with the
+blockwise core (each ring visit's keys 2 at a time), the scores' soft cap and a sliding window
+on context=4, and the Llama-like one (the full core) with remat "block" (each block's forward
+run again in the backward) on context=2 with packed documents whose boundaries cut through the
+chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split): the
+GPT-2-like one on data=2 x tensor=2 x context=2, the blockwise Llama-like one with documents on
 tensor=2 x context=4. Each mesh's loss and every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
 collectives counted, and every program's logits shapes. The refusals run in this process."""
@@ -29,12 +31,12 @@ B, T = 4, 16
 # packed rows: boundaries inside the zig-zag pieces (n = 4 tokens on context=2)
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
 # (model, mesh axes, sizes, packed documents)
-CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama", ("context",), (4,), False),
+CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama-blockwise", ("context",), (4,), False),
          ("llama-remat", ("context",), (2,), True)]
 # with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
 # rows split over it), attention the ring, the head's vocabulary split over tensor (V = 11 padded)
 TENSOR_CASES = [("gpt2", ("data", "tensor", "context"), (2, 2, 2), False),
-                ("llama", ("tensor", "context"), (2, 4), True)]
+                ("llama-blockwise", ("tensor", "context"), (2, 4), True)]
 
 
 def case_name(cname, names, shape, documents) -> str:
@@ -47,7 +49,10 @@ def configs():
     llama = ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu", positions="rope",
                         n_kv_heads=2, qk_norm=True, tie_embeddings=True, head_bias=False, logit_softcap=3.0,
                         loss_chunk=5)
-    return {"gpt2": gpt2, "llama": llama, "llama-remat": llama.replace(remat="block")}
+    # the blockwise core's visits (keys 2 at a time: the pieces of context=4 hold 2 tokens), the
+    # scores capped, every layer a sliding window of 6 keys
+    blockwise = llama.replace(attention_impl="blockwise", attention_block=2, attn_softcap=5.0, sliding_window=6)
+    return {"gpt2": gpt2, "llama": llama, "llama-blockwise": blockwise, "llama-remat": llama.replace(remat="block")}
 
 
 def collectives(lowered, compiled) -> dict:
@@ -212,15 +217,26 @@ def refusal(config, c=2, seq_len=T, t=1) -> str:
 
 @pytest.mark.parametrize("changes, what", [
     (dict(dropout=0.1), "dropout"),
-    (dict(attention_impl="pallas"), "attention_impl 'pallas' (the ring's visits are the full core's math: "
-                                    "use attention_impl 'full')"),
-    (dict(sliding_window=4), "sliding windows"),
-    (dict(attn_softcap=20.0), "attn_softcap"),
+    (dict(attention_impl="pallas"), "attention_impl 'pallas' (the ring's visits are the full or the blockwise "
+                                    "core's math: use attention_impl 'full' or 'blockwise')"),
+    (dict(attention_impl="blockwise", attention_block=3), "attention_block 3 with pieces of 4 tokens (the ring's "
+                                                          "visits fold 4 or 8 keys: the block must divide 4, or be "
+                                                          "at least 8)"),
+    (dict(sliding_window=4, layer_types=("sliding_attention", "full_attention")), "layers of more than one kind"),
 ])
 def test_unsupported_options_are_refused(changes, what):
     config = dataclasses.replace(configs()["gpt2"], **changes)
     assert refusal(config).startswith(f"mesh axis context=2: context parallelism does not run {what}")
     check_context_model(config, 1, T)  # one device runs them
+
+
+def test_blockwise_blocks_that_fit_the_pieces_run():
+    """On context=2 (pieces of 4 tokens, visits of 4 or 8 keys) a block dividing 4, or of 8 keys
+    and more (a visit's keys at once), runs; 3, 5 and 6 are refused (above)."""
+    for block in (1, 2, 4, 8, 128):
+        check_context_model(configs()["gpt2"].replace(attention_impl="blockwise", attention_block=block), 2, T)
+    for block in (3, 5, 6):
+        assert "attention_block" in refusal(configs()["gpt2"].replace(attention_impl="blockwise", attention_block=block))
 
 
 def test_sequence_parallel_beside_context_is_refused():

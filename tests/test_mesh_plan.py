@@ -53,8 +53,8 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
     assert "n_experts 4 does not divide over the mesh's expert axis (expert=8)" in refused["data=1,fsdp=1,expert=8"]
     assert "does not run n_experts" in refused["data=4,fsdp=1,tensor=2"]
 
-    # a context axis (the sequence split, ring attention) only when asked for, on the full core, where
-    # 2 x context divides the sequence
+    # a context axis (the sequence split, ring attention) only when asked for, on the full or the
+    # blockwise core, where 2 x context divides the sequence
     full = TINY.replace(attention_impl="full")
     assert aot_plan.candidate_meshes(full, 4, seq_len=16) == aot_plan.candidate_meshes(blockwise, 4)
     with_context = aot_plan.candidate_meshes(full, 4, seq_len=16, context=True)
@@ -63,8 +63,9 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
         "data=1,fsdp=1,context=4"}
     assert "does not fit the sequence length 12" in dict(aot_plan.refused_meshes(
         full, 4, seq_len=12, context=True))["data=1,fsdp=1,context=4"]
-    assert "does not run attention_impl 'blockwise'" in dict(aot_plan.refused_meshes(
-        blockwise, 4, context=True))["data=2,fsdp=1,context=2"]
+    assert aot_plan.candidate_meshes(blockwise.replace(attention_block=4), 4, seq_len=16, context=True) == with_context
+    assert "does not run attention_impl 'pallas'" in dict(aot_plan.refused_meshes(
+        pallas, 4, seq_len=16, context=True))["data=2,fsdp=1,context=2"]
 
 
 def test_the_devices_a_target_has():

@@ -7,7 +7,8 @@ against cores.full (and a logsumexp of its masked scores) on one device, the man
 dv) and jax.vjp through the ring's forward (its shard_map and ppermutes) against jax.vjp of
 cores.full with the same random cotangent, each to 1e-10; cases: context=2 and 4, causal,
 zig-zag; packed documents whose boundaries cut through the chunks; 1 key/value head for 2
-query heads; non-causal with documents; the contiguous layout. The programs' collectives are
+query heads; non-causal with documents; the contiguous layout; the scores' soft cap with a
+sliding window, and the blockwise core's visits (keys 2 at a time) with and without them. The programs' collectives are
 counted as lowered (sites) and in the jaxpr with each scan's trip count (hops actually sent).
 The layout's helpers (round trip, equal causal work, every unmasked pair inside the block a
 visit computes) and the refusals run in this process."""
@@ -24,15 +25,18 @@ from jaxformer.model.parallel.ring import (CONTIGUOUS, EARLIER, LATER, SELF, ZIG
 TOL = 1e-10
 B, H, T, DH = 2, 2, 16, 4
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5]  # two documents a row: boundaries at 5 and 11
-# (context size, causal, segments, key/value heads, layout)
-CASES = [(2, True, False, 2, ZIGZAG), (4, True, False, 2, ZIGZAG), (4, True, True, 2, ZIGZAG),
-         (2, True, True, 1, ZIGZAG), (4, False, True, 2, ZIGZAG), (4, True, False, 1, CONTIGUOUS)]
+CAPPED_WINDOW = {"softcap": 2.0, "window": 6}  # the scores capped, a query reading its 6 latest keys
+# (context size, causal, segments, key/value heads, layout, the ring's options: block K > 0 folds a
+# visit's keys K at a time, the blockwise core's way)
+CASES = [(2, True, False, 2, ZIGZAG, {}), (4, True, False, 2, ZIGZAG, {}), (4, True, True, 2, ZIGZAG, CAPPED_WINDOW),
+         (2, True, True, 1, ZIGZAG, {"block": 2, **CAPPED_WINDOW}), (4, False, True, 2, ZIGZAG, {"block": 2}),
+         (4, True, False, 1, CONTIGUOUS, {})]
 DIFFS = ("output", "lse", "manual = one device", "jax.grad ring = one device", "manual = jax.grad ring")
 
 
-def case_name(c, causal, segments, hkv, layout) -> str:
+def case_name(c, causal, segments, hkv, layout, options) -> str:
     return (f"context={c} {'causal' if causal else 'non-causal'}{' documents' if segments else ''}"
-            f"{f' Hkv={hkv}' if hkv != H else ''} {layout}")
+            f"{f' Hkv={hkv}' if hkv != H else ''} {layout}" + "".join(f" {k}={v}" for k, v in options.items()))
 
 
 def ppermutes_sent(jaxpr, times: int = 1) -> int:
@@ -71,7 +75,7 @@ def run_cases() -> dict:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from jaxformer.model.cores import AttentionSpec, attention_scores, full, repeat_kv
+    from jaxformer.model.cores import AttentionSpec, capped_scores, full, repeat_kv
     from jaxformer.model.parallel.ring import (on_mesh, pair_mask, ring_attention, ring_attention_fwd_stats,
                                                ring_attention_on_mesh)
     from manual_grads.parallel.ring import ring_attention_grads_on_mesh
@@ -82,27 +86,27 @@ def run_cases() -> dict:
     leaves = jax.tree_util.tree_leaves
     jdiff = lambda a, b: jnp.max(jnp.stack([jnp.max(jnp.abs(u - v)) for u, v in zip(leaves(a), leaves(b), strict=True)]))  # noqa: E731
     for case in CASES:
-        c, causal, documents, hkv, layout = case
+        c, causal, documents, hkv, layout, options = case
         q, do = (jnp.asarray(rng.standard_normal((B, H, T, DH))) for _ in range(2))
         k, v = (jnp.asarray(rng.standard_normal((B, hkv, T, DH))) for _ in range(2))
         segments = jnp.asarray(DOCUMENTS) if documents else None
         mesh = Mesh(devices[:c], ("context",))
-        spec = AttentionSpec(causal=causal)
+        spec = AttentionSpec(causal=causal, softcap=options.get("softcap", 0.0), window=options.get("window", 0))
 
         @jax.jit
         def differences(q, k, v, do, segments):
             one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, spec, segments=segments), q, k, v)
             expected = one_vjp(do)
-            scores = attention_scores(q, repeat_kv(k, H // hkv))  # (B, H, T, T), natural order
+            scores = capped_scores(q, repeat_kv(k, H // hkv), spec)  # (B, H, T, T), natural order
             mask = pair_mask(jnp.arange(T), jnp.arange(T), spec, segments, segments)
             lse1 = jax.nn.logsumexp(scores if mask is None else jnp.where(mask, scores, -jnp.inf), axis=-1)
             stats = lambda q, k, v, s: ring_attention_fwd_stats(q, k, v, causal=causal, segments=s,  # noqa: E731
-                                                                layout=layout)
+                                                                layout=layout, **options)
             o, lse = on_mesh(stats, mesh, (q, k, v), segments, layout=layout, n_out=2)
             ring, ring_vjp = jax.vjp(lambda q, k, v: ring_attention_on_mesh(q, k, v, mesh, causal, segments,
-                                                                            layout=layout), q, k, v)
+                                                                            layout=layout, **options), q, k, v)
             auto = ring_vjp(do)
-            manual = ring_attention_grads_on_mesh(q, k, v, do, mesh, causal, segments, layout=layout)
+            manual = ring_attention_grads_on_mesh(q, k, v, do, mesh, causal, segments, layout=layout, **options)
             return {"output": jnp.maximum(jnp.max(jnp.abs(ring - one)), jnp.max(jnp.abs(o - one))),
                     "lse": jnp.max(jnp.abs(lse - lse1)),
                     "manual = one device": jdiff(manual, expected), "jax.grad ring = one device": jdiff(auto, expected),
@@ -110,8 +114,9 @@ def run_cases() -> dict:
 
         name = case_name(*case)
         out.update({f"{name}: {what}": float(d) for what, d in differences(q, k, v, do, segments).items()})
-        ring = lambda q, k, v, s: ring_attention_on_mesh(q, k, v, mesh, causal, s, layout=layout)  # noqa: E731
-        manual = lambda q, k, v, s: ring_attention_grads_on_mesh(q, k, v, q, mesh, causal, s, layout=layout)  # noqa: E731
+        ring = lambda q, k, v, s: ring_attention_on_mesh(q, k, v, mesh, causal, s, layout=layout, **options)  # noqa: E731
+        manual = lambda q, k, v, s: ring_attention_grads_on_mesh(q, k, v, q, mesh, causal, s,  # noqa: E731
+                                                                 layout=layout, **options)
         for what, fn in (("forward", ring), ("manual", manual)):
             out.update({f"{name}: {what} {kind}": n for kind, n in collectives(fn, q, k, v, segments).items()})
 
@@ -179,7 +184,7 @@ def test_collectives_are_the_ring_hops(results, case):
     sends each c - 1 times; the manual program adds the backward's c - 1 hops of k, v (ids)
     with dK, dV beside them and one final hop of dK, dV. No all-gather, no all-reduce: no
     device ever holds the whole sequence's keys."""
-    name, (c, _, documents, _, _) = case_name(*case), case
+    name, (c, _, documents, *_) = case_name(*case), case
     n = 3 if documents else 2  # k, v (and the ids)
     assert results[f"{name}: forward other collectives"] == results[f"{name}: manual other collectives"] == 0
     assert results[f"{name}: forward permute sites"] == n

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.parallel.context import (CONTEXT, RING_CORE, check_context_model, context_size,
-                                              local_positions, refuse_adapters, ring_ordered, ring_positions,
-                                              stream_spec)
+from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_size,
+                                              local_positions, refuse_adapters, ring_core_of, ring_ordered,
+                                              ring_positions, stream_spec)
 from jaxformer.model.precision import upcast
 from jaxformer.model.transformer import TOKEN_KEYS, head_params
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes
@@ -54,15 +54,16 @@ from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd)
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
-from manual_grads.parallel.ring import RING_MANUAL, ring_attention_bwd
+from manual_grads.parallel.ring import ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.tensor import join_arrays, split_arrays, tensor_blocks_bwd, tensor_blocks_fwd
 from manual_grads.parallel.vocab import vocab_head_loss_grads_local
 
 
 def context_attention_fwd(p, x, config: ModelConfig, segments=None):
     """context_attention with residuals: x (B, T/c, D), device i's tokens -> (y, AttentionRes)."""
-    # attention(p, x, config, key, RING_CORE, segments, positions=local_positions(x.shape[1]))
-    return attention_fwd(p, x, config, None, segments, local_positions(x.shape[1]), RING_CORE, RING_MANUAL)
+    # attention(p, x, config, key, ring_core_of(config), segments, positions=local_positions(x.shape[1]))
+    return attention_fwd(p, x, config, None, segments, local_positions(x.shape[1]), ring_core_of(config),
+                         ring_manual_of(config))
 
 
 def context_attention_bwd(res, dy):

@@ -10,12 +10,17 @@ Backward, with P = exp(S - lse) recomputed one visit at a time (the forward's bl
     dV_j += P^T dO                    undoes O = P v   (the online sums' rescalings cancel: O = sum_j P_j v_j)
     dP   = dO v_j^T
     dS   = P * (dP - D)               undoes P = softmax(S) over all c chunks' keys
+    dS  *= 1 - (S / softcap)^2        undoes S = softcap tanh(S / softcap), the capped S recomputed
     dq  += dS k_j / sqrt(Dh),  dK_j += dS^T q / sqrt(Dh)          undo S = q k_j^T / sqrt(Dh)
     dK_j, dV_j of the Hkv heads: the G query heads' sums           undoes k_j = repeat_kv(k_j, G)
 dq stays on device i (its queries'); dK_j, dV_j travel WITH chunk j: at step s device i
 receives (k_j, v_j, the ids, dK_j, dV_j) from device i - 1, adds its queries' share and
 passes them on. After step c - 1 device i holds chunk i + 1's, and one final hop of dK, dV
 brings every chunk's gradients home: c - 1 hops of k, v (and the ids), c of dK, dV.
+
+With ``block`` K (the blockwise core) a visit's keys are walked K at a time as the forward folds
+them (``over_key_blocks``): dq's share summed over the key blocks, each block's dK, dV kept in
+its place; no (rows x T/c) probabilities are ever held.
 
 Statistics and the running gradients stay in stats_dtype (float32 or wider), the products
 as the forward's (spec.compute_dtype: the model's compute dtype, or the inputs' own).
@@ -35,13 +40,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.model.cores import AttentionSpec, repeat_kv
+from jaxformer.model.cores import AttentionSpec, capped_scores, repeat_kv
+from jaxformer.model.parallel.context import ring_kwargs
 from jaxformer.model.parallel.ring import (CONTEXT, SELF, ZIGZAG, chunk_positions, holder, on_mesh,
-                                           pair_kind, pair_scores, part, ring_attention_fwd_stats, send,
-                                           switch_visit, visited)
+                                           over_key_blocks, pair_kind, pair_mask, part, ring_attention_fwd_stats,
+                                           ring_spec, send, switch_visit, visited)
 from jaxformer.model.precision import matmul
 from manual_grads.attention import ManualCore, sum_groups
 from manual_grads.blockwise import _softmax_correction
+from manual_grads.softcap import softcap_bwd
 
 
 class RingAttentionRes(NamedTuple):
@@ -51,23 +58,27 @@ class RingAttentionRes(NamedTuple):
     out: jax.Array  # (B, H, T/c, Dh) O
     lse: jax.Array  # (B, H, T/c) row log-sum-exp of the scores over all T keys, stats_dtype
     segments: jax.Array | None  # (B, T/c) its tokens' document ids; None: one document
-    spec: AttentionSpec  # static: the mask rule and the products' compute dtype
+    spec: AttentionSpec  # static: the mask rule, the products' compute dtype, the scores' soft cap
     axis_name: str = CONTEXT  # static; the residual lives within one shard_map
     layout: str = ZIGZAG  # static
+    block: int = 0  # static: the keys a visit walks at a time (0: all; the blockwise core's K)
 
 
 def ring_attention_fwd(q, k, v, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                       layout: str = ZIGZAG, compute_dtype=None):
+                       layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
+                       block: int = 0):
     """Inside shard_map: ring_attention with residuals -> (O (B, H, T/c, Dh), RingAttentionRes)."""
     out, lse = ring_attention_fwd_stats(q, k, v, causal=causal, segments=segments, axis_name=axis_name,
-                                        layout=layout, compute_dtype=compute_dtype)
-    spec = AttentionSpec(causal=causal, compute_dtype=compute_dtype)
-    return out, RingAttentionRes(q, k, v, out, lse, segments, spec, axis_name, layout)
+                                        layout=layout, compute_dtype=compute_dtype, softcap=softcap, window=window,
+                                        block=block)
+    spec = ring_spec(causal, compute_dtype, softcap, window)
+    return out, RingAttentionRes(q, k, v, out, lse, segments, spec, axis_name, layout, block)
 
 
-def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where):
+def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, block: int = 0):
     """Undoes ``visit``: add the block ``where`` (rows, columns; None: nothing) of the held chunk
-    (k, v, ids) to grads = (dq (B, H, T/c, Dh), dK, dV (B, Hkv, T/c, Dh)), all in stats_dtype."""
+    (k, v, ids) to grads = (dq (B, H, T/c, Dh), dK, dV (B, Hkv, T/c, Dh)), all in stats_dtype;
+    its keys whole or ``block`` at a time, as the forward folded them."""
     if where is None:
         return grads
     r, col = where
@@ -76,35 +87,47 @@ def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionS
     f, cd, Hkv = dq.dtype, spec.compute_dtype, k.shape[1]
     G, scale = q.shape[1] // Hkv, 1.0 / math.sqrt(q.shape[-1])
     q_r, do_r = part(q, r, 2), part(do, r, 2).astype(f)  # (B, H, rows, Dh)
-    k_c, v_c = repeat_kv(part(k, col, 2), G), repeat_kv(part(v, col, 2), G)  # (B, H, columns, Dh)
-    # s = pair_scores(q, repeat_kv(k, G), q_pos, k_pos, spec, q_seg, k_seg): S, -inf where masked
-    s = pair_scores(q_r, k_c, q_pos[r], k_pos[col], spec, part(q_seg, r, 1), part(k_seg, col, 1))
-    # O = acc / l, acc = sum_j exp(S_j - m) v_j, l = sum_j rowsum exp(S_j - m): P_j = exp(S_j - lse)
-    p = jnp.where(jnp.isfinite(s), jnp.exp(s - part(lse, r, 2)[..., None]), 0.0)  # (B, H, rows, columns)
-    dv_c = matmul(jnp.swapaxes(p, -1, -2), do_r, cd)  # O = P v
-    dp = matmul(do_r, jnp.swapaxes(v_c, -1, -2).astype(f), cd)  # (B, H, rows, columns)
-    ds = p * (dp - part(d, r, 2)[..., None])  # P = softmax(S)
-    dq_r = matmul(ds, k_c.astype(f), cd) * scale  # S = q k^T / sqrt(Dh)
-    dk_c = matmul(jnp.swapaxes(ds, -1, -2), q_r.astype(f), cd) * scale
-    # k, v = repeat_kv(k, G), repeat_kv(v, G): each key/value head gets its G query heads' sum
-    dk_c, dv_c = sum_groups(dk_c, Hkv), sum_groups(dv_c, Hkv)
+    lse_r, d_r, qp_r, qs_r = part(lse, r, 2)[..., None], part(d, r, 2)[..., None], q_pos[r], part(q_seg, r, 1)
+
+    def keys_bwd(dq_r, keys):  # one fold of over_key_blocks: these keys' share
+        k_b, v_b, kp_b, ks_b = keys
+        k_c, v_c = repeat_kv(k_b, G), repeat_kv(v_b, G)  # (B, H, keys, Dh)
+        # s = pair_scores(q, repeat_kv(k, G), q_pos, k_pos, spec, q_seg, k_seg): S capped, -inf where masked
+        capped = capped_scores(q_r, k_c, spec)  # (B, H, rows, keys)
+        mask = pair_mask(qp_r, kp_b, spec, qs_r, ks_b)
+        # O = acc / l, acc = sum_j exp(S_j - m) v_j, l = sum_j rowsum exp(S_j - m): P_j = exp(S_j - lse)
+        p = jnp.exp(capped - lse_r)
+        p = p if mask is None else jnp.where(mask, p, 0.0)
+        dv_c = matmul(jnp.swapaxes(p, -1, -2), do_r, cd)  # O = P v
+        dp = matmul(do_r, jnp.swapaxes(v_c, -1, -2).astype(f), cd)  # (B, H, rows, keys)
+        ds = p * (dp - d_r)  # P = softmax(S)
+        if spec.softcap:  # S = softcap tanh(S / softcap): 1 - tanh^2 from the capped S itself
+            ds = softcap_bwd(capped / spec.softcap, ds)
+        dq_r = dq_r + matmul(ds, k_c.astype(f), cd) * scale  # S = q k^T / sqrt(Dh)
+        dk_c = matmul(jnp.swapaxes(ds, -1, -2), q_r.astype(f), cd) * scale
+        # k, v = repeat_kv(k, G), repeat_kv(v, G): each key/value head gets its G query heads' sum
+        return dq_r, (sum_groups(dk_c, Hkv), sum_groups(dv_c, Hkv))
+
+    keys = (part(k, col, 2), part(v, col, 2), k_pos[col], part(k_seg, col, 1))
+    dq_r, (dk_c, dv_c) = over_key_blocks(keys_bwd, jnp.zeros_like(q_r, dtype=f), keys, block)
     return dq.at[:, :, r].add(dq_r), dk.at[:, :, col].add(dk_c), dv.at[:, :, col].add(dv_c)
 
 
 def ring_attention_bwd(res: RingAttentionRes, do):
     """Inside shard_map: dO (B, H, T/c, Dh) of this device's queries -> (dq (B, H, T/c, Dh),
     dk, dv (B, Hkv, T/c, Dh)) of its own tokens."""
-    q, k, v, out, lse, segments, spec, axis_name, layout = res
+    q, k, v, out, lse, segments, spec, axis_name, layout, block = res
     causal, f = spec.causal, lse.dtype
     c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     n_local = q.shape[2]
     positions = functools.partial(chunk_positions, T=n_local * c, c=c, layout=layout)
     q_pos = positions(i)
     d = _softmax_correction(do, out)  # (B, H, T/c): D = rowsum(dO * O)
-    grads = (jnp.zeros(q.shape, f), jnp.zeros(k.shape, f), jnp.zeros(v.shape, f))  # dq, dK, dV
+    grads = tuple(jnp.zeros_like(a, dtype=f) for a in (q, k, v))  # dq, dK, dV: device i's own, as q, k, v
     held = (k, v, segments)
     # stats = visit(init, ..., visited(SELF)): step 0, the own chunk
-    grads = visit_bwd(grads, q, do, lse, d, q_pos, segments, held, q_pos, spec, visited(SELF, n_local, causal, layout))
+    grads = visit_bwd(grads, q, do, lse, d, q_pos, segments, held, q_pos, spec, visited(SELF, n_local, causal, layout),
+                      block)
 
     def step(carry, s):
         held, grads = carry
@@ -115,7 +138,7 @@ def ring_attention_bwd(res: RingAttentionRes, do):
 
         def visit_kind(kind, grads):  # stats = switch_visit(pair_kind(i, j), visit_kind, ...)
             return visit_bwd(grads, q, do, lse, d, q_pos, segments, held, positions(j), spec,
-                             visited(kind, n_local, causal, layout))
+                             visited(kind, n_local, causal, layout), block)
 
         return (held, switch_visit(pair_kind(i, j), visit_kind, causal, (dq, *dkv))), None
 
@@ -125,20 +148,29 @@ def ring_attention_bwd(res: RingAttentionRes, do):
 
 
 def ring_attention_grads_on_mesh(q, k, v, do, mesh, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                                 layout: str = ZIGZAG, compute_dtype=None):
+                                 layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
+                                 block: int = 0):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), dO (B, H, T, Dh), segments (B, T) or None, natural
     order -> (dq, dk, dv) in natural order: the manual forward and backward in one shard_map
     over the mesh's ``axis_name`` (jaxformer.model.parallel.ring.ring_attention_on_mesh's pair)."""
     def local(q, k, v, do, segments):
-        _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout, compute_dtype)
+        _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout, compute_dtype, softcap, window, block)
         return ring_attention_bwd(res, do)
     return on_mesh(local, mesh, (q, k, v, do), segments, axis_name, layout, n_out=3)
 
 
-def ring_core_fwd(q, k, v, spec, key=None, segments=None):
+def ring_core_fwd(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False):
     """The ring's pair as a manual core (manual_grads/attention.py's ``ManualCore`` signature),
     the forward's ``parallel.context.ring_core``: (O (B, H, T/c, Dh), RingAttentionRes)."""
-    return ring_attention_fwd(q, k, v, spec.causal, segments, compute_dtype=spec.compute_dtype)
+    return ring_attention_fwd(q, k, v, segments=segments, **ring_kwargs(spec, blockwise))
 
 
-RING_MANUAL = ManualCore(ring_core_fwd, ring_attention_bwd, RingAttentionRes)
+# The pairs of parallel.context.RING_CORES, by ModelConfig.attention_impl.
+RING_MANUALS = {"full": ManualCore(ring_core_fwd, ring_attention_bwd, RingAttentionRes),
+                "blockwise": ManualCore(functools.partial(ring_core_fwd, blockwise=True), ring_attention_bwd,
+                                        RingAttentionRes)}
+
+
+def ring_manual_of(config) -> ManualCore:
+    """The pair of parallel.context.ring_core_of(config)."""
+    return RING_MANUALS[config.attention_impl]

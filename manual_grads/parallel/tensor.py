@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.regions import TENSOR
-from jaxformer.model.parallel.context import RING_CORE, local_positions
+from jaxformer.model.parallel.context import local_positions, ring_core_of
 from jaxformer.model.parallel.tensor import (KV, attention_local_params, block_specs, check_tensor_blocks, enter,
                                              ffn_bias, leave, local_config, refuse_adapters, ring_on, segments_spec,
                                              split_kv, stream_spec, tensor_size)
@@ -52,7 +52,7 @@ from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
-from manual_grads.parallel.ring import RING_MANUAL, RingAttentionRes, ring_attention_bwd
+from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
                                            reduce_scatter_to_sequence_bwd)
 
@@ -110,8 +110,8 @@ def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: boo
     t = jax.lax.axis_size(TENSOR)
     local = attention_local_params(p, config, t)
     h = enter(x, sequence)
-    # attention(local, h, local_config, key, segments=segments, **ring_args(ring, T/c)): the ring's pair as the core
-    core = (local_positions(h.shape[1]), RING_CORE, RING_MANUAL) if ring else ()
+    # attention(local, h, local_config, key, segments=segments, **ring_args(ring, T/c, config)): the ring's pair
+    core = (local_positions(h.shape[1]), ring_core_of(config), ring_manual_of(config)) if ring else ()
     y, res = attention_fwd(local, h, local_config(config, t), None, segments, *core)  # partial sums
     y = leave(y, sequence)
     return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence)

@@ -35,6 +35,8 @@ divide (``check_context_model``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
@@ -74,16 +76,16 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
     if c <= 1:
         return
     check_context(seq_len, c)
-    impl = config.attention_impl
+    impl, block, n = config.attention_impl, config.attention_block, seq_len // (2 * c)
     refused = [(t > 1 and config.sequence_parallel, f"sequence_parallel beside a tensor axis (tensor={t}: the "
                                                       "tokens are split over context already)"),
                (config.dropout, "dropout (each device would draw its own tokens' masks)"),
-               (impl != "full", f"attention_impl {impl!r} (the ring's visits are the full core's math: "
-                                "use attention_impl 'full')"),
-               (any(config.windowed_layers), "sliding windows (sliding_window, layer_types: the ring masks "
-                                             "causally over every key)"),
+               (impl not in RING_CORES, f"attention_impl {impl!r} (the ring's visits are the full or the "
+                                        "blockwise core's math: use attention_impl 'full' or 'blockwise')"),
+               (impl == "blockwise" and any(m % min(block, m) for m in (n, 2 * n)),
+                f"attention_block {block} with pieces of {n} tokens (the ring's visits fold {n} or {2 * n} keys: "
+                f"the block must divide {n}, or be at least {2 * n})"),
                (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
-               (config.attn_softcap, "attn_softcap (the ring's scores are not capped)"),
                (config.n_experts, "n_experts (the experts split over the expert axis)")]
     for on, what in refused:
         if on:
@@ -103,21 +105,34 @@ def local_positions(n_local: int):
     return chunk_positions(jax.lax.axis_index(CONTEXT), n_local * c, c)
 
 
-def ring_core(q, k, v, spec, key=None, segments=None):
+def ring_core(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False):
     """A core (cores.py's signature) inside shard_map over the context axis: q (B, H, T/c, Dh),
     k, v (B, Hkv, T/c, Dh) of this device's tokens -> O (B, H, T/c, Dh), its queries' attention
-    over the whole sequence (ring.ring_attention; spec.causal and spec.compute_dtype, no dropout:
-    ``key`` unread)."""
-    return ring_attention(q, k, v, causal=spec.causal, segments=segments, compute_dtype=spec.compute_dtype)
+    over the whole sequence (ring.ring_attention with spec's mask rule, compute dtype and soft
+    cap; ``blockwise``: each visit's keys spec.block at a time; no dropout: ``key`` unread)."""
+    return ring_attention(q, k, v, segments=segments, **ring_kwargs(spec, blockwise))
 
 
-RING_CORE = Core(ring_core, True)  # reads k, v with their Hkv heads: fewer bytes travel
+def ring_kwargs(spec, blockwise: bool) -> dict:
+    """What the ring reads of a core's AttentionSpec (both gradient sources' cores)."""
+    return dict(causal=spec.causal, compute_dtype=spec.compute_dtype, softcap=spec.softcap, window=spec.window,
+                block=spec.block if blockwise else 0)
+
+
+# The ring's cores by ModelConfig.attention_impl: the full core's visits, or the blockwise core's
+# (keys attention_block at a time). Each reads k, v with their Hkv heads: fewer bytes travel.
+RING_CORES = {"full": Core(ring_core, True), "blockwise": Core(functools.partial(ring_core, blockwise=True), True)}
+
+
+def ring_core_of(config: ModelConfig) -> Core:
+    """The ring's core for config.attention_impl (check_context_model refuses the others)."""
+    return RING_CORES[config.attention_impl]
 
 
 def context_attention(p, x, config: ModelConfig, key=None, segments=None):
     """The model's attention on device i's T/c tokens (under shard_map): x (B, T/c, D) ->
     (y (B, T/c, D), None), a BlockLayers attention: the ring as its core, rotary positions global."""
-    return attention(p, x, config, key, RING_CORE, segments, positions=local_positions(x.shape[1])), None
+    return attention(p, x, config, key, ring_core_of(config), segments, positions=local_positions(x.shape[1])), None
 
 
 CONTEXT_LAYERS = BlockLayers(context_attention, model_feed_forward, layer_norm, rms_norm)

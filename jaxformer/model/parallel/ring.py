@@ -33,6 +33,15 @@ The "contiguous" layout (device i holds tokens i T/c .. (i+1) T/c - 1) visits ea
 whole and skips later ones: device c - 1 does c blocks, device 0 one. Without the causal mask
 (``causal=False``) every visit is the whole block; the layout is then only a permutation.
 
+The blockwise core's memory inside a visit (``block`` K > 0, ModelConfig.attention_block under
+attention_impl "blockwise"): the visit's keys are folded K at a time (``over_key_blocks``, a
+``lax.scan`` of online_softmax_step), so a device holds (B, H, rows, K) scores, never the
+(T/c x T/c) block; the visits and the hops are unchanged. The scores' soft cap
+(S -> softcap tanh(S / softcap), before the mask) and a sliding window (a query at t reads the
+keys t - W < s <= t: spec.allowed on the global positions) are the cores' own rules, read per
+pair as the causal one is (``ring_spec``); the visits ``visited`` names stay the causal ones,
+a window only masking more inside them.
+
 No query row is ever wholly masked: under either mask a token reads itself (its own
 position, its own document); a visit may mask a row wholly (m stays -inf, l = 0, as in
 blockwise.py), and a row with l = 0 at the end would give O = 0, not NaN.
@@ -61,7 +70,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.blockwise import online_softmax_step
-from jaxformer.model.cores import AttentionSpec, attention_scores, repeat_kv, segment_mask
+from jaxformer.model.cores import AttentionSpec, capped_scores, repeat_kv, segment_mask
 from jaxformer.model.parallel.regions import CONTEXT  # the mesh axis the sequence splits over
 from jaxformer.model.precision import stats_dtype
 
@@ -175,27 +184,73 @@ def pair_mask(q_pos, k_pos, spec: AttentionSpec, q_seg=None, k_seg=None):
 
 def pair_scores(q, k, q_pos, k_pos, spec: AttentionSpec, q_seg=None, k_seg=None):
     """q (B, H, Tq, Dh), k (B, H, Tk, Dh) -> S = q k^T / sqrt(Dh) (B, H, Tq, Tk) in stats_dtype,
-    -inf where ``pair_mask`` masks the pair."""
-    s = attention_scores(q, k, spec.compute_dtype)
+    capped to softcap tanh(S / softcap) where spec.softcap is set (cores.capped_scores), then
+    -inf where ``pair_mask`` masks the pair (spec.window included: the window reads the global
+    positions, as the causal rule does)."""
+    s = capped_scores(q, k, spec)
     mask = pair_mask(q_pos, k_pos, spec, q_seg, k_seg)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
-def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where):
+def key_block_size(n: int, block: int) -> int:
+    """The keys a visit of n columns folds at a time: all n (``block`` 0: the full core's one
+    block of scores), or K = min(block, n) (the blockwise core's), which must divide n."""
+    K = min(block, n) if block else n
+    if n % K:
+        raise ValueError(f"ring attention: attention_block {block} does not divide a visit's {n} keys")
+    return K
+
+
+def cut_keys(a, axis: int, K: int):
+    """a with n keys along ``axis`` -> (n / K, ..., K, ...): the key blocks stacked first (None stays None)."""
+    if a is None:
+        return None
+    n = a.shape[axis]
+    return jnp.moveaxis(a.reshape(a.shape[:axis] + (n // K, K) + a.shape[axis + 1:]), axis, 0)
+
+
+def join_keys(a, axis: int):
+    """Undoes ``cut_keys``: (n / K, ..., K, ...) -> n keys along ``axis``."""
+    a = jnp.moveaxis(a, 0, axis)
+    return a.reshape(a.shape[:axis] + (a.shape[axis] * a.shape[axis + 1],) + a.shape[axis + 2:])
+
+
+KEY_AXES = (2, 2, 0, 1)  # the key axis of a visit's (k, v (B, Hkv, n, Dh), positions (n,), ids (B, n))
+
+
+def over_key_blocks(fn, carry, keys, block: int):
+    """fn(carry, keys) -> (carry, out) over a visit's keys = (k, v, positions, ids or None) whole
+    (``block`` 0), or K = key_block_size(n, block) keys at a time in a ``lax.scan`` (the blockwise
+    core's memory: scores (B, H, rows, K), never (rows, n)); ``out``: None, or per-key arrays
+    (B, Hkv, K, Dh) put back in order along their key axis."""
+    K = key_block_size(keys[2].shape[0], block)
+    if K == keys[2].shape[0]:
+        return fn(carry, keys)
+    carry, out = jax.lax.scan(fn, carry, tuple(cut_keys(a, axis, K) for a, axis in zip(keys, KEY_AXES, strict=True)))
+    return carry, jax.tree_util.tree_map(lambda o: join_keys(o, 2), out)
+
+
+def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, block: int = 0):
     """Fold the block ``where`` (visited's (rows, columns), or None: nothing) of the held
-    chunk (k, v (B, Hkv, T/c, Dh), its segment ids or None) into stats = (m, l, acc)."""
+    chunk (k, v (B, Hkv, T/c, Dh), its segment ids or None) into stats = (m, l, acc); its keys
+    whole (``block`` 0) or ``block`` at a time (``over_key_blocks``)."""
     if where is None:
         return stats
     r, col = where
     k, v, k_seg = chunk
     G = q.shape[1] // k.shape[1]
-    s = pair_scores(part(q, r, 2), repeat_kv(part(k, col, 2), G), q_pos[r], k_pos[col], spec,
-                    part(q_seg, r, 1), part(k_seg, col, 1))  # (B, H, rows, columns)
-    block = online_softmax_step(tuple(part(a, r, 2) for a in stats), s, repeat_kv(part(v, col, 2), G),
-                                spec.compute_dtype)  # this block's rows of (m, l, acc)
+    q_r, qp_r, qs_r = part(q, r, 2), q_pos[r], part(q_seg, r, 1)
+
+    def fold(rows, keys):
+        k_b, v_b, kp_b, ks_b = keys
+        s = pair_scores(q_r, repeat_kv(k_b, G), qp_r, kp_b, spec, qs_r, ks_b)  # (B, H, rows, keys)
+        return online_softmax_step(rows, s, repeat_kv(v_b, G), spec.compute_dtype), None
+
+    keys = (part(k, col, 2), part(v, col, 2), k_pos[col], part(k_seg, col, 1))
+    block_stats, _ = over_key_blocks(fold, tuple(part(a, r, 2) for a in stats), keys, block)  # its rows' (m, l, acc)
     if r == slice(None):
-        return block
-    return tuple(a.at[:, :, r].set(b) for a, b in zip(stats, block, strict=True))
+        return block_stats
+    return tuple(a.at[:, :, r].set(b) for a, b in zip(stats, block_stats, strict=True))
 
 
 def ring_permutation(c: int):
@@ -223,13 +278,22 @@ def switch_visit(kind, visit_kind, causal: bool, operand):
                                            functools.partial(visit_kind, LATER)], operand)
 
 
+def ring_spec(causal: bool = True, compute_dtype=None, softcap: float = 0.0, window: int = 0) -> AttentionSpec:
+    """What the ring's visits read: the mask rule (causal, a sliding ``window`` of W keys), the
+    products' dtype and the scores' ``softcap`` (AttentionSpec's fields of the same names)."""
+    return AttentionSpec(causal=causal, compute_dtype=compute_dtype, softcap=softcap, window=window)
+
+
 def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                             layout: str = ZIGZAG, compute_dtype=None):
+                             layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
+                             block: int = 0):
     """Inside shard_map over ``axis_name``: this device's q (B, H, T/c, Dh), k, v (B, Hkv, T/c,
     Dh) and segment ids (B, T/c) or None, in ``layout`` -> (O (B, H, T/c, Dh), lse (B, H, T/c)
     in stats_dtype), the attention of its queries over the whole sequence; the products' inputs
-    in ``compute_dtype`` (ModelConfig.compute_dtype; None: q's own), as every core's."""
-    spec = AttentionSpec(causal=causal, compute_dtype=compute_dtype)
+    in ``compute_dtype`` (ModelConfig.compute_dtype; None: q's own), as every core's. ``softcap``
+    caps the scores, ``window`` W lets a query read its W latest keys alone (``ring_spec``);
+    ``block`` K > 0 folds each visit's keys K at a time (the blockwise core), 0 all at once."""
+    spec = ring_spec(causal, compute_dtype, softcap, window)
     c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     n_local = q.shape[2]
     T = n_local * c
@@ -238,10 +302,10 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
         raise ValueError(f"ring attention: {k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
     positions = functools.partial(chunk_positions, T=T, c=c, layout=layout)
     q_pos, f = positions(i), stats_dtype(q.dtype)
-    shape = q.shape[:-1]
-    init = (jnp.full(shape, -jnp.inf, f), jnp.zeros(shape, f), jnp.zeros(q.shape, f))
+    row = q[..., 0]  # (B, H, T/c): the *_like arrays stay device i's own (varying over the axis), as q is
+    init = (jnp.full_like(row, -jnp.inf, dtype=f), jnp.zeros_like(row, dtype=f), jnp.zeros_like(q, dtype=f))
     held = (k, v, segments)
-    stats = visit(init, q, q_pos, segments, held, q_pos, spec, visited(SELF, n_local, causal, layout))  # step 0
+    stats = visit(init, q, q_pos, segments, held, q_pos, spec, visited(SELF, n_local, causal, layout), block)  # step 0
 
     def step(carry, s):
         held, stats = carry
@@ -249,7 +313,8 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
         j = holder(i, s, c)
 
         def visit_kind(kind, stats):
-            return visit(stats, q, q_pos, segments, held, positions(j), spec, visited(kind, n_local, causal, layout))
+            return visit(stats, q, q_pos, segments, held, positions(j), spec, visited(kind, n_local, causal, layout),
+                         block)
 
         return (held, switch_visit(pair_kind(i, j), visit_kind, causal, stats)), None
 
@@ -259,11 +324,12 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
 
 
 def ring_attention(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                   layout: str = ZIGZAG, compute_dtype=None):
+                   layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0, block: int = 0):
     """Inside shard_map over ``axis_name``: ring_attention_fwd_stats' output alone,
     softmax(q k^T / sqrt(Dh)) v for this device's queries (B, H, T/c, Dh)."""
     return ring_attention_fwd_stats(q, k, v, causal=causal, segments=segments, axis_name=axis_name,
-                                    layout=layout, compute_dtype=compute_dtype)[0]
+                                    layout=layout, compute_dtype=compute_dtype, softcap=softcap, window=window,
+                                    block=block)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -291,10 +357,11 @@ def on_mesh(local, mesh, arrays, segments, axis_name: str = CONTEXT, layout: str
 
 
 def ring_attention_on_mesh(q, k, v, mesh, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                           layout: str = ZIGZAG, compute_dtype=None):
+                           layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
+                           block: int = 0):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), segments (B, T) or None, natural token order ->
     O (B, H, T, Dh) in natural order: ring_attention over the mesh's ``axis_name``."""
     def local(q, k, v, segments):
         return ring_attention(q, k, v, causal=causal, segments=segments, axis_name=axis_name, layout=layout,
-                              compute_dtype=compute_dtype)
+                              compute_dtype=compute_dtype, softcap=softcap, window=window, block=block)
     return on_mesh(local, mesh, (q, k, v), segments, axis_name, layout)

@@ -51,7 +51,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
-from jaxformer.model.parallel.context import RING_CORE, check_context_model, local_positions
+from jaxformer.model.parallel.context import check_context_model, local_positions, ring_core_of
 from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
                                               gather_from_sequence, reduce_from_tensor, reduce_scatter_to_sequence,
                                               token_axes, trace_mesh_with)
@@ -138,10 +138,11 @@ def leave(y, sequence: bool):
     return reduce_scatter_to_sequence(y) if sequence else reduce_from_tensor(y)
 
 
-def ring_args(ring: bool, n_local: int) -> dict:
+def ring_args(ring: bool, n_local: int, config: ModelConfig) -> dict:
     """attention's core and rotary positions on a mesh with a context axis too (``ring``): ring
-    attention over it, each of the device's ``n_local`` tokens at its global position."""
-    return {"core": RING_CORE, "positions": local_positions(n_local)} if ring else {}
+    attention over it (config's core: context.ring_core_of), each of the device's ``n_local``
+    tokens at its global position."""
+    return {"core": ring_core_of(config), "positions": local_positions(n_local)} if ring else {}
 
 
 def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False, ring: bool = False):
@@ -153,7 +154,7 @@ def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequenc
     t = jax.lax.axis_size(TENSOR)
     local = attention_local_params(p, config, t)
     h = enter(x, sequence)
-    y = attention(local, h, local_config(config, t), key, segments=segments, **ring_args(ring, h.shape[1]))  # partial sums
+    y = attention(local, h, local_config(config, t), key, segments=segments, **ring_args(ring, h.shape[1], config))  # partial sums
     y = leave(y, sequence)  # the row-parallel product's sum over the devices
     return (y + p["bo"] if "bo" in p else y), None
 
