@@ -93,9 +93,12 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
 
 
 def refuse_adapters(blocks, c: int) -> None:
-    """LoRA adapters in the blocks' params (a sublayer's "lora"): refused on a context axis."""
-    if c > 1 and any(isinstance(p, dict) and "lora" in p for p in blocks.values()):
-        raise ValueError(f"mesh axis context={c}: context parallelism does not run LoRA adapters yet; use context=1")
+    """LoRA adapters with dropout in the blocks' params (a sublayer's "lora" with its masks' keys):
+    refused on a context axis, as the model's dropout is. Adapters without it run: they act token
+    by token, their params replicated as the base's (their gradients summed over the axis alike)."""
+    if c > 1 and any(isinstance(p, dict) and "key" in p.get("lora", {}) for p in blocks.values()):
+        raise ValueError(f"mesh axis context={c}: context parallelism does not run LoRA dropout (each device would "
+                         "draw its own tokens' masks) yet; use context=1")
 
 
 def local_positions(n_local: int):
