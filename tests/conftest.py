@@ -28,6 +28,11 @@
   executable), before the caches were cleared after each module; runs without the cache
   then crashed the same way in other places, until the clearing. Reading an executable
   maps its code: most likely the mappings' limit above.
+- A module whose tests all read one expensive result (an 8-device subprocess:
+  ``helpers.once_per_run``; a module fixture that trains or loads a model) is one
+  ``xdist_group`` (``pytestmark``), and pyproject's ``--dist loadgroup`` sends its tests to one
+  worker. Spread over both, the second worker either waited on the first's lock, its core
+  idle, for as long as the subprocess ran, or ran the module fixture again.
 """
 
 import os

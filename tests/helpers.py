@@ -307,7 +307,9 @@ def once_per_run(tmp_path_factory, name: str, compute: Callable[[], dict]) -> di
     """compute()'s JSON result, computed once for the whole run and read by every pytest-xdist
     worker: a module fixture runs once per worker that gets one of its tests, so an expensive
     subprocess (the 8-device meshes) ran on both. The first worker computes under a file lock
-    in the run's shared temporary folder; the others wait for it and read the file."""
+    in the run's shared temporary folder; the others wait for it and read the file. A module
+    that calls it is one xdist_group (tests/conftest.py), so that no worker waits: its tests all
+    run on the worker that computes."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the run's folder, above each worker's own

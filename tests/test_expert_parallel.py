@@ -25,6 +25,8 @@ from jaxformer.model.config import PRESETS
 from jaxformer.model.moe_parallel import moe_layer
 from jaxformer.training.sharding import leaf_spec, mesh_shape, parse_mesh
 
+pytestmark = pytest.mark.xdist_group("test_expert_parallel")  # one worker: the other goes on while its subprocess runs
+
 # (mesh, router and shared expert): 8 experts, 3 per token; El = 1, 2, 4 experts per device
 # (C = N, 2 N, 3 N rows); a shared expert, replicated, runs on each device's own tokens
 LAYER_CASES = [("expert=8", dict(router="topk_softmax")),

@@ -22,6 +22,8 @@ from jaxformer.model.parallel.ring import (CONTIGUOUS, EARLIER, LATER, SELF, ZIG
                                            from_layout, from_zigzag, layout_order, pair_kind, to_layout, to_zigzag,
                                            visited)
 
+pytestmark = pytest.mark.xdist_group("test_ring_attention")  # one worker: the other goes on while its subprocess runs
+
 TOL = 1e-10
 B, H, T, DH = 2, 2, 16, 4
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5]  # two documents a row: boundaries at 5 and 11

@@ -24,6 +24,8 @@ from helpers import once_per_run, run_cases_on_8_devices
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.tensor import check_tensor
 
+pytestmark = pytest.mark.xdist_group("test_tensor_parallel")  # one worker: the other goes on while its subprocess runs
+
 TOL = 1e-10
 REGIONS = ("copy_to_tensor", "reduce_from_tensor", "scatter_to_tensor", "gather_from_tensor",
            "gather_from_sequence", "reduce_scatter_to_sequence")
@@ -39,7 +41,8 @@ def case_name(cname, names, shape, sequence) -> str:
 
 def configs():
     base = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=8)
-    return {"gpt2": ModelConfig(**base), "gpt2-sequence": ModelConfig(**base, sequence_parallel=True),
+    return {"gpt2": ModelConfig(**base),
+            "gpt2-sequence-remat": ModelConfig(**base, sequence_parallel=True, remat="block"),
             "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
                                  positions="rope", n_kv_heads=2, qk_norm=True,
                                  tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
@@ -191,7 +194,9 @@ def vocab_head(devices) -> dict:
     return out
 
 
-WHOLE = ("gpt2", "llama", "gpt2-sequence")  # the whole model on data=2 x tensor=2 (sequence_parallel: T split too)
+# the whole model on data=2 x tensor=2 (sequence_parallel: T split too; remat "block": each block's
+# forward run again in the backward)
+WHOLE = ("gpt2", "llama", "gpt2-sequence-remat")
 
 
 def whole_model(devices) -> dict:
@@ -302,16 +307,18 @@ def test_vocab_split_head_and_loss_equal_one_device(results, names, shape, cap, 
 
 @pytest.mark.parametrize("cname", WHOLE)
 def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
-    """GPT-2's block with its own head (and again with sequence_parallel); the Llama-like one tied
-    to the embedding, with the logits' soft cap and loss_chunk: the head's vocabulary and the
-    embedding's rows split (11 tokens, padded to 12) in each."""
+    """GPT-2's block with its own head (and again with sequence_parallel and remat "block"); the
+    Llama-like one tied to the embedding, with the logits' soft cap and loss_chunk: the head's
+    vocabulary and the embedding's rows split (11 tokens, padded to 12) in each."""
     import jax
 
     from jaxformer.model.params import init_params
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), configs()[cname]))
     assert results[f"whole {cname}: leaves"] == len(jax.tree_util.tree_leaves(params))  # every leaf compared
-    # sequence_parallel: each sublayer gathers its input along T (two a layer, forward and backward)
-    assert results[f"whole {cname}: all-gathers"] == (4 if configs()[cname].sequence_parallel else 0)
+    # sequence_parallel: each sublayer gathers its input along T (two a layer, forward and backward;
+    # remat "block": two more, the block's forward run again in the backward)
+    config = configs()[cname]
+    assert results[f"whole {cname}: all-gathers"] == (4 + 2 * (config.remat == "block")) * config.sequence_parallel
     for name in ("manual", "jax.grad"):
         assert results[f"whole {cname}: {name} table slices"] == 1, name  # the embedding's rows split too
         assert results[f"whole {cname}: {name} whole tables"] == 0, name
@@ -387,7 +394,7 @@ def test_key_value_heads_that_do_not_divide_are_replicated():
 
 
 @pytest.mark.parametrize("changes, what", [
-    (dict(dropout=0.1), "dropout"), (dict(remat="block"), "remat 'block'"),
+    (dict(dropout=0.1), "dropout"),
     (dict(attention_impl="pallas"), "attention_impl 'pallas'"),
     (dict(sliding_window=3, layer_types=("full_attention", "sliding_attention")), "layers of more than one kind"),
 ])

@@ -222,25 +222,33 @@ def join_arrays(arrays, rest):
 
 
 class TensorBlocksRes(NamedTuple):
-    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each
-    rest: tuple  # static: split_arrays' treedef and non-array leaves of one layer's residual
+    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each (remat "block": the block's input)
+    rest: tuple | None  # static: split_arrays' treedef and non-array leaves of one layer's residual
     specs: object  # static: the blocks' PartitionSpec tree
     mesh: object  # static: the mesh
     stream: PartitionSpec = PartitionSpec()  # static: the residual stream's spec (stream_spec)
+    blocks: dict | None = None  # remat "block": the stacked params, to run each block's forward again
+    segments: jax.Array | None = None  # remat "block": the document ids (B, T) the blocks read
+    config: ModelConfig | None = None  # static; remat "block" only
+    sequence: bool = False  # static; remat "block" only: the blocks ran sequence parallel
 
 
 def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):
     """tensor_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) -> (y, TensorBlocksRes)
-    (on a mesh with a context axis: x and segments in its zig-zag order, T split over it)."""
+    (on a mesh with a context axis: x and segments in its zig-zag order, T split over it). With
+    remat "block" a layer keeps only its input (device i's view of it); the backward runs its
+    forward again."""
     check_tensor_blocks(config, mesh, x, sequence)
     t, ring = tensor_size(mesh), ring_on(mesh)
     specs, rows, every = block_specs(blocks, config, t), segments_spec(mesh), PartitionSpec(mesh.axis_names)
     stream = stream_spec(mesh, sequence)
-    static = {}
+    remat, static = config.remat == "block", {}
 
     def step(carry, p):
         x, s = carry
         y, res = tensor_block_fwd(p, x, config, s, sequence, ring)
+        if remat:
+            return (y, s), [x]  # the block's input alone (its residuals are dropped)
         arrays, static["rest"] = split_arrays(res)
         return (y, s), arrays
 
@@ -250,6 +258,8 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
 
     y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, stream, rows), out_specs=(stream, every),
                               check_vma=False)(blocks, x, segments)
+    if remat:
+        return y, TensorBlocksRes(arrays, None, specs, mesh, stream, blocks, segments, config, sequence)
     return y, TensorBlocksRes(arrays, static["rest"], specs, mesh, stream)
 
 
@@ -257,16 +267,25 @@ def tensor_blocks_bwd(res: TensorBlocksRes, dy):
     """dy (B, T, D) -> (the blocks' gradients (L, ...), laid out as the blocks, dx (B, T, D))."""
     mesh, stream, every = res.mesh, res.stream, PartitionSpec(res.mesh.axis_names)
     batch_axes = tuple(a for a in mesh.axis_names if a != TENSOR)  # the rows' axes, and a context axis' tokens
+    remat = res.blocks is not None
 
-    def step(dy, arrays):
-        dp, dx = tensor_block_bwd(join_arrays(arrays, res.rest), dy)
-        return dx, dp
+    def bwd(arrays, dy, blocks, segments):
+        def step(dy, xs):
+            arrays, p = xs
+            if remat:  # remat "block": the block's forward again from its input, for its residuals
+                layer = tensor_block_fwd(p, arrays[0], res.config, segments, res.sequence, ring_on(mesh))[1]
+            else:
+                layer = join_arrays(arrays, res.rest)
+            dp, dx = tensor_block_bwd(layer, dy)
+            return dx, dp
 
-    def bwd(arrays, dy):
-        dx, grads = jax.lax.scan(step, dy, [a[0] for a in arrays], reverse=True)
+        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks), reverse=True)
         if batch_axes:  # the batch is split over these axes: each device's gradients are its rows'
             grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, batch_axes), grads)
         return grads, dx
 
-    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream), out_specs=(res.specs, stream),
-                         check_vma=False)(res.arrays, dy)
+    if not remat:  # the blocks' params are not read again: a scan over nothing but the residuals
+        return jax.shard_map(lambda arrays, dy: bwd(arrays, dy, None, None), mesh=mesh, in_specs=(every, stream),
+                             out_specs=(res.specs, stream), check_vma=False)(res.arrays, dy)
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, res.specs, segments_spec(mesh)),
+                         out_specs=(res.specs, stream), check_vma=False)(res.arrays, dy, res.blocks, res.segments)

@@ -77,7 +77,6 @@ def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> Non
             raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
     refused = [(config.n_experts, "n_experts (the experts split over the expert axis)"),
                (config.dropout, "dropout (each device would draw its own heads' masks)"),
-               (config.remat == "block", "remat 'block' (the tensor-parallel blocks keep their residuals)"),
                (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
                (config.attention_impl == "pallas", "attention_impl 'pallas' (its kernel per tensor shard)"),
                (config.qk_norm_scope == "projection", "qk_norm_scope 'projection' (a norm over every head's features)"),
@@ -258,8 +257,10 @@ def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence:
     t, ring = tensor_size(mesh), ring_on(mesh)
 
     def local(blocks, x, segments):
-        return jax.lax.scan(lambda x, p: (tensor_block(p, x, config, None, segments, sequence, ring), None), x,
-                            blocks)[0]
+        layer = lambda p, x: tensor_block(p, x, config, None, segments, sequence, ring)  # noqa: E731
+        if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
+            layer = jax.checkpoint(layer)
+        return jax.lax.scan(lambda x, p: (layer(p, x), None), x, blocks)[0]
 
     stream = stream_spec(mesh, sequence)
     return jax.shard_map(local, mesh=mesh, in_specs=(block_specs(blocks, config, t), stream, segments_spec(mesh)),
