@@ -16,6 +16,7 @@ loss with the vocabulary split (parallel/vocab.py) equal one device's. The refus
 source rules run in this process."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -136,6 +137,7 @@ def run_cases() -> dict:
         out[f"{case}: leaves"] = float(len(leaves(manual1)))
         out.update({f"{case}: {k}": v for k, v in collectives(config, mesh, blocks, x, r, sequence).items()})
     out.update(whole_model(devices))
+    out.update(sampling(devices))
     out.update(vocab_head(devices))
     return out
 
@@ -243,6 +245,47 @@ def whole_model(devices) -> dict:
     return out
 
 
+PROMPT = [1, 5, 2, 7, 3]
+
+
+def sampling(devices) -> dict:
+    """The Llama-like model (max_seq_len 32) sampled split over devices (inference/mesh.py): greedy
+    and seeded draws of generate_many on tensor=2 and on fsdp=2 x tensor=2 against one device's;
+    on tensor=2 the prefill's cache as device 0 holds it, and the compiled decode's all-gathers."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxformer.inference.generate import _decode_many, _prefill_many, generate_many
+    from jaxformer.inference.mesh import model_mesh, split_model
+    from jaxformer.model.kv_cache import cache_config
+    from jaxformer.model.params import init_params
+
+    config, rng = configs()["llama"].replace(max_seq_len=32), np.random.default_rng(4)
+    shapes = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
+    params = jax.tree_util.tree_map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape)), shapes)
+    draws = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, seed=3, num_samples=2)}
+    one = {k: generate_many(params, config, PROMPT, 12, **kw) for k, kw in draws.items()}
+    out = {}
+    for text in ("tensor=2", "fsdp=2,tensor=2"):
+        split = split_model(params, model_mesh(text, devices))
+        for k, kw in draws.items():
+            out[f"sampling {text}: {k} tokens differ"] = int(np.sum(generate_many(split, config, PROMPT, 12, **kw) != one[k]))
+    split = split_model(params, model_mesh("tensor=2", devices))
+    cfg = cache_config(config, len(PROMPT) + 12)
+    window = jnp.zeros((1, cfg.max_seq_len), jnp.int32)
+    last, cache = _prefill_many(split, window, jnp.int32(len(PROMPT)), config=cfg, prefill=8)
+    out["sampling tensor=2: cache shape"] = list(cache["k"].shape)
+    out["sampling tensor=2: device 0's cache"] = list(cache["k"].addressable_shards[0].data.shape)
+    decode = _decode_many.lower(split, last, window, cache, jnp.int32(len(PROMPT)), jnp.stack([jax.random.PRNGKey(0)]),
+                                jnp.float32(0.0), config=cfg, max_new_tokens=4, top_k=0, greedy=True, top_p=1.0)
+    gathered = re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\{[^}]*\} all-gather(?:-start)?\(", decode.compile().as_text())
+    out["sampling tensor=2: largest all-gather"] = max((int(np.prod([int(d) for d in g.split(",") if d])) for g in gathered),
+                                                       default=0)
+    return out
+
+
 def collectives(config, mesh, blocks, x, r, sequence) -> dict:
     """The manual forward and backward's collectives, counted in the program as lowered (the
     scans' bodies once: one layer) and as compiled: all-reduces over the tensor axis and over
@@ -303,6 +346,32 @@ def test_vocab_split_head_and_loss_equal_one_device(results, names, shape, cap, 
         assert results[f"{case}: {what}"] <= TOL, what
     assert results[f"{case}: all-reduces"] == 4 + (4 if "data" in names else 0)
     assert results[f"{case}: other collectives"] == 0
+
+
+def test_a_model_split_over_devices_samples_as_one_device(results):
+    """generate_many on params split as training stores them (inference/mesh.py): the greedy and
+    the seeded draws equal one device's token for token, on tensor=2 and fsdp=2 x tensor=2; the
+    prefill's key/value cache is split along its heads (device 0 holds 1 of the 2); the decode
+    gathers no weight (the smallest, a layer's wk, has 16 x 8 entries), only vectors (the MLP's
+    split biases of 24, the head's argmax over its vocabulary split)."""
+    for text in ("tensor=2", "fsdp=2,tensor=2"):
+        for draw in ("greedy", "sampled"):
+            assert results[f"sampling {text}: {draw} tokens differ"] == 0, (text, draw)
+    L, B, Hkv, S, Dh = results["sampling tensor=2: cache shape"]
+    assert (L, B, Hkv, Dh) == (2, 1, 2, 4) and S >= len(PROMPT) + 12
+    assert results["sampling tensor=2: device 0's cache"] == [L, B, Hkv // 2, S, Dh]
+    assert 0 < results["sampling tensor=2: largest all-gather"] < 16 * 8
+
+
+def test_sampling_mesh_refusals():
+    import jax
+
+    from jaxformer.inference.mesh import model_mesh
+    for text, message in [("data=2,tensor=2", "sampling splits the model, not the batch or the sequence (data=2)"),
+                          ("tensor=2,context=2", "(context=2)"), ("tensor=2", "needs 2 devices; 1 in use")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model_mesh(text, jax.devices()[:1])
+    assert model_mesh("tensor=1", jax.devices()[:1]).size == 1
 
 
 @pytest.mark.parametrize("cname", WHOLE)

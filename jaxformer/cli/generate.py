@@ -15,6 +15,7 @@ from jaxformer.checkpoints import checkpoint
 from jaxformer.cli.args import UsageError, nonneg_int, positive_int
 from jaxformer.cli.flags import add_model_flags, flag_name, model_overrides
 from jaxformer.data import tokenizer_from_dict
+from jaxformer.inference.mesh import model_mesh, split_model
 from jaxformer.inference.stream import load_model, render_chat, stream_text, stream_tokens
 from jaxformer.inference.text import load_run_model, run_chat, sample_texts
 from jaxformer.model.config import HOW_FIELDS
@@ -28,6 +29,7 @@ examples:
   jaxformer generate --run runs/lora --chat "What is the capital of France?"
   jaxformer generate --init-from SmolLM2-135M-Instruct.Q4_1.gguf --chat "What is the capital of France?"
   jaxformer generate --init-from ./llama-folder --prompt "The capital of Germany is" --temperature 0
+  jaxformer generate --run runs/big --prompt "The " --mesh tensor=4      (the model split over 4 devices)
 
 --init-from samples from a model folder, a hub id or a .gguf file without a training
 run, with the model's own tokenizer; the text streams as it comes and stops at the
@@ -76,6 +78,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="run the whole window per token instead of the key/value cache (the reference)")
     g.add_argument("--seed", type=nonneg_int, default=0)
     g.add_argument("--step", type=nonneg_int, metavar="N", help="use the checkpoint of step N (default: latest)")
+    g.add_argument("--mesh", metavar="TEXT",
+                   help="split the model over devices, e.g. tensor=4 (heads, MLP, vocabulary and the "
+                        "key/value cache) or fsdp=2,tensor=2; default: one device")
     add_model_flags(g, title="model computation (the shape comes from the checkpoint)",
                     shown=MODEL_FLAGS, default_from="the checkpoint's")
     return g
@@ -87,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if shape:
         raise UsageError(f"generate takes the model's shape from the checkpoint; "
                          f"{', '.join(flag_name(n) for n in shape)} cannot change it")
+    mesh = devices_mesh(args)
     if args.init_from:
-        return run_imported(args, overrides)
+        return run_imported(args, overrides, mesh)
     if args.chat is not None:
         one_stream(args, "--chat")
     meta = checkpoint.read_meta(args.run, args.step) if args.step is not None \
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--chat: checkpoint meta of {args.run} has no readable tokenizer ({e})") from None
     say(f"loading {args.run} ...")
     loaded = load_run_model(args.run, args.step, overrides, log=say)
+    loaded = loaded._replace(params=placed(loaded.params, mesh))
     which = "" if args.step is not None else " (the newest that verifies)"
     say(f"sampling from {args.run}, checkpoint step {loaded.meta['step']}{which}")
     if chat is not None:
@@ -121,6 +128,24 @@ def run(args: argparse.Namespace) -> int:
         print(text)
     say(timing_line(timing, args.num_samples))
     return 0
+
+
+def devices_mesh(args: argparse.Namespace):
+    """--mesh's mesh (inference/mesh.py), or None: checked before anything loads."""
+    if args.mesh is None:
+        return None
+    try:
+        return model_mesh(args.mesh)
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
+
+
+def placed(params, mesh):
+    """params split over ``mesh`` as training stores them there (said on stderr), or as they are."""
+    if mesh is None or mesh.size == 1:
+        return params
+    say(f"splitting the model over {mesh.size} devices: {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1)}")
+    return split_model(params, mesh)
 
 
 def say(line: str) -> None:
@@ -155,7 +180,7 @@ def _rate(tokens: int, seconds: float) -> str:
     return f"{rate:,.1f}" if rate < 10 else f"{rate:,.0f}"
 
 
-def run_imported(args: argparse.Namespace, overrides: dict) -> int:
+def run_imported(args: argparse.Namespace, overrides: dict, mesh=None) -> int:
     """``generate --init-from``: the model's own tokenizer, --chat's template, streamed."""
     if args.step is not None:
         raise UsageError("--step is for --run; --init-from samples the model as it is")
@@ -165,6 +190,7 @@ def run_imported(args: argparse.Namespace, overrides: dict) -> int:
         params, config, chat = load_model(args.init_from, model=overrides)
     except ValueError as e:
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
+    params = placed(params, mesh)
     say(f"sampling from {args.init_from} ({config.n_layers} layers, d_model {config.d_model}, "
         f"vocab {config.vocab_size})")
     return stream(args, params, config, chat)
