@@ -218,3 +218,15 @@ def test_cache_is_sized_to_prompt_and_output_and_timed():
     assert timing["s_per_token"] == pytest.approx(timing["run_s"] / 20)
     assert (reference["cache_len"], reference["prefill_s"], reference["decode_tokens"]) == (None, None, 20)
     assert cache_config(config, 250).max_seq_len == 256 and cache_config(config, 65).max_seq_len == 128
+
+
+def test_mesh_is_checked_before_anything_loads(tmp_path, capsys):
+    """--mesh names the model's axes over devices there are; anything else is one line, before the
+    run (here: none) is read."""
+    from jaxformer.cli.main import main
+    line = one_line_error(capsys, main(["generate", "--run", str(tmp_path / "none"), "--prompt", "a",
+                                        "--mesh", "data=2"]))
+    assert line.startswith("error: --mesh: mesh 'data=2': sampling splits the model, not the batch")
+    line = one_line_error(capsys, main(["generate", "--run", str(tmp_path / "none"), "--prompt", "a",
+                                        "--mesh", "tensor=2"]))
+    assert line == "error: --mesh: mesh 'tensor=2' needs 2 devices; 1 in use"
