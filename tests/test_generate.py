@@ -223,7 +223,6 @@ def test_cache_is_sized_to_prompt_and_output_and_timed():
 def test_mesh_is_checked_before_anything_loads(tmp_path, capsys):
     """--mesh names the model's axes over devices there are; anything else is one line, before the
     run (here: none) is read."""
-    from jaxformer.cli.main import main
     line = one_line_error(capsys, main(["generate", "--run", str(tmp_path / "none"), "--prompt", "a",
                                         "--mesh", "data=2"]))
     assert line.startswith("error: --mesh: mesh 'data=2': sampling splits the model, not the batch")
