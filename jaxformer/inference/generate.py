@@ -40,7 +40,8 @@ import numpy as np
 
 from jaxformer.model.checks import check_int, check_number
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.kv_cache import cache_config, forward_cached, init_cache, round_up
+from jaxformer.model.kv_cache import cache_config, forward_cached, round_up
+from jaxformer.model.kv_cache import prefill as kv_prefill
 from jaxformer.model.transformer import forward
 from jaxformer.model.validate import validate_ids
 
@@ -96,8 +97,7 @@ def _prefill_many(params, window, n_context, *, config: ModelConfig, prefill: in
     slots [0, prefill) (prefill >= n_context; the padding is masked and later overwritten) ->
     (the logits after the context (B, V), the cache). No sampling option is compiled in, so
     every draw of one prompt shares it."""
-    cache = init_cache(config, window.shape[0], params["tok_embed"].dtype)
-    logits, cache = forward_cached(params, window[:, :prefill], cache, 0, config)  # (B, prefill, V)
+    logits, cache = kv_prefill(params, window[:, :prefill], config)  # (B, prefill, V)
     return jax.lax.dynamic_index_in_dim(logits, n_context - 1, axis=1, keepdims=False), cache
 
 

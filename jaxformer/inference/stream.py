@@ -26,7 +26,8 @@ from jaxformer.data.chat import render_chat  # noqa: F401 (generate --chat rende
 from jaxformer.formats.hf import read_chat, read_hf, resolve_source
 from jaxformer.inference.generate import check_options, compiled, sample_logits
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.kv_cache import cache_config, forward_cached, init_cache, round_up
+from jaxformer.model.kv_cache import cache_config, forward_cached, round_up
+from jaxformer.model.kv_cache import prefill as kv_prefill
 from jaxformer.model.validate import validate_ids
 
 
@@ -43,8 +44,7 @@ def load_model(spec: str, dtype=np.float32, model: dict | None = None):
 def _prefill(params, ids, n, config: ModelConfig):
     """ids (1, t): the prompt in [0, n), padding after (masked, later overwritten) ->
     (the logits after the prompt (V,), the cache)."""
-    cache = init_cache(config, 1, params["tok_embed"].dtype)
-    logits, cache = forward_cached(params, ids, cache, 0, config)
+    logits, cache = kv_prefill(params, ids, config)
     return jax.lax.dynamic_index_in_dim(logits[0], n - 1, keepdims=False), cache
 
 

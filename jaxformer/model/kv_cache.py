@@ -124,3 +124,11 @@ def forward_cached(params, inputs, cache, start, config: ModelConfig):
     if config.logit_softcap:
         logits = softcap(logits, config.logit_softcap)
     return logits, {"k": k, "v": v}
+
+
+def prefill(params, inputs, config: ModelConfig):
+    """inputs int (B, t) into slots [0, t) of a fresh cache of config.max_seq_len slots ->
+    (logits (B, t, V), the cache): what every sampler starts with (``jaxformer generate``'s and
+    the training loop's held-out replies, training/samples.py)."""
+    cache = init_cache(config, inputs.shape[0], params["tok_embed"].dtype)
+    return forward_cached(params, inputs, cache, 0, config)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxformer import data
 from jaxformer.data import packing
-from jaxformer.model.kv_cache import cache_config, forward_cached, init_cache
+from jaxformer.model.kv_cache import cache_config, forward_cached, prefill
 from jaxformer.model.lora import merge
 
 SAMPLE_TOKENS = 32
@@ -81,8 +81,7 @@ def greedy(params, window, first, config, n_new: int):
     kv_cache.ROUND, first + n_new <= W) -> the ``n_new`` greedy tokens (n_new,) after it: one
     prefill of the window over the model's key/value cache (the slots past the prompt are
     masked, then overwritten), then one cached step per token."""
-    cache = init_cache(config, 1, params["tok_embed"].dtype)
-    logits, cache = forward_cached(params, window, cache, 0, config)  # (1, W, V)
+    logits, cache = prefill(params, window, config)  # (1, W, V)
     tok = jnp.argmax(jax.lax.dynamic_index_in_dim(logits[0], first - 1, keepdims=False)).astype(jnp.int32)
 
     def step(carry, i):  # token i of the reply goes in at slot first + i
