@@ -50,9 +50,9 @@ examples:
       --target h100 --mesh fsdp=16
         a shape without a preset (Llama 3 70B's: the model flags change the preset's), one mesh
         (fsdp=16: data takes the other 2)
-  jaxformer memory --preset llama3.2-1b --seq-len 8192 --devices 8 --target tpu-v5e --attention full \
-      --remat none --mesh fsdp=8 --mesh fsdp=2,context=4
-        the sequence split over 4 chips (ring attention runs on the full core)
+  jaxformer memory --preset llama3.2-1b --seq-len 8192 --devices 8 --target tpu-v5e --attention blockwise \
+      --remat block --mesh fsdp=8 --mesh fsdp=4,context=2
+        the sequence split over 2 chips (ring attention, each visit's keys a block at a time)
 
 A TPU v5e slice has 1, 4, 8, 16, 32, 64, 128 or 256 chips; H100s any number. The H100
 compiles need JAX's CUDA plugin importable (python -m jaxformer.tools.aot.plugin puts it in
@@ -84,7 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "every candidate)")
     p.add_argument("--context", action="store_true",
                    help="also the meshes with a context axis (the sequence split over devices, ring attention; "
-                        "the model must run --attention full)")
+                        "the model must run --attention full or blockwise)")
     add_model_flags(p)
     return p
 
