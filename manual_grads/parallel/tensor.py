@@ -16,6 +16,9 @@ Backward, bottom to top:
     local[n] = copy_to_tensor(p[n]): the replicated leaves read per device: dp[n] = psum(dlocal[n])
     local[kv] = kv_columns(...):     ``kv_columns_bwd`` (each query head's columns back to the
                                      key/value head it read), then the psum above
+    local[lora] = local_adapters(p[lora]):  ``local_adapters_bwd``: a replicated A or B read per
+                                     device gets the psum of its parts, a sliced one the blocks
+                                     side by side (scatter_to_tensor_bwd: an all-gather)
 The norms and residual adds between the sublayers run on replicated values, their
 gradients the same on every device: the block's sequence is manual_grads/block.py's
 (its helpers do the norms, the skips and their gradients), the two sublayers swapped
@@ -45,16 +48,17 @@ from jax.sharding import PartitionSpec
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.regions import TENSOR
 from jaxformer.model.parallel.context import local_positions, ring_core_of
-from jaxformer.model.parallel.tensor import (KV, attention_local_params, block_specs, check_tensor_blocks, enter,
-                                             ffn_bias, leave, local_config, refuse_adapters, ring_on, segments_spec,
-                                             split_kv, stream_spec, tensor_size)
+from jaxformer.model.lora import LORA
+from jaxformer.model.parallel.tensor import (KV, ROWS, attention_local_params, block_specs, check_tensor_blocks,
+                                             enter, ffn_bias, leave, local_config, ring_on, segments_spec, split_kv,
+                                             stream_spec, tensor_size, with_local_adapters)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
 from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
-                                           reduce_scatter_to_sequence_bwd)
+                                           reduce_scatter_to_sequence_bwd, scatter_to_tensor_bwd)
 
 
 def enter_bwd(dh, sequence: bool):
@@ -96,6 +100,26 @@ def kv_columns_bwd(dw, n_kv_heads: int, n_heads: int, axis_name: str = TENSOR):
     return dkv.reshape(*lead, n_kv_heads * dh)
 
 
+def local_adapters_bwd(dp, section: str, config: ModelConfig, t: int) -> dict:
+    """Undoes ``local[LORA] = local_adapters(p[LORA])`` in a sublayer's gradients dp (as they are
+    without a site): each replicated leaf read per device gets the psum of its parts
+    (copy_to_tensor_bwd), each split one its blocks side by side (scatter_to_tensor_bwd)."""
+    if LORA not in dp:
+        return dp
+    site = {}
+    for name, g in dp[LORA].items():
+        if not isinstance(g, dict):  # the scale: no gradient
+            site[name] = g
+        elif name in ROWS[section]:  # {"a": scatter_to_tensor(A, -2), "b": copy_to_tensor(B)}
+            site[name] = {"a": scatter_to_tensor_bwd(g["a"], -2), "b": copy_to_tensor_bwd(g["b"])}
+        elif name in KV and not split_kv(config, t):  # {"a": copy(A), "b": kv_columns(copy(B))}
+            site[name] = {"a": copy_to_tensor_bwd(g["a"]),
+                          "b": copy_to_tensor_bwd(kv_columns_bwd(g["b"], config.kv_heads, config.n_heads))}
+        else:  # {"a": copy_to_tensor(A), "b": scatter_to_tensor(B, -1)}
+            site[name] = {"a": copy_to_tensor_bwd(g["a"]), "b": scatter_to_tensor_bwd(g["b"], -1)}
+    return {**dp, LORA: site}
+
+
 class TensorAttentionRes(NamedTuple):
     attn: AttentionRes  # device i's attention on its heads (local_config), its local weights
     config: ModelConfig  # static: the whole model's (the heads to undo kv_columns)
@@ -106,9 +130,8 @@ class TensorAttentionRes(NamedTuple):
 def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False):
     """tensor_attention with residuals: x (B, T, D) replicated (``sequence``: device i's
     (B, T/t, D); ``ring``: its (B, T/c, D) of a context axis) -> (y, TensorAttentionRes)."""
-    refuse_adapters(p)
     t = jax.lax.axis_size(TENSOR)
-    local = attention_local_params(p, config, t)
+    local = with_local_adapters(attention_local_params(p, config, t), p, "attn", config, t)
     h = enter(x, sequence)
     # attention(local, h, local_config, key, segments=segments, **ring_args(ring, T/c, config)): the ring's pair
     core = (local_positions(h.shape[1]), ring_core_of(config), ring_manual_of(config)) if ring else ()
@@ -134,23 +157,24 @@ def tensor_attention_bwd(res: TensorAttentionRes, dy):
         for n in KV:
             if n in dp:
                 dp[n] = copy_to_tensor_bwd(kv_columns_bwd(dp[n], config.kv_heads, config.n_heads))
-    return dp, dx
+    return local_adapters_bwd(dp, "attn", config, t), dx
 
 
 class TensorFeedForwardRes(NamedTuple):
     ffn: FeedForwardRes | GatedFeedForwardRes  # device i's F/t features
     bias: str | None  # static: the row-parallel bias' name, None without one
     sequence: bool = False  # static: x and y are device i's T/t tokens
+    config: ModelConfig | None = None  # static: the whole model's (to undo local_adapters)
 
 
 def tensor_feed_forward_fwd(p, x, config: ModelConfig, sequence: bool = False):
     """tensor_feed_forward with residuals: x (B, T, D) -> (y (B, T, D), TensorFeedForwardRes)."""
-    refuse_adapters(p)
     bias = ffn_bias(p)
-    local = {n: v for n, v in p.items() if n != bias}
+    t = jax.lax.axis_size(TENSOR)
+    local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn", config, t)
     y, res = feed_forward_fwd(local, enter(x, sequence), config.activation, config.compute_dtype)
     y = leave(y, sequence)
-    return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None, sequence)
+    return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None, sequence, config)
 
 
 def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
@@ -159,7 +183,7 @@ def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
     dp, dh = feed_forward_bwd(res.ffn, leave_bwd(dy, res.sequence))
     if res.bias:
         dp[res.bias] = token_sum(bias_grad(dy), res.sequence)
-    return dp, enter_bwd(dh, res.sequence)
+    return local_adapters_bwd(dp, "ffn", res.config, jax.lax.axis_size(TENSOR)), enter_bwd(dh, res.sequence)
 
 
 NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")  # a layer's norms: on device i's tokens with sequence parallelism

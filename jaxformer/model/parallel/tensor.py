@@ -31,6 +31,12 @@ between the sublayers. The replicated leaves the token-split layers read (norms,
 then have one part of their gradient on each device: jax.grad sums them (shard_map's transpose
 of a replicated input), the manual backward with a psum of its own.
 
+LoRA adapters (lora.py: y = x W + s (x A) B) split as the weight they adapt (``local_adapters``):
+beside a column-parallel W, B by the same output columns and A replicated; beside a row-parallel
+W, A by the same input rows and B replicated, so device i's s (x_i A_i) B is a partial sum the
+row-parallel reduction adds with x_i W_i. They are stored replicated (small); each device reads
+its slice. Their dropout is refused (a row-parallel device would draw its own features' mask).
+
 ``tensor_blocks`` runs the stacked blocks (L, ...) under ``jax.shard_map`` on a mesh with a
 tensor axis; every other mesh axis splits the batch. A mesh that does not divide the model
 is refused in one line naming the axis, its size and what it must divide (``check_tensor``).
@@ -52,9 +58,10 @@ from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
 from jaxformer.model.parallel.context import check_context_model, local_positions, ring_core_of
+from jaxformer.model.lora import LORA
 from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
                                               gather_from_sequence, reduce_from_tensor, reduce_scatter_to_sequence,
-                                              token_axes, trace_mesh_with)
+                                              scatter_to_tensor, token_axes, trace_mesh_with)
 from jaxformer.model.rms_norm import rms_norm
 
 COLUMNS = {"attn": ("wq", "bq"), "ffn": ("w_in", "b_in", "w_gate", "b_gate", "w_up", "b_up")}
@@ -121,8 +128,38 @@ def attention_local_params(p, config: ModelConfig, t: int) -> dict:
 
 
 def refuse_adapters(p) -> None:
-    if "lora" in p:
-        raise ValueError("mesh axis tensor: tensor parallelism does not run LoRA adapters yet; use tensor=1")
+    """LoRA's dropout on a tensor axis: a row-parallel adapter's device would draw its own
+    features' mask (one device draws the whole input's): refused, as the model's dropout is."""
+    if "key" in p.get(LORA, {}):
+        raise ValueError("mesh axis tensor: tensor parallelism does not run LoRA dropout (each device would draw "
+                         "its own features' masks) yet; use tensor=1")
+
+
+def local_adapters(site, section: str, config: ModelConfig, t: int) -> dict:
+    """One device's LoRA site (lora.py: delta = s (x A) B beside each adapted W), split as its W:
+    a column-parallel W's B by the same output columns, A replicated (each device's copy read
+    by its own columns); a row-parallel W's A by the same input rows, B replicated (each
+    device's partial x_i A_i B summed by the row-parallel reduction, with x_i W_i); unsplit
+    key/value weights' B through kv_columns, as the weights. The scale (and no other leaf:
+    dropout is refused) is read as it is."""
+    local = {}
+    for name, leaf in site.items():
+        if not isinstance(leaf, dict):
+            local[name] = leaf
+        elif name in ROWS[section]:
+            local[name] = {"a": scatter_to_tensor(leaf["a"], -2), "b": copy_to_tensor(leaf["b"])}
+        elif name in KV and not split_kv(config, t):
+            local[name] = {"a": copy_to_tensor(leaf["a"]),
+                           "b": kv_columns(copy_to_tensor(leaf["b"]), config.kv_heads, config.n_heads)}
+        else:
+            local[name] = {"a": copy_to_tensor(leaf["a"]), "b": scatter_to_tensor(leaf["b"], -1)}
+    return local
+
+
+def with_local_adapters(local, p, section: str, config: ModelConfig, t: int) -> dict:
+    """``local`` (a sublayer's params on one device) with p's LoRA site made local too, if it has one."""
+    refuse_adapters(p)
+    return {**local, LORA: local_adapters(p[LORA], section, config, t)} if LORA in p else local
 
 
 def enter(x, sequence: bool):
@@ -149,9 +186,8 @@ def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequenc
     (y (B, T, D) replicated, None), a BlockLayers attention. ``sequence``: x and y are device
     i's (B, T/t, D); ``segments`` stay whole (B, T). ``ring``: x, y and segments are device i's
     T/c tokens of a context axis (parallel/context.py), the core ring attention over it."""
-    refuse_adapters(p)
     t = jax.lax.axis_size(TENSOR)
-    local = attention_local_params(p, config, t)
+    local = with_local_adapters(attention_local_params(p, config, t), p, "attn", config, t)
     h = enter(x, sequence)
     y = attention(local, h, local_config(config, t), key, segments=segments, **ring_args(ring, h.shape[1], config))  # partial sums
     y = leave(y, sequence)  # the row-parallel product's sum over the devices
@@ -166,9 +202,9 @@ def ffn_bias(p) -> str:
 def tensor_feed_forward(p, x, config: ModelConfig, sequence: bool = False):
     """The feed-forward on device i's F/t hidden features (under shard_map): x (B, T, D)
     replicated -> y (B, T, D) replicated (``sequence``: device i's (B, T/t, D) each)."""
-    refuse_adapters(p)
     bias = ffn_bias(p)
-    local = {n: v for n, v in p.items() if n != bias}
+    t = jax.lax.axis_size(TENSOR)
+    local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn", config, t)
     y = feed_forward(local, enter(x, sequence), config.activation, config.compute_dtype)  # partial sums
     y = leave(y, sequence)
     return y + p[bias] if bias in p else y
