@@ -74,6 +74,16 @@ def collectives(lowered, compiled) -> dict:
     return out
 
 
+def table_scatters(text: str, config) -> list[int]:
+    """The row counts of the (rows, D) arrays the lowered program scatter-adds into: the
+    embedding's backward writes its rows of tok_embed (V = 11, or V/t = 6 of the padded 12 a
+    device of tensor=2 holds)."""
+    import re
+
+    shapes = re.findall(r'"stablehlo\.scatter"\(%[^,]+, [^)]*\)[\s\S]*?\) -> tensor<(\d+)x(\d+)xf64>', text)
+    return sorted(int(r) for r, d in shapes if int(d) == config.d_model)
+
+
 def logits_shapes(compiled, config, rows: int, t: int) -> dict:
     """How many of the compiled (per device) program's values are logits over the whole
     sequence (rows, T, V/t) and over one device's tokens (rows, T/c, V/t), ``rows`` the batch's
@@ -124,6 +134,7 @@ def run_cases() -> dict:
                 compiled = lowered.compile()
                 if what == "manual":
                     out.update({f"{name}: {k}": n for k, n in collectives(lowered, compiled).items()})
+                    out[f"{name}: table rows scattered into"] = table_scatters(lowered.as_text(), config)
                 out.update({f"{name}: {what} {k}": n for k, n in logits_shapes(compiled, config, per_device, sizes.get("tensor", 1)).items()})
                 loss, grads = compiled(params, batch)
                 out[f"{name}: {what} loss"] = abs(float(loss) - float(loss1))
@@ -213,6 +224,13 @@ def test_lora_dropout_is_refused():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
+def test_without_tensor_the_embedding_backward_scatters_into_the_whole_table(results, case):
+    """Without a tensor axis each device scatter-adds its tokens' rows into the whole (11, 16)
+    table (then summed over the devices): the count above sees the table where it is."""
+    assert configs()[case[0]].vocab_size in results[f"{case_name(*case)}: table rows scattered into"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
 def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
     """As lowered (the layer scans' bodies once): the ring's ppermutes, k and v (and the ids) in the
     forward (twice with remat "block": the backward's forward again), the same with dK, dV beside
@@ -254,16 +272,21 @@ def test_tensor_beside_context_gathers_no_activation(results, case):
     """With a tensor axis beside the context axis, the manual program as lowered: the ring's
     permutes as without it, no all-gather, reduce-scatter or all-to-all (the row-parallel sums and
     the vocabulary's reductions are all-reduces; with remat "block" the forward's permutes twice);
-    compiled, at most the head's gradient leaves
-    (split along V over tensor, gathered into the replicated (D, V) and (V,) the test asks for)."""
+    the embedding's backward scatters into a device's 6 rows of tok_embed (V = 11 padded to 12
+    over tensor=2), never into the whole table; compiled, at most the gradient leaves split along
+    V over tensor (the head's w and b, tok_embed; tied: tok_embed alone), gathered into the
+    replicated arrays the test asks for (training stores them split)."""
     name, documents = case_name(*case), case[3]
     n = 3 if documents else 2
-    forwards = 2 if configs()[case[0]].remat == "block" else 1  # remat "block": the ring's forward again
+    config = configs()[case[0]]
+    forwards = 2 if config.remat == "block" else 1  # remat "block": the ring's forward again
     assert results[f"{name}: lowered collective_permute"] == forwards * n + (n + 2) + 2
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
         assert results[f"{name}: lowered {kind}"] == 0, kind
-    head_leaves = 1 if configs()[case[0]].tie_embeddings else 2
-    assert results[f"{name}: compiled all-gather"] <= head_leaves
+    assert 6 in results[f"{name}: table rows scattered into"]
+    assert config.vocab_size not in results[f"{name}: table rows scattered into"]
+    split_leaves = 1 if config.tie_embeddings else 3
+    assert results[f"{name}: compiled all-gather"] <= split_leaves
 
 
 # ---------------------------------------------------------------- in this process: the refusals

@@ -263,7 +263,8 @@ def context_value_and_grad(params, batch, config: ModelConfig, mesh):
     if config.norm != "post":
         top["ln_f"] = params["ln_f"]
     # forward
-    x = upcast(embed_fwd(emb, inputs, config, None, at)[0])  # (B, T, D); its backward recomputes its residuals
+    x, embed_res = embed_fwd(emb, inputs, config, None, at)  # (B, T, D); a tensor axis: the table's rows split
+    x = upcast(x)
     tensor = axis_size(mesh, TENSOR) > 1  # a tensor axis beside: the blocks tensor parallel too (parallel/tensor.py)
     if tensor:
         x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
@@ -272,7 +273,9 @@ def context_value_and_grad(params, batch, config: ModelConfig, mesh):
     # the final norm, the head and the loss, forward and backward; then the rest, in reverse
     loss, grads, dx = context_top_grads(top, x, targets, mask, config, mesh)
     grads["blocks"], dx = (tensor_blocks_bwd if tensor else context_blocks_bwd)(blocks_res, dx)  # x = blocks(x)
-    grads.update(context_embed_bwd(emb, inputs, at, dx, config, mesh))  # x = tok_embed[ids] * s + positions[at]
+    # x = tok_embed[ids] * s + positions[at]: with a tensor axis embed_bwd's vocab-parallel scatter
+    # into each device's V/t rows (its own shard_map); else each device's tokens into the whole table
+    grads.update(embed_bwd(embed_res, dx)[0] if tensor else context_embed_bwd(emb, inputs, at, dx, config, mesh))
     d_head = grads.pop("head")
     if config.tie_embeddings:  # logits = x @ tok_embed^T (+ b): the two gradients of tok_embed add
         grads["tok_embed"] = grads["tok_embed"] + d_head.pop("w").T.astype(grads["tok_embed"].dtype)
