@@ -12,7 +12,10 @@ on context=4, and the Llama-like one (the full core) with remat "block" (each bl
 run again in the backward) on context=2 with packed documents whose boundaries cut through the
 chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split): the
 GPT-2-like one on data=2 x tensor=2 x context=2, the blockwise Llama-like one with documents and
-remat "block" on tensor=2 x context=4; LoRA adapters over the blockwise one on data=2 x context=2. Each mesh's loss and every gradient leaf, of manual_grads.value_and_grad and
+remat "block" on tensor=2 x context=4; a mixture of experts (the Llama-like one with 4 experts,
+2 a token, a shared expert, the load-balancing and z losses) with documents on data=2 x
+context=2; LoRA adapters over the blockwise one on data=2 x context=2. Each mesh's loss and
+every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
 collectives counted, and every program's logits shapes. The refusals run in this process."""
 
@@ -34,7 +37,7 @@ B, T = 4, 16
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
 # (model, mesh axes, sizes, packed documents)
 CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama-blockwise", ("context",), (4,), False),
-         ("llama-remat", ("context",), (2,), True)]
+         ("llama-remat", ("context",), (2,), True), ("moe", ("data", "context"), (2, 2), True)]
 # with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
 # rows split over it), attention the ring, the head's vocabulary split over tensor (V = 11 padded)
 TENSOR_CASES = [("gpt2", ("data", "tensor", "context"), (2, 2, 2), False),
@@ -54,8 +57,11 @@ def configs():
     # the blockwise core's visits (keys 2 at a time: the pieces of context=4 hold 2 tokens), the
     # scores capped, every layer a sliding window of 6 keys
     blockwise = llama.replace(attention_impl="blockwise", attention_block=2, attn_softcap=5.0, sliding_window=6)
+    # mixture of experts (4, 2 a token) with a shared expert, the load-balancing and z losses
+    moe = llama.replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8, moe_aux_loss_coef=0.1,
+                        router_z_loss_coef=0.01)
     return {"gpt2": gpt2, "llama": llama, "llama-blockwise": blockwise, "llama-remat": llama.replace(remat="block"),
-            "llama-blockwise-remat": blockwise.replace(remat="block")}
+            "llama-blockwise-remat": blockwise.replace(remat="block"), "moe": moe}
 
 
 def collectives(lowered, compiled) -> dict:
@@ -236,7 +242,8 @@ def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
     forward (twice with remat "block": the backward's forward again), the same with dK, dV beside
     them in the backward and dK, dV's final hop; one all-reduce
     per gradient leaf (summed over context and the batch axes; a tied head's w and tok_embed's each
-    once), and two for the loss (each device's token count, its share of the mean); no all-gather,
+    once), two for the loss (each device's token count, its share of the mean) and, with experts,
+    three for the router's statistics over the whole batch (their pmeans); no all-gather,
     no all-to-all, no reduce-scatter, as lowered or as compiled: no device gathers a (B, T, D)
     activation, nor the keys and values, nor the tokens around the embedding and the head."""
     import jax
@@ -248,7 +255,9 @@ def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
     forwards = 2 if config.remat == "block" else 1  # remat "block": the backward runs the forward's ring again
     assert results[f"{name}: lowered collective_permute"] == forwards * n + (n + 2) + 2
-    assert results[f"{name}: lowered all_reduce"] == len(jax.tree_util.tree_leaves(params)) + config.tie_embeddings + 2
+    stats = 3 if config.n_experts else 0  # MoE: the pmeans of the router's statistics (load, probs, z)
+    assert results[f"{name}: lowered all_reduce"] == (len(jax.tree_util.tree_leaves(params)) + config.tie_embeddings
+                                                      + 2 + stats)
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
         assert results[f"{name}: lowered {kind}"] == 0, kind
     for kind in ("all-gather", "reduce-scatter", "all-to-all"):

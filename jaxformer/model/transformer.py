@@ -100,7 +100,7 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
     validate_params(params, config)
     context = context_mesh()
     if context is not None:  # the sequence split over the mesh's context axis from the embedding on
-        return _context_features(params, inputs, config, layers, segments, context, ring_order), None
+        return _context_features(params, inputs, config, layers, segments, context, ring_order)
     if not config.dropout:
         key = None
     ekey = None if key is None else embed_key(key, config.n_layers)
@@ -130,8 +130,9 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
 def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, segments, mesh, ring_order: bool):
     """features on ``mesh``'s context axis: the tokens (and document ids) in its zig-zag order
     from the embedding on (``ring_ordered``: already so with ``ring_order``), each at its global
-    position, the blocks ring-attention context parallel; x (B, T, D) returned in that order with
-    ``ring_order`` (the loss reads its targets so), else in natural order."""
+    position, the blocks ring-attention context parallel; (x (B, T, D) returned in that order with
+    ``ring_order`` (the loss reads its targets so), else in natural order; the MoE layers'
+    statistics over the whole batch, or None)."""
     c = context_size(mesh)
     if layers is not MODEL_LAYERS:
         raise ValueError(f"mesh axis context={c}: context parallelism runs the model's own layers (and the manual "
@@ -140,12 +141,12 @@ def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, 
         inputs, segments = ring_ordered(inputs, mesh), ring_ordered(segments, mesh)
     x = upcast(embed(params, inputs, config, None, ring_positions(inputs.shape[1], c)))  # no dropout: refused
     if tensor_mesh() is not None:  # a tensor axis beside: the blocks tensor parallel too, attention the ring
-        x = tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
+        x, stats = tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel), None
     else:
-        x = context_blocks(params["blocks"], x, config, mesh, segments)
+        x, stats = ffn_output(context_blocks(params["blocks"], x, config, mesh, segments), config)
     if config.norm != "post":
         x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
-    return x if ring_order else from_zigzag(x, c)
+    return (x if ring_order else from_zigzag(x, c)), stats
 
 
 def head_params(params, config: ModelConfig) -> dict:

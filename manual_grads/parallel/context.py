@@ -34,6 +34,7 @@ forward keeps JAX's varying/invariant types, so that its own transposes are the 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -41,7 +42,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_size,
+from jaxformer.model.moe import ffn_output, moe_aux_loss
+from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_size, global_stats,
                                               local_positions, refuse_adapters, ring_core_of, ring_ordered,
                                               ring_positions, stream_spec)
 from jaxformer.model.precision import upcast
@@ -53,6 +55,7 @@ from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
 from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd)
+from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
 from manual_grads.parallel.ring import ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.tensor import join_arrays, split_arrays, tensor_blocks_bwd, tensor_blocks_fwd
@@ -73,26 +76,36 @@ def context_attention_bwd(res, dy):
 
 def context_block_fwd(p, x, config: ModelConfig, segments=None):
     """One block on device i: manual_grads/block.py's sequence with the ring's attention
-    (no dropout, no tap: refused), x and y device i's (B, T/c, D)."""
+    (no dropout, no tap: refused), x and y device i's (B, T/c, D); with n_experts y is (y, the
+    MoE layer's MoeStats over device i's tokens)."""
     if config.norm == "post":  # x1 = ln1(x + attn(x)); y = ln2(x1 + ffn(x1))
         a, attn_res = context_attention_fwd(p["attn"], x, config, segments)
         x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, None, None)
         f, ffn_res = ffn_fwd(p["ffn"], x1, config)
+        f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
         y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, None, None)
-        return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
-    h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T/c, D)
-    a, attn_res = context_attention_fwd(p["attn"], h1, config, segments)
-    a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, None, None, "attn", h1, p["attn"])
-    x1 = x + a
-    h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
-    f, ffn_res = ffn_fwd(p["ffn"], h2, config)
-    f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, None, None, "ffn", h2, p["ffn"])
-    y = x1 + f
-    return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
+        res = PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
+    else:
+        h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T/c, D)
+        a, attn_res = context_attention_fwd(p["attn"], h1, config, segments)
+        a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, None, None, "attn", h1, p["attn"])
+        x1 = x + a
+        h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
+        f, ffn_res = ffn_fwd(p["ffn"], h2, config)
+        f = f[0] if config.n_experts else f
+        f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, None, None, "ffn", h2, p["ffn"])
+        y = x1 + f
+        res = PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
+    return ((y, ffn_res.stats) if config.n_experts else y), res
 
 
 def context_block_bwd(res, dy):
-    """dy (B, T/c, D) -> (dp with one layer's keys, device i's tokens' part; dx (B, T/c, D))."""
+    """dy (B, T/c, D) -> (dp with one layer's keys, device i's tokens' part; dx (B, T/c, D)).
+    With n_experts dy is (dy, dstats): the cotangents of the layer's statistics over device i's
+    tokens join the MoE residual (manual_grads/block.py's block_bwd)."""
+    if isinstance(dy, tuple):
+        dy, dstats = dy
+        res = res._replace(ffn=res.ffn._replace(dstats=dstats))
     if isinstance(res, PostBlockRes):
         # y = ln2(x1 + ffn(x1)); x1 = ln1(x + attn(x))
         d_ln2, d_ffn, dx1 = _post_sublayer_bwd(res.ln2, "ln2", res.drop_ffn, res.ffn, ffn_bwd, "ffn", dy, None)
@@ -130,51 +143,61 @@ def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
 
     def step(x, p, segments):
         y, res = context_block_fwd(p, x, config, segments)
+        y, stats = ffn_output(y, config)  # with n_experts: the layer's statistics over device i's tokens
         if remat:
-            return y, [x]  # the block's input alone (its residuals are dropped)
+            return y, ([x], stats)  # the block's input alone (its residuals are dropped)
         arrays, static["rest"] = split_arrays(res)
-        return y, arrays
+        return y, (arrays, stats)
 
     def fwd(blocks, x, segments):
-        y, arrays = jax.lax.scan(lambda x, p: step(x, p, segments), x, blocks)
-        return y, [a[None] for a in arrays]  # device s's residuals: row s
+        y, (arrays, stats) = jax.lax.scan(lambda x, p: step(x, p, segments), x, blocks)
+        # device s's residuals: row s; the statistics over every device's tokens (global_stats)
+        return y, [a[None] for a in arrays], None if stats is None else global_stats(stats, mesh)
 
     # the blocks on each device's T/c tokens
-    y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=(stream, every),
-                              check_vma=False)(blocks, x, segments)
+    y, arrays, stats = jax.shard_map(fwd, mesh=mesh, in_specs=(PartitionSpec(), stream, stream),
+                                     out_specs=(stream, every, PartitionSpec()), check_vma=False)(blocks, x, segments)
+    y = (y, stats) if config.n_experts else y
     if remat:
         return y, ContextBlocksRes(arrays, None, mesh, blocks, segments, config)
     return y, ContextBlocksRes(arrays, static["rest"], mesh)
 
 
 def context_blocks_bwd(res: ContextBlocksRes, dy):
-    """dy (B, T, D) -> (the blocks' gradients (L, ...), dx (B, T, D)), both in the zig-zag order."""
+    """dy (B, T, D) -> (the blocks' gradients (L, ...), dx (B, T, D)), both in the zig-zag order.
+    With n_experts dy is (dy, dstats): the cotangents of the MoE layers' whole-batch statistics."""
     mesh, remat = res.mesh, res.blocks is not None
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
     summed = summed_axes(mesh)
+    dy, dstats = dy if isinstance(dy, tuple) else (dy, None)
+    # stats = global_stats(each device's): a pmean over the devices' tokens, whose transpose
+    # hands each device's statistics 1 / n of the cotangent (n devices hold the batch's tokens)
+    n = math.prod(dict(mesh.shape)[a] for a in summed)
+    dstats = None if dstats is None else jax.tree_util.tree_map(lambda d: d / n, dstats)
 
-    def bwd(arrays, dy, blocks, segments):
+    def bwd(arrays, dy, blocks, segments, dstats):
         def step(dy, xs):
-            arrays, p = xs
+            arrays, p, ds = xs
             if remat:  # remat "block": the block's forward again from its input, for its residuals
                 layer = context_block_fwd(p, arrays[0], res.config, segments)[1]
             else:
                 layer = join_arrays(arrays, res.rest)
-            dp, dx = context_block_bwd(layer, dy)
+            dp, dx = context_block_bwd(layer, dy if ds is None else (dy, ds))
             return dx, dp
 
-        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks), reverse=True)
+        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks, dstats), reverse=True)
         # in_specs=(PartitionSpec(), ...): the blocks replicated, each device's use of them its
         # tokens' and rows' part of their gradient: the whole is the sum over every such device
         grads = psum_tree(grads, summed)
         return grads, dx
 
     if not remat:  # the blocks' params are not read again: a scan over nothing but the residuals
-        return jax.shard_map(lambda arrays, dy: bwd(arrays, dy, None, None), mesh=mesh, in_specs=(every, stream),
-                             out_specs=(PartitionSpec(), stream), check_vma=False)(res.arrays, dy)
-    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, PartitionSpec(), stream),
+        return jax.shard_map(lambda arrays, dy, dstats: bwd(arrays, dy, None, None, dstats), mesh=mesh,
+                             in_specs=(every, stream, PartitionSpec()), out_specs=(PartitionSpec(), stream),
+                             check_vma=False)(res.arrays, dy, dstats)
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, PartitionSpec(), stream, PartitionSpec()),
                          out_specs=(PartitionSpec(), stream), check_vma=False)(res.arrays, dy, res.blocks,
-                                                                               res.segments)
+                                                                               res.segments, dstats)
 
 
 # ----------------------------------------------------------------------------
@@ -270,8 +293,12 @@ def context_value_and_grad(params, batch, config: ModelConfig, mesh):
         x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
     else:
         x, blocks_res = context_blocks_fwd(params["blocks"], x, config, mesh, segments)
+    x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics over the whole batch
     # the final norm, the head and the loss, forward and backward; then the rest, in reverse
     loss, grads, dx = context_top_grads(top, x, targets, mask, config, mesh)
+    if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
+        loss = loss + moe_aux_loss(stats, config)
+        dx = (dx, moe_aux_loss_bwd(stats, config))
     grads["blocks"], dx = (tensor_blocks_bwd if tensor else context_blocks_bwd)(blocks_res, dx)  # x = blocks(x)
     # x = tok_embed[ids] * s + positions[at]: with a tensor axis embed_bwd's vocab-parallel scatter
     # into each device's V/t rows (its own shard_map); else each device's tokens into the whole table

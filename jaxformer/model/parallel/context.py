@@ -85,8 +85,7 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
                (impl == "blockwise" and any(m % min(block, m) for m in (n, 2 * n)),
                 f"attention_block {block} with pieces of {n} tokens (the ring's visits fold {n} or {2 * n} keys: "
                 f"the block must divide {n}, or be at least {2 * n})"),
-               (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
-               (config.n_experts, "n_experts (the experts split over the expert axis)")]
+               (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)")]
     for on, what in refused:
         if on:
             raise ValueError(f"mesh axis context={c}: context parallelism does not run {what} yet; use context=1")
@@ -143,8 +142,19 @@ CONTEXT_LAYERS = BlockLayers(context_attention, model_feed_forward, layer_norm, 
 
 def context_block(p, x, config: ModelConfig, segments=None):
     """One block on device i (under shard_map): the model's compose_block with CONTEXT_LAYERS,
-    x and y device i's (B, T/c, D), ``segments`` its (B, T/c) ids or None."""
-    return compose_block(p, x, config, CONTEXT_LAYERS, None, segments)[0]
+    x and y device i's (B, T/c, D), ``segments`` its (B, T/c) ids or None. With n_experts
+    (y, the MoE layer's MoeStats over device i's tokens)."""
+    y, aux = compose_block(p, x, config, CONTEXT_LAYERS, None, segments)
+    return (y, aux[1]) if config.n_experts else y
+
+
+def global_stats(stats, mesh):
+    """Inside shard_map: the MoE layers' statistics over device i's tokens (means over them:
+    the share of tokens routed to each expert, the mean router probability, the mean squared
+    log-sum-exp) -> over every device's tokens, as one device computes them over the whole
+    batch: every device holds as many tokens, so the whole batch's mean is the mean of theirs
+    (a pmean over the axes the tokens split over: regions.token_axes)."""
+    return jax.tree_util.tree_map(lambda s: jax.lax.pmean(s, token_axes(mesh)[0]), stats)
 
 
 def ring_positions(T: int, c: int):
@@ -166,7 +176,8 @@ def ring_ordered(a, mesh):
 def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
     """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), both in the
     context axis' zig-zag order (``ring_ordered``), the tokens split over the mesh's context axis,
-    the rows over its other axes; ``segments`` (B, T) int document ids in the same order, or None."""
+    the rows over its other axes; ``segments`` (B, T) int document ids in the same order, or None.
+    With n_experts (y, the MoE layers' MoeStats stacked over L, over the whole batch: global_stats)."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
     refuse_adapters(blocks, c)
@@ -175,8 +186,12 @@ def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
         layer = lambda p, x: context_block(p, x, config, segments)  # noqa: E731
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
             layer = jax.checkpoint(layer)
-        return jax.lax.scan(lambda x, p: (layer(p, x), None), x, blocks)[0]
+        if not config.n_experts:
+            return jax.lax.scan(lambda x, p: (layer(p, x), None), x, blocks)[0]
+        x, stats = jax.lax.scan(lambda x, p: layer(p, x), x, blocks)  # a block's output: (y, its stats)
+        return x, global_stats(stats, mesh)
 
     stream = stream_spec(mesh)  # x (B, T, D) and the ids (B, T) alike
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=stream)(
+    out_specs = (stream, PartitionSpec()) if config.n_experts else stream
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=out_specs)(
         blocks, x, segments)
