@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import once_per_run, run_cases_on_8_devices
+from helpers import adapter_differences, assert_adapters_equal_one_device, once_per_run, run_cases_on_8_devices
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.context import check_context_model
@@ -147,7 +147,7 @@ def run_cases() -> dict:
                 out[f"{name}: {what} = one device"] = diff(grads, grads1)
                 out[f"{name}: {what} leaves"] = len(leaves(grads))
         out[f"{name}: leaves"] = len(leaves(grads1))
-    out.update(lora_differences(devices, diff))
+    out.update(lora_differences(devices))
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -155,36 +155,16 @@ def run_cases() -> dict:
 LORA_CASE = "lora llama-blockwise data=2xcontext=2 documents"
 
 
-def lora_differences(devices, diff) -> dict:
-    """LoRA adapters on every projection (rank 2) over the blockwise Llama-like base, packed
-    documents, on data=2 x context=2: the adapters' loss and gradient by hand
-    (manual_grads.adapters.value_and_grad) and by jax.grad of lora_loss_fn, against one device's
-    manual ones."""
-    import jax
+def lora_differences(devices) -> dict:
+    """LoRA adapters on every projection over the blockwise Llama-like base, packed documents,
+    on data=2 x context=2 (helpers.adapter_differences)."""
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from jaxformer.model import lora
-    from jaxformer.model.params import init_params
-    from jaxformer.training.adapters import lora_loss_fn
-    from manual_grads import adapters as manual_adapters
-
-    config, rng = configs()["llama-blockwise"], np.random.default_rng(3)
-    random = lambda tree: jax.tree_util.tree_map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape)), tree)  # noqa: E731
-    base = random(jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config)))
-    lc = lora.LoraConfig(rank=2, alpha=3.0, targets="all")
-    adapters = random(lora.init_adapters(jax.random.PRNGKey(1), base, lc))  # B random too: a zero B hides dA
-    inputs = jnp.asarray(rng.integers(0, config.vocab_size, (B, T)))
-    batch = {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1), "segments": jnp.asarray(DOCUMENTS)}
-    step = lambda f: jax.jit(f, static_argnums=(3, 4))  # noqa: E731
-    loss1, grads1 = step(manual_adapters.value_and_grad)(adapters, batch, base, config, lc)
-    out = {f"{LORA_CASE}: leaves": len(jax.tree_util.tree_leaves(grads1))}
-    with jax.set_mesh(Mesh(devices[:4].reshape(2, 2), ("data", "context"))):
-        for what, f in (("manual", manual_adapters.value_and_grad), ("jax.grad", jax.value_and_grad(lora_loss_fn))):
-            loss, grads = step(f)(adapters, batch, base, config, lc)
-            out[f"{LORA_CASE}: {what} loss"] = abs(float(loss) - float(loss1))
-            out[f"{LORA_CASE}: {what} = one device"] = diff(grads, grads1)
-    return out
+    config = configs()["llama-blockwise"]
+    inputs = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (B, T)))
+    return adapter_differences(LORA_CASE, config, Mesh(devices[:4].reshape(2, 2), ("data", "context")), inputs,
+                               jnp.asarray(DOCUMENTS))
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +192,7 @@ def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
 def test_lora_adapters_on_a_context_mesh_equal_one_device(results):
     """The adapters' loss and every leaf of their gradient (q, k, v, o, gate, up, down's A and B:
     14 leaves), by hand and by jax.grad, equal one device's manual ones to 1e-10."""
-    assert results[f"{LORA_CASE}: leaves"] == 14
-    for what in ("manual", "jax.grad"):
-        assert results[f"{LORA_CASE}: {what} loss"] <= TOL, what
-        assert results[f"{LORA_CASE}: {what} = one device"] <= TOL, what
+    assert_adapters_equal_one_device(results, LORA_CASE, 14, TOL)
 
 
 def test_lora_dropout_is_refused():

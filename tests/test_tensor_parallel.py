@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import once_per_run, run_cases_on_8_devices
+from helpers import adapter_differences, assert_adapters_equal_one_device, once_per_run, run_cases_on_8_devices
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.tensor import check_tensor
@@ -250,36 +250,14 @@ LORA_CASE = "lora llama sequence tensor=4"
 
 
 def adapters(devices) -> dict:
-    """LoRA adapters (rank 2) on every projection of the Llama-like model with sequence
-    parallelism on tensor=4 (its 2 key/value heads replicated: their adapters' B through
-    kv_columns): the adapters' loss and gradient by hand and by jax.grad against one device's."""
-    import jax
+    """LoRA adapters on every projection of the Llama-like model with sequence parallelism on
+    tensor=4 (its 2 key/value heads replicated: their adapters' B through kv_columns)."""
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from jaxformer.model import lora
-    from jaxformer.model.params import init_params
-    from jaxformer.training.adapters import lora_loss_fn
-    from manual_grads import adapters as manual_adapters
-
-    config, rng = configs()["llama"].replace(sequence_parallel=True), np.random.default_rng(5)
-    random = lambda tree: jax.tree_util.tree_map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape)), tree)  # noqa: E731
-    base = random(jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config)))
-    lc = lora.LoraConfig(rank=2, alpha=3.0, targets="all")
-    adapters = random(lora.init_adapters(jax.random.PRNGKey(1), base, lc))  # B random too: a zero B hides dA
-    inputs = jnp.asarray(rng.integers(0, config.vocab_size, (4, 8)))
-    batch = {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1)}
-    step = lambda f: jax.jit(f, static_argnums=(3, 4))  # noqa: E731
-    loss1, grads1 = step(manual_adapters.value_and_grad)(adapters, batch, base, config, lc)
-    leaves = jax.tree_util.tree_leaves
-    out = {f"{LORA_CASE}: leaves": len(leaves(grads1))}
-    with jax.set_mesh(Mesh(devices[:4], ("tensor",))):
-        for what, f in (("manual", manual_adapters.value_and_grad), ("jax.grad", jax.value_and_grad(lora_loss_fn))):
-            loss, grads = step(f)(adapters, batch, base, config, lc)
-            out[f"{LORA_CASE}: {what} loss"] = abs(float(loss) - float(loss1))
-            out[f"{LORA_CASE}: {what} = one device"] = max(
-                float(jnp.max(jnp.abs(a - b))) for a, b in zip(leaves(grads), leaves(grads1), strict=True))
-    return out
+    config = configs()["llama"].replace(sequence_parallel=True)
+    inputs = jnp.asarray(np.random.default_rng(5).integers(0, config.vocab_size, (4, 8)))
+    return adapter_differences(LORA_CASE, config, Mesh(devices[:4], ("tensor",)), inputs)
 
 
 PROMPT = [1, 5, 2, 7, 3]
@@ -405,10 +383,7 @@ def test_lora_adapters_on_a_tensor_mesh_equal_one_device(results):
     by hand and by jax.grad, equal one device's to 1e-10: column-parallel weights' B split by
     columns, row-parallel weights' A by rows, the replicated key/value weights' B read through
     kv_columns, with the activations split along T between the sublayers."""
-    assert results[f"{LORA_CASE}: leaves"] == 14
-    for what in ("manual", "jax.grad"):
-        assert results[f"{LORA_CASE}: {what} loss"] <= TOL, what
-        assert results[f"{LORA_CASE}: {what} = one device"] <= TOL, what
+    assert_adapters_equal_one_device(results, LORA_CASE, 14, TOL)
 
 
 def test_lora_dropout_is_refused():
