@@ -32,7 +32,8 @@
   ``helpers.once_per_run``; a module fixture that trains or loads a model) is one
   ``xdist_group`` (``pytestmark``), and pyproject's ``--dist loadgroup`` sends its tests to one
   worker. Spread over both, the second worker either waited on the first's lock, its core
-  idle, for as long as the subprocess ran, or ran the module fixture again.
+  idle, for as long as the subprocess ran, or ran the module fixture again. (pytest 8: the dev
+  extra pins it below 9, where loadgroup's grouping has no effect.)
 """
 
 import os
