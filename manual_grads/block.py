@@ -101,12 +101,19 @@ def _branch_keys(config: ModelConfig, key):
     return sub_key(key, ATTN_PROBS), sub_key(key, ATTN_OUT), sub_key(key, FFN_OUT)
 
 
+def with_dstats(res, dy):
+    """A block's (res, dy): with n_experts dy is (dy, dstats), and the cotangents of the MoE
+    layer's statistics join its residual (moe.py's backward reads them there)."""
+    if not isinstance(dy, tuple):
+        return res, dy
+    dy, dstats = dy
+    return res._replace(ffn=res.ffn._replace(dstats=dstats)), dy
+
+
 def block_bwd(res, dy, tap=None):
     """dy (B, T, D) -> (dp with p's tree structure, dx (B, T, D)); ``tap`` sees each stage.
     With n_experts dy is (dy, dstats): the statistics' cotangents join the MoE residual."""
-    if isinstance(dy, tuple):
-        dy, dstats = dy
-        res = res._replace(ffn=res.ffn._replace(dstats=dstats))
+    res, dy = with_dstats(res, dy)
     if isinstance(res, PreBlockRes):
         return pre_block_bwd(res, dy, tap)
     return post_block_bwd(res, dy, tap)

@@ -54,7 +54,7 @@ from manual_grads.attention import attention_bwd, attention_fwd
 from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
 from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
-                                _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd)
+                                _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd, with_dstats)
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
 from manual_grads.parallel.ring import ring_attention_bwd, ring_manual_of
@@ -103,9 +103,7 @@ def context_block_bwd(res, dy):
     """dy (B, T/c, D) -> (dp with one layer's keys, device i's tokens' part; dx (B, T/c, D)).
     With n_experts dy is (dy, dstats): the cotangents of the layer's statistics over device i's
     tokens join the MoE residual (manual_grads/block.py's block_bwd)."""
-    if isinstance(dy, tuple):
-        dy, dstats = dy
-        res = res._replace(ffn=res.ffn._replace(dstats=dstats))
+    res, dy = with_dstats(res, dy)
     if isinstance(res, PostBlockRes):
         # y = ln2(x1 + ffn(x1)); x1 = ln1(x + attn(x))
         d_ln2, d_ffn, dx1 = _post_sublayer_bwd(res.ln2, "ln2", res.drop_ffn, res.ffn, ffn_bwd, "ffn", dy, None)

@@ -44,7 +44,7 @@ from jaxformer.model.cores import AttentionSpec, capped_scores, repeat_kv
 from jaxformer.model.parallel.context import ring_kwargs
 from jaxformer.model.parallel.ring import (CONTEXT, SELF, ZIGZAG, chunk_positions, holder, on_mesh,
                                            over_key_blocks, pair_kind, pair_mask, part, ring_attention_fwd_stats,
-                                           ring_spec, send, switch_visit, visited)
+                                           ring_spec, send, switch_visit, visit_keys, visited)
 from jaxformer.model.precision import matmul
 from manual_grads.attention import ManualCore, sum_groups
 from manual_grads.blockwise import _softmax_correction
@@ -83,8 +83,7 @@ def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionS
         return grads
     r, col = where
     dq, dk, dv = grads
-    k, v, k_seg = chunk
-    f, cd, Hkv = dq.dtype, spec.compute_dtype, k.shape[1]
+    f, cd, Hkv = dq.dtype, spec.compute_dtype, chunk[0].shape[1]
     G, scale = q.shape[1] // Hkv, 1.0 / math.sqrt(q.shape[-1])
     q_r, do_r = part(q, r, 2), part(do, r, 2).astype(f)  # (B, H, rows, Dh)
     lse_r, d_r, qp_r, qs_r = part(lse, r, 2)[..., None], part(d, r, 2)[..., None], q_pos[r], part(q_seg, r, 1)
@@ -108,8 +107,7 @@ def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionS
         # k, v = repeat_kv(k, G), repeat_kv(v, G): each key/value head gets its G query heads' sum
         return dq_r, (sum_groups(dk_c, Hkv), sum_groups(dv_c, Hkv))
 
-    keys = (part(k, col, 2), part(v, col, 2), k_pos[col], part(k_seg, col, 1))
-    dq_r, (dk_c, dv_c) = over_key_blocks(keys_bwd, jnp.zeros_like(q_r, dtype=f), keys, block)
+    dq_r, (dk_c, dv_c) = over_key_blocks(keys_bwd, jnp.zeros_like(q_r, dtype=f), visit_keys(chunk, k_pos, col), block)
     return dq.at[:, :, r].add(dq_r), dk.at[:, :, col].add(dk_c), dv.at[:, :, col].add(dv_c)
 
 

@@ -49,9 +49,10 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.parallel.regions import TENSOR
 from jaxformer.model.parallel.context import local_positions, ring_core_of
 from jaxformer.model.lora import LORA
-from jaxformer.model.parallel.tensor import (KV, ROWS, attention_local_params, block_specs, check_tensor_blocks,
-                                             enter, ffn_bias, leave, local_config, ring_on, segments_spec, split_kv,
-                                             stream_spec, tensor_size, with_local_adapters)
+from jaxformer.model.parallel.tensor import (KV, adapter_split, attention_local_params, block_specs,
+                                             check_tensor_blocks, enter, ffn_bias, leave, local_config,
+                                             replicated_kv, ring_on, segments_spec, split_kv, stream_spec,
+                                             tensor_size, with_local_adapters)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd)
@@ -100,21 +101,22 @@ def kv_columns_bwd(dw, n_kv_heads: int, n_heads: int, axis_name: str = TENSOR):
     return dkv.reshape(*lead, n_kv_heads * dh)
 
 
-def local_adapters_bwd(dp, section: str, config: ModelConfig, t: int) -> dict:
-    """Undoes ``local[LORA] = local_adapters(p[LORA])`` in a sublayer's gradients dp (as they are
-    without a site): each replicated leaf read per device gets the psum of its parts
-    (copy_to_tensor_bwd), each split one its blocks side by side (scatter_to_tensor_bwd)."""
+def local_adapters_bwd(dp, section: str, kv: tuple[int, int] | None = None) -> dict:
+    """Undoes ``local[LORA] = local_adapters(p[LORA], section, kv)`` in a sublayer's gradients dp
+    (as they are without a site): each replicated factor read per device gets the psum of its
+    parts (copy_to_tensor_bwd), each split one its blocks side by side (scatter_to_tensor_bwd)."""
     if LORA not in dp:
         return dp
     site = {}
     for name, g in dp[LORA].items():
         if not isinstance(g, dict):  # the scale: no gradient
             site[name] = g
-        elif name in ROWS[section]:  # {"a": scatter_to_tensor(A, -2), "b": copy_to_tensor(B)}
+            continue
+        split = adapter_split(name, section, kv)
+        if split == "rows":  # {"a": scatter_to_tensor(A, -2), "b": copy_to_tensor(B)}
             site[name] = {"a": scatter_to_tensor_bwd(g["a"], -2), "b": copy_to_tensor_bwd(g["b"])}
-        elif name in KV and not split_kv(config, t):  # {"a": copy(A), "b": kv_columns(copy(B))}
-            site[name] = {"a": copy_to_tensor_bwd(g["a"]),
-                          "b": copy_to_tensor_bwd(kv_columns_bwd(g["b"], config.kv_heads, config.n_heads))}
+        elif split == "kv":  # {"a": copy_to_tensor(A), "b": kv_columns(copy_to_tensor(B), Hkv, H)}
+            site[name] = {"a": copy_to_tensor_bwd(g["a"]), "b": copy_to_tensor_bwd(kv_columns_bwd(g["b"], *kv))}
         else:  # {"a": copy_to_tensor(A), "b": scatter_to_tensor(B, -1)}
             site[name] = {"a": copy_to_tensor_bwd(g["a"]), "b": scatter_to_tensor_bwd(g["b"], -1)}
     return {**dp, LORA: site}
@@ -131,7 +133,7 @@ def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: boo
     """tensor_attention with residuals: x (B, T, D) replicated (``sequence``: device i's
     (B, T/t, D); ``ring``: its (B, T/c, D) of a context axis) -> (y, TensorAttentionRes)."""
     t = jax.lax.axis_size(TENSOR)
-    local = with_local_adapters(attention_local_params(p, config, t), p, "attn", config, t)
+    local = with_local_adapters(attention_local_params(p, config, t), p, "attn", replicated_kv(config, t))
     h = enter(x, sequence)
     # attention(local, h, local_config, key, segments=segments, **ring_args(ring, T/c, config)): the ring's pair
     core = (local_positions(h.shape[1]), ring_core_of(config), ring_manual_of(config)) if ring else ()
@@ -157,24 +159,22 @@ def tensor_attention_bwd(res: TensorAttentionRes, dy):
         for n in KV:
             if n in dp:
                 dp[n] = copy_to_tensor_bwd(kv_columns_bwd(dp[n], config.kv_heads, config.n_heads))
-    return local_adapters_bwd(dp, "attn", config, t), dx
+    return local_adapters_bwd(dp, "attn", replicated_kv(config, t)), dx
 
 
 class TensorFeedForwardRes(NamedTuple):
     ffn: FeedForwardRes | GatedFeedForwardRes  # device i's F/t features
     bias: str | None  # static: the row-parallel bias' name, None without one
     sequence: bool = False  # static: x and y are device i's T/t tokens
-    config: ModelConfig | None = None  # static: the whole model's (to undo local_adapters)
 
 
 def tensor_feed_forward_fwd(p, x, config: ModelConfig, sequence: bool = False):
     """tensor_feed_forward with residuals: x (B, T, D) -> (y (B, T, D), TensorFeedForwardRes)."""
     bias = ffn_bias(p)
-    t = jax.lax.axis_size(TENSOR)
-    local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn", config, t)
+    local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn")
     y, res = feed_forward_fwd(local, enter(x, sequence), config.activation, config.compute_dtype)
     y = leave(y, sequence)
-    return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None, sequence, config)
+    return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None, sequence)
 
 
 def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
@@ -183,7 +183,7 @@ def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
     dp, dh = feed_forward_bwd(res.ffn, leave_bwd(dy, res.sequence))
     if res.bias:
         dp[res.bias] = token_sum(bias_grad(dy), res.sequence)
-    return local_adapters_bwd(dp, "ffn", res.config, jax.lax.axis_size(TENSOR)), enter_bwd(dh, res.sequence)
+    return local_adapters_bwd(dp, "ffn"), enter_bwd(dh, res.sequence)
 
 
 NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")  # a layer's norms: on device i's tokens with sequence parallelism

@@ -218,6 +218,13 @@ def join_keys(a, axis: int):
 KEY_AXES = (2, 2, 0, 1)  # the key axis of a visit's (k, v (B, Hkv, n, Dh), positions (n,), ids (B, n))
 
 
+def visit_keys(chunk, k_pos, col):
+    """The columns ``col`` of a held chunk (k, v (B, Hkv, T/c, Dh), ids (B, T/c) or None) and of
+    its positions k_pos (T/c,): a visit's keys, as ``over_key_blocks`` takes them."""
+    k, v, k_seg = chunk
+    return part(k, col, 2), part(v, col, 2), k_pos[col], part(k_seg, col, 1)
+
+
 def over_key_blocks(fn, carry, keys, block: int):
     """fn(carry, keys) -> (carry, out) over a visit's keys = (k, v, positions, ids or None) whole
     (``block`` 0), or K = key_block_size(n, block) keys at a time in a ``lax.scan`` (the blockwise
@@ -237,8 +244,7 @@ def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, bloc
     if where is None:
         return stats
     r, col = where
-    k, v, k_seg = chunk
-    G = q.shape[1] // k.shape[1]
+    G = q.shape[1] // chunk[0].shape[1]
     q_r, qp_r, qs_r = part(q, r, 2), q_pos[r], part(q_seg, r, 1)
 
     def fold(rows, keys):
@@ -246,8 +252,8 @@ def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, bloc
         s = pair_scores(q_r, repeat_kv(k_b, G), qp_r, kp_b, spec, qs_r, ks_b)  # (B, H, rows, keys)
         return online_softmax_step(rows, s, repeat_kv(v_b, G), spec.compute_dtype), None
 
-    keys = (part(k, col, 2), part(v, col, 2), k_pos[col], part(k_seg, col, 1))
-    block_stats, _ = over_key_blocks(fold, tuple(part(a, r, 2) for a in stats), keys, block)  # its rows' (m, l, acc)
+    rows = tuple(part(a, r, 2) for a in stats)
+    block_stats, _ = over_key_blocks(fold, rows, visit_keys(chunk, k_pos, col), block)  # its rows' (m, l, acc)
     if r == slice(None):
         return block_stats
     return tuple(a.at[:, :, r].set(b) for a, b in zip(stats, block_stats, strict=True))

@@ -135,31 +135,47 @@ def refuse_adapters(p) -> None:
                          "its own features' masks) yet; use tensor=1")
 
 
-def local_adapters(site, section: str, config: ModelConfig, t: int) -> dict:
-    """One device's LoRA site (lora.py: delta = s (x A) B beside each adapted W), split as its W:
-    a column-parallel W's B by the same output columns, A replicated (each device's copy read
-    by its own columns); a row-parallel W's A by the same input rows, B replicated (each
-    device's partial x_i A_i B summed by the row-parallel reduction, with x_i W_i); unsplit
-    key/value weights' B through kv_columns, as the weights. The scale (and no other leaf:
-    dropout is refused) is read as it is."""
+def replicated_kv(config: ModelConfig, t: int) -> tuple[int, int] | None:
+    """(Hkv, H) where the key/value weights stay replicated over a tensor axis of t (each device
+    reads them through kv_columns), else None."""
+    return None if split_kv(config, t) else (config.kv_heads, config.n_heads)
+
+
+def adapter_split(name: str, section: str, kv: tuple[int, int] | None) -> str:
+    """How the LoRA factors beside weight ``name`` split, as that weight does: "rows" (a
+    row-parallel W: A by its input rows, B replicated), "kv" (replicated key/value weights, kv
+    (Hkv, H): B read through kv_columns) or "columns" (B by its output columns, A replicated)."""
+    if name in ROWS[section]:
+        return "rows"
+    return "kv" if name in KV and kv else "columns"
+
+
+def local_adapters(site, section: str, kv: tuple[int, int] | None = None) -> dict:
+    """One device's LoRA site (lora.py: delta = s (x A) B beside each adapted W), split as its W
+    (``adapter_split``): a column-parallel W's B by the same output columns, A replicated (each
+    device's copy read by its own columns); a row-parallel W's A by the same input rows, B
+    replicated (each device's partial x_i A_i B summed by the row-parallel reduction, with
+    x_i W_i); replicated key/value weights' B through kv_columns, as the weights. The scale (and
+    no other leaf: dropout is refused) is read as it is."""
     local = {}
     for name, leaf in site.items():
         if not isinstance(leaf, dict):
             local[name] = leaf
-        elif name in ROWS[section]:
+            continue
+        split = adapter_split(name, section, kv)
+        if split == "rows":
             local[name] = {"a": scatter_to_tensor(leaf["a"], -2), "b": copy_to_tensor(leaf["b"])}
-        elif name in KV and not split_kv(config, t):
-            local[name] = {"a": copy_to_tensor(leaf["a"]),
-                           "b": kv_columns(copy_to_tensor(leaf["b"]), config.kv_heads, config.n_heads)}
+        elif split == "kv":
+            local[name] = {"a": copy_to_tensor(leaf["a"]), "b": kv_columns(copy_to_tensor(leaf["b"]), *kv)}
         else:
             local[name] = {"a": copy_to_tensor(leaf["a"]), "b": scatter_to_tensor(leaf["b"], -1)}
     return local
 
 
-def with_local_adapters(local, p, section: str, config: ModelConfig, t: int) -> dict:
+def with_local_adapters(local, p, section: str, kv: tuple[int, int] | None = None) -> dict:
     """``local`` (a sublayer's params on one device) with p's LoRA site made local too, if it has one."""
     refuse_adapters(p)
-    return {**local, LORA: local_adapters(p[LORA], section, config, t)} if LORA in p else local
+    return {**local, LORA: local_adapters(p[LORA], section, kv)} if LORA in p else local
 
 
 def enter(x, sequence: bool):
@@ -187,7 +203,7 @@ def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequenc
     i's (B, T/t, D); ``segments`` stay whole (B, T). ``ring``: x, y and segments are device i's
     T/c tokens of a context axis (parallel/context.py), the core ring attention over it."""
     t = jax.lax.axis_size(TENSOR)
-    local = with_local_adapters(attention_local_params(p, config, t), p, "attn", config, t)
+    local = with_local_adapters(attention_local_params(p, config, t), p, "attn", replicated_kv(config, t))
     h = enter(x, sequence)
     y = attention(local, h, local_config(config, t), key, segments=segments, **ring_args(ring, h.shape[1], config))  # partial sums
     y = leave(y, sequence)  # the row-parallel product's sum over the devices
@@ -203,8 +219,7 @@ def tensor_feed_forward(p, x, config: ModelConfig, sequence: bool = False):
     """The feed-forward on device i's F/t hidden features (under shard_map): x (B, T, D)
     replicated -> y (B, T, D) replicated (``sequence``: device i's (B, T/t, D) each)."""
     bias = ffn_bias(p)
-    t = jax.lax.axis_size(TENSOR)
-    local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn", config, t)
+    local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn")
     y = feed_forward(local, enter(x, sequence), config.activation, config.compute_dtype)  # partial sums
     y = leave(y, sequence)
     return y + p[bias] if bias in p else y
