@@ -104,7 +104,7 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     if mesh is not None and tap is not None:
         raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: a tap runs on one device; use tensor=1")
     if mesh is not None:
-        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
+        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel, key)
     else:
         x, blocks_res = blocks_fwd(params["blocks"], x, config, tap, key, segments, unroll)  # (B, T, D); residuals (L, ...)
     x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics (L, ...)

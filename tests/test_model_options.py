@@ -119,6 +119,30 @@ def test_dropout_key_none_is_no_dropout_and_rate_is_honoured():
     assert abs(kept - 0.5) < 0.01
 
 
+@pytest.mark.parametrize("x64", [True, False])
+def test_a_device_s_piece_of_a_mask_is_the_whole_mask_s_piece(x64):
+    """dropout.PieceKey: a mask drawn on a piece of the rows, heads or tokens (as a device of a
+    tensor axis draws it) is that piece of the whole array's mask, bit for bit, for the stream's
+    (B, T, D) and the probabilities' (B, H, Tq, Tk); _mul_wide's 64-bit products are exact."""
+    from jaxformer.model.dropout import Piece, PieceKey, _mul_wide, keep_mask
+    with jax.enable_x64(x64):
+        for key in (KEY, jax.random.key(3)):  # a raw uint32 key and a typed one
+            whole = keep_mask(key, 0.4, (4, 6, 8, 8))
+            piece = keep_mask(PieceKey(key, Piece(rows=(4, 2), heads=(6, 3))), 0.4, (2, 3, 8, 8))
+            np.testing.assert_array_equal(piece, whole[2:4, 3:6])
+            whole = keep_mask(key, 0.4, (4, 10, 5))
+            piece = keep_mask(PieceKey(key, Piece(rows=(4, 1), heads=(6, 3), tokens=(10, 5))), 0.4, (1, 5, 5))
+            np.testing.assert_array_equal(piece, whole[1:2, 5:10])
+            assert 0.1 < float(jnp.mean(whole)) < 0.9
+    a = np.random.default_rng(0).integers(0, 2**32, 64, dtype=np.uint64)
+    for b in (3, 2**31 + 5, 2**40 + 12_345, 2**63 - 1):  # a whole array past 2^32 elements: n's high word
+        high, low = _mul_wide(jnp.asarray(a.astype(np.uint32)), b)
+        assert [(int(h) << 32) | int(w) for h, w in zip(np.asarray(high), np.asarray(low))] == \
+            [int(x) * b % 2**64 for x in a]
+    with pytest.raises(ValueError, match=r"masks \(B, T, D\) or \(B, H, Tq, Tk\) arrays, not \(3, 4\)"):
+        keep_mask(PieceKey(KEY, Piece()), 0.4, (3, 4))
+
+
 BASE16 = ModelConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=2, d_ff=24, max_seq_len=12)
 
 

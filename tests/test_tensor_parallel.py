@@ -11,7 +11,8 @@ data=2 x tensor=2 and the Llama-like one on tensor=4. Each
 mesh's loss, manual gradients and jax.grad through the same sharded forward are held to one
 device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10; the manual
 program's collectives are counted in its HLO (``collectives``); the whole model under
-``jax.set_mesh`` of data=2 x tensor=2 (its blocks tensor parallel) equals one device; the head and
+``jax.set_mesh`` of data=2 x tensor=2 (its blocks tensor parallel) equals one device, dropout
+included (each device's piece of one device's masks: the same key); the head and
 loss with the vocabulary split (parallel/vocab.py) equal one device's. The refusals and the sub-room's
 source rules run in this process."""
 
@@ -42,11 +43,14 @@ def case_name(cname, names, shape, sequence) -> str:
 
 def configs():
     base = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, d_ff=24, max_seq_len=8)
-    return {"gpt2": ModelConfig(**base),
-            "gpt2-sequence-remat": ModelConfig(**base, sequence_parallel=True, remat="block"),
-            "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
-                                 positions="rope", n_kv_heads=2, qk_norm=True,
-                                 tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
+    configs = {"gpt2": ModelConfig(**base),
+               "gpt2-sequence-remat-dropout": ModelConfig(**base, sequence_parallel=True, remat="block", dropout=0.3),
+               "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
+                                    positions="rope", n_kv_heads=2, qk_norm=True,
+                                    tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
+    configs["llama-blockwise-dropout"] = configs["llama"].replace(attention_impl="blockwise", attention_block=4,
+                                                                  dropout=0.2)
+    return configs
 
 
 def run_cases() -> dict:
@@ -198,8 +202,9 @@ def vocab_head(devices) -> dict:
 
 
 # the whole model on data=2 x tensor=2 (sequence_parallel: T split too; remat "block": each block's
-# forward run again in the backward)
-WHOLE = ("gpt2", "llama", "gpt2-sequence-remat")
+# forward run again in the backward; dropout: each device draws its piece of one device's masks,
+# on its rows, heads and (sequence_parallel) tokens; the blockwise core's masks block pair by pair)
+WHOLE = ("gpt2", "llama", "gpt2-sequence-remat-dropout", "llama-blockwise-dropout")
 
 
 def whole_model(devices) -> dict:
@@ -226,19 +231,25 @@ def whole_model(devices) -> dict:
         params = jax.tree_util.tree_map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape)), shapes)
         inputs = jnp.asarray(rng.integers(0, config.vocab_size, (4, 8)))
         batch = {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1)}
-        loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
+        key = jax.random.PRNGKey(7) if config.dropout else None  # the step's dropout key
+        sources = (("manual", lambda p, b, c: manual_grads.value_and_grad(p, b, c, key=key)),
+                   ("jax.grad", lambda p, b, c: jax.value_and_grad(loss_fn)(p, b, c, key=key)))
+        loss1, grads1 = jax.jit(sources[0][1], static_argnums=2)(params, batch, config)
+        if key is not None:  # the masks drop something: without them the loss is another
+            out[f"whole {cname}: dropout's effect"] = abs(float(loss1) - float(jax.jit(
+                manual_grads.value_and_grad, static_argnums=2)(params, batch, config)[0]))
         params, batch = jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(batch, NamedSharding(mesh, P("data")))
         with jax.set_mesh(mesh):
-            for name, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
+            for name, f in sources:
                 loss, grads = jax.jit(f, static_argnums=2)(params, batch, config)
                 out[f"whole {cname}: {name} loss"] = abs(float(loss) - float(loss1))
                 out[f"whole {cname}: {name} = one device"] = max(
                     float(jnp.max(jnp.abs(a - b))) for a, b in zip(leaves(grads), leaves(grads1), strict=True))
-            text = jax.jit(manual_grads.value_and_grad, static_argnums=2).lower(params, batch, config).as_text()
+            text = jax.jit(sources[0][1], static_argnums=2).lower(params, batch, config).as_text()
             out[f"whole {cname}: all-gathers"] = text.count("stablehlo.all_gather")  # the sequence's, T
             # the embedding's rows split over tensor: the lookup gathers from device i's (V/t, D) = (6, 16)
             # slice of tok_embed (padded from 11 rows), not from the whole (11, 16) table
-            for name, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
+            for name, f in sources:
                 lowered = jax.jit(f, static_argnums=2).lower(params, batch, config).as_text()
                 out[f"whole {cname}: {name} table slices"] = len(re.findall(r"gather.*\(tensor<6x16xf64>", lowered))
                 out[f"whole {cname}: {name} whole tables"] = len(re.findall(r"gather.*\(tensor<11x16xf64>", lowered))
@@ -425,6 +436,8 @@ def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
         assert results[f"whole {cname}: {name} whole tables"] == 0, name
         assert results[f"whole {cname}: {name} loss"] <= TOL
         assert results[f"whole {cname}: {name} = one device"] <= TOL, name
+    if config.dropout:  # the masks dropped something (the equalities above hold each device to its piece)
+        assert results[f"whole {cname}: dropout's effect"] > 1e-3
 
 
 def psum_leaves(config, t: int, sequence: bool) -> int:
@@ -495,7 +508,6 @@ def test_key_value_heads_that_do_not_divide_are_replicated():
 
 
 @pytest.mark.parametrize("changes, what", [
-    (dict(dropout=0.1), "dropout"),
     (dict(attention_impl="pallas"), "attention_impl 'pallas'"),
     (dict(sliding_window=3, layer_types=("full_attention", "sliding_attention")), "layers of more than one kind"),
 ])

@@ -174,8 +174,8 @@ def _query_block(q_i, i, kb, vb, T: int, spec: AttentionSpec, key=None, sb=None)
     """One query block i against every visible key block: (out_i (B, H, K, Dh), lse_i (B, H, K)).
     ``sb``: segment_blocks of the segment ids, or None."""
     f = stats_dtype(q_i.dtype)
-    shape = q_i.shape[:-1]  # (B, H, K)
-    init = (jnp.full(shape, -jnp.inf, f), jnp.zeros(shape, f), jnp.zeros(q_i.shape, f))
+    row = q_i[..., 0]  # (B, H, K): the *_like arrays vary over a shard_map's axes as q_i does (a tensor axis' heads)
+    init = (jnp.full_like(row, -jnp.inf, dtype=f), jnp.zeros_like(row, dtype=f), jnp.zeros_like(q_i, dtype=f))
 
     N, K = kb.shape[0], q_i.shape[-2]
 

@@ -13,19 +13,100 @@ regenerates it from the key instead of keeping it. The keys of one step's forwar
       feed-forward branch   fold_in(k_l, 2)
 
 key None (or rate 0) is no dropout: evaluation, generation and compare-grads.
+
+A mask is jax.random.uniform's over the whole array, and JAX's threefry is partitionable:
+element n's uniform is a hash of (key, n), n its index in the whole array (row-major). So a
+device that holds a piece of the array (under shard_map: its batch rows, its heads, its tokens)
+draws exactly the whole mask's piece, alone (``PieceKey``, ``keep_mask``): a tensor-parallel
+block's dropout equals one device's.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry2x32_p
 
 ATTN_PROBS, ATTN_OUT, FFN_OUT = 0, 1, 2
 
 
+class Piece(NamedTuple):
+    """Where a device's arrays sit in the whole ones its dropout masks cover (under shard_map):
+    for the batch rows, the heads and the tokens, (the whole size, this device's first index),
+    or None where the device holds them all. A site's array is the residual stream's (B, T, D)
+    (rows, tokens) or the attention probabilities' (B, H, Tq, Tk) (rows, heads; their tokens
+    whole: attention reads every token)."""
+    rows: tuple | None = None
+    heads: tuple | None = None
+    tokens: tuple | None = None
+
+
+class PieceKey(NamedTuple):
+    """A dropout key on one device's piece (``Piece``): its masks are the whole masks' piece."""
+    key: jax.Array
+    piece: Piece
+
+
+def _fold(key, n):
+    """fold_in(key, n); a PieceKey's key folded, its piece kept."""
+    if isinstance(key, PieceKey):
+        return PieceKey(jax.random.fold_in(key.key, n), key.piece)
+    return jax.random.fold_in(key, n)
+
+
 def keep_mask(key, rate, shape):
-    """bool (shape): True where the value is kept, each with probability 1 - rate."""
-    return jax.random.uniform(key, shape, jnp.float32) >= jnp.asarray(rate, jnp.float32)
+    """bool (shape): True where the value is kept, each with probability 1 - rate. With a
+    PieceKey: the piece of the whole array's mask this device holds (``piece_uniform``)."""
+    if isinstance(key, PieceKey):
+        u = piece_uniform(key, shape)
+    else:
+        u = jax.random.uniform(key, shape, jnp.float32)
+    return u >= jnp.asarray(rate, jnp.float32)
+
+
+def piece_uniform(key: PieceKey, shape):
+    """jax.random.uniform(key.key, whole, float32)[this device's piece], shape ``shape``, drawn
+    alone: the whole array's shape and the piece's first indices from key.piece (the stream's
+    (B, T, D): rows, tokens; the probabilities' (B, H, Tq, Tk): rows, heads). JAX's
+    partitionable threefry hashes each element's row-major index n as the two words
+    (n >> 32, n mod 2^32) (jax.random's iota_2x32_shape); the uniform is the 23 high bits of
+    the two outputs' xor as the mantissa of a float in [1, 2), minus 1."""
+    if not jax.config.jax_threefry_partitionable:
+        raise ValueError("a dropout mask on one device's piece needs jax_threefry_partitionable (JAX's default); "
+                         "it is off")
+    axes = {3: ("rows", "tokens", None), 4: ("rows", "heads", None, None)}.get(len(shape))
+    if axes is None:
+        raise ValueError(f"a dropout mask on one device's piece masks (B, T, D) or (B, H, Tq, Tk) arrays, not {shape}")
+    spans = [getattr(key.piece, a) if a else None for a in axes]
+    whole = [n if span is None else span[0] for n, span in zip(shape, spans)]
+    strides = [int(np.prod(whole[d + 1:], dtype=np.int64)) if d + 1 < len(whole) else 1 for d in range(len(whole))]
+    hi = lo = jnp.zeros(shape, jnp.uint32)
+    for d, (span, stride) in enumerate(zip(spans, strides)):
+        first = 0 if span is None else span[1]
+        index = jax.lax.broadcasted_iota(jnp.uint32, shape, d) + jnp.asarray(first, jnp.uint32)
+        h, l = _mul_wide(index, stride)
+        lo = lo + l
+        hi = hi + h + (lo < l).astype(jnp.uint32)  # the carry where the low words' sum wrapped
+    data = jax.random.key_data(key.key)
+    b1, b2 = threefry2x32_p.bind(data[0], data[1], hi, lo)
+    bits = (b1 ^ b2) >> jnp.uint32(32 - 23) | jnp.uint32(np.float32(1.0).view(np.uint32))
+    return jax.lax.max(jnp.float32(0), jax.lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1))
+
+
+def _mul_wide(a, b: int):
+    """(high, low) uint32 words of a * b, a uint32 array, b a Python int below 2^64: the
+    64-bit product's words, the 32 x 32 -> 64 products in 16-bit halves."""
+    b_hi, b_lo = b >> 32, b & 0xFFFFFFFF
+    a1, a0 = a >> 16, a & 0xFFFF
+    c1, c0 = jnp.uint32(b_lo >> 16), jnp.uint32(b_lo & 0xFFFF)
+    p00, p01, p10, p11 = a0 * c0, a0 * c1, a1 * c0, a1 * c1  # each below 2^32
+    mid = (p00 >> 16) + (p01 & 0xFFFF) + (p10 & 0xFFFF)  # below 3 * 2^16
+    low = (mid << 16) | (p00 & 0xFFFF)
+    high = p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16) + a * jnp.uint32(b_hi & 0xFFFFFFFF)
+    return high, low
 
 
 def active(rate, key) -> bool:
@@ -45,19 +126,19 @@ def dropout(x, rate, key):
 
 def layer_key(key, l):
     """Block l's key (l may be traced: the scan's layer index)."""
-    return jax.random.fold_in(key, l)
+    return _fold(key, l)
 
 
 def embed_key(key, n_layers: int):
     """The embedding output's key."""
-    return jax.random.fold_in(key, n_layers)
+    return _fold(key, n_layers)
 
 
 def sub_key(key, which: int):
     """One of a block's three dropout keys: ATTN_PROBS, ATTN_OUT or FFN_OUT."""
-    return None if key is None else jax.random.fold_in(key, which)
+    return None if key is None else _fold(key, which)
 
 
 def block_pair_key(key, i, j):
     """The key of the attention-probabilities mask of query block i, key block j."""
-    return jax.random.fold_in(jax.random.fold_in(key, i), j)
+    return _fold(_fold(key, i), j)

@@ -119,7 +119,7 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
         if layers is not MODEL_LAYERS:
             raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: tensor parallelism runs the model's own layers "
                              "(and the manual backward), not custom ones; use tensor=1")
-        x, stats = tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel), None
+        x, stats = tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel, key), None
     else:
         x, stats = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
     if config.norm != "post":

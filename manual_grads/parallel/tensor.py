@@ -46,16 +46,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.dropout import layer_key
 from jaxformer.model.parallel.regions import TENSOR
 from jaxformer.model.parallel.context import local_positions, ring_core_of
 from jaxformer.model.lora import LORA
 from jaxformer.model.parallel.tensor import (KV, adapter_split, attention_local_params, block_specs,
-                                             check_tensor_blocks, enter, ffn_bias, leave, local_config,
+                                             check_tensor_blocks, device_key, enter, ffn_bias, leave, local_config,
                                              replicated_kv, ring_on, segments_spec, split_kv, stream_spec,
                                              tensor_size, with_local_adapters)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
-from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
-                                _post_sublayer_fwd, _sublayer_bwd)
+from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _branch_keys, _in_norm_fwd,
+                                _post_sublayer_bwd, _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
 from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
@@ -129,15 +130,17 @@ class TensorAttentionRes(NamedTuple):
     sequence: bool = False  # static: x and y are device i's T/t tokens
 
 
-def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False):
+def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False,
+                         key=None):
     """tensor_attention with residuals: x (B, T, D) replicated (``sequence``: device i's
-    (B, T/t, D); ``ring``: its (B, T/c, D) of a context axis) -> (y, TensorAttentionRes)."""
+    (B, T/t, D); ``ring``: its (B, T/c, D) of a context axis) -> (y, TensorAttentionRes).
+    ``key``: the probabilities' dropout key, device i's piece (a dropout.PieceKey)."""
     t = jax.lax.axis_size(TENSOR)
     local = with_local_adapters(attention_local_params(p, config, t), p, "attn", replicated_kv(config, t))
     h = enter(x, sequence)
     # attention(local, h, local_config, key, segments=segments, **ring_args(ring, T/c, config)): the ring's pair
     core = (local_positions(h.shape[1]), ring_core_of(config), ring_manual_of(config)) if ring else ()
-    y, res = attention_fwd(local, h, local_config(config, t), None, segments, *core)  # partial sums
+    y, res = attention_fwd(local, h, local_config(config, t), key, segments, *core)  # partial sums
     y = leave(y, sequence)
     return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence)
 
@@ -189,22 +192,25 @@ def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
 NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")  # a layer's norms: on device i's tokens with sequence parallelism
 
 
-def tensor_block_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False):
+def tensor_block_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = False, ring: bool = False,
+                     key=None):
     """One block on device i: manual_grads/block.py's sequence with the tensor-parallel sublayers
-    (``sequence``: x and y device i's T/t tokens; ``ring``: its T/c tokens of a context axis)."""
-    if config.norm == "post":  # x1 = ln1(x + attn(x)); y = ln2(x1 + ffn(x1))
-        a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments, sequence, ring)
-        x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, None, None)
+    (``sequence``: x and y device i's T/t tokens; ``ring``: its T/c tokens of a context axis);
+    ``key``: the layer's dropout key, device i's piece (tensor.device_key), or None."""
+    k_probs, k_attn, k_ffn = _branch_keys(config, key)
+    if config.norm == "post":  # x1 = ln1(x + drop(attn(x))); y = ln2(x1 + drop(ffn(x1)))
+        a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments, sequence, ring, k_probs)
+        x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, k_attn, None)
         f, ffn_res = tensor_feed_forward_fwd(p["ffn"], x1, config, sequence)
-        y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, None, None)
+        y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, k_ffn, None)
         return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
     h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T, D)
-    a, attn_res = tensor_attention_fwd(p["attn"], h1, config, segments, sequence, ring)
-    a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, None, None, "attn", h1, p["attn"])
+    a, attn_res = tensor_attention_fwd(p["attn"], h1, config, segments, sequence, ring, k_probs)
+    a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, k_attn, None, "attn", h1, p["attn"])
     x1 = x + a
     h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
     f, ffn_res = tensor_feed_forward_fwd(p["ffn"], h2, config, sequence)
-    f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, None, None, "ffn", h2, p["ffn"])
+    f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, k_ffn, None, "ffn", h2, p["ffn"])
     y = x1 + f
     return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
 
@@ -255,35 +261,43 @@ class TensorBlocksRes(NamedTuple):
     segments: jax.Array | None = None  # remat "block": the document ids (B, T) the blocks read
     config: ModelConfig | None = None  # static; remat "block" only
     sequence: bool = False  # static; remat "block" only: the blocks ran sequence parallel
+    key: jax.Array | None = None  # remat "block" only: the dropout key the blocks drew from
 
 
-def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):
+def layer_device_key(key, l, x, config: ModelConfig, mesh, sequence: bool):
+    """Layer l's dropout key as device i's piece (tensor.device_key), or None without a key."""
+    return None if key is None else device_key(layer_key(key, l), x, config, mesh, sequence)
+
+
+def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False, key=None):
     """tensor_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) -> (y, TensorBlocksRes)
     (on a mesh with a context axis: x and segments in its zig-zag order, T split over it). With
     remat "block" a layer keeps only its input (device i's view of it); the backward runs its
-    forward again."""
+    forward again. ``key``: dropout's key (None: none): each device draws its piece of layer l's
+    masks (the residuals keep the keys; the backward draws the masks again)."""
     check_tensor_blocks(config, mesh, x, sequence)
     t, ring = tensor_size(mesh), ring_on(mesh)
     specs, rows, every = block_specs(blocks, config, t), segments_spec(mesh), PartitionSpec(mesh.axis_names)
     stream = stream_spec(mesh, sequence)
     remat, static = config.remat == "block", {}
 
-    def step(carry, p):
-        x, s = carry
-        y, res = tensor_block_fwd(p, x, config, s, sequence, ring)
-        if remat:
-            return (y, s), [x]  # the block's input alone (its residuals are dropped)
-        arrays, static["rest"] = split_arrays(res)
-        return (y, s), arrays
+    def fwd(blocks, x, segments, key):
+        def step(carry, xs):
+            x, s = carry
+            p, l = xs
+            y, res = tensor_block_fwd(p, x, config, s, sequence, ring, layer_device_key(key, l, x, config, mesh, sequence))
+            if remat:
+                return (y, s), [x]  # the block's input alone (its residuals are dropped)
+            arrays, static["rest"] = split_arrays(res)
+            return (y, s), arrays
 
-    def fwd(blocks, x, segments):
-        (y, _), arrays = jax.lax.scan(step, (x, segments), blocks)
+        (y, _), arrays = jax.lax.scan(step, (x, segments), (blocks, jnp.arange(config.n_layers)))
         return y, [a[None] for a in arrays]  # device s's residuals: row s
 
-    y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, stream, rows), out_specs=(stream, every),
-                              check_vma=False)(blocks, x, segments)
+    y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, stream, rows, PartitionSpec()),
+                              out_specs=(stream, every), check_vma=False)(blocks, x, segments, key)
     if remat:
-        return y, TensorBlocksRes(arrays, None, specs, mesh, stream, blocks, segments, config, sequence)
+        return y, TensorBlocksRes(arrays, None, specs, mesh, stream, blocks, segments, config, sequence, key)
     return y, TensorBlocksRes(arrays, static["rest"], specs, mesh, stream)
 
 
@@ -293,23 +307,26 @@ def tensor_blocks_bwd(res: TensorBlocksRes, dy):
     batch_axes = tuple(a for a in mesh.axis_names if a != TENSOR)  # the rows' axes, and a context axis' tokens
     remat = res.blocks is not None
 
-    def bwd(arrays, dy, blocks, segments):
+    def bwd(arrays, dy, blocks, segments, key):
         def step(dy, xs):
-            arrays, p = xs
-            if remat:  # remat "block": the block's forward again from its input, for its residuals
-                layer = tensor_block_fwd(p, arrays[0], res.config, segments, res.sequence, ring_on(mesh))[1]
+            arrays, p, l = xs
+            if remat:  # remat "block": the block's forward again from its input (the same masks), for its residuals
+                lkey = layer_device_key(key, l, arrays[0], res.config, mesh, res.sequence)
+                layer = tensor_block_fwd(p, arrays[0], res.config, segments, res.sequence, ring_on(mesh), lkey)[1]
             else:
                 layer = join_arrays(arrays, res.rest)
             dp, dx = tensor_block_bwd(layer, dy)
             return dx, dp
 
-        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks), reverse=True)
+        n_layers = jax.tree_util.tree_leaves(arrays)[0].shape[1]
+        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks, jnp.arange(n_layers)), reverse=True)
         if batch_axes:  # the batch is split over these axes: each device's gradients are its rows'
             grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, batch_axes), grads)
         return grads, dx
 
     if not remat:  # the blocks' params are not read again: a scan over nothing but the residuals
-        return jax.shard_map(lambda arrays, dy: bwd(arrays, dy, None, None), mesh=mesh, in_specs=(every, stream),
+        return jax.shard_map(lambda arrays, dy: bwd(arrays, dy, None, None, None), mesh=mesh, in_specs=(every, stream),
                              out_specs=(res.specs, stream), check_vma=False)(res.arrays, dy)
-    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, res.specs, segments_spec(mesh)),
-                         out_specs=(res.specs, stream), check_vma=False)(res.arrays, dy, res.blocks, res.segments)
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, res.specs, segments_spec(mesh), PartitionSpec()),
+                         out_specs=(res.specs, stream), check_vma=False)(res.arrays, dy, res.blocks, res.segments,
+                                                                         res.key)

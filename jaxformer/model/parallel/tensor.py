@@ -37,6 +37,11 @@ W, A by the same input rows and B replicated, so device i's s (x_i A_i) B is a p
 row-parallel reduction adds with x_i W_i. They are stored replicated (small); each device reads
 its slice. Their dropout is refused (a row-parallel device would draw its own features' mask).
 
+Dropout: each device draws its piece of one device's masks (``device_key``: the layer's key as a
+dropout.PieceKey of the device's batch rows, its H/t heads for the probabilities and, with
+sequence parallelism, its T/t tokens for the branches), so a tensor-parallel step drops exactly
+what one device's does.
+
 ``tensor_blocks`` runs the stacked blocks (L, ...) under ``jax.shard_map`` on a mesh with a
 tensor axis; every other mesh axis splits the batch. A mesh that does not divide the model
 is refused in one line naming the axis, its size and what it must divide (``check_tensor``).
@@ -54,6 +59,7 @@ from jax.sharding import PartitionSpec
 from jaxformer.model.attention import attention
 from jaxformer.model.block import BlockLayers, compose_block
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.dropout import Piece, PieceKey, layer_key
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
@@ -83,7 +89,6 @@ def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> Non
         if n % t:
             raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
     refused = [(config.n_experts, "n_experts (the experts split over the expert axis)"),
-               (config.dropout, "dropout (each device would draw its own heads' masks)"),
                (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
                (config.attention_impl == "pallas", "attention_impl 'pallas' (its kernel per tensor shard)"),
                (config.qk_norm_scope == "projection", "qk_norm_scope 'projection' (a norm over every head's features)"),
@@ -231,6 +236,20 @@ SEQUENCE_LAYERS = BlockLayers(functools.partial(tensor_attention, sequence=True)
 RING_LAYERS = BlockLayers(functools.partial(tensor_attention, ring=True), tensor_feed_forward, layer_norm, rms_norm)
 
 
+def device_key(key, x, config: ModelConfig, mesh, sequence: bool) -> PieceKey:
+    """A block's dropout key as device i's PieceKey (under shard_map over ``mesh``, x its (B/n, T, D) or, with
+    sequence parallelism, (B/n, T/t, D)): its rows of the batch (split over the batch axes, in
+    their order), its H/t heads, and with sequence parallelism its T/t tokens, so that each of
+    its masks is the piece of the one device's mask it holds (dropout.piece_uniform)."""
+    rows, n = 0, 1
+    for a in batch_axes(mesh):
+        rows, n = rows * jax.lax.axis_size(a) + jax.lax.axis_index(a), n * jax.lax.axis_size(a)
+    t, i = jax.lax.axis_size(TENSOR), jax.lax.axis_index(TENSOR)
+    b, tokens = x.shape[0], x.shape[1]
+    return PieceKey(key, Piece(rows=(n * b, rows * b), heads=(config.n_heads, i * (config.n_heads // t)),
+                               tokens=(t * tokens, i * tokens) if sequence else None))
+
+
 def tensor_block(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False, ring: bool = False):
     """One block on device i (under shard_map): the model's compose_block with TENSOR_LAYERS
     (SEQUENCE_LAYERS: x and y device i's T/t tokens; RING_LAYERS: its T/c tokens of a context axis)."""
@@ -299,20 +318,25 @@ def check_tensor_blocks(config: ModelConfig, mesh, x, sequence: bool) -> None:
         check_context_model(config, axis_size(mesh, CONTEXT), x.shape[1], t)
 
 
-def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False):
+def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False, key=None):
     """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), each block
     tensor parallel over the mesh's tensor axis, the batch split over its other axes;
     ``sequence``: the activations between the sublayers split along T as well. On a mesh with a
-    context axis, x and segments are in its zig-zag order, T split over it, attention the ring."""
+    context axis, x and segments are in its zig-zag order, T split over it, attention the ring.
+    ``key``: dropout's key (None: none); block l draws layer_key(key, l)'s masks, each device
+    its piece of them (``device_key``): the masks one device draws."""
     check_tensor_blocks(config, mesh, x, sequence)
     t, ring = tensor_size(mesh), ring_on(mesh)
 
-    def local(blocks, x, segments):
-        layer = lambda p, x: tensor_block(p, x, config, None, segments, sequence, ring)  # noqa: E731
+    def local(blocks, x, segments, *key):
+        def layer(p, x, l):
+            lkey = device_key(layer_key(key[0], l), x, config, mesh, sequence) if key else None
+            return tensor_block(p, x, config, lkey, segments, sequence, ring)
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
             layer = jax.checkpoint(layer)
-        return jax.lax.scan(lambda x, p: (layer(p, x), None), x, blocks)[0]
+        return jax.lax.scan(lambda x, pl: (layer(pl[0], x, pl[1]), None), x, (blocks, jnp.arange(config.n_layers)))[0]
 
     stream = stream_spec(mesh, sequence)
-    return jax.shard_map(local, mesh=mesh, in_specs=(block_specs(blocks, config, t), stream, segments_spec(mesh)),
-                         out_specs=stream)(blocks, x, segments)
+    keys = () if key is None else (key,)
+    specs = (block_specs(blocks, config, t), stream, segments_spec(mesh)) + (PartitionSpec(),) * len(keys)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=stream)(blocks, x, segments, *keys)
