@@ -13,8 +13,9 @@ run again in the backward) on context=2 with packed documents whose boundaries c
 chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split): the
 GPT-2-like one on data=2 x tensor=2 x context=2, the blockwise Llama-like one with documents and
 remat "block" on tensor=2 x context=4; a mixture of experts (the Llama-like one with 4 experts,
-2 a token, a shared expert, the load-balancing and z losses) with documents on data=2 x
-context=2; LoRA adapters over the blockwise one on data=2 x context=2. Each mesh's loss and
+2 a token, a shared expert, the load-balancing and z losses) with documents on expert=2 x
+context=2 (the batch's rows split over expert, the experts whole on each device inside the
+ring); LoRA adapters over the blockwise one on data=2 x context=2. Each mesh's loss and
 every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
 collectives counted, and every program's logits shapes. The refusals run in this process."""
@@ -37,7 +38,7 @@ B, T = 4, 16
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
 # (model, mesh axes, sizes, packed documents)
 CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama-blockwise", ("context",), (4,), False),
-         ("llama-remat", ("context",), (2,), True), ("moe", ("data", "context"), (2, 2), True)]
+         ("llama-remat", ("context",), (2,), True), ("moe", ("expert", "context"), (2, 2), True)]
 # with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
 # rows split over it), attention the ring, the head's vocabulary split over tensor (V = 11 padded)
 TENSOR_CASES = [("gpt2", ("data", "tensor", "context"), (2, 2, 2), False),
@@ -110,6 +111,7 @@ def run_cases() -> dict:
 
     import manual_grads
     from jaxformer import loss_fn
+    from jaxformer.model.parallel.regions import batch_axes
     from jaxformer.model.params import init_params
 
     out, leaves = {}, jax.tree_util.tree_leaves
@@ -129,11 +131,11 @@ def run_cases() -> dict:
             batch["segments"] = jnp.asarray(DOCUMENTS)
         loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
         mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
-        rows = P("data") if "data" in names else P()
+        rows = P(batch_axes(mesh) or None)  # the rows over data (or expert), where the mesh has it
         sizes = dict(zip(names, shape))
-        per_device = B // sizes.get("data", 1)  # the batch's rows on a device
+        per_device = B // int(np.prod([sizes[a] for a in batch_axes(mesh)]))  # the batch's rows on a device
         params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated
-        batch = jax.device_put(batch, NamedSharding(mesh, rows))  # the rows over data, where the mesh has it
+        batch = jax.device_put(batch, NamedSharding(mesh, rows))
         with jax.set_mesh(mesh):
             for what, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
                 lowered = jax.jit(f, static_argnums=2).lower(params, batch, config)
