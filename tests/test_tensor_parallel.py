@@ -12,7 +12,8 @@ mesh's loss, manual gradients and jax.grad through the same sharded forward are 
 device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10; the manual
 program's collectives are counted in its HLO (``collectives``); the whole model under
 ``jax.set_mesh`` of data=2 x tensor=2 (its blocks tensor parallel) equals one device, dropout
-included (each device's piece of one device's masks: the same key); the head and
+included (each device's piece of one device's masks: the same key), and a mixture of experts
+(each expert's hidden features split over tensor); the head and
 loss with the vocabulary split (parallel/vocab.py) equal one device's. The refusals and the sub-room's
 source rules run in this process."""
 
@@ -50,6 +51,11 @@ def configs():
                                     tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
     configs["llama-blockwise-dropout"] = configs["llama"].replace(attention_impl="blockwise", attention_block=4,
                                                                   dropout=0.2)
+    # mixture of experts (4, 2 a token) with a shared expert, the load-balancing and z losses: each
+    # expert's F/t features on a device, the router replicated
+    configs["moe-sequence"] = configs["llama"].replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8,
+                                                       moe_aux_loss_coef=0.1, router_z_loss_coef=0.01,
+                                                       sequence_parallel=True)
     return configs
 
 
@@ -203,8 +209,9 @@ def vocab_head(devices) -> dict:
 
 # the whole model on data=2 x tensor=2 (sequence_parallel: T split too; remat "block": each block's
 # forward run again in the backward; dropout: each device draws its piece of one device's masks,
-# on its rows, heads and (sequence_parallel) tokens; the blockwise core's masks block pair by pair)
-WHOLE = ("gpt2", "llama", "gpt2-sequence-remat-dropout", "llama-blockwise-dropout")
+# on its rows, heads and (sequence_parallel) tokens; the blockwise core's masks block pair by pair;
+# MoE: the experts' hidden features split, the router's statistics over the whole batch)
+WHOLE = ("gpt2", "llama", "gpt2-sequence-remat-dropout", "llama-blockwise-dropout", "moe-sequence")
 
 
 def whole_model(devices) -> dict:

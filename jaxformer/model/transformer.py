@@ -119,7 +119,8 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
         if layers is not MODEL_LAYERS:
             raise ValueError(f"mesh axis tensor={tensor_size(mesh)}: tensor parallelism runs the model's own layers "
                              "(and the manual backward), not custom ones; use tensor=1")
-        x, stats = tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel, key), None
+        x, stats = ffn_output(tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel,
+                                            key), config)
     else:
         x, stats = jax.lax.scan(step, x, (params["blocks"], jnp.arange(config.n_layers)))
     if config.norm != "post":
@@ -141,7 +142,8 @@ def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, 
         inputs, segments = ring_ordered(inputs, mesh), ring_ordered(segments, mesh)
     x = upcast(embed(params, inputs, config, None, ring_positions(inputs.shape[1], c)))  # no dropout: refused
     if tensor_mesh() is not None:  # a tensor axis beside: the blocks tensor parallel too, attention the ring
-        x, stats = tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel), None
+        x, stats = ffn_output(tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel),
+                              config)
     else:
         x, stats = ffn_output(context_blocks(params["blocks"], x, config, mesh, segments), config)
     if config.norm != "post":

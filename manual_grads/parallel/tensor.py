@@ -43,21 +43,24 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import layer_key
-from jaxformer.model.parallel.regions import TENSOR
+from jaxformer.model.parallel.regions import TENSOR, token_axes
 from jaxformer.model.parallel.context import local_positions, ring_core_of
 from jaxformer.model.lora import LORA
-from jaxformer.model.parallel.tensor import (KV, adapter_split, attention_local_params, block_specs,
+from jaxformer.model.parallel.tensor import (KV, MOE_SHARED, adapter_split, attention_local_params, block_specs,
                                              check_tensor_blocks, device_key, enter, ffn_bias, leave, local_config,
+                                             moe_global_stats, moe_local_params,
                                              replicated_kv, ring_on, segments_spec, split_kv, stream_spec,
                                              tensor_size, with_local_adapters)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _branch_keys, _in_norm_fwd,
                                 _post_sublayer_bwd, _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
+from manual_grads.moe import MoeRes, moe_bwd, moe_fwd
 from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
                                            reduce_scatter_to_sequence_bwd, scatter_to_tensor_bwd)
@@ -166,13 +169,17 @@ def tensor_attention_bwd(res: TensorAttentionRes, dy):
 
 
 class TensorFeedForwardRes(NamedTuple):
-    ffn: FeedForwardRes | GatedFeedForwardRes  # device i's F/t features
+    ffn: FeedForwardRes | GatedFeedForwardRes | MoeRes  # device i's F/t features (each expert's)
     bias: str | None  # static: the row-parallel bias' name, None without one
     sequence: bool = False  # static: x and y are device i's T/t tokens
 
 
 def tensor_feed_forward_fwd(p, x, config: ModelConfig, sequence: bool = False):
-    """tensor_feed_forward with residuals: x (B, T, D) -> (y (B, T, D), TensorFeedForwardRes)."""
+    """tensor_feed_forward with residuals: x (B, T, D) -> (y (B, T, D), TensorFeedForwardRes);
+    with n_experts y is (y, MoeStats), the statistics the same on every device of the axis."""
+    if config.n_experts:  # y, stats = moe(moe_local_params(p), enter(x), config); leave(y)
+        (y, stats), res = moe_fwd(moe_local_params(p), enter(x, sequence), config)
+        return (leave(y, sequence), stats), TensorFeedForwardRes(res, None, sequence)
     bias = ffn_bias(p)
     local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn")
     y, res = feed_forward_fwd(local, enter(x, sequence), config.activation, config.compute_dtype)
@@ -183,6 +190,12 @@ def tensor_feed_forward_fwd(p, x, config: ModelConfig, sequence: bool = False):
 def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
     """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
     # y = leave(feed_forward(local, enter(x))) + b
+    if isinstance(res.ffn, MoeRes):  # y = leave(moe(moe_local_params(p), enter(x)))
+        dp, dh = moe_bwd(res.ffn, leave_bwd(dy, res.sequence))
+        for n in MOE_SHARED:  # the router and the shared expert's gate, read per device: their parts summed
+            if n in dp:
+                dp[n] = copy_to_tensor_bwd(dp[n])
+        return dp, enter_bwd(dh, res.sequence)
     dp, dh = feed_forward_bwd(res.ffn, leave_bwd(dy, res.sequence))
     if res.bias:
         dp[res.bias] = token_sum(bias_grad(dy), res.sequence)
@@ -202,6 +215,7 @@ def tensor_block_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = 
         a, attn_res = tensor_attention_fwd(p["attn"], x, config, segments, sequence, ring, k_probs)
         x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, k_attn, None)
         f, ffn_res = tensor_feed_forward_fwd(p["ffn"], x1, config, sequence)
+        f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
         y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, k_ffn, None)
         return y, PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
     h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T, D)
@@ -210,13 +224,18 @@ def tensor_block_fwd(p, x, config: ModelConfig, segments=None, sequence: bool = 
     x1 = x + a
     h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
     f, ffn_res = tensor_feed_forward_fwd(p["ffn"], h2, config, sequence)
+    f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
     f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, k_ffn, None, "ffn", h2, p["ffn"])
     y = x1 + f
     return y, PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
 
 
 def tensor_block_bwd(res, dy):
-    """dy (B, T, D) -> (dp with one layer's keys, dx (B, T, D))."""
+    """dy (B, T, D) -> (dp with one layer's keys, dx (B, T, D)). With n_experts dy is (dy, this
+    device's part of the MoE statistics' cotangents), which join the MoE residual."""
+    if isinstance(dy, tuple):
+        dy, dstats = dy
+        res = res._replace(ffn=res.ffn._replace(ffn=res.ffn.ffn._replace(dstats=dstats)))
     if isinstance(res, PostBlockRes):
         # y = ln2(x1 + ffn(x1)); x1 = ln1(x + attn(x))
         d_ln2, d_ffn, dx1 = _post_sublayer_bwd(res.ln2, "ln2", res.drop_ffn, res.ffn, tensor_feed_forward_bwd,
@@ -286,30 +305,40 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
             x, s = carry
             p, l = xs
             y, res = tensor_block_fwd(p, x, config, s, sequence, ring, layer_device_key(key, l, x, config, mesh, sequence))
+            stats = res.ffn.ffn.stats if config.n_experts else None  # the MoE layer's, over device i's tokens
             if remat:
-                return (y, s), [x]  # the block's input alone (its residuals are dropped)
+                return (y, s), ([x], stats)  # the block's input alone (its residuals are dropped)
             arrays, static["rest"] = split_arrays(res)
-            return (y, s), arrays
+            return (y, s), (arrays, stats)
 
-        (y, _), arrays = jax.lax.scan(step, (x, segments), (blocks, jnp.arange(config.n_layers)))
-        return y, [a[None] for a in arrays]  # device s's residuals: row s
+        (y, _), (arrays, stats) = jax.lax.scan(step, (x, segments), (blocks, jnp.arange(config.n_layers)))
+        stats = None if stats is None else moe_global_stats(stats, mesh)  # over the whole batch
+        return y, [a[None] for a in arrays], stats  # device s's residuals: row s
 
-    y, arrays = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, stream, rows, PartitionSpec()),
-                              out_specs=(stream, every), check_vma=False)(blocks, x, segments, key)
+    y, arrays, stats = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, stream, rows, PartitionSpec()),
+                                     out_specs=(stream, every, PartitionSpec()), check_vma=False)(blocks, x, segments, key)
+    y = (y, stats) if config.n_experts else y
     if remat:
         return y, TensorBlocksRes(arrays, None, specs, mesh, stream, blocks, segments, config, sequence, key)
     return y, TensorBlocksRes(arrays, static["rest"], specs, mesh, stream)
 
 
 def tensor_blocks_bwd(res: TensorBlocksRes, dy):
-    """dy (B, T, D) -> (the blocks' gradients (L, ...), laid out as the blocks, dx (B, T, D))."""
+    """dy (B, T, D) -> (the blocks' gradients (L, ...), laid out as the blocks, dx (B, T, D)). With
+    n_experts dy is (dy, the cotangents of the MoE statistics stacked over L): their pmean over the
+    token axes and tensor (moe_global_stats) hands each device 1/n of them."""
     mesh, stream, every = res.mesh, res.stream, PartitionSpec(res.mesh.axis_names)
     batch_axes = tuple(a for a in mesh.axis_names if a != TENSOR)  # the rows' axes, and a context axis' tokens
     remat = res.blocks is not None
+    dy, dstats = dy if isinstance(dy, tuple) else (dy, None)
+    if dstats is not None:  # stats = pmean(stats_i) over the token axes and tensor: dstats_i = dstats / n
+        n = int(np.prod([dict(mesh.shape)[a] for a in (*token_axes(mesh)[0], TENSOR)]))
+        dstats = jax.tree_util.tree_map(lambda d: d / n, dstats)
 
-    def bwd(arrays, dy, blocks, segments, key):
+    def bwd(arrays, dy, blocks, segments, key, dstats):
         def step(dy, xs):
-            arrays, p, l = xs
+            arrays, p, l, dstats_l = xs
+            dy = dy if dstats_l is None else (dy, dstats_l)
             if remat:  # remat "block": the block's forward again from its input (the same masks), for its residuals
                 lkey = layer_device_key(key, l, arrays[0], res.config, mesh, res.sequence)
                 layer = tensor_block_fwd(p, arrays[0], res.config, segments, res.sequence, ring_on(mesh), lkey)[1]
@@ -319,14 +348,16 @@ def tensor_blocks_bwd(res: TensorBlocksRes, dy):
             return dx, dp
 
         n_layers = jax.tree_util.tree_leaves(arrays)[0].shape[1]
-        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks, jnp.arange(n_layers)), reverse=True)
+        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks, jnp.arange(n_layers), dstats), reverse=True)
         if batch_axes:  # the batch is split over these axes: each device's gradients are its rows'
             grads = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, batch_axes), grads)
         return grads, dx
 
     if not remat:  # the blocks' params are not read again: a scan over nothing but the residuals
-        return jax.shard_map(lambda arrays, dy: bwd(arrays, dy, None, None, None), mesh=mesh, in_specs=(every, stream),
-                             out_specs=(res.specs, stream), check_vma=False)(res.arrays, dy)
-    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, res.specs, segments_spec(mesh), PartitionSpec()),
+        return jax.shard_map(lambda arrays, dy, dstats: bwd(arrays, dy, None, None, None, dstats), mesh=mesh,
+                             in_specs=(every, stream, PartitionSpec()), out_specs=(res.specs, stream),
+                             check_vma=False)(res.arrays, dy, dstats)
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, res.specs, segments_spec(mesh), PartitionSpec(),
+                                                   PartitionSpec()),
                          out_specs=(res.specs, stream), check_vma=False)(res.arrays, dy, res.blocks, res.segments,
-                                                                         res.key)
+                                                                         res.key, dstats)

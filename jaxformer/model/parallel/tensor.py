@@ -63,6 +63,7 @@ from jaxformer.model.dropout import Piece, PieceKey, layer_key
 from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
+from jaxformer.model.moe import moe
 from jaxformer.model.parallel.context import check_context_model, local_positions, ring_core_of
 from jaxformer.model.lora import LORA
 from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
@@ -88,8 +89,7 @@ def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> Non
     for what, n in sizes + ([("the sequence length", seq_len)] if seq_len is not None else []):
         if n % t:
             raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
-    refused = [(config.n_experts, "n_experts (the experts split over the expert axis)"),
-               (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
+    refused = [(mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
                (config.attention_impl == "pallas", "attention_impl 'pallas' (its kernel per tensor shard)"),
                (config.qk_norm_scope == "projection", "qk_norm_scope 'projection' (a norm over every head's features)"),
                (config.attention_impl == "cudnn", "attention_impl 'cudnn' (no hand-derived backward)")]
@@ -220,9 +220,26 @@ def ffn_bias(p) -> str:
     return "b_down" if "w_gate" in p else "b_out"
 
 
+MOE_SHARED = ("router", "shared_gate")  # an MoE layer's replicated leaves, read per device
+
+
+def moe_local_params(p) -> dict:
+    """One device's MoE layer params as moe() reads them: the experts' w_gate, w_up (E, D, F/t)
+    and w_down (E, F/t, D) and the shared expert's MLP are device i's slices already (block_specs);
+    the router and the shared expert's gate are replicated, read per device (copy_to_tensor)."""
+    return {n: copy_to_tensor(v) if n in MOE_SHARED else v for n, v in p.items()}
+
+
 def tensor_feed_forward(p, x, config: ModelConfig, sequence: bool = False):
     """The feed-forward on device i's F/t hidden features (under shard_map): x (B, T, D)
-    replicated -> y (B, T, D) replicated (``sequence``: device i's (B, T/t, D) each)."""
+    replicated -> y (B, T, D) replicated (``sequence``: device i's (B, T/t, D) each). With
+    n_experts the MoE layer on each expert's F/t features (and the shared expert's Fs/t): every
+    device routes every token alike (the router replicated), so its partial y is the gates times
+    its experts' partial outputs, summed over the axis as a dense layer's; (y, MoeStats), the
+    statistics the same on every device of the axis."""
+    if config.n_experts:
+        y, stats = moe(moe_local_params(p), enter(x, sequence), config)  # partial sums
+        return leave(y, sequence), stats
     bias = ffn_bias(p)
     local = with_local_adapters({n: v for n, v in p.items() if n != bias}, p, "ffn")
     y = feed_forward(local, enter(x, sequence), config.activation, config.compute_dtype)  # partial sums
@@ -252,9 +269,11 @@ def device_key(key, x, config: ModelConfig, mesh, sequence: bool) -> PieceKey:
 
 def tensor_block(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False, ring: bool = False):
     """One block on device i (under shard_map): the model's compose_block with TENSOR_LAYERS
-    (SEQUENCE_LAYERS: x and y device i's T/t tokens; RING_LAYERS: its T/c tokens of a context axis)."""
+    (SEQUENCE_LAYERS: x and y device i's T/t tokens; RING_LAYERS: its T/c tokens of a context axis).
+    With n_experts: (y, the MoE layer's MoeStats over device i's rows)."""
     layers = RING_LAYERS if ring else SEQUENCE_LAYERS if sequence else TENSOR_LAYERS
-    return compose_block(p, x, config, layers, key, segments)[0]
+    y, aux = compose_block(p, x, config, layers, key, segments)
+    return (y, aux[1]) if config.n_experts else y
 
 
 # ----------------------------------------------------------------------------
@@ -275,7 +294,8 @@ def block_specs(blocks, config: ModelConfig, t: int):
     leaves split along their last axis, row-parallel along their rows, the rest replicated."""
     def spec(path, leaf):
         keys = [k.key for k in path]
-        return leaf_spec(keys[0], keys[1] if len(keys) > 1 else "", leaf.ndim, split_kv(config, t))
+        name = keys[2] if keys[1:2] == ["shared"] else keys[1] if len(keys) > 1 else ""  # the shared expert's MLP
+        return leaf_spec(keys[0], name, leaf.ndim, split_kv(config, t))
     return jax.tree_util.tree_map_with_path(spec, blocks)
 
 
@@ -319,7 +339,8 @@ def check_tensor_blocks(config: ModelConfig, mesh, x, sequence: bool) -> None:
 
 
 def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False, key=None):
-    """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), each block
+    """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D) (with n_experts
+    (y, the MoE layers' statistics stacked over L, over the whole batch)), each block
     tensor parallel over the mesh's tensor axis, the batch split over its other axes;
     ``sequence``: the activations between the sublayers split along T as well. On a mesh with a
     context axis, x and segments are in its zig-zag order, T split over it, attention the ring.
@@ -334,9 +355,23 @@ def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence:
             return tensor_block(p, x, config, lkey, segments, sequence, ring)
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
             layer = jax.checkpoint(layer)
-        return jax.lax.scan(lambda x, pl: (layer(pl[0], x, pl[1]), None), x, (blocks, jnp.arange(config.n_layers)))[0]
+        if not config.n_experts:
+            return jax.lax.scan(lambda x, pl: (layer(pl[0], x, pl[1]), None), x,
+                                (blocks, jnp.arange(config.n_layers)))[0]
+        y, stats = jax.lax.scan(lambda x, pl: layer(pl[0], x, pl[1]), x, (blocks, jnp.arange(config.n_layers)))
+        return y, moe_global_stats(stats, mesh)
 
     stream = stream_spec(mesh, sequence)
     keys = () if key is None else (key,)
     specs = (block_specs(blocks, config, t), stream, segments_spec(mesh)) + (PartitionSpec(),) * len(keys)
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=stream)(blocks, x, segments, *keys)
+    out = (stream, PartitionSpec()) if config.n_experts else stream
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out)(blocks, x, segments, *keys)
+
+
+def moe_global_stats(stats, mesh):
+    """Inside tensor_blocks' shard_map: the MoE layers' statistics over device i's tokens -> over
+    the whole batch, as one device computes them: their pmean over the axes the tokens split over
+    (every device holds as many: regions.token_axes) and over tensor (where every device computed
+    the same)."""
+    axes = (*token_axes(mesh)[0], TENSOR)
+    return jax.tree_util.tree_map(lambda s: jax.lax.pmean(s, axes), stats)
