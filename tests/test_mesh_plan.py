@@ -44,14 +44,15 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
     assert "global batch 2 does not divide over data x fsdp x expert = 4" in \
         dict(aot_plan.refused_meshes(blockwise, 4, batch_size=2))["data=4,fsdp=1"]
 
-    # experts: an expert axis that divides n_experts (4), never with a tensor axis
+    # experts: an expert axis that divides n_experts (4), and a tensor axis (each expert's hidden
+    # features split over it), alone or beside an expert axis
     moe = get_preset("tiny-moe")
     taken = aot_plan.candidate_meshes(moe, 8)
-    assert {"data=4,fsdp=1,expert=2", "data=2,fsdp=1,expert=4", "data=1,fsdp=2,expert=4"} <= set(taken)
-    assert not any("tensor" in m or "expert=8" in m for m in taken)
+    assert {"data=4,fsdp=1,expert=2", "data=2,fsdp=1,expert=4", "data=1,fsdp=2,expert=4", "data=4,fsdp=1,tensor=2",
+            "data=2,fsdp=1,expert=2,tensor=2"} <= set(taken)
+    assert not any("expert=8" in m for m in taken)
     refused = dict(aot_plan.refused_meshes(moe, 8))
     assert "n_experts 4 does not divide over the mesh's expert axis (expert=8)" in refused["data=1,fsdp=1,expert=8"]
-    assert "does not run n_experts" in refused["data=4,fsdp=1,tensor=2"]
 
     # a context axis (the sequence split, ring attention) only when asked for, on the full or the
     # blockwise core, where 2 x context divides the sequence

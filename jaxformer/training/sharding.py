@@ -167,7 +167,8 @@ def tensor_axis(path, shape: tuple[int, ...], tensor: int) -> int | None:
     if tensor == 1 or "blocks" not in keys or keys.index("blocks") + 2 >= len(keys):
         return None
     i = keys.index("blocks")
-    spec = tensor_leaf_spec(keys[i + 1], keys[i + 2], len(shape), kv_split=True)
+    name = keys[i + 3] if keys[i + 2] == "shared" and i + 3 < len(keys) else keys[i + 2]  # the shared expert's MLP
+    spec = tensor_leaf_spec(keys[i + 1], name, len(shape), kv_split=True)
     axis = next((a for a, name in enumerate(spec) if name == TENSOR), None)
     return axis if axis is not None and shape[axis] % tensor == 0 else None
 
