@@ -31,6 +31,15 @@ leaves with reduce_scatter_to_sequence (their backwards: reduce-scatter, all-gat
 norms, residual adds and row-parallel biases run on device i's T/t tokens: their gradients are
 device i's tokens' part, summed over the tensor axis (``token_sum``) as over the batch axes.
 
+Dropout: each layer's key is device i's piece of one device's (tensor.device_key); the residuals
+keep the keys and the backward draws the same masks again (manual_grads/dropout.py).
+
+With n_experts the feed-forward is the MoE layer on each expert's F/t features (moe_fwd / moe_bwd
+on moe_local_params): the router and the shared expert's gate are read per device (their
+gradients psum'd, copy_to_tensor_bwd); the statistics, the same on every device of the axis, are
+pmean'd over the token axes and tensor in the forward, so each device's part of their cotangents
+is 1/n of the whole (``tensor_blocks_bwd``).
+
 The manual shard_maps run with check_vma=False: the transposes are the ones written here,
 proven equal to one device and to automatic differentiation of the model's forward in
 tests/test_tensor_parallel.py (that forward keeps JAX's varying/invariant types, so that

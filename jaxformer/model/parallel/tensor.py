@@ -37,6 +37,11 @@ W, A by the same input rows and B replicated, so device i's s (x_i A_i) B is a p
 row-parallel reduction adds with x_i W_i. They are stored replicated (small); each device reads
 its slice. Their dropout is refused (a row-parallel device would draw its own features' mask).
 
+Mixture of experts: each expert's gated MLP splits as the dense one (w_gate, w_up by their F
+columns, w_down by its F rows), the shared expert's too; the router and the shared expert's gate
+are replicated (``moe_local_params``), so every device routes every token alike and its output
+is a partial sum; the router's statistics are pmean'd to the whole batch's (``moe_global_stats``).
+
 Dropout: each device draws its piece of one device's masks (``device_key``: the layer's key as a
 dropout.PieceKey of the device's batch rows, its H/t heads for the probabilities and, with
 sequence parallelism, its T/t tokens for the branches), so a tensor-parallel step drops exactly
