@@ -12,7 +12,8 @@ mesh's loss, manual gradients and jax.grad through the same sharded forward are 
 device's manual backward (test_block.py holds it to jax.grad), per leaf, to 1e-10; the manual
 program's collectives are counted in its HLO (``collectives``); the whole model under
 ``jax.set_mesh`` of data=2 x tensor=2 (its blocks tensor parallel) equals one device, dropout
-included (each device's piece of one device's masks: the same key), and a mixture of experts
+included (each device's piece of one device's masks: the same key), layers of two kinds (a
+sliding window, then full attention), and a mixture of experts
 (each expert's hidden features split over tensor); the head and
 loss with the vocabulary split (parallel/vocab.py) equal one device's. The refusals and the sub-room's
 source rules run in this process."""
@@ -49,8 +50,10 @@ def configs():
                "llama": ModelConfig(**base, norm="post", norm_type="rms", mlp="gated", activation="silu",
                                     positions="rope", n_kv_heads=2, qk_norm=True,
                                     tie_embeddings=True, head_bias=False, logit_softcap=3.0, loss_chunk=5)}
-    configs["llama-blockwise-dropout"] = configs["llama"].replace(attention_impl="blockwise", attention_block=4,
-                                                                  dropout=0.2)
+    # layers of two kinds: a sliding window of 3 (its own rotary base), then full attention
+    configs["llama-mixed-blockwise-dropout"] = configs["llama"].replace(
+        attention_impl="blockwise", attention_block=4, dropout=0.2, sliding_window=3, rope_local_theta=100.0,
+        layer_types=("sliding_attention", "full_attention"))
     # mixture of experts (4, 2 a token) with a shared expert, the load-balancing and z losses: each
     # expert's F/t features on a device, the router replicated
     configs["moe-sequence"] = configs["llama"].replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8,
@@ -210,8 +213,9 @@ def vocab_head(devices) -> dict:
 # the whole model on data=2 x tensor=2 (sequence_parallel: T split too; remat "block": each block's
 # forward run again in the backward; dropout: each device draws its piece of one device's masks,
 # on its rows, heads and (sequence_parallel) tokens; the blockwise core's masks block pair by pair;
+# layers of two kinds: each layer's own config, its inputs kept alone;
 # MoE: the experts' hidden features split, the router's statistics over the whole batch)
-WHOLE = ("gpt2", "llama", "gpt2-sequence-remat-dropout", "llama-blockwise-dropout", "moe-sequence")
+WHOLE = ("gpt2", "llama", "gpt2-sequence-remat-dropout", "llama-mixed-blockwise-dropout", "moe-sequence")
 
 
 def whole_model(devices) -> dict:
@@ -516,7 +520,7 @@ def test_key_value_heads_that_do_not_divide_are_replicated():
 
 @pytest.mark.parametrize("changes, what", [
     (dict(attention_impl="pallas"), "attention_impl 'pallas'"),
-    (dict(sliding_window=3, layer_types=("full_attention", "sliding_attention")), "layers of more than one kind"),
+    (dict(qk_norm=True, qk_norm_scope="projection"), "qk_norm_scope 'projection'"),
 ])
 def test_unsupported_options_are_refused(changes, what):
     with pytest.raises(ValueError, match=f"tensor=2: tensor parallelism does not run {what}"):

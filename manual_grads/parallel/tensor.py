@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import layer_key
+from jaxformer.model.layer_kinds import mixed, per_layer
 from jaxformer.model.parallel.regions import TENSOR, token_axes
 from jaxformer.model.parallel.context import local_positions, ring_core_of
 from jaxformer.model.lora import LORA
@@ -285,7 +286,7 @@ class TensorBlocksRes(NamedTuple):
     specs: object  # static: the blocks' PartitionSpec tree
     mesh: object  # static: the mesh
     stream: PartitionSpec = PartitionSpec()  # static: the residual stream's spec (stream_spec)
-    blocks: dict | None = None  # remat "block": the stacked params, to run each block's forward again
+    blocks: dict | None = None  # remat "block" (or mixed kinds): the stacked params, to run each block's forward again
     segments: jax.Array | None = None  # remat "block": the document ids (B, T) the blocks read
     config: ModelConfig | None = None  # static; remat "block" only
     sequence: bool = False  # static; remat "block" only: the blocks ran sequence parallel
@@ -307,17 +308,25 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
     t, ring = tensor_size(mesh), ring_on(mesh)
     specs, rows, every = block_specs(blocks, config, t), segments_spec(mesh), PartitionSpec(mesh.axis_names)
     stream = stream_spec(mesh, sequence)
-    remat, static = config.remat == "block", {}
+    # layers of several kinds keep their inputs alone as with remat "block": a kind's residuals
+    # have a structure of their own, which lax.switch (per_layer) cannot return
+    remat, static = config.remat == "block" or mixed(config), {}
 
     def fwd(blocks, x, segments, key):
         def step(carry, xs):
             x, s = carry
             p, l = xs
-            y, res = tensor_block_fwd(p, x, config, s, sequence, ring, layer_device_key(key, l, x, config, mesh, sequence))
-            stats = res.ffn.ffn.stats if config.n_experts else None  # the MoE layer's, over device i's tokens
-            if remat:
-                return (y, s), ([x], stats)  # the block's input alone (its residuals are dropped)
-            arrays, static["rest"] = split_arrays(res)
+            lkey = layer_device_key(key, l, x, config, mesh, sequence)
+
+            def run(c):  # layer l's config (layer_kinds.per_layer)
+                y, res = tensor_block_fwd(p, x, c, s, sequence, ring, lkey)
+                stats = res.ffn.ffn.stats if config.n_experts else None  # the MoE layer's, over device i's tokens
+                if remat:
+                    return y, [x], stats  # the block's input alone (its residuals are dropped)
+                arrays, static["rest"] = split_arrays(res)
+                return y, arrays, stats
+
+            y, arrays, stats = per_layer(config, l, run)
             return (y, s), (arrays, stats)
 
         (y, _), (arrays, stats) = jax.lax.scan(step, (x, segments), (blocks, jnp.arange(config.n_layers)))
@@ -348,13 +357,16 @@ def tensor_blocks_bwd(res: TensorBlocksRes, dy):
         def step(dy, xs):
             arrays, p, l, dstats_l = xs
             dy = dy if dstats_l is None else (dy, dstats_l)
-            if remat:  # remat "block": the block's forward again from its input (the same masks), for its residuals
-                lkey = layer_device_key(key, l, arrays[0], res.config, mesh, res.sequence)
-                layer = tensor_block_fwd(p, arrays[0], res.config, segments, res.sequence, ring_on(mesh), lkey)[1]
-            else:
-                layer = join_arrays(arrays, res.rest)
-            dp, dx = tensor_block_bwd(layer, dy)
-            return dx, dp
+            if not remat:
+                dp, dx = tensor_block_bwd(join_arrays(arrays, res.rest), dy)
+                return dx, dp
+            lkey = layer_device_key(key, l, arrays[0], res.config, mesh, res.sequence)
+
+            def run(c):  # the block's forward again from its input (the same masks), for its residuals
+                layer = tensor_block_fwd(p, arrays[0], c, segments, res.sequence, ring_on(mesh), lkey)[1]
+                dp, dx = tensor_block_bwd(layer, dy)
+                return dx, dp
+            return per_layer(res.config, l, run)  # layer l's config (layer_kinds.per_layer)
 
         n_layers = jax.tree_util.tree_leaves(arrays)[0].shape[1]
         dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks, jnp.arange(n_layers), dstats), reverse=True)

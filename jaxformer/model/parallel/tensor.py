@@ -65,7 +65,7 @@ from jaxformer.model.attention import attention
 from jaxformer.model.block import BlockLayers, compose_block
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import Piece, PieceKey, layer_key
-from jaxformer.model.layer_kinds import mixed
+from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
 from jaxformer.model.moe import moe
@@ -94,8 +94,7 @@ def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> Non
     for what, n in sizes + ([("the sequence length", seq_len)] if seq_len is not None else []):
         if n % t:
             raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
-    refused = [(mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)"),
-               (config.attention_impl == "pallas", "attention_impl 'pallas' (its kernel per tensor shard)"),
+    refused = [(config.attention_impl == "pallas", "attention_impl 'pallas' (its kernel per tensor shard)"),
                (config.qk_norm_scope == "projection", "qk_norm_scope 'projection' (a norm over every head's features)"),
                (config.attention_impl == "cudnn", "attention_impl 'cudnn' (no hand-derived backward)")]
     for on, what in refused:
@@ -357,7 +356,8 @@ def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence:
     def local(blocks, x, segments, *key):
         def layer(p, x, l):
             lkey = device_key(layer_key(key[0], l), x, config, mesh, sequence) if key else None
-            return tensor_block(p, x, config, lkey, segments, sequence, ring)
+            # layer l's config: its kind of attention (layer_kinds.per_layer)
+            return per_layer(config, l, lambda c: tensor_block(p, x, c, lkey, segments, sequence, ring))
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
             layer = jax.checkpoint(layer)
         if not config.n_experts:
