@@ -7,8 +7,8 @@ a context axis, its blocks ring-attention context parallel (model/parallel/conte
 the GPT-2-like config (learned positions, pre layer norm, GELU, biases) on data=2 x context=2,
 the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's global position,
 2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) with the
-blockwise core (each ring visit's keys 2 at a time), the scores' soft cap and a sliding window
-on context=4, and the Llama-like one (the full core) with remat "block" (each block's forward
+blockwise core (each ring visit's keys 2 at a time), the scores' soft cap and layers of two
+kinds (a sliding window with its own rotary base, then full attention) on context=4, and the Llama-like one (the full core) with remat "block" (each block's forward
 run again in the backward) on context=2 with packed documents whose boundaries cut through the
 chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split): the
 GPT-2-like one on data=2 x tensor=2 x context=2, the blockwise Llama-like one with documents and
@@ -28,6 +28,7 @@ import pytest
 from helpers import adapter_differences, assert_adapters_equal_one_device, once_per_run, run_cases_on_8_devices
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.layer_kinds import mixed
 from jaxformer.model.parallel.context import check_context_model
 
 pytestmark = pytest.mark.xdist_group("test_context_parallel")  # one worker: the other goes on while its subprocess runs
@@ -56,8 +57,9 @@ def configs():
                         n_kv_heads=2, qk_norm=True, tie_embeddings=True, head_bias=False, logit_softcap=3.0,
                         loss_chunk=5)
     # the blockwise core's visits (keys 2 at a time: the pieces of context=4 hold 2 tokens), the
-    # scores capped, every layer a sliding window of 6 keys
-    blockwise = llama.replace(attention_impl="blockwise", attention_block=2, attn_softcap=5.0, sliding_window=6)
+    # scores capped, layers of two kinds: a sliding window of 6 keys (its own rotary base), then full attention
+    blockwise = llama.replace(attention_impl="blockwise", attention_block=2, attn_softcap=5.0, sliding_window=6,
+                              layer_types=("sliding_attention", "full_attention"), rope_local_theta=100.0)
     # mixture of experts (4, 2 a token) with a shared expert, the load-balancing and z losses
     moe = llama.replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8, moe_aux_loss_coef=0.1,
                         router_z_loss_coef=0.01)
@@ -232,8 +234,11 @@ def test_manual_collectives_are_the_ring_and_the_gradient_sums(results, case):
     config = configs()[case[0]]
     n = 3 if documents else 2  # k, v (and the ids)
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config))
-    forwards = 2 if config.remat == "block" else 1  # remat "block": the backward runs the forward's ring again
-    assert results[f"{name}: lowered collective_permute"] == forwards * n + (n + 2) + 2
+    # remat "block" and mixed layer kinds: the backward runs the forward's ring again; with mixed
+    # kinds each kind's branch of the layer (lax.switch) is lowered, with its own ring
+    kinds = 2 if mixed(config) else 1
+    forwards = 2 if config.remat == "block" or kinds > 1 else 1
+    assert results[f"{name}: lowered collective_permute"] == kinds * (forwards * n + (n + 2) + 2)
     stats = 3 if config.n_experts else 0  # MoE: the pmeans of the router's statistics (load, probs, z)
     assert results[f"{name}: lowered all_reduce"] == (len(jax.tree_util.tree_leaves(params)) + config.tie_embeddings
                                                       + 2 + stats)
@@ -267,8 +272,9 @@ def test_tensor_beside_context_gathers_no_activation(results, case):
     name, documents = case_name(*case), case[3]
     n = 3 if documents else 2
     config = configs()[case[0]]
-    forwards = 2 if config.remat == "block" else 1  # remat "block": the ring's forward again
-    assert results[f"{name}: lowered collective_permute"] == forwards * n + (n + 2) + 2
+    kinds = 2 if mixed(config) else 1  # mixed layer kinds: each kind's branch lowered, as above
+    forwards = 2 if config.remat == "block" or kinds > 1 else 1  # remat "block": the ring's forward again
+    assert results[f"{name}: lowered collective_permute"] == kinds * (forwards * n + (n + 2) + 2)
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):
         assert results[f"{name}: lowered {kind}"] == 0, kind
     assert 6 in results[f"{name}: table rows scattered into"]
@@ -294,7 +300,6 @@ def refusal(config, c=2, seq_len=T, t=1) -> str:
     (dict(attention_impl="blockwise", attention_block=3), "attention_block 3 with pieces of 4 tokens (the ring's "
                                                           "visits fold 4 or 8 keys: the block must divide 4, or be "
                                                           "at least 8)"),
-    (dict(sliding_window=4, layer_types=("sliding_attention", "full_attention")), "layers of more than one kind"),
 ])
 def test_unsupported_options_are_refused(changes, what):
     config = dataclasses.replace(configs()["gpt2"], **changes)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.layer_kinds import mixed, per_layer
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_size, global_stats,
                                               local_positions, refuse_adapters, ring_core_of, ring_ordered,
@@ -137,18 +138,23 @@ def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
     refuse_adapters(blocks, c)
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
-    remat, static = config.remat == "block", {}
+    # layers of several kinds keep their inputs alone as with remat "block": a kind's residuals
+    # have a structure of their own, which lax.switch (per_layer) cannot return
+    remat, static = config.remat == "block" or mixed(config), {}
 
-    def step(x, p, segments):
-        y, res = context_block_fwd(p, x, config, segments)
-        y, stats = ffn_output(y, config)  # with n_experts: the layer's statistics over device i's tokens
-        if remat:
-            return y, ([x], stats)  # the block's input alone (its residuals are dropped)
-        arrays, static["rest"] = split_arrays(res)
-        return y, (arrays, stats)
+    def step(x, p, l, segments):
+        def run(c):  # layer l's config (layer_kinds.per_layer)
+            y, res = context_block_fwd(p, x, c, segments)
+            y, stats = ffn_output(y, config)  # with n_experts: the layer's statistics over device i's tokens
+            if remat:
+                return y, ([x], stats)  # the block's input alone (its residuals are dropped)
+            arrays, static["rest"] = split_arrays(res)
+            return y, (arrays, stats)
+        return per_layer(config, l, run)
 
     def fwd(blocks, x, segments):
-        y, (arrays, stats) = jax.lax.scan(lambda x, p: step(x, p, segments), x, blocks)
+        y, (arrays, stats) = jax.lax.scan(lambda x, pl: step(x, *pl, segments), x,
+                                          (blocks, jnp.arange(config.n_layers)))
         # device s's residuals: row s; the statistics over every device's tokens (global_stats)
         return y, [a[None] for a in arrays], None if stats is None else global_stats(stats, mesh)
 
@@ -175,15 +181,20 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
 
     def bwd(arrays, dy, blocks, segments, dstats):
         def step(dy, xs):
-            arrays, p, ds = xs
-            if remat:  # remat "block": the block's forward again from its input, for its residuals
-                layer = context_block_fwd(p, arrays[0], res.config, segments)[1]
-            else:
-                layer = join_arrays(arrays, res.rest)
-            dp, dx = context_block_bwd(layer, dy if ds is None else (dy, ds))
-            return dx, dp
+            arrays, p, ds, l = xs
+            dy = dy if ds is None else (dy, ds)
+            if not remat:
+                dp, dx = context_block_bwd(join_arrays(arrays, res.rest), dy)
+                return dx, dp
 
-        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks, dstats), reverse=True)
+            def run(c):  # the block's forward again from its input, for its residuals
+                dp, dx = context_block_bwd(context_block_fwd(p, arrays[0], c, segments)[1], dy)
+                return dx, dp
+            return per_layer(res.config, l, run)  # layer l's config (layer_kinds.per_layer)
+
+        n_layers = jax.tree_util.tree_leaves(arrays)[0].shape[1]
+        dx, grads = jax.lax.scan(step, dy, ([a[0] for a in arrays], blocks, dstats, jnp.arange(n_layers)),
+                                 reverse=True)
         # in_specs=(PartitionSpec(), ...): the blocks replicated, each device's use of them its
         # tokens' and rows' part of their gradient: the whole is the sum over every such device
         grads = psum_tree(grads, summed)

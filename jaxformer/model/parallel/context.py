@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer.model.attention import Core, attention
 from jaxformer.model.block import BlockLayers, compose_block, model_feed_forward
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.layer_kinds import mixed
+from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes, trace_mesh_with
 from jaxformer.model.parallel.ring import CONTEXT, check_context, chunk_positions, ring_attention, to_zigzag
@@ -84,8 +84,7 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
                                         "blockwise core's math: use attention_impl 'full' or 'blockwise')"),
                (impl == "blockwise" and any(m % min(block, m) for m in (n, 2 * n)),
                 f"attention_block {block} with pieces of {n} tokens (the ring's visits fold {n} or {2 * n} keys: "
-                f"the block must divide {n}, or be at least {2 * n})"),
-               (mixed(config), "layers of more than one kind (layer_types, rope_layers: one block for all)")]
+                f"the block must divide {n}, or be at least {2 * n})")]
     for on, what in refused:
         if on:
             raise ValueError(f"mesh axis context={c}: context parallelism does not run {what} yet; use context=1")
@@ -183,12 +182,14 @@ def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
     refuse_adapters(blocks, c)
 
     def local(blocks, x, segments):
-        layer = lambda p, x: context_block(p, x, config, segments)  # noqa: E731
+        # layer l's config: its kind of attention (layer_kinds.per_layer)
+        layer = lambda p, x, l: per_layer(config, l, lambda c: context_block(p, x, c, segments))  # noqa: E731
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
             layer = jax.checkpoint(layer)
+        layers = (blocks, jnp.arange(config.n_layers))
         if not config.n_experts:
-            return jax.lax.scan(lambda x, p: (layer(p, x), None), x, blocks)[0]
-        x, stats = jax.lax.scan(lambda x, p: layer(p, x), x, blocks)  # a block's output: (y, its stats)
+            return jax.lax.scan(lambda x, pl: (layer(pl[0], x, pl[1]), None), x, layers)[0]
+        x, stats = jax.lax.scan(lambda x, pl: layer(pl[0], x, pl[1]), x, layers)  # a block's output: (y, its stats)
         return x, global_stats(stats, mesh)
 
     stream = stream_spec(mesh)  # x (B, T, D) and the ids (B, T) alike
