@@ -122,12 +122,12 @@ def context_block_bwd(res, dy):
 
 
 class ContextBlocksRes(NamedTuple):
-    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each (remat "block": the block's input)
+    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each (remat "block", mixed kinds: the input)
     rest: tuple | None  # static: split_arrays' treedef and non-array leaves of one layer's residual
     mesh: object  # static: the mesh
-    blocks: dict | None = None  # remat "block": the stacked params, to run each block's forward again
-    segments: jax.Array | None = None  # remat "block": the document ids (B, T) the blocks read
-    config: ModelConfig | None = None  # static; remat "block" only
+    blocks: dict | None = None  # remat "block" or mixed kinds: the stacked params, to run each block's forward again
+    segments: jax.Array | None = None  # remat "block" or mixed kinds: the document ids (B, T) the blocks read
+    config: ModelConfig | None = None  # static; remat "block" or mixed kinds only
 
 
 def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):

@@ -281,16 +281,16 @@ def join_arrays(arrays, rest):
 
 
 class TensorBlocksRes(NamedTuple):
-    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each (remat "block": the block's input)
+    arrays: list  # the per-layer residuals' arrays, (devices, L, ...) each (remat "block", mixed kinds: the input)
     rest: tuple | None  # static: split_arrays' treedef and non-array leaves of one layer's residual
     specs: object  # static: the blocks' PartitionSpec tree
     mesh: object  # static: the mesh
     stream: PartitionSpec = PartitionSpec()  # static: the residual stream's spec (stream_spec)
-    blocks: dict | None = None  # remat "block" (or mixed kinds): the stacked params, to run each block's forward again
-    segments: jax.Array | None = None  # remat "block": the document ids (B, T) the blocks read
-    config: ModelConfig | None = None  # static; remat "block" only
-    sequence: bool = False  # static; remat "block" only: the blocks ran sequence parallel
-    key: jax.Array | None = None  # remat "block" only: the dropout key the blocks drew from
+    blocks: dict | None = None  # remat "block" or mixed kinds: the stacked params, to run each block's forward again
+    segments: jax.Array | None = None  # remat "block" or mixed kinds: the document ids (B, T) the blocks read
+    config: ModelConfig | None = None  # static; remat "block" or mixed kinds only
+    sequence: bool = False  # static; remat "block" or mixed kinds only: the blocks ran sequence parallel
+    key: jax.Array | None = None  # remat "block" or mixed kinds only: the dropout key the blocks drew from
 
 
 def layer_device_key(key, l, x, config: ModelConfig, mesh, sequence: bool):
@@ -334,7 +334,8 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
         return y, [a[None] for a in arrays], stats  # device s's residuals: row s
 
     y, arrays, stats = jax.shard_map(fwd, mesh=mesh, in_specs=(specs, stream, rows, PartitionSpec()),
-                                     out_specs=(stream, every, PartitionSpec()), check_vma=False)(blocks, x, segments, key)
+                                     out_specs=(stream, every, PartitionSpec()), check_vma=False)(
+        blocks, x, segments, key)
     y = (y, stats) if config.n_experts else y
     if remat:
         return y, TensorBlocksRes(arrays, None, specs, mesh, stream, blocks, segments, config, sequence, key)
