@@ -114,7 +114,7 @@ def _qk_norm_fwd(p, x, eps, qk: QKNorm):
     """One of QK-norm's two norms: over each head's Dh, or (qk.whole) over merge_heads(x)."""
     if not qk.whole:
         return rms_norm_fwd(p, x, eps, qk.offset)
-    y, res = rms_norm_fwd(p, merge_heads(x), eps, qk.offset)  # (B, T, H Dh)
+    y, res = rms_norm_fwd(p, merge_heads(x), eps, qk.offset, qk.axis)  # (B, T, H Dh)
     return split_heads(y, x.shape[1]), res
 
 
@@ -160,14 +160,15 @@ class HeadsRes(NamedTuple):
     q_scale: jax.Array | None = None  # () the factor on q (config.attn_scalar); None: none
 
 
-def heads_fwd(p, x, config, positions=None):
+def heads_fwd(p, x, config, positions=None, qk: QKNorm | None = None):
     """The model's ``attention_qkv``: x (B, T, D) -> (q (B, H, T, Dh), k, v (B, Hkv, T, Dh)):
     the projections, then QK-norm and rotary positions (at ``positions`` (T,) where given)
-    where config turns them on, then q scaled where config.attn_scalar is set."""
+    where config turns them on, then q scaled where config.attn_scalar is set; ``qk``: QK-norm's
+    QKNorm where not qk_norm_of(config)."""
     cd = config.compute_dtype
     (q, k, v), qkv_res = qkv_fwd(p, x, config.n_heads, cd, config.kv_heads)
-    (q, k), rot_res = rotate_qk_fwd(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), qk_norm_of(config),
-                                    positions)
+    qk = qk_norm_of(config) if qk is None else qk
+    (q, k), rot_res = rotate_qk_fwd(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), qk, positions)
     if not config.attn_scalar:
         return (kept(q, cd), kept(k, cd), v), HeadsRes(qkv_res, rot_res)
     c = jnp.asarray(query_scale(config), q.dtype)
@@ -287,19 +288,20 @@ def _proj(p, name):
 
 
 def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: Core | None = None,
-                  manual: ManualCore | None = None):
+                  manual: ManualCore | None = None, qk: QKNorm | None = None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D),
     around the core config.attention_impl names ("cudnn": ValueError, no manual backward).
     ``key`` (full, blockwise): the probabilities' dropout key; ``segments`` (B, T): the
     documents of a packed row (the core's residual keeps what its backward needs of them);
     ``positions`` (T,): the tokens' rotary positions (the model's ``attention``'s); ``core``
     and ``manual``: a core and its pair given in place of attention_impl's (context
-    parallelism's ring, whose backward ``attention_bwd`` is then given too)."""
+    parallelism's ring, whose backward ``attention_bwd`` is then given too); ``qk``: QK-norm's
+    QKNorm where not qk_norm_of(config) (tensor parallelism's, its statistics over the axis)."""
     if manual is None:
         if config.attention_impl not in MANUAL_CORES:
             raise ValueError(CUDNN_REFUSED)
         core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
-    (q, k, v), heads_res = heads_fwd(p, x, config, positions)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
+    (q, k, v), heads_res = heads_fwd(p, x, config, positions, qk)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key, segments)  # (B, H, T, Dh)
     h = merge_heads(o)  # (B, T, H Dh)
     y, out_res = linear_fwd(_proj(p, "o"), h, config.compute_dtype)  # (B, T, D)

@@ -55,10 +55,11 @@ def configs():
         attention_impl="blockwise", attention_block=4, dropout=0.2, sliding_window=3, rope_local_theta=100.0,
         layer_types=("sliding_attention", "full_attention"))
     # mixture of experts (4, 2 a token) with a shared expert, the load-balancing and z losses: each
-    # expert's F/t features on a device, the router replicated
+    # expert's F/t features on a device, the router replicated; QK-norm over all of q's and k's
+    # features as OLMoE's (each device's heads a part of them: the statistics summed over tensor)
     configs["moe-sequence"] = configs["llama"].replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8,
                                                        moe_aux_loss_coef=0.1, router_z_loss_coef=0.01,
-                                                       sequence_parallel=True)
+                                                       sequence_parallel=True, qk_norm_scope="projection")
     return configs
 
 
@@ -439,9 +440,11 @@ def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
     params = jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), configs()[cname]))
     assert results[f"whole {cname}: leaves"] == len(jax.tree_util.tree_leaves(params))  # every leaf compared
     # sequence_parallel: each sublayer gathers its input along T (two a layer, forward and backward;
-    # remat "block": two more, the block's forward run again in the backward)
+    # remat "block": two more, the block's forward run again in the backward); a whole-projection
+    # QK-norm: its two scales' gradients, each device's block of them (scatter_to_tensor_bwd)
     config = configs()[cname]
-    assert results[f"whole {cname}: all-gathers"] == (4 + 2 * (config.remat == "block")) * config.sequence_parallel
+    assert results[f"whole {cname}: all-gathers"] == (4 + 2 * (config.remat == "block")) * config.sequence_parallel \
+        + 2 * (config.qk_norm_scope == "projection")
     for name in ("manual", "jax.grad"):
         assert results[f"whole {cname}: {name} table slices"] == 1, name  # the embedding's rows split too
         assert results[f"whole {cname}: {name} whole tables"] == 0, name
@@ -518,9 +521,17 @@ def test_key_value_heads_that_do_not_divide_are_replicated():
     check_tensor(configs()["llama"], 4)  # 2 key/value heads over tensor=4: replicated, not refused
 
 
+def test_whole_projection_qk_norm_needs_the_key_value_heads_split():
+    config = configs()["llama"].replace(qk_norm_scope="projection")  # 2 key/value heads
+    check_tensor(config, 2)
+    with pytest.raises(ValueError) as err:
+        check_tensor(config, 4)
+    assert str(err.value) == ("mesh axis tensor=4 does not divide n_kv_heads 2: with qk_norm_scope 'projection' the "
+                              "tensor size must divide n_kv_heads (k's norm over its heads' features)")
+
+
 @pytest.mark.parametrize("changes, what", [
     (dict(attention_impl="pallas"), "attention_impl 'pallas'"),
-    (dict(qk_norm=True, qk_norm_scope="projection"), "qk_norm_scope 'projection'"),
 ])
 def test_unsupported_options_are_refused(changes, what):
     with pytest.raises(ValueError, match=f"tensor=2: tensor parallelism does not run {what}"):

@@ -23,6 +23,7 @@ heads as they are; the others get k and v repeated G times (``core_kv``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -118,6 +119,8 @@ class QKNorm(NamedTuple):
     """How QK-norm normalizes (ModelConfig.qk_norm_scope, norm_offset)."""
     whole: bool = False  # over all of q's (H Dh) and k's (Hkv Dh) features; False: each head's Dh
     offset: float = 0.0  # the scale applied as (offset + w)
+    axis: str | None = None  # whole: the mesh axis the heads split over (tensor parallelism, inside
+    # shard_map): each device's heads are its part of every token's features, the statistics over all
 
 
 def qk_norm_of(config) -> QKNorm:
@@ -150,7 +153,7 @@ def rotate_qk(p, q, k, norm_eps, rope, start=0, qk: QKNorm = QKNorm(), positions
     start + t, or positions[t] where ``positions`` (T,) int is given (it takes precedence).
     Neither option: q and k as they are."""
     if "q_norm" in p:
-        norm = (lambda *a: whole_norm(rms_norm, *a)) if qk.whole else rms_norm
+        norm = (lambda *a: whole_norm(functools.partial(rms_norm, axis_name=qk.axis), *a)) if qk.whole else rms_norm
         q, k = norm(p["q_norm"], q, norm_eps, qk.offset), norm(p["k_norm"], k, norm_eps, qk.offset)
     if rope:
         cos, sin = rope_tables(token_positions(q.shape[-2], start, positions), q.shape[-1], rope, q.dtype)
@@ -158,14 +161,15 @@ def rotate_qk(p, q, k, norm_eps, rope, start=0, qk: QKNorm = QKNorm(), positions
     return q, k
 
 
-def attention_qkv(p, x, config, start=0, positions=None):
+def attention_qkv(p, x, config, start=0, positions=None, qk: QKNorm | None = None):
     """x (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh) as the core reads them: the
     projections, then QK-norm and rotary positions (``rotate_qk``) where config turns them
     on; ``start``: the position of x's first token (a decoder's cache); ``positions`` (T,)
-    int, where given: each token's own (context parallelism's chunks), ``start`` unread."""
+    int, where given: each token's own (context parallelism's chunks), ``start`` unread;
+    ``qk``: QK-norm's QKNorm where not qk_norm_of(config) (tensor parallelism's)."""
     q, k, v = qkv_heads(p, x, config.n_heads, config.compute_dtype, config.kv_heads)
-    q, k = rotate_qk(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), start, qk_norm_of(config),
-                     positions)
+    qk = qk_norm_of(config) if qk is None else qk
+    q, k = rotate_qk(p, upcast(q), upcast(k), config.ln_eps, rope_spec(config), start, qk, positions)
     if config.attn_scalar:  # scores q k^T / sqrt(Dh) become q k^T / sqrt(attn_scalar)
         q = q * query_scale(config)
     return kept(q, config.compute_dtype), kept(k, config.compute_dtype), v  # as the core's products read them
@@ -191,15 +195,17 @@ def segment_args(segments) -> tuple:
     return () if segments is None else (segments,)
 
 
-def attention(p, x, config, key=None, core: Core | None = None, segments=None, positions=None):
+def attention(p, x, config, key=None, core: Core | None = None, segments=None, positions=None,
+              qk: QKNorm | None = None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?} (bq bk bv, bo present as
     config.linear_biases says);
     x (B, T, D) -> (B, T, D). ``core``: CORES[config.attention_impl] unless given; ``key``
     (full, blockwise): the probabilities' dropout at config.dropout; ``segments`` (B, T) int:
     each position's document in a packed row (another document's keys masked; None: one);
     ``positions`` (T,) int: x's tokens' rotary positions where they are not 0 .. T-1 (a
-    context-parallel device's chunks, parallel/context.py)."""
+    context-parallel device's chunks, parallel/context.py); ``qk``: QK-norm's QKNorm where not
+    qk_norm_of(config) (parallel/tensor.py's, its statistics over the tensor axis)."""
     core = core or CORES[config.attention_impl]
-    q, k, v = attention_qkv(p, x, config, positions=positions)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
+    q, k, v = attention_qkv(p, x, config, positions=positions, qk=qk)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     out = core.fn(q, *core_kv(core, q, k, v), attention_spec(config), key, *segment_args(segments))  # (B, H, T, Dh)
     return attention_out(p, out, config.compute_dtype)

@@ -7,12 +7,19 @@ import jax.numpy as jnp
 
 from jaxformer.model.precision import upcast
 
-def row_scale(x):
+def row_scale(x, axis_name: str | None = None):
     """(..., 1) power of two s with max|x * s| in [0.5, 1) for rows whose max |x| is at
     least 1, and s = 1 otherwise. Multiplying by a power of two is exact, and s carries
-    no gradient: it only keeps the statistics below away from overflow and underflow."""
-    _, exponent = jnp.frexp(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
-    exponent = jnp.where(jnp.isfinite(x).all(axis=-1, keepdims=True), exponent, 0)
+    no gradient: it only keeps the statistics below away from overflow and underflow.
+    ``axis_name``: each row's features are split over that mesh axis (inside shard_map): the
+    max over every device's, so that each device scales its part by the same s."""
+    top = jax.lax.stop_gradient(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+    finite = jnp.isfinite(x).all(axis=-1, keepdims=True)
+    if axis_name is not None:  # a device's non-finite part makes the row's max inf on every device
+        top = jax.lax.pmax(jnp.where(finite, top, jnp.inf), axis_name)
+        finite = jnp.isfinite(top)
+    _, exponent = jnp.frexp(top)
+    exponent = jnp.where(finite, exponent, 0)
     return jax.lax.stop_gradient(jnp.ldexp(jnp.ones((), x.dtype), -jnp.maximum(exponent, 0)))
 
 

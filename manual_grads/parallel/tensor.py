@@ -14,6 +14,10 @@ Backward, bottom to top:
                                      local leaves' gradients (wq's, wo's: device i's columns, rows)
     h = copy_to_tensor(x):           dx = psum(dh_i): each device's heads gave part of dx
     local[n] = copy_to_tensor(p[n]): the replicated leaves read per device: dp[n] = psum(dlocal[n])
+    local[n] = scatter_to_tensor(p[n]): a whole-projection QK-norm's scales, device i's block:
+                                     their gradients all-gathered (the norm's own backward sums
+                                     its mean of dxhat * xhat over the axis, as its forward
+                                     summed the squares: manual_grads/rms_norm.py)
     local[kv] = kv_columns(...):     ``kv_columns_bwd`` (each query head's columns back to the
                                      key/value head it read), then the psum above
     local[lora] = local_adapters(p[lora]):  ``local_adapters_bwd``: a replicated A or B read per
@@ -55,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxformer.model.attention import qk_norm_of
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import layer_key
 from jaxformer.model.layer_kinds import mixed, per_layer
@@ -64,8 +69,8 @@ from jaxformer.model.lora import LORA
 from jaxformer.model.parallel.tensor import (KV, MOE_SHARED, adapter_split, attention_local_params, block_specs,
                                              check_tensor_blocks, device_key, enter, ffn_bias, leave, local_config,
                                              moe_global_stats, moe_local_params,
-                                             replicated_kv, ring_on, segments_spec, split_kv, stream_spec,
-                                             tensor_size, with_local_adapters)
+                                             replicated_kv, ring_on, segments_spec, split_kv,
+                                             stream_spec, tensor_qk_norm, tensor_size, with_local_adapters)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _branch_keys, _in_norm_fwd,
                                 _post_sublayer_bwd, _post_sublayer_fwd, _sublayer_bwd)
@@ -153,7 +158,8 @@ def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: boo
     h = enter(x, sequence)
     # attention(local, h, local_config, key, segments=segments, **ring_args(ring, T/c, config)): the ring's pair
     core = (local_positions(h.shape[1]), ring_core_of(config), ring_manual_of(config)) if ring else ()
-    y, res = attention_fwd(local, h, local_config(config, t), key, segments, *core)  # partial sums
+    y, res = attention_fwd(local, h, local_config(config, t), key, segments, *core,
+                           qk=tensor_qk_norm(config))  # partial sums
     y = leave(y, sequence)
     return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence)
 
@@ -167,10 +173,12 @@ def tensor_attention_bwd(res: TensorAttentionRes, dy):
     dx = enter_bwd(dh, res.sequence)
     if res.bias:
         dp["bo"] = token_sum(bias_grad(dy), res.sequence)
-    # local = attention_local_params(p): the replicated leaves read per device
+    # local = attention_local_params(p): the replicated leaves read per device (a whole-projection
+    # QK-norm's scales: device i's block of them, scatter_to_tensor)
+    read_bwd = (lambda d: scatter_to_tensor_bwd(d, -1)) if qk_norm_of(config).whole else copy_to_tensor_bwd
     for n in ("q_norm", "k_norm"):
         if n in dp:
-            dp[n] = jax.tree_util.tree_map(copy_to_tensor_bwd, dp[n])
+            dp[n] = jax.tree_util.tree_map(read_bwd, dp[n])
     if not split_kv(config, t):  # local[n] = kv_columns(copy_to_tensor(p[n]), Hkv, H)
         for n in KV:
             if n in dp:

@@ -22,6 +22,11 @@ takes from its copy the columns of the key/value head each of its H/t query head
 (``kv_columns``: repeat_kv on the weight, then its heads), so locally every query head has
 its own: the same products as one device; their gradients add over the devices (copy_to_tensor).
 
+QK-norm over the whole projection (qk_norm_scope "projection", OLMo 2's): a token's norm is over
+every head's features, of which device i holds its heads': the mean of squares is a psum over the
+axis of each device's sum (``tensor_qk_norm``: rms_norm's axis_name), and each device reads its
+block of the (H Dh,) scales (scatter_to_tensor). The key/value heads must split (t divides Hkv).
+
 Sequence parallelism (``sequence=True``, Megatron-LM's): between the sublayers the activations
 split along T over the same axis, so the norms, residual adds and the row-parallel biases run on
 each device's T/t tokens; a sublayer gathers its input along T (gather_from_sequence, where
@@ -61,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxformer.model.attention import attention
+from jaxformer.model.attention import QKNorm, attention, qk_norm_of
 from jaxformer.model.block import BlockLayers, compose_block
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import Piece, PieceKey, layer_key
@@ -94,8 +99,10 @@ def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> Non
     for what, n in sizes + ([("the sequence length", seq_len)] if seq_len is not None else []):
         if n % t:
             raise ValueError(f"mesh axis tensor={t} does not divide {what} {n}: the tensor size must divide {what}")
+    if config.qk_norm and config.qk_norm_scope == "projection" and not split_kv(config, t):
+        raise ValueError(f"mesh axis tensor={t} does not divide n_kv_heads {config.kv_heads}: with qk_norm_scope "
+                         f"'projection' the tensor size must divide n_kv_heads (k's norm over its heads' features)")
     refused = [(config.attention_impl == "pallas", "attention_impl 'pallas' (its kernel per tensor shard)"),
-               (config.qk_norm_scope == "projection", "qk_norm_scope 'projection' (a norm over every head's features)"),
                (config.attention_impl == "cudnn", "attention_impl 'cudnn' (no hand-derived backward)")]
     for on, what in refused:
         if on and t > 1:
@@ -121,14 +128,25 @@ def kv_columns(w, n_kv_heads: int, n_heads: int, axis_name: str = TENSOR):
     return mine.reshape(*lead, (n_heads // t) * dh)
 
 
+def tensor_qk_norm(config: ModelConfig) -> QKNorm:
+    """QK-norm on device i's heads: over each head's Dh as on one device; with qk_norm_scope
+    "projection" over every device's heads' features (QKNorm.axis: the statistics' sum over
+    the tensor axis, each device's heads its part of a token's H Dh features)."""
+    qk = qk_norm_of(config)
+    return qk._replace(axis=TENSOR) if qk.whole else qk
+
+
 def attention_local_params(p, config: ModelConfig, t: int) -> dict:
     """One device's attention params as the model's attention reads them (its local_config):
     no output bias (added after the reduction); the replicated leaves it reads per head
-    (QK-norm's scales, unsplit key/value weights) through copy_to_tensor."""
+    (QK-norm's scales, unsplit key/value weights) through copy_to_tensor. A whole-projection
+    QK-norm's scales (H Dh,), (Hkv Dh,) are read by device i's heads' features alone
+    (scatter_to_tensor: its block of them)."""
     local = {n: v for n, v in p.items() if n != "bo"}
+    read = (lambda v: scatter_to_tensor(v, -1)) if qk_norm_of(config).whole else copy_to_tensor
     for n in ("q_norm", "k_norm"):
         if n in local:
-            local[n] = jax.tree_util.tree_map(copy_to_tensor, local[n])
+            local[n] = jax.tree_util.tree_map(read, local[n])
     if not split_kv(config, t):
         for n in KV:
             if n in local:
@@ -214,7 +232,8 @@ def tensor_attention(p, x, config: ModelConfig, key=None, segments=None, sequenc
     t = jax.lax.axis_size(TENSOR)
     local = with_local_adapters(attention_local_params(p, config, t), p, "attn", replicated_kv(config, t))
     h = enter(x, sequence)
-    y = attention(local, h, local_config(config, t), key, segments=segments, **ring_args(ring, h.shape[1], config))  # partial sums
+    y = attention(local, h, local_config(config, t), key, segments=segments, qk=tensor_qk_norm(config),
+                  **ring_args(ring, h.shape[1], config))  # partial sums
     y = leave(y, sequence)  # the row-parallel product's sum over the devices
     return (y + p["bo"] if "bo" in p else y), None
 
