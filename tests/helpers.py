@@ -341,11 +341,13 @@ def run_cases_on_8_devices(module: str) -> dict:
     return json.loads(line[len("RESULTS "):])
 
 
-def adapter_differences(name: str, config, mesh, inputs, segments=None, seed: int = 3) -> dict:
+def adapter_differences(name: str, config, mesh, inputs, segments=None, seed: int = 3, dropout: float = 0.0) -> dict:
     """LoRA adapters (rank 2, A and B random) on every projection of a random ``config`` base:
     the adapters' loss and gradient by hand (manual_grads.adapters.value_and_grad) and by jax.grad
     of lora_loss_fn under ``jax.set_mesh(mesh)``, against one device's manual ones:
-    {f"{name}: leaves", f"{name}: {source} loss", f"{name}: {source} = one device"}."""
+    {f"{name}: leaves", f"{name}: {source} loss", f"{name}: {source} = one device"}; with the
+    adapters' ``dropout`` (one step key for every source) also f"{name}: dropout's effect", the
+    one-device loss' change without the key."""
     from jaxformer.model import lora
     from jaxformer.model.params import init_params
     from jaxformer.training.adapters import lora_loss_fn
@@ -354,17 +356,20 @@ def adapter_differences(name: str, config, mesh, inputs, segments=None, seed: in
     rng, leaves = np.random.default_rng(seed), jax.tree_util.tree_leaves
     random = lambda tree: jax.tree_util.tree_map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape)), tree)  # noqa: E731
     base = random(jax.eval_shape(lambda: init_params(jax.random.PRNGKey(0), config)))
-    lc = lora.LoraConfig(rank=2, alpha=3.0, targets="all")
+    lc = lora.LoraConfig(rank=2, alpha=3.0, targets="all", dropout=dropout)
     adapters = random(lora.init_adapters(jax.random.PRNGKey(1), base, lc))  # B random too: a zero B hides dA
     batch = {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1)}
     if segments is not None:
         batch["segments"] = segments
+    key = (jax.random.PRNGKey(9),) if dropout else ()  # the step's key: the adapters' masks
     step = lambda f: jax.jit(f, static_argnums=(3, 4))  # noqa: E731
-    loss1, grads1 = step(manual_adapters.value_and_grad)(adapters, batch, base, config, lc)
+    loss1, grads1 = step(manual_adapters.value_and_grad)(adapters, batch, base, config, lc, *key)
     out = {f"{name}: leaves": len(leaves(grads1))}
+    if dropout:  # the masks drop something: without them the loss is another
+        out[f"{name}: dropout's effect"] = abs(float(loss1) - float(step(lora_loss_fn)(adapters, batch, base, config, lc)))
     with jax.set_mesh(mesh):
         for source, f in (("manual", manual_adapters.value_and_grad), ("jax.grad", jax.value_and_grad(lora_loss_fn))):
-            loss, grads = step(f)(adapters, batch, base, config, lc)
+            loss, grads = step(f)(adapters, batch, base, config, lc, *key)
             out[f"{name}: {source} loss"] = abs(float(loss) - float(loss1))
             out[f"{name}: {source} = one device"] = max(
                 float(jnp.max(jnp.abs(a - b))) for a, b in zip(leaves(grads), leaves(grads1), strict=True))
@@ -372,8 +377,11 @@ def adapter_differences(name: str, config, mesh, inputs, segments=None, seed: in
 
 
 def assert_adapters_equal_one_device(results: dict, name: str, n_leaves: int, tol: float = 1e-10) -> None:
-    """adapter_differences' result: every leaf compared, both sources' loss and leaves within ``tol``."""
+    """adapter_differences' result: every leaf compared, both sources' loss and leaves within ``tol``
+    (and with dropout, masks that change the loss)."""
     assert results[f"{name}: leaves"] == n_leaves
     for source in ("manual", "jax.grad"):
         assert results[f"{name}: {source} loss"] <= tol, source
         assert results[f"{name}: {source} = one device"] <= tol, source
+    if f"{name}: dropout's effect" in results:
+        assert results[f"{name}: dropout's effect"] > 1e-3

@@ -121,8 +121,8 @@ def test_dropout_key_none_is_no_dropout_and_rate_is_honoured():
 
 @pytest.mark.parametrize("x64", [True, False])
 def test_a_device_s_piece_of_a_mask_is_the_whole_mask_s_piece(x64):
-    """dropout.PieceKey: a mask drawn on a piece of the rows, heads or tokens (as a device of a
-    tensor axis draws it) is that piece of the whole array's mask, bit for bit, for the stream's
+    """dropout.PieceKey: a mask drawn on a piece of the rows, heads, tokens or features (as a
+    device of a tensor axis draws it) is that piece of the whole array's mask, bit for bit, for the stream's
     (B, T, D) and the probabilities' (B, H, Tq, Tk); _mul_wide's 64-bit products are exact."""
     from jaxformer.model.dropout import Piece, PieceKey, _mul_wide, keep_mask
     with jax.enable_x64(x64):
@@ -133,6 +133,9 @@ def test_a_device_s_piece_of_a_mask_is_the_whole_mask_s_piece(x64):
             whole = keep_mask(key, 0.4, (4, 10, 5))
             piece = keep_mask(PieceKey(key, Piece(rows=(4, 1), heads=(6, 3), tokens=(10, 5))), 0.4, (1, 5, 5))
             np.testing.assert_array_equal(piece, whole[1:2, 5:10])
+            # a row-parallel LoRA adapter's input: its block of the features
+            piece = keep_mask(PieceKey(key, Piece(rows=(4, 2), features=(5, 3))), 0.4, (2, 10, 2))
+            np.testing.assert_array_equal(piece, whole[2:4, :, 3:5])
             assert 0.1 < float(jnp.mean(whole)) < 0.9
     a = np.random.default_rng(0).integers(0, 2**32, 64, dtype=np.uint64)
     for b in (3, 2**31 + 5, 2**40 + 12_345, 2**63 - 1):  # a whole array past 2^32 elements: n's high word

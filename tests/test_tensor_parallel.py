@@ -269,18 +269,21 @@ def whole_model(devices) -> dict:
     return out
 
 
-LORA_CASE = "lora llama sequence tensor=4"
+LORA_CASE = "lora llama sequence dropout data=2 x tensor=4"
 
 
 def adapters(devices) -> dict:
-    """LoRA adapters on every projection of the Llama-like model with sequence parallelism on
-    tensor=4 (its 2 key/value heads replicated: their adapters' B through kv_columns)."""
+    """LoRA adapters with dropout 0.25 on every projection of the Llama-like model with sequence
+    parallelism on data=2 x tensor=4 (its 2 key/value heads replicated: their adapters' B through
+    kv_columns): each device draws its rows' piece of each adapter's mask, beside a row-parallel
+    weight its block of the input's features too."""
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
     config = configs()["llama"].replace(sequence_parallel=True)
     inputs = jnp.asarray(np.random.default_rng(5).integers(0, config.vocab_size, (4, 8)))
-    return adapter_differences(LORA_CASE, config, Mesh(devices[:4], ("tensor",)), inputs)
+    return adapter_differences(LORA_CASE, config, Mesh(devices[:8].reshape(2, 4), ("data", "tensor")), inputs,
+                               dropout=0.25)
 
 
 PROMPT = [1, 5, 2, 7, 3]
@@ -405,17 +408,9 @@ def test_lora_adapters_on_a_tensor_mesh_equal_one_device(results):
     """The adapters' loss and every leaf of their gradient (q, k, v, o, gate, up, down's A and B),
     by hand and by jax.grad, equal one device's to 1e-10: column-parallel weights' B split by
     columns, row-parallel weights' A by rows, the replicated key/value weights' B read through
-    kv_columns, with the activations split along T between the sublayers."""
+    kv_columns, with the activations split along T between the sublayers and the adapters'
+    dropout (each device its piece of one device's masks; the masks change the loss)."""
     assert_adapters_equal_one_device(results, LORA_CASE, 14, TOL)
-
-
-def test_lora_dropout_is_refused():
-    import jax.numpy as jnp
-
-    from jaxformer.model.parallel.tensor import refuse_adapters
-    with pytest.raises(ValueError, match=r"^mesh axis tensor: tensor parallelism does not run LoRA dropout"):
-        refuse_adapters({"lora": {"scale": jnp.ones(()), "key": jnp.zeros(2)}})
-    refuse_adapters({"lora": {"scale": jnp.ones(())}})  # without dropout: runs
 
 
 def test_sampling_mesh_refusals():

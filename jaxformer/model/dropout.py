@@ -35,13 +35,14 @@ ATTN_PROBS, ATTN_OUT, FFN_OUT = 0, 1, 2
 
 class Piece(NamedTuple):
     """Where a device's arrays sit in the whole ones its dropout masks cover (under shard_map):
-    for the batch rows, the heads and the tokens, (the whole size, this device's first index),
-    or None where the device holds them all. A site's array is the residual stream's (B, T, D)
-    (rows, tokens) or the attention probabilities' (B, H, Tq, Tk) (rows, heads; their tokens
-    whole: attention reads every token)."""
+    for the batch rows, the heads, the tokens and the features, (the whole size, this device's
+    first index), or None where the device holds them all. A site's array is the residual
+    stream's or a LoRA adapter's input (B, T, D) (rows, tokens, features) or the attention
+    probabilities' (B, H, Tq, Tk) (rows, heads; their tokens whole: attention reads every token)."""
     rows: tuple | None = None
     heads: tuple | None = None
     tokens: tuple | None = None
+    features: tuple | None = None
 
 
 class PieceKey(NamedTuple):
@@ -50,7 +51,7 @@ class PieceKey(NamedTuple):
     piece: Piece
 
 
-def _fold(key, n):
+def fold(key, n):
     """fold_in(key, n); a PieceKey's key folded, its piece kept."""
     if isinstance(key, PieceKey):
         return PieceKey(jax.random.fold_in(key.key, n), key.piece)
@@ -70,14 +71,14 @@ def keep_mask(key, rate, shape):
 def piece_uniform(key: PieceKey, shape):
     """jax.random.uniform(key.key, whole, float32)[this device's piece], shape ``shape``, drawn
     alone: the whole array's shape and the piece's first indices from key.piece (the stream's
-    (B, T, D): rows, tokens; the probabilities' (B, H, Tq, Tk): rows, heads). JAX's
+    (B, T, D): rows, tokens, features; the probabilities' (B, H, Tq, Tk): rows, heads). JAX's
     partitionable threefry hashes each element's row-major index n as the two words
     (n >> 32, n mod 2^32) (jax.random's iota_2x32_shape); the uniform is the 23 high bits of
     the two outputs' xor as the mantissa of a float in [1, 2), minus 1."""
     if not jax.config.jax_threefry_partitionable:
         raise ValueError("a dropout mask on one device's piece needs jax_threefry_partitionable (JAX's default); "
                          "it is off")
-    axes = {3: ("rows", "tokens", None), 4: ("rows", "heads", None, None)}.get(len(shape))
+    axes = {3: ("rows", "tokens", "features"), 4: ("rows", "heads", None, None)}.get(len(shape))
     if axes is None:
         raise ValueError(f"a dropout mask on one device's piece masks (B, T, D) or (B, H, Tq, Tk) arrays, not {shape}")
     spans = [getattr(key.piece, a) if a else None for a in axes]
@@ -126,19 +127,19 @@ def dropout(x, rate, key):
 
 def layer_key(key, l):
     """Block l's key (l may be traced: the scan's layer index)."""
-    return _fold(key, l)
+    return fold(key, l)
 
 
 def embed_key(key, n_layers: int):
     """The embedding output's key."""
-    return _fold(key, n_layers)
+    return fold(key, n_layers)
 
 
 def sub_key(key, which: int):
     """One of a block's three dropout keys: ATTN_PROBS, ATTN_OUT or FFN_OUT."""
-    return None if key is None else _fold(key, which)
+    return None if key is None else fold(key, which)
 
 
 def block_pair_key(key, i, j):
     """The key of the attention-probabilities mask of query block i, key block j."""
-    return _fold(_fold(key, i), j)
+    return fold(fold(key, i), j)

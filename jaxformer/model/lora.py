@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.checks import check_int, check_number, is_number, refuse
-from jaxformer.model.dropout import dropout
+from jaxformer.model.dropout import dropout, fold
 from jaxformer.model.params import init_params
 from jaxformer.model.precision import matmul
 from jaxformer.model.quantized import dequantize_params
@@ -141,10 +141,14 @@ def adapter_grads(grads) -> dict:
 
 
 def site_key(site, name):
-    """The dropout key of weight ``name``'s adapter in one layer's site, or None (no dropout)."""
+    """The dropout key of weight ``name``'s adapter in one layer's site, or None (no dropout): the
+    adapter's own where it has one (a tensor-parallel device's piece, parallel/tensor.py's
+    local_adapters), else the site's folded with the weight's index (a dropout.PieceKey stays one)."""
+    if "key" in site[name]:
+        return site[name]["key"]
     if "key" not in site:
         return None
-    return jax.random.fold_in(site["key"], WEIGHT_INDEX[name])
+    return fold(site["key"], WEIGHT_INDEX[name])
 
 
 def lora_down(site, name, x, compute_dtype=None):

@@ -40,7 +40,8 @@ LoRA adapters (lora.py: y = x W + s (x A) B) split as the weight they adapt (``l
 beside a column-parallel W, B by the same output columns and A replicated; beside a row-parallel
 W, A by the same input rows and B replicated, so device i's s (x_i A_i) B is a partial sum the
 row-parallel reduction adds with x_i W_i. They are stored replicated (small); each device reads
-its slice. Their dropout is refused (a row-parallel device would draw its own features' mask).
+its slice. Their dropout draws each device's piece of one device's masks: its rows, and beside a
+row-parallel W its block of the input's features (``local_adapters``, ``site_piece_keys``).
 
 Mixture of experts: each expert's gated MLP splits as the dense one (w_gate, w_up by their F
 columns, w_down by its F rows), the shared expert's too; the router and the shared expert's gate
@@ -75,7 +76,8 @@ from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
 from jaxformer.model.moe import moe
 from jaxformer.model.parallel.context import check_context_model, local_positions, ring_core_of
-from jaxformer.model.lora import LORA
+from jaxformer.model.parallel.context import refuse_adapters as refuse_context_adapters
+from jaxformer.model.lora import LORA, site_key
 from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
                                               gather_from_sequence, reduce_from_tensor, reduce_scatter_to_sequence,
                                               scatter_to_tensor, token_axes, trace_mesh_with)
@@ -154,14 +156,6 @@ def attention_local_params(p, config: ModelConfig, t: int) -> dict:
     return local
 
 
-def refuse_adapters(p) -> None:
-    """LoRA's dropout on a tensor axis: a row-parallel adapter's device would draw its own
-    features' mask (one device draws the whole input's): refused, as the model's dropout is."""
-    if "key" in p.get(LORA, {}):
-        raise ValueError("mesh axis tensor: tensor parallelism does not run LoRA dropout (each device would draw "
-                         "its own features' masks) yet; use tensor=1")
-
-
 def replicated_kv(config: ModelConfig, t: int) -> tuple[int, int] | None:
     """(Hkv, H) where the key/value weights stay replicated over a tensor axis of t (each device
     reads them through kv_columns), else None."""
@@ -182,11 +176,13 @@ def local_adapters(site, section: str, kv: tuple[int, int] | None = None) -> dic
     (``adapter_split``): a column-parallel W's B by the same output columns, A replicated (each
     device's copy read by its own columns); a row-parallel W's A by the same input rows, B
     replicated (each device's partial x_i A_i B summed by the row-parallel reduction, with
-    x_i W_i); replicated key/value weights' B through kv_columns, as the weights. The scale (and
-    no other leaf: dropout is refused) is read as it is."""
+    x_i W_i); replicated key/value weights' B through kv_columns, as the weights. The scale and
+    the dropout rate are read as they are. With dropout (the site's key device i's PieceKey of its
+    rows: ``site_piece_keys``) each adapter gets its own key (lora.site_key's), whose piece a
+    row-parallel adapter widens by its input's features: x_i is device i's block of them."""
     local = {}
     for name, leaf in site.items():
-        if not isinstance(leaf, dict):
+        if not isinstance(leaf, dict):  # the scale, the rate, the site's key (each adapter gets its own below)
             local[name] = leaf
             continue
         split = adapter_split(name, section, kv)
@@ -196,12 +192,29 @@ def local_adapters(site, section: str, kv: tuple[int, int] | None = None) -> dic
             local[name] = {"a": copy_to_tensor(leaf["a"]), "b": kv_columns(copy_to_tensor(leaf["b"]), *kv)}
         else:
             local[name] = {"a": copy_to_tensor(leaf["a"]), "b": scatter_to_tensor(leaf["b"], -1)}
+        if "key" in site:
+            key = site_key(site, name)
+            if split == "rows":  # A's input rows I, device i's I/t of them
+                width, t = leaf["a"].shape[-2], jax.lax.axis_size(TENSOR)
+                key = PieceKey(key.key, key.piece._replace(features=(width, jax.lax.axis_index(TENSOR) * (width // t))))
+            local[name]["key"] = key
     return local
+
+
+def site_piece_keys(p, b: int, mesh) -> dict:
+    """One layer's params (under shard_map over ``mesh``, b its rows of the batch) with each LoRA
+    site's dropout key as device i's dropout.PieceKey of its rows (``device_rows``), so that its
+    adapters' masks are its piece of one device's; p as it is without LoRA dropout."""
+    out = dict(p)
+    for section, sub in p.items():
+        if isinstance(sub, dict) and "key" in sub.get(LORA, {}):
+            site = sub[LORA]
+            out[section] = {**sub, LORA: {**site, "key": PieceKey(site["key"], Piece(rows=device_rows(b, mesh)))}}
+    return out
 
 
 def with_local_adapters(local, p, section: str, kv: tuple[int, int] | None = None) -> dict:
     """``local`` (a sublayer's params on one device) with p's LoRA site made local too, if it has one."""
-    refuse_adapters(p)
     return {**local, LORA: local_adapters(p[LORA], section, kv)} if LORA in p else local
 
 
@@ -281,13 +294,19 @@ def device_key(key, x, config: ModelConfig, mesh, sequence: bool) -> PieceKey:
     sequence parallelism, (B/n, T/t, D)): its rows of the batch (split over the batch axes, in
     their order), its H/t heads, and with sequence parallelism its T/t tokens, so that each of
     its masks is the piece of the one device's mask it holds (dropout.piece_uniform)."""
+    t, i = jax.lax.axis_size(TENSOR), jax.lax.axis_index(TENSOR)
+    tokens = x.shape[1]
+    return PieceKey(key, Piece(rows=device_rows(x.shape[0], mesh), heads=(config.n_heads, i * (config.n_heads // t)),
+                               tokens=(t * tokens, i * tokens) if sequence else None))
+
+
+def device_rows(b: int, mesh) -> tuple:
+    """(the whole batch's rows, device i's first) of its b rows, under shard_map over ``mesh``:
+    the rows split over the batch axes, in their order."""
     rows, n = 0, 1
     for a in batch_axes(mesh):
         rows, n = rows * jax.lax.axis_size(a) + jax.lax.axis_index(a), n * jax.lax.axis_size(a)
-    t, i = jax.lax.axis_size(TENSOR), jax.lax.axis_index(TENSOR)
-    b, tokens = x.shape[0], x.shape[1]
-    return PieceKey(key, Piece(rows=(n * b, rows * b), heads=(config.n_heads, i * (config.n_heads // t)),
-                               tokens=(t * tokens, i * tokens) if sequence else None))
+    return n * b, rows * b
 
 
 def tensor_block(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False, ring: bool = False):
@@ -353,12 +372,14 @@ def segments_spec(mesh) -> PartitionSpec:
     return stream_spec(mesh, False)
 
 
-def check_tensor_blocks(config: ModelConfig, mesh, x, sequence: bool) -> None:
-    """check_tensor, and check_context_model where the mesh has a context axis too."""
+def check_tensor_blocks(config: ModelConfig, mesh, x, sequence: bool, blocks) -> None:
+    """check_tensor, and check_context_model (and its refusal of LoRA dropout) where the mesh has
+    a context axis too."""
     t = tensor_size(mesh)
     check_tensor(config, t, x.shape[1] if sequence else None)
     if ring_on(mesh):
         check_context_model(config, axis_size(mesh, CONTEXT), x.shape[1], t)
+        refuse_context_adapters(blocks, axis_size(mesh, CONTEXT))
 
 
 def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False, key=None):
@@ -369,12 +390,13 @@ def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence:
     context axis, x and segments are in its zig-zag order, T split over it, attention the ring.
     ``key``: dropout's key (None: none); block l draws layer_key(key, l)'s masks, each device
     its piece of them (``device_key``): the masks one device draws."""
-    check_tensor_blocks(config, mesh, x, sequence)
+    check_tensor_blocks(config, mesh, x, sequence, blocks)
     t, ring = tensor_size(mesh), ring_on(mesh)
 
     def local(blocks, x, segments, *key):
         def layer(p, x, l):
             lkey = device_key(layer_key(key[0], l), x, config, mesh, sequence) if key else None
+            p = site_piece_keys(p, x.shape[0], mesh)  # LoRA dropout's keys: device i's rows
             # layer l's config: its kind of attention (layer_kinds.per_layer)
             return per_layer(config, l, lambda c: tensor_block(p, x, c, lkey, segments, sequence, ring))
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
