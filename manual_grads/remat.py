@@ -53,6 +53,15 @@ def unrolled(config: ModelConfig) -> bool:
     return (config.n_layers <= UNROLL_MAX_LAYERS or mixed(config)) and config.remat == "none"
 
 
+def keeps_inputs(config: ModelConfig) -> bool:
+    """Whether a sharded scan over the blocks (parallel/tensor.py's, parallel/context.py's) keeps
+    each layer's input alone, its backward running the layer again: with remat "block", and with
+    layers of several kinds, whose residuals have a structure of their own that lax.switch
+    (layer_kinds.per_layer) cannot return (one device runs such layers as a Python loop instead:
+    ``unrolled``)."""
+    return config.remat == "block" or mixed(config)
+
+
 def python_loop(config: ModelConfig, tap=None, unroll: bool = False) -> bool:
     """Whether blocks_fwd / blocks_bwd run the layers as a Python loop: under a ``tap``, for
     a shallow model (``unrolled``), and where the caller asks (``unroll``) with remat "none"

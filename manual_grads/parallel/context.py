@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.layer_kinds import mixed, per_layer
+from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_size, global_stats,
                                               local_positions, refuse_adapters, ring_core_of, ring_ordered,
@@ -61,6 +61,7 @@ from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
 from manual_grads.parallel.ring import ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.tensor import join_arrays, split_arrays, tensor_blocks_bwd, tensor_blocks_fwd
 from manual_grads.parallel.vocab import vocab_head_loss_grads_local
+from manual_grads.remat import keeps_inputs
 
 
 def context_attention_fwd(p, x, config: ModelConfig, segments=None):
@@ -138,9 +139,7 @@ def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
     refuse_adapters(blocks, c)
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
-    # layers of several kinds keep their inputs alone as with remat "block": a kind's residuals
-    # have a structure of their own, which lax.switch (per_layer) cannot return
-    remat, static = config.remat == "block" or mixed(config), {}
+    remat, static = keeps_inputs(config), {}  # remat "block" or layers of several kinds
 
     def step(x, p, l, segments):
         def run(c):  # layer l's config (layer_kinds.per_layer)

@@ -61,13 +61,13 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.attention import qk_norm_of
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.dropout import layer_key
-from jaxformer.model.layer_kinds import mixed, per_layer
+from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.parallel.regions import TENSOR, token_axes
 from jaxformer.model.parallel.context import local_positions, ring_core_of
 from jaxformer.model.lora import LORA
 from jaxformer.model.parallel.tensor import (KV, MOE_SHARED, adapter_split, attention_local_params, block_specs,
-                                             check_tensor_blocks, device_key, enter, ffn_bias, leave, local_config,
+                                             layer_device_key,
+                                             check_tensor_blocks, enter, ffn_bias, leave, local_config,
                                              moe_global_stats, moe_local_params,
                                              replicated_kv, ring_on, segments_spec, site_piece_keys, split_kv,
                                              stream_spec, tensor_qk_norm, tensor_size, with_local_adapters)
@@ -79,6 +79,7 @@ from manual_grads.moe import MoeRes, moe_bwd, moe_fwd
 from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_manual_of
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
                                            reduce_scatter_to_sequence_bwd, scatter_to_tensor_bwd)
+from manual_grads.remat import keeps_inputs
 
 
 def enter_bwd(dh, sequence: bool):
@@ -301,11 +302,6 @@ class TensorBlocksRes(NamedTuple):
     key: jax.Array | None = None  # remat "block" or mixed kinds only: the dropout key the blocks drew from
 
 
-def layer_device_key(key, l, x, config: ModelConfig, mesh, sequence: bool):
-    """Layer l's dropout key as device i's piece (tensor.device_key), or None without a key."""
-    return None if key is None else device_key(layer_key(key, l), x, config, mesh, sequence)
-
-
 def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False, key=None):
     """tensor_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) -> (y, TensorBlocksRes)
     (on a mesh with a context axis: x and segments in its zig-zag order, T split over it). With
@@ -316,9 +312,7 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
     t, ring = tensor_size(mesh), ring_on(mesh)
     specs, rows, every = block_specs(blocks, config, t), segments_spec(mesh), PartitionSpec(mesh.axis_names)
     stream = stream_spec(mesh, sequence)
-    # layers of several kinds keep their inputs alone as with remat "block": a kind's residuals
-    # have a structure of their own, which lax.switch (per_layer) cannot return
-    remat, static = config.remat == "block" or mixed(config), {}
+    remat, static = keeps_inputs(config), {}  # remat "block" or layers of several kinds
 
     def fwd(blocks, x, segments, key):
         def step(carry, xs):

@@ -300,6 +300,11 @@ def device_key(key, x, config: ModelConfig, mesh, sequence: bool) -> PieceKey:
                                tokens=(t * tokens, i * tokens) if sequence else None))
 
 
+def layer_device_key(key, l, x, config: ModelConfig, mesh, sequence: bool):
+    """Layer l's dropout key (layer_key) as device i's piece (``device_key``), or None without a key."""
+    return None if key is None else device_key(layer_key(key, l), x, config, mesh, sequence)
+
+
 def device_rows(b: int, mesh) -> tuple:
     """(the whole batch's rows, device i's first) of its b rows, under shard_map over ``mesh``:
     the rows split over the batch axes, in their order."""
@@ -393,9 +398,9 @@ def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence:
     check_tensor_blocks(config, mesh, x, sequence, blocks)
     t, ring = tensor_size(mesh), ring_on(mesh)
 
-    def local(blocks, x, segments, *key):
+    def local(blocks, x, segments, key):
         def layer(p, x, l):
-            lkey = device_key(layer_key(key[0], l), x, config, mesh, sequence) if key else None
+            lkey = layer_device_key(key, l, x, config, mesh, sequence)
             p = site_piece_keys(p, x.shape[0], mesh)  # LoRA dropout's keys: device i's rows
             # layer l's config: its kind of attention (layer_kinds.per_layer)
             return per_layer(config, l, lambda c: tensor_block(p, x, c, lkey, segments, sequence, ring))
@@ -408,10 +413,9 @@ def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence:
         return y, moe_global_stats(stats, mesh)
 
     stream = stream_spec(mesh, sequence)
-    keys = () if key is None else (key,)
-    specs = (block_specs(blocks, config, t), stream, segments_spec(mesh)) + (PartitionSpec(),) * len(keys)
+    specs = (block_specs(blocks, config, t), stream, segments_spec(mesh), PartitionSpec())
     out = (stream, PartitionSpec()) if config.n_experts else stream
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out)(blocks, x, segments, *keys)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out)(blocks, x, segments, key)
 
 
 def moe_global_stats(stats, mesh):
