@@ -34,10 +34,13 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
     # every factorization of 4 into (data, fsdp, expert, tensor) is taken or refused, once
     assert len(refused) + 5 == len(aot_plan.factorizations(4, 4)) == 10
 
-    # the Pallas kernel has no tensor-parallel form yet: no tensor axis with it
+    # the Pallas kernels run on each device's heads: the same meshes as the blockwise core's
     pallas = TINY.replace(attention_impl="pallas")
-    assert aot_plan.candidate_meshes(pallas, 4) == ["data=4,fsdp=1", "data=2,fsdp=2", "data=1,fsdp=4"]
-    assert "does not run attention_impl 'pallas'" in dict(aot_plan.refused_meshes(pallas, 4))["data=2,fsdp=1,tensor=2"]
+    assert aot_plan.candidate_meshes(pallas, 4) == aot_plan.candidate_meshes(blockwise, 4)
+    # cuDNN's attention has no hand-derived backward: no tensor axis with it
+    cudnn = TINY.replace(attention_impl="cudnn", compute_dtype="bfloat16")
+    assert aot_plan.candidate_meshes(cudnn, 4) == ["data=4,fsdp=1", "data=2,fsdp=2", "data=1,fsdp=4"]
+    assert "does not run attention_impl 'cudnn'" in dict(aot_plan.refused_meshes(cudnn, 4))["data=2,fsdp=1,tensor=2"]
 
     # the batch splits over data x fsdp x expert: a global batch of 2 over 4 devices needs a tensor axis of 2
     assert aot_plan.candidate_meshes(blockwise, 4, batch_size=2) == ["data=2,fsdp=1,tensor=2", "data=1,fsdp=2,tensor=2"]
@@ -206,7 +209,7 @@ print(json.dumps([dict(mesh=r.mesh, shape=r.shape, memory=r.memory and r.memory.
 """
 
 
-PLANNED = ["data=4,fsdp=1", "data=1,fsdp=4"]  # two of its three candidates: the suite stays fast
+PLANNED = ["data=4,fsdp=1", "data=1,fsdp=4"]  # two of its five candidates: the suite stays fast
 CONTEXT = "data=2,fsdp=1,context=2"  # and a context mesh (full attention: the ring's core)
 PLAN = PLAN.replace("[CONTEXT]", repr([CONTEXT]))
 

@@ -54,6 +54,9 @@ def configs():
     configs["llama-mixed-blockwise-dropout"] = configs["llama"].replace(
         attention_impl="blockwise", attention_block=4, dropout=0.2, sliding_window=3, rope_local_theta=100.0,
         layer_types=("sliding_attention", "full_attention"))
+    # the Pallas kernels (interpreted here) on each device's heads, the sequence split between sublayers
+    configs["llama-pallas-sequence"] = configs["llama"].replace(attention_impl="pallas", pallas_block_q=8,
+                                                                pallas_block_k=8, sequence_parallel=True)
     # mixture of experts (4, 2 a token) with a shared expert, the load-balancing and z losses: each
     # expert's F/t features on a device, the router replicated; QK-norm over all of q's and k's
     # features as OLMoE's (each device's heads a part of them: the statistics summed over tensor)
@@ -216,7 +219,8 @@ def vocab_head(devices) -> dict:
 # on its rows, heads and (sequence_parallel) tokens; the blockwise core's masks block pair by pair;
 # layers of two kinds: each layer's own config, its inputs kept alone;
 # MoE: the experts' hidden features split, the router's statistics over the whole batch)
-WHOLE = ("gpt2", "llama", "gpt2-sequence-remat-dropout", "llama-mixed-blockwise-dropout", "moe-sequence")
+WHOLE = ("gpt2", "llama", "gpt2-sequence-remat-dropout", "llama-mixed-blockwise-dropout", "moe-sequence",
+         "llama-pallas-sequence")
 
 
 def whole_model(devices) -> dict:
@@ -260,7 +264,9 @@ def whole_model(devices) -> dict:
             # the embedding's rows split over tensor: the lookup gathers from device i's (V/t, D) = (6, 16)
             # slice of tok_embed (padded from 11 rows), not from the whole (11, 16) table
             for name, f in sources:
-                lowered = jax.jit(f, static_argnums=2).lower(params, batch, config).as_text()
+                traced = jax.jit(f, static_argnums=2).trace(params, batch, config)
+                out[f"whole {cname}: {name} kernels"] = str(traced.jaxpr).count("pallas_call")
+                lowered = traced.lower().as_text()
                 if name == "manual":
                     out[f"whole {cname}: all-gathers"] = lowered.count("stablehlo.all_gather")  # the sequence's, T
                 out[f"whole {cname}: {name} table slices"] = len(re.findall(r"gather.*\(tensor<6x16xf64>", lowered))
@@ -445,6 +451,8 @@ def test_whole_model_on_a_tensor_mesh_equals_one_device(results, cname):
         assert results[f"whole {cname}: {name} whole tables"] == 0, name
         assert results[f"whole {cname}: {name} loss"] <= TOL
         assert results[f"whole {cname}: {name} = one device"] <= TOL, name
+        if config.attention_impl == "pallas":  # the kernels ran on each device's heads: forward (and backward)
+            assert results[f"whole {cname}: {name} kernels"] > 0, name
     if config.dropout:  # the masks dropped something (the equalities above hold each device to its piece)
         assert results[f"whole {cname}: dropout's effect"] > 1e-3
 
@@ -526,7 +534,7 @@ def test_whole_projection_qk_norm_needs_the_key_value_heads_split():
 
 
 @pytest.mark.parametrize("changes, what", [
-    (dict(attention_impl="pallas"), "attention_impl 'pallas'"),
+    (dict(attention_impl="cudnn", compute_dtype="bfloat16"), "attention_impl 'cudnn'"),
 ])
 def test_unsupported_options_are_refused(changes, what):
     with pytest.raises(ValueError, match=f"tensor=2: tensor parallelism does not run {what}"):

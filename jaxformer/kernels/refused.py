@@ -19,11 +19,21 @@ from jax.interpreters import mlir
 
 
 def refused(shapes, error_type: type[Exception], message: str):
-    """A pytree like ``shapes`` whose lowering or eager run raises error_type(message)."""
+    """A pytree like ``shapes`` whose lowering or eager run raises error_type(message). Under
+    jax.shard_map each value varies over the mesh axes its shape's ``manual_axis_type`` names
+    (jax.eval_shape's, inside the shard_map), so that it stands in for the real one in a
+    ``platform_dependent`` whose branches must agree on that too."""
     flat, tree = jax.tree_util.tree_flatten(shapes)
     avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in flat)
-    return jax.tree_util.tree_unflatten(tree, _refused_p.bind(error_type=error_type, message=message,
-                                                              avals=avals))
+    out = _refused_p.bind(error_type=error_type, message=message, avals=avals)
+    return jax.tree_util.tree_unflatten(tree, [_varying_as(x, s) for x, s in zip(out, flat)])
+
+
+def _varying_as(x, shape):
+    """x cast to vary over the manual mesh axes ``shape`` varies over (none outside shard_map)."""
+    mat = getattr(shape, "manual_axis_type", None)
+    axes = tuple(sorted(mat.varying)) if mat is not None else ()
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def _raise(error_type, message: str, platform: str):

@@ -18,8 +18,12 @@ def per_example_shards(f, *args):
     when the trace has a mesh: each device calls f on its own rows, split over every
     mesh axis. Without a mesh, or a batch the mesh does not divide, f(*args)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or args[0].shape[0] % mesh.size:
+    axes = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    size = 1
+    for a in axes:
+        size *= dict(mesh.shape)[a]
+    if not axes or args[0].shape[0] % size:  # no mesh, or inside a shard_map over every axis already
         return f(*args)
-    rows = jax.sharding.PartitionSpec(mesh.axis_names)
+    rows = jax.sharding.PartitionSpec(axes)
     return jax.shard_map(f, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
                          check_vma=False)(*args)

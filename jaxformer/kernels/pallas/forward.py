@@ -71,15 +71,45 @@ def pad(x, length: int, width: int | None = None):
 
 def launch(kernel, grid, in_specs, out_specs, out_shape, name: str, how: Launch):
     """pl.pallas_call for ``how``: Triton on a GPU, Mosaic on a TPU (every grid axis
-    parallel: each program writes its own output block), else interpret mode."""
+    parallel: each program writes its own output block), else interpret mode. Under
+    jax.shard_map the outputs vary over the mesh axes the first input does (its manual
+    axis type: a shard's rows, or a tensor-parallel device's heads), as shard_map's check
+    of varying axes asks of a kernel's outputs."""
     params = None
     if how.device == "gpu":
         params = plgpu.CompilerParams(num_warps=how.num_warps, num_stages=how.num_stages)
     elif how.device == "tpu":
         params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                          out_shape=out_shape, interpret=how.interpret,
-                          compiler_params=None if how.interpret is True else params, name=name)
+
+    def run(*args):
+        mat = jax.typeof(args[0]).mat
+        shapes = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
+                                        out_shape)
+        call = functools.partial(pl.pallas_call, grid=grid, out_shape=shapes, interpret=how.interpret,
+                                 compiler_params=None if how.interpret is True else params, name=name)
+        if how.interpret is True and mat.varying:
+            return _interpret_varying(kernel, call, in_specs, out_specs, shapes, sorted(mat.varying), args)
+        return call(kernel, in_specs=in_specs, out_specs=out_specs)(*args)
+    return run
+
+
+def _interpret_varying(kernel, call, in_specs, out_specs, shapes, axes, args):
+    """The interpreted kernel under shard_map with its check of varying axes: JAX's interpreter
+    starts each output from a fresh buffer that varies over no mesh axis, so its loop's carry
+    changes type. Each output starts instead from a zero input that varies as the outputs do,
+    aliased to it (input_output_aliases); the kernel never reads those inputs (it writes every
+    block of its outputs), so it computes the same."""
+    many = isinstance(shapes, (list, tuple))
+    outs = list(shapes) if many else [shapes]
+    specs = list(out_specs) if many else [out_specs]
+    inits = [jax.lax.pcast(jnp.zeros(s.shape, s.dtype), tuple(axes), to="varying") for s in outs]
+    n = len(args)
+
+    def aliased(*refs):  # (inputs, the outputs' initial inputs, outputs): the kernel's own refs
+        return kernel(*refs[:n], *refs[n + len(outs):])
+
+    return call(aliased, in_specs=list(in_specs) + specs, out_specs=out_specs,
+                input_output_aliases={n + i: i for i in range(len(outs))})(*args, *inits)
 
 
 # ----------------------------------------------------------------------------
