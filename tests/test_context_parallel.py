@@ -156,19 +156,25 @@ def run_cases() -> dict:
     return out
 
 
-LORA_CASE = "lora llama-blockwise data=2xcontext=2 documents"
+LORA_CASE = "lora llama data=2xcontext=2 documents dropout"
+LORA_TENSOR_CASE = "lora llama tensor=2xcontext=2 dropout"
 
 
 def lora_differences(devices) -> dict:
-    """LoRA adapters on every projection over the blockwise Llama-like base, packed documents,
-    on data=2 x context=2 (helpers.adapter_differences)."""
+    """LoRA adapters with dropout 0.25 on every projection over the Llama-like base, with packed
+    documents on data=2 x context=2 and on tensor=2 x context=2 (helpers.adapter_differences):
+    each device draws its rows' and zig-zag tokens' piece of one device's masks (on the tensor axis
+    a row-parallel adapter's features' block too). The adapters act token by token: the core is
+    the full one (the ring's blockwise core is the whole-model cases')."""
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    config = configs()["llama-blockwise"]
+    config = configs()["llama"]
     inputs = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (B, T)))
-    return adapter_differences(LORA_CASE, config, Mesh(devices[:4].reshape(2, 2), ("data", "context")), inputs,
-                               jnp.asarray(DOCUMENTS))
+    out = adapter_differences(LORA_CASE, config, Mesh(devices[:4].reshape(2, 2), ("data", "context")), inputs,
+                              jnp.asarray(DOCUMENTS), dropout=0.25)
+    return out | adapter_differences(LORA_TENSOR_CASE, config, Mesh(devices[:4].reshape(2, 2), ("tensor", "context")),
+                                     inputs, dropout=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -193,21 +199,12 @@ def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
         assert results[f"{name}: {what} = one device"] <= TOL, (what, results[f"{name}: {what} = one device"])
 
 
-def test_lora_adapters_on_a_context_mesh_equal_one_device(results):
+@pytest.mark.parametrize("case", [LORA_CASE, LORA_TENSOR_CASE])
+def test_lora_adapters_on_a_context_mesh_equal_one_device(results, case):
     """The adapters' loss and every leaf of their gradient (q, k, v, o, gate, up, down's A and B:
-    14 leaves), by hand and by jax.grad, equal one device's manual ones to 1e-10."""
-    assert_adapters_equal_one_device(results, LORA_CASE, 14, TOL)
-
-
-def test_lora_dropout_is_refused():
-    """The adapters' dropout, as the model's, would draw each device's own masks: refused in one line."""
-    import jax.numpy as jnp
-
-    from jaxformer.model.parallel.context import refuse_adapters
-    with pytest.raises(ValueError, match=r"^mesh axis context=2: context parallelism does not run LoRA dropout"):
-        refuse_adapters({"attn": {"lora": {"scale": jnp.ones(2), "key": jnp.zeros((2, 2))}}}, 2)
-    refuse_adapters({"attn": {"lora": {"scale": jnp.ones(2)}}}, 2)  # without dropout: runs
-    refuse_adapters({"attn": {"lora": {"scale": jnp.ones(2), "key": jnp.zeros((2, 2))}}}, 1)  # one device: runs
+    14 leaves), with their dropout, by hand and by jax.grad, equal one device's manual ones to
+    1e-10 (and the masks change the loss)."""
+    assert_adapters_equal_one_device(results, case, 14, TOL)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])

@@ -133,6 +133,9 @@ def test_a_device_s_piece_of_a_mask_is_the_whole_mask_s_piece(x64):
             whole = keep_mask(key, 0.4, (4, 10, 5))
             piece = keep_mask(PieceKey(key, Piece(rows=(4, 1), heads=(6, 3), tokens=(10, 5))), 0.4, (1, 5, 5))
             np.testing.assert_array_equal(piece, whole[1:2, 5:10])
+            # a context axis' tokens, their indices one by one (zig-zag), beside a block of the rows
+            piece = keep_mask(PieceKey(key, Piece(rows=(4, 2), tokens=(10, jnp.array([0, 1, 8, 9])))), 0.4, (2, 4, 5))
+            np.testing.assert_array_equal(piece, whole[2:4, [0, 1, 8, 9]])
             # a row-parallel LoRA adapter's input: its block of the features
             piece = keep_mask(PieceKey(key, Piece(rows=(4, 2), features=(5, 3))), 0.4, (2, 10, 2))
             np.testing.assert_array_equal(piece, whole[2:4, :, 3:5])

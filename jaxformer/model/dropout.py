@@ -36,7 +36,8 @@ ATTN_PROBS, ATTN_OUT, FFN_OUT = 0, 1, 2
 class Piece(NamedTuple):
     """Where a device's arrays sit in the whole ones its dropout masks cover (under shard_map):
     for the batch rows, the heads, the tokens and the features, (the whole size, this device's
-    first index), or None where the device holds them all. A site's array is the residual
+    first index, or its (n,) indices one by one: a context axis' tokens), or None where the
+    device holds them all. A site's array is the residual
     stream's or a LoRA adapter's input (B, T, D) (rows, tokens, features) or the attention
     probabilities' (B, H, Tq, Tk) (rows, heads; their tokens whole: attention reads every token)."""
     rows: tuple | None = None
@@ -87,7 +88,11 @@ def piece_uniform(key: PieceKey, shape):
     hi = lo = jnp.zeros(shape, jnp.uint32)
     for d, (span, stride) in enumerate(zip(spans, strides)):
         first = 0 if span is None else span[1]
-        index = jax.lax.broadcasted_iota(jnp.uint32, shape, d) + jnp.asarray(first, jnp.uint32)
+        if jnp.ndim(first) == 1:  # the device's indices along d one by one (a context axis' zig-zag tokens)
+            index = jnp.broadcast_to(jnp.expand_dims(jnp.asarray(first, jnp.uint32),
+                                                     [a for a in range(len(shape)) if a != d]), shape)
+        else:
+            index = jax.lax.broadcasted_iota(jnp.uint32, shape, d) + jnp.asarray(first, jnp.uint32)
         h, l = _mul_wide(index, stride)
         lo = lo + l
         hi = hi + h + (lo < l).astype(jnp.uint32)  # the carry where the low words' sum wrapped

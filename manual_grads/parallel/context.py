@@ -45,10 +45,11 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_size, global_stats,
-                                              local_positions, refuse_adapters, ring_core_of, ring_ordered,
+                                              local_positions, ring_core_of, ring_ordered,
                                               ring_positions, stream_spec)
 from jaxformer.model.precision import upcast
 from jaxformer.model.transformer import TOKEN_KEYS, head_params
+from jaxformer.model.parallel.pieces import site_piece_keys
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes
 from jaxformer.model.parallel.vocab import head_specs, padded
 from manual_grads.attention import attention_bwd, attention_fwd
@@ -137,11 +138,12 @@ def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
     With remat "block" a layer keeps only its input; the backward runs its forward again."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
-    refuse_adapters(blocks, c)
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
     remat, static = keeps_inputs(config), {}  # remat "block" or layers of several kinds
 
     def step(x, p, l, segments):
+        p = site_piece_keys(p, x, mesh)  # LoRA dropout's keys: device i's rows and tokens
+
         def run(c):  # layer l's config (layer_kinds.per_layer)
             y, res = context_block_fwd(p, x, c, segments)
             y, stats = ffn_output(y, config)  # with n_experts: the layer's statistics over device i's tokens
@@ -186,7 +188,9 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
                 dp, dx = context_block_bwd(join_arrays(arrays, res.rest), dy)
                 return dx, dp
 
-            def run(c):  # the block's forward again from its input, for its residuals
+            p = site_piece_keys(p, arrays[0], mesh)
+
+            def run(c):  # the block's forward again from its input (the same masks), for its residuals
                 dp, dx = context_block_bwd(context_block_fwd(p, arrays[0], c, segments)[1], dy)
                 return dx, dp
             return per_layer(res.config, l, run)  # layer l's config (layer_kinds.per_layer)

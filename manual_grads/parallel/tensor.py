@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec
 from jaxformer.model.attention import qk_norm_of
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import per_layer
+from jaxformer.model.parallel.pieces import site_piece_keys
 from jaxformer.model.parallel.regions import TENSOR, token_axes
 from jaxformer.model.parallel.context import local_positions, ring_core_of
 from jaxformer.model.lora import LORA
@@ -69,7 +70,7 @@ from jaxformer.model.parallel.tensor import (KV, MOE_SHARED, adapter_split, atte
                                              layer_device_key,
                                              check_tensor_blocks, enter, ffn_bias, leave, local_config,
                                              moe_global_stats, moe_local_params,
-                                             replicated_kv, ring_on, segments_spec, site_piece_keys, split_kv,
+                                             replicated_kv, ring_on, segments_spec, split_kv,
                                              stream_spec, tensor_qk_norm, tensor_size, with_local_adapters)
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _branch_keys, _in_norm_fwd,
@@ -308,7 +309,7 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
     remat "block" a layer keeps only its input (device i's view of it); the backward runs its
     forward again. ``key``: dropout's key (None: none): each device draws its piece of layer l's
     masks (the residuals keep the keys; the backward draws the masks again)."""
-    check_tensor_blocks(config, mesh, x, sequence, blocks)
+    check_tensor_blocks(config, mesh, x, sequence)
     t, ring = tensor_size(mesh), ring_on(mesh)
     specs, rows, every = block_specs(blocks, config, t), segments_spec(mesh), PartitionSpec(mesh.axis_names)
     stream = stream_spec(mesh, sequence)
@@ -319,7 +320,7 @@ def tensor_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, seque
             x, s = carry
             p, l = xs
             lkey = layer_device_key(key, l, x, config, mesh, sequence)
-            p = site_piece_keys(p, x.shape[0], mesh)  # LoRA dropout's keys: device i's rows
+            p = site_piece_keys(p, x, mesh)  # LoRA dropout's keys: device i's piece
 
             def run(c):  # layer l's config (layer_kinds.per_layer)
                 y, res = tensor_block_fwd(p, x, c, s, sequence, ring, lkey)
@@ -365,7 +366,7 @@ def tensor_blocks_bwd(res: TensorBlocksRes, dy):
                 dp, dx = tensor_block_bwd(join_arrays(arrays, res.rest), dy)
                 return dx, dp
             lkey = layer_device_key(key, l, arrays[0], res.config, mesh, res.sequence)
-            p = site_piece_keys(p, arrays[0].shape[0], mesh)
+            p = site_piece_keys(p, arrays[0], mesh)
 
             def run(c):  # the block's forward again from its input (the same masks), for its residuals
                 layer = tensor_block_fwd(p, arrays[0], c, segments, res.sequence, ring_on(mesh), lkey)[1]

@@ -46,8 +46,9 @@ from jaxformer.model.block import BlockLayers, compose_block, model_feed_forward
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
+from jaxformer.model.parallel.pieces import local_positions, site_piece_keys
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes, trace_mesh_with
-from jaxformer.model.parallel.ring import CONTEXT, check_context, chunk_positions, ring_attention, to_zigzag
+from jaxformer.model.parallel.ring import CONTEXT, check_context, ring_attention, to_zigzag
 from jaxformer.model.rms_norm import rms_norm
 
 
@@ -88,22 +89,6 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
     for on, what in refused:
         if on:
             raise ValueError(f"mesh axis context={c}: context parallelism does not run {what} yet; use context=1")
-
-
-def refuse_adapters(blocks, c: int) -> None:
-    """LoRA adapters with dropout in the blocks' params (a sublayer's "lora" with its masks' keys):
-    refused on a context axis, as the model's dropout is. Adapters without it run: they act token
-    by token, their params replicated as the base's (their gradients summed over the axis alike)."""
-    if c > 1 and any(isinstance(p, dict) and "key" in p.get("lora", {}) for p in blocks.values()):
-        raise ValueError(f"mesh axis context={c}: context parallelism does not run LoRA dropout (each device would "
-                         "draw its own tokens' masks) yet; use context=1")
-
-
-def local_positions(n_local: int):
-    """Inside shard_map over the context axis: (T/c,) int, the global positions of this device's
-    n_local tokens (ring.chunk_positions of its axis index, zig-zag)."""
-    c = jax.lax.axis_size(CONTEXT)
-    return chunk_positions(jax.lax.axis_index(CONTEXT), n_local * c, c)
 
 
 def ring_core(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False):
@@ -179,11 +164,11 @@ def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
     With n_experts (y, the MoE layers' MoeStats stacked over L, over the whole batch: global_stats)."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
-    refuse_adapters(blocks, c)
 
     def local(blocks, x, segments):
-        # layer l's config: its kind of attention (layer_kinds.per_layer)
-        layer = lambda p, x, l: per_layer(config, l, lambda c: context_block(p, x, c, segments))  # noqa: E731
+        def layer(p, x, l):  # layer l's config: its kind of attention (layer_kinds.per_layer)
+            p = site_piece_keys(p, x, mesh)  # LoRA dropout's keys: device i's rows and tokens
+            return per_layer(config, l, lambda c: context_block(p, x, c, segments))
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
             layer = jax.checkpoint(layer)
         layers = (blocks, jnp.arange(config.n_layers))

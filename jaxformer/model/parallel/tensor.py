@@ -75,8 +75,8 @@ from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
 from jaxformer.model.moe import moe
-from jaxformer.model.parallel.context import check_context_model, local_positions, ring_core_of
-from jaxformer.model.parallel.context import refuse_adapters as refuse_context_adapters
+from jaxformer.model.parallel.context import check_context_model, ring_core_of
+from jaxformer.model.parallel.pieces import device_rows, local_positions, site_piece_keys
 from jaxformer.model.lora import LORA, site_key
 from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
                                               gather_from_sequence, reduce_from_tensor, reduce_scatter_to_sequence,
@@ -177,7 +177,7 @@ def local_adapters(site, section: str, kv: tuple[int, int] | None = None) -> dic
     replicated (each device's partial x_i A_i B summed by the row-parallel reduction, with
     x_i W_i); replicated key/value weights' B through kv_columns, as the weights. The scale and
     the dropout rate are read as they are. With dropout (the site's key device i's PieceKey of its
-    rows: ``site_piece_keys``) each adapter gets its own key (lora.site_key's), whose piece a
+    rows, and tokens on a context axis: pieces.site_piece_keys) each adapter gets its own key (lora.site_key's), whose piece a
     row-parallel adapter widens by its input's features: x_i is device i's block of them."""
     local = {}
     for name, leaf in site.items():
@@ -198,18 +198,6 @@ def local_adapters(site, section: str, kv: tuple[int, int] | None = None) -> dic
                 key = PieceKey(key.key, key.piece._replace(features=(width, jax.lax.axis_index(TENSOR) * (width // t))))
             local[name]["key"] = key
     return local
-
-
-def site_piece_keys(p, b: int, mesh) -> dict:
-    """One layer's params (under shard_map over ``mesh``, b its rows of the batch) with each LoRA
-    site's dropout key as device i's dropout.PieceKey of its rows (``device_rows``), so that its
-    adapters' masks are its piece of one device's; p as it is without LoRA dropout."""
-    out = dict(p)
-    for section, sub in p.items():
-        if isinstance(sub, dict) and "key" in sub.get(LORA, {}):
-            site = sub[LORA]
-            out[section] = {**sub, LORA: {**site, "key": PieceKey(site["key"], Piece(rows=device_rows(b, mesh)))}}
-    return out
 
 
 def with_local_adapters(local, p, section: str, kv: tuple[int, int] | None = None) -> dict:
@@ -304,15 +292,6 @@ def layer_device_key(key, l, x, config: ModelConfig, mesh, sequence: bool):
     return None if key is None else device_key(layer_key(key, l), x, config, mesh, sequence)
 
 
-def device_rows(b: int, mesh) -> tuple:
-    """(the whole batch's rows, device i's first) of its b rows, under shard_map over ``mesh``:
-    the rows split over the batch axes, in their order."""
-    rows, n = 0, 1
-    for a in batch_axes(mesh):
-        rows, n = rows * jax.lax.axis_size(a) + jax.lax.axis_index(a), n * jax.lax.axis_size(a)
-    return n * b, rows * b
-
-
 def tensor_block(p, x, config: ModelConfig, key=None, segments=None, sequence: bool = False, ring: bool = False):
     """One block on device i (under shard_map): the model's compose_block with TENSOR_LAYERS
     (SEQUENCE_LAYERS: x and y device i's T/t tokens; RING_LAYERS: its T/c tokens of a context axis).
@@ -376,14 +355,12 @@ def segments_spec(mesh) -> PartitionSpec:
     return stream_spec(mesh, False)
 
 
-def check_tensor_blocks(config: ModelConfig, mesh, x, sequence: bool, blocks) -> None:
-    """check_tensor, and check_context_model (and its refusal of LoRA dropout) where the mesh has
-    a context axis too."""
+def check_tensor_blocks(config: ModelConfig, mesh, x, sequence: bool) -> None:
+    """check_tensor, and check_context_model where the mesh has a context axis too."""
     t = tensor_size(mesh)
     check_tensor(config, t, x.shape[1] if sequence else None)
     if ring_on(mesh):
         check_context_model(config, axis_size(mesh, CONTEXT), x.shape[1], t)
-        refuse_context_adapters(blocks, axis_size(mesh, CONTEXT))
 
 
 def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence: bool = False, key=None):
@@ -394,13 +371,13 @@ def tensor_blocks(blocks, x, config: ModelConfig, mesh, segments=None, sequence:
     context axis, x and segments are in its zig-zag order, T split over it, attention the ring.
     ``key``: dropout's key (None: none); block l draws layer_key(key, l)'s masks, each device
     its piece of them (``device_key``): the masks one device draws."""
-    check_tensor_blocks(config, mesh, x, sequence, blocks)
+    check_tensor_blocks(config, mesh, x, sequence)
     t, ring = tensor_size(mesh), ring_on(mesh)
 
     def local(blocks, x, segments, key):
         def layer(p, x, l):
             lkey = layer_device_key(key, l, x, config, mesh, sequence)
-            p = site_piece_keys(p, x.shape[0], mesh)  # LoRA dropout's keys: device i's rows
+            p = site_piece_keys(p, x, mesh)  # LoRA dropout's keys: device i's piece
             # layer l's config: its kind of attention (layer_kinds.per_layer)
             return per_layer(config, l, lambda c: tensor_block(p, x, c, lkey, segments, sequence, ring))
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
