@@ -176,9 +176,10 @@ def local_adapters(site, section: str, kv: tuple[int, int] | None = None) -> dic
     device's copy read by its own columns); a row-parallel W's A by the same input rows, B
     replicated (each device's partial x_i A_i B summed by the row-parallel reduction, with
     x_i W_i); replicated key/value weights' B through kv_columns, as the weights. The scale and
-    the dropout rate are read as they are. With dropout (the site's key device i's PieceKey of its
-    rows, and tokens on a context axis: pieces.site_piece_keys) each adapter gets its own key (lora.site_key's), whose piece a
-    row-parallel adapter widens by its input's features: x_i is device i's block of them."""
+    the dropout rate are read as they are. With dropout (the site's key device i's PieceKey of
+    its rows, and of its tokens on a context axis: pieces.site_piece_keys) each adapter gets its
+    own key (lora.site_key's), whose piece a row-parallel adapter widens by its input's
+    features: x_i is device i's block of them."""
     local = {}
     for name, leaf in site.items():
         if not isinstance(leaf, dict):  # the scale, the rate, the site's key (each adapter gets its own below)
