@@ -17,6 +17,8 @@ import jax
 import jax.extend
 from jax.interpreters import mlir
 
+from jaxformer.kernels.shards import varying_as
+
 
 def refused(shapes, error_type: type[Exception], message: str):
     """A pytree like ``shapes`` whose lowering or eager run raises error_type(message). Under
@@ -26,14 +28,7 @@ def refused(shapes, error_type: type[Exception], message: str):
     flat, tree = jax.tree_util.tree_flatten(shapes)
     avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in flat)
     out = _refused_p.bind(error_type=error_type, message=message, avals=avals)
-    return jax.tree_util.tree_unflatten(tree, [_varying_as(x, s) for x, s in zip(out, flat)])
-
-
-def _varying_as(x, shape):
-    """x cast to vary over the manual mesh axes ``shape`` varies over (none outside shard_map)."""
-    mat = getattr(shape, "manual_axis_type", None)
-    axes = tuple(sorted(mat.varying)) if mat is not None else ()
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
+    return jax.tree_util.tree_unflatten(tree, [varying_as(x, s) for x, s in zip(out, flat)])
 
 
 def _raise(error_type, message: str, platform: str):

@@ -27,3 +27,11 @@ def per_example_shards(f, *args):
     rows = jax.sharding.PartitionSpec(axes)
     return jax.shard_map(f, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows,
                          check_vma=False)(*args)
+
+
+def varying_as(x, shape):
+    """x cast to vary over the manual mesh axes ``shape`` varies over (a ShapeDtypeStruct's
+    ``manual_axis_type``, as jax.eval_shape gives it inside a shard_map); x as it is outside one."""
+    mat = getattr(shape, "manual_axis_type", None)
+    axes = tuple(sorted(mat.varying)) if mat is not None else ()
+    return jax.lax.pcast(x, axes, to="varying") if axes else x

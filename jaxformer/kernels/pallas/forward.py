@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxformer.kernels.pallas import tune as pallas_tune
 from jaxformer.kernels.pallas.platform import on_platform
+from jaxformer.kernels.shards import varying_as
 from jaxformer.kernels.pallas.tiling import Launch, Tiling, plan
 
 
@@ -88,12 +89,12 @@ def launch(kernel, grid, in_specs, out_specs, out_shape, name: str, how: Launch)
         call = functools.partial(pl.pallas_call, grid=grid, out_shape=shapes, interpret=how.interpret,
                                  compiler_params=None if how.interpret is True else params, name=name)
         if how.interpret is True and mat.varying:
-            return _interpret_varying(kernel, call, in_specs, out_specs, shapes, sorted(mat.varying), args)
+            return _interpret_varying(kernel, call, in_specs, out_specs, shapes, args)
         return call(kernel, in_specs=in_specs, out_specs=out_specs)(*args)
     return run
 
 
-def _interpret_varying(kernel, call, in_specs, out_specs, shapes, axes, args):
+def _interpret_varying(kernel, call, in_specs, out_specs, shapes, args):
     """The interpreted kernel under shard_map with its check of varying axes: JAX's interpreter
     starts each output from a fresh buffer that varies over no mesh axis, so its loop's carry
     changes type. Each output starts instead from a zero input that varies as the outputs do,
@@ -102,7 +103,7 @@ def _interpret_varying(kernel, call, in_specs, out_specs, shapes, axes, args):
     many = isinstance(shapes, (list, tuple))
     outs = list(shapes) if many else [shapes]
     specs = list(out_specs) if many else [out_specs]
-    inits = [jax.lax.pcast(jnp.zeros(s.shape, s.dtype), tuple(axes), to="varying") for s in outs]
+    inits = [varying_as(jnp.zeros(s.shape, s.dtype), s) for s in outs]
     n = len(args)
 
     def aliased(*refs):  # (inputs, the outputs' initial inputs, outputs): the kernel's own refs

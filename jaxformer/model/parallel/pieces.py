@@ -37,12 +37,13 @@ def site_piece_keys(p, x, mesh) -> dict:
     sequence parallelism its T/t tokens, of which the adapters read them all: rows alone). p as it
     is without LoRA dropout. A tensor axis' row-parallel adapters add their features' block
     (parallel/tensor.py's local_adapters)."""
+    sections = [s for s, sub in p.items() if isinstance(sub, dict) and "key" in sub.get(LORA, {})]
+    if not sections:
+        return p
+    b, n, c = x.shape[0], x.shape[1], axis_size(mesh, CONTEXT)
+    piece = Piece(rows=device_rows(b, mesh), tokens=(n * c, local_positions(n)) if c > 1 else None)
     out = dict(p)
-    for section, sub in p.items():
-        if isinstance(sub, dict) and "key" in sub.get(LORA, {}):
-            b, n = x.shape[0], x.shape[1]
-            c = axis_size(mesh, CONTEXT)
-            piece = Piece(rows=device_rows(b, mesh), tokens=(n * c, local_positions(n)) if c > 1 else None)
-            site = sub[LORA]
-            out[section] = {**sub, LORA: {**site, "key": PieceKey(site["key"], piece)}}
+    for s in sections:
+        site = p[s][LORA]
+        out[s] = {**p[s], LORA: {**site, "key": PieceKey(site["key"], piece)}}
     return out
