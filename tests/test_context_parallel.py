@@ -15,7 +15,9 @@ GPT-2-like one on data=2 x tensor=2 x context=2, the blockwise Llama-like one wi
 remat "block" on tensor=2 x context=4; a mixture of experts (the Llama-like one with 4 experts,
 2 a token, a shared expert, the load-balancing and z losses) with documents on expert=2 x
 context=2 (the batch's rows split over expert, the experts whole on each device inside the
-ring); LoRA adapters over the blockwise one on data=2 x context=2. Each mesh's loss and
+ring); the Llama-like one with the Pallas kernels in the ring's visits (interpreted) and packed
+documents on data=2 x context=2; LoRA adapters over the full-core one with dropout on data=2 x
+context=2 and tensor=2 x context=2. Each mesh's loss and
 every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
 collectives counted, and every program's logits shapes. The refusals run in this process."""
@@ -39,7 +41,8 @@ B, T = 4, 16
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
 # (model, mesh axes, sizes, packed documents)
 CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama-blockwise", ("context",), (4,), False),
-         ("llama-remat", ("context",), (2,), True), ("moe", ("expert", "context"), (2, 2), True)]
+         ("llama-remat", ("context",), (2,), True), ("moe", ("expert", "context"), (2, 2), True),
+         ("llama-pallas", ("data", "context"), (2, 2), True)]
 # with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
 # rows split over it), attention the ring, the head's vocabulary split over tensor (V = 11 padded)
 TENSOR_CASES = [("gpt2", ("data", "tensor", "context"), (2, 2, 2), False),
@@ -64,6 +67,7 @@ def configs():
     moe = llama.replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8, moe_aux_loss_coef=0.1,
                         router_z_loss_coef=0.01)
     return {"gpt2": gpt2, "llama": llama, "llama-blockwise": blockwise, "llama-remat": llama.replace(remat="block"),
+            "llama-pallas": llama.replace(attention_impl="pallas"),  # the kernels interpreted, in float64
             "llama-blockwise-remat": blockwise.replace(remat="block"), "moe": moe}
 
 
@@ -141,6 +145,9 @@ def run_cases() -> dict:
         with jax.set_mesh(mesh):
             for what, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
                 lowered = jax.jit(f, static_argnums=2).lower(params, batch, config)
+                if config.attention_impl == "pallas":  # the kernels are in the program, not a stand-in
+                    jaxpr = str(jax.make_jaxpr(f, static_argnums=2)(params, batch, config))
+                    out[f"{name}: {what} pallas_calls"] = jaxpr.count("pallas_call")
                 compiled = lowered.compile()
                 if what == "manual":
                     out.update({f"{name}: {k}": n for k, n in collectives(lowered, compiled).items()})
@@ -197,6 +204,8 @@ def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
         assert results[f"{name}: {what} leaves"] == n
         assert results[f"{name}: {what} loss"] <= TOL, (what, results[f"{name}: {what} loss"])
         assert results[f"{name}: {what} = one device"] <= TOL, (what, results[f"{name}: {what} = one device"])
+        if configs()[case[0]].attention_impl == "pallas":  # the ring's visits are the kernels
+            assert results[f"{name}: {what} pallas_calls"] > 0, what
 
 
 @pytest.mark.parametrize("case", [LORA_CASE, LORA_TENSOR_CASE])
@@ -292,8 +301,11 @@ def refusal(config, c=2, seq_len=T, t=1) -> str:
 
 @pytest.mark.parametrize("changes, what", [
     (dict(dropout=0.1), "dropout"),
-    (dict(attention_impl="pallas"), "attention_impl 'pallas' (the ring's visits are the full or the blockwise "
-                                    "core's math: use attention_impl 'full' or 'blockwise')"),
+    (dict(attention_impl="cudnn"), "attention_impl 'cudnn' (the ring's visits are the full or the blockwise "
+                                   "core's math, or the Pallas kernels: use attention_impl 'full', 'blockwise' or "
+                                   "'pallas')"),
+    (dict(attention_impl="pallas", sliding_window=4), "sliding_window 4 with attention_impl 'pallas' (the kernels "
+                                                      "mask by a visit's own positions; use 'full' or 'blockwise')"),
     (dict(attention_impl="blockwise", attention_block=3), "attention_block 3 with pieces of 4 tokens (the ring's "
                                                           "visits fold 4 or 8 keys: the block must divide 4, or be "
                                                           "at least 8)"),

@@ -57,8 +57,8 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
     refused = dict(aot_plan.refused_meshes(moe, 8))
     assert "n_experts 4 does not divide over the mesh's expert axis (expert=8)" in refused["data=1,fsdp=1,expert=8"]
 
-    # a context axis (the sequence split, ring attention) only when asked for, on the full or the
-    # blockwise core, where 2 x context divides the sequence
+    # a context axis (the sequence split, ring attention) only when asked for, on the full, the
+    # blockwise or the Pallas core, where 2 x context divides the sequence
     full = TINY.replace(attention_impl="full")
     assert aot_plan.candidate_meshes(full, 4, seq_len=16) == aot_plan.candidate_meshes(blockwise, 4)
     with_context = aot_plan.candidate_meshes(full, 4, seq_len=16, context=True)
@@ -68,8 +68,9 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
     assert "does not fit the sequence length 12" in dict(aot_plan.refused_meshes(
         full, 4, seq_len=12, context=True))["data=1,fsdp=1,context=4"]
     assert aot_plan.candidate_meshes(blockwise.replace(attention_block=4), 4, seq_len=16, context=True) == with_context
-    assert "does not run attention_impl 'pallas'" in dict(aot_plan.refused_meshes(
-        pallas, 4, seq_len=16, context=True))["data=2,fsdp=1,context=2"]
+    assert aot_plan.candidate_meshes(pallas, 4, seq_len=16, context=True) == with_context
+    assert "does not run attention_impl 'cudnn'" in dict(aot_plan.refused_meshes(
+        cudnn, 4, seq_len=16, context=True))["data=2,fsdp=1,context=2"]
 
 
 def test_the_devices_a_target_has():

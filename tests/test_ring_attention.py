@@ -10,6 +10,9 @@ zig-zag; packed documents whose boundaries cut through the chunks; 1 key/value h
 query heads; non-causal with documents; the contiguous layout; the scores' soft cap with a
 sliding window, and the blockwise core's visits (keys 2 at a time) with and without them. The programs' collectives are
 counted as lowered (sites) and in the jaxpr with each scan's trip count (hops actually sent).
+The Pallas kernels' ring (ring_flash.py, the kernels interpreted) runs three of those cases
+(context=4 causal with documents and one key/value head, context=2 non-causal with documents,
+context=4 contiguous) against the same references, its collectives counted alike.
 The layout's helpers (round trip, equal causal work, every unmasked pair inside the block a
 visit computes) and the refusals run in this process."""
 
@@ -34,6 +37,9 @@ CASES = [(2, True, False, 2, ZIGZAG, {}), (4, True, False, 2, ZIGZAG, {}), (4, T
          (2, True, True, 1, ZIGZAG, {"block": 2, **CAPPED_WINDOW}), (4, False, True, 2, ZIGZAG, {"block": 2}),
          (4, True, False, 1, CONTIGUOUS, {})]
 DIFFS = ("output", "lse", "manual = one device", "jax.grad ring = one device", "manual = jax.grad ring")
+# The Pallas kernels' ring (ring_flash.py), interpreted: (context size, causal, segments, key/value heads, layout)
+PALLAS_CASES = [(4, True, True, 1, ZIGZAG), (2, False, True, 2, ZIGZAG), (4, True, False, 2, CONTIGUOUS)]
+PALLAS_DIFFS = ("output", "manual = one device", "jax.grad ring = one device")
 
 
 def case_name(c, causal, segments, hkv, layout, options) -> str:
@@ -122,6 +128,7 @@ def run_cases() -> dict:
         for what, fn in (("forward", ring), ("manual", manual)):
             out.update({f"{name}: {what} {kind}": n for kind, n in collectives(fn, q, k, v, segments).items()})
 
+    out.update(pallas_differences(devices, rng))
     out.update(bfloat16_errors(devices, rng))
     # the refusal inside shard_map: 12 tokens on context=4, 3 a device (2 x 4 = 8 does not divide 12)
     mesh = Mesh(devices[:4], ("context",))
@@ -132,6 +139,46 @@ def run_cases() -> dict:
         out["refusal"] = ""
     except ValueError as error:
         out["refusal"] = str(error)
+    return out
+
+
+def pallas_differences(devices, rng) -> dict:
+    """Each PALLAS_CASES case: the Pallas ring's output, its backward (ring_flash_fwd and _bwd, what
+    the manual source runs) and jax.vjp through ring_flash_attention (its custom_vjp) against one
+    device's full core and jax.vjp of it, with the kernels' collectives counted as the ring's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from jaxformer.model.cores import AttentionSpec, full
+    from jaxformer.model.parallel.ring import on_mesh
+    from jaxformer.model.parallel.ring_flash import ring_flash_attention, ring_flash_bwd, ring_flash_fwd
+
+    out, leaves = {}, jax.tree_util.tree_leaves
+    jdiff = lambda a, b: max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(leaves(a), leaves(b), strict=True))  # noqa: E731
+    for case in PALLAS_CASES:
+        c, causal, documents, hkv, layout = case
+        q, do = (jnp.asarray(rng.standard_normal((B, H, T, DH))) for _ in range(2))
+        k, v = (jnp.asarray(rng.standard_normal((B, hkv, T, DH))) for _ in range(2))
+        segments = jnp.asarray(DOCUMENTS) if documents else None
+        mesh, spec = Mesh(devices[:c], ("context",)), AttentionSpec(causal=causal)
+
+        def ring(q, k, v, segments):
+            local = lambda q, k, v, s: ring_flash_attention(q, k, v, s, spec, "context", layout)  # noqa: E731
+            return on_mesh(local, mesh, (q, k, v), segments, layout=layout)
+
+        def manual(q, k, v, do, segments):
+            def local(q, k, v, do, s):
+                return ring_flash_bwd(ring_flash_fwd(q, k, v, s, spec, "context", layout)[1], do)
+            return on_mesh(local, mesh, (q, k, v, do), segments, layout=layout, n_out=3)
+
+        one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, spec, segments=segments), q, k, v)
+        o, ring_vjp = jax.vjp(lambda q, k, v: jax.jit(ring)(q, k, v, segments), q, k, v)
+        name = "pallas " + case_name(c, causal, documents, hkv, layout, {})
+        out.update({f"{name}: output": jdiff(o, one), f"{name}: jax.grad ring = one device": jdiff(ring_vjp(do), one_vjp(do)),
+                    f"{name}: manual = one device": jdiff(jax.jit(manual)(q, k, v, do, segments), one_vjp(do))})
+        for what, fn in (("forward", ring), ("manual", lambda q, k, v, s: manual(q, k, v, q, s))):
+            out.update({f"{name}: {what} {kind}": n for kind, n in collectives(fn, q, k, v, segments).items()})
     return out
 
 
@@ -191,6 +238,20 @@ def test_collectives_are_the_ring_hops(results, case):
     assert results[f"{name}: forward other collectives"] == results[f"{name}: manual other collectives"] == 0
     assert results[f"{name}: forward permute sites"] == n
     assert results[f"{name}: manual permute sites"] == n + (n + 2) + 2
+    assert results[f"{name}: forward arrays sent"] == (c - 1) * n
+    assert results[f"{name}: manual arrays sent"] == (c - 1) * n + (c - 1) * (n + 2) + 2
+
+
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=[case_name(*c, {}) for c in PALLAS_CASES])
+def test_pallas_ring_equals_one_device(results, case):
+    """The Pallas kernels' ring (interpreted, float64): output, its backward and jax.grad through
+    its custom_vjp equal one device's full core to 1e-10, and its collectives are the ring's
+    hops, as the other cores' (test_collectives_are_the_ring_hops)."""
+    c, _, documents, *_ = case
+    name, n = "pallas " + case_name(*case, {}), 3 if documents else 2
+    for what in PALLAS_DIFFS:
+        assert results[f"{name}: {what}"] <= TOL, (what, results[f"{name}: {what}"])
+    assert results[f"{name}: forward other collectives"] == results[f"{name}: manual other collectives"] == 0
     assert results[f"{name}: forward arrays sent"] == (c - 1) * n
     assert results[f"{name}: manual arrays sent"] == (c - 1) * n + (c - 1) * (n + 2) + 2
 

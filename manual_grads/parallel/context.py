@@ -11,7 +11,7 @@ embedding, the head and the loss act token by token, manual_grads/model.py runs 
 Backward, bottom to top:
     the blocks:              per device, a reverse scan of the blocks' backward on its T/c tokens:
                              the norms, feed-forward, projections and residual adds as one device's
-                             (token by token), the core ring_attention_bwd (dK, dV travel with
+                             (token by token), the core's ring backward (dK, dV travel with
                              their chunk), the rotary backward with the forward's tables (each token
                              turned back by its own global angle)
     blocks replicated:       dp = psum(dp_i) over the context axis and the batch axes: each device's
@@ -59,7 +59,7 @@ from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm
                                 _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd, with_dstats)
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
-from manual_grads.parallel.ring import ring_attention_bwd, ring_manual_of
+from manual_grads.parallel.ring import ring_core_bwd, ring_manual_of
 from manual_grads.parallel.tensor import join_arrays, split_arrays, tensor_blocks_bwd, tensor_blocks_fwd
 from manual_grads.parallel.vocab import vocab_head_loss_grads_local
 from manual_grads.remat import keeps_inputs
@@ -74,7 +74,7 @@ def context_attention_fwd(p, x, config: ModelConfig, segments=None):
 
 def context_attention_bwd(res, dy):
     """dy (B, T/c, D) -> (dp with p's keys: device i's tokens' part, dx (B, T/c, D))."""
-    return attention_bwd(res, dy, ring_attention_bwd)
+    return attention_bwd(res, dy, ring_core_bwd)
 
 
 def context_block_fwd(p, x, config: ModelConfig, segments=None):

@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.model.cores import AttentionSpec, capped_scores, repeat_kv
-from jaxformer.model.parallel.context import ring_kwargs
-from jaxformer.model.parallel.ring import (CONTEXT, SELF, ZIGZAG, chunk_positions, holder, on_mesh,
-                                           over_key_blocks, pair_kind, pair_mask, part, ring_attention_fwd_stats,
-                                           ring_spec, send, switch_visit, visit_keys, visited)
+from jaxformer.model.parallel.context import ring_flash_spec, ring_kwargs
+from jaxformer.model.parallel.ring import (CONTEXT, ZIGZAG, chunk_positions, on_mesh, over_key_blocks, pair_mask,
+                                           part, ring_attention_fwd_stats, ring_spec, visit_keys, visited, walk_back)
+from jaxformer.model.parallel.ring_flash import RingFlashRes, ring_flash_bwd, ring_flash_fwd
 from jaxformer.model.precision import matmul
 from manual_grads.attention import ManualCore, sum_groups
 from manual_grads.blockwise import _softmax_correction
@@ -122,26 +122,13 @@ def ring_attention_bwd(res: RingAttentionRes, do):
     q_pos = positions(i)
     d = _softmax_correction(do, out)  # (B, H, T/c): D = rowsum(dO * O)
     grads = tuple(jnp.zeros_like(a, dtype=f) for a in (q, k, v))  # dq, dK, dV: device i's own, as q, k, v
-    held = (k, v, segments)
-    # stats = visit(init, ..., visited(SELF)): step 0, the own chunk
-    grads = visit_bwd(grads, q, do, lse, d, q_pos, segments, held, q_pos, spec, visited(SELF, n_local, causal, layout),
-                      block)
 
-    def step(carry, s):
-        held, grads = carry
-        dq, dkv = grads[0], grads[1:]
-        # held = send(held): the chunk arrives with its gradients so far (device i - 1's share added)
-        held, dkv = send((held, dkv), axis_name)
-        j = holder(i, s, c)
+    def visit_chunk_bwd(grads, held, j, kind):  # stats = visit(stats, ..., visited(kind)) of chunk j
+        return visit_bwd(grads, q, do, lse, d, q_pos, segments, held, positions(j), spec,
+                         visited(kind, n_local, causal, layout), block)
 
-        def visit_kind(kind, grads):  # stats = switch_visit(pair_kind(i, j), visit_kind, ...)
-            return visit_bwd(grads, q, do, lse, d, q_pos, segments, held, positions(j), spec,
-                             visited(kind, n_local, causal, layout), block)
-
-        return (held, switch_visit(pair_kind(i, j), visit_kind, causal, (dq, *dkv))), None
-
-    (_, (dq, dk, dv)), _ = jax.lax.scan(step, (held, grads), jnp.arange(1, c))
-    dk, dv = send((dk, dv), axis_name)  # the final hop: device i held chunk i + 1's gradients
+    # m, l, acc = walk(visit_chunk, init, (k, v, segments), ...): dK, dV travel with their chunk
+    dq, dk, dv = walk_back(visit_chunk_bwd, grads, (k, v, segments), causal, axis_name)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -163,12 +150,28 @@ def ring_core_fwd(q, k, v, spec, key=None, segments=None, *, blockwise: bool = F
     return ring_attention_fwd(q, k, v, segments=segments, **ring_kwargs(spec, blockwise))
 
 
+def ring_flash_core_fwd(q, k, v, spec, key=None, segments=None):
+    """parallel.context.ring_flash_core's pair: the Pallas kernels' ring (ring_flash.py), its
+    backward the kernels' own walked round the ring (``ring_flash_bwd``), as the one-device
+    Pallas core's pair is the kernels' (manual_grads/attention.py) -> (O, RingFlashRes)."""
+    return ring_flash_fwd(q, k, v, segments, ring_flash_spec(spec))
+
+
 # The pairs of parallel.context.RING_CORES, by ModelConfig.attention_impl.
 RING_MANUALS = {"full": ManualCore(ring_core_fwd, ring_attention_bwd, RingAttentionRes),
                 "blockwise": ManualCore(functools.partial(ring_core_fwd, blockwise=True), ring_attention_bwd,
-                                        RingAttentionRes)}
+                                        RingAttentionRes),
+                "pallas": ManualCore(ring_flash_core_fwd, ring_flash_bwd, RingFlashRes)}
+
+
+RING_RES = (RingAttentionRes, RingFlashRes)  # the ring cores' residual types
 
 
 def ring_manual_of(config) -> ManualCore:
     """The pair of parallel.context.ring_core_of(config)."""
     return RING_MANUALS[config.attention_impl]
+
+
+def ring_core_bwd(res, do):
+    """The backward of whichever ring core made ``res`` (a RingAttentionRes or a RingFlashRes)."""
+    return next(m.bwd for m in RING_MANUALS.values() if isinstance(res, m.res))(res, do)

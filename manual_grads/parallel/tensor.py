@@ -77,7 +77,7 @@ from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _branch_
                                 _post_sublayer_bwd, _post_sublayer_fwd, _sublayer_bwd)
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes, feed_forward_bwd, feed_forward_fwd
 from manual_grads.moe import MoeRes, moe_bwd, moe_fwd
-from manual_grads.parallel.ring import RingAttentionRes, ring_attention_bwd, ring_manual_of
+from manual_grads.parallel.ring import RING_RES, ring_core_bwd, ring_manual_of
 from manual_grads.parallel.regions import (copy_to_tensor_bwd, gather_from_sequence_bwd, reduce_from_tensor_bwd,
                                            reduce_scatter_to_sequence_bwd, scatter_to_tensor_bwd)
 from manual_grads.remat import keeps_inputs
@@ -170,8 +170,8 @@ def tensor_attention_bwd(res: TensorAttentionRes, dy):
     """dy (B, T, D) -> (dp with p's keys: device i's slices of the split leaves, dx (B, T, D))."""
     config, t = res.config, jax.lax.axis_size(TENSOR)
     # y = leave(attention(local, enter(x), local_config)) + bo
-    ring = isinstance(res.attn.core, RingAttentionRes)  # the ring's core (a context axis beside)
-    dp, dh = attention_bwd(res.attn, leave_bwd(dy, res.sequence), ring_attention_bwd if ring else None)
+    ring = isinstance(res.attn.core, RING_RES)  # the ring's core (a context axis beside)
+    dp, dh = attention_bwd(res.attn, leave_bwd(dy, res.sequence), ring_core_bwd if ring else None)
     dx = enter_bwd(dh, res.sequence)
     if res.bias:
         dp["bo"] = token_sum(bias_grad(dy), res.sequence)

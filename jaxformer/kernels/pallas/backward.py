@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxformer.kernels.pallas import tune as pallas_tune
-from jaxformer.kernels.pallas.forward import (check_heads, dot, first_key_block, first_query_block, head_spec,
+from jaxformer.kernels.pallas.forward import (block_loop, check_heads, dot, first_key_block, first_query_block, head_spec,
                                               key_blocks_seen, kv_head, launch, pad, padded_inputs,
                                               query_blocks_seen, query_segment_spec, query_spec,
                                               segment_inputs, tile_scores, whole_segment_spec)
@@ -81,7 +81,7 @@ def _pair(q, k, v, do, lse, delta, i, j, t: Tiling, causal: bool, window: int = 
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling,
-                 causal: bool, scale: float, window: int = 0, segmented: bool = False):
+                 causal: bool, scale: float, window: int = 0, segmented: bool = False, interpreted: bool = False):
     """Program (b, h, j): k_ref, v_ref (Kk, Dp) = k_j, v_j of key/value head h // G; q_ref,
     do_ref (Tq, Dp), lse_ref, delta_ref (Tq, 1) of query head h; refs: (qs_ref (Tq, 1), ks_ref
     (1, Kk): the segment ids, if ``segmented``), dk_ref, dv_ref (Kk, Dp) <- query head h's
@@ -102,14 +102,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tili
         return dk, dv
 
     zeros = jnp.zeros((t.Kk, t.Dp), f)
-    dk, dv = jax.lax.fori_loop(first_query_block(j, t, causal), query_blocks_seen(j, t, window), query_block,
-                               (zeros, zeros))
+    dk, dv = block_loop(first_query_block(j, t, causal), query_blocks_seen(j, t, window), query_block,
+                        (zeros, zeros), interpreted)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling, causal: bool,
-               scale: float, window: int = 0, segmented: bool = False):
+               scale: float, window: int = 0, segmented: bool = False, interpreted: bool = False):
     """Program (b, h, i): q_ref, do_ref (Kq, Dp) = q_i, dO_i; lse_ref, delta_ref (Kq, 1);
     k_ref, v_ref (Tk, Dp) of key/value head h // G; refs: (qs_ref (Kq, 1), ks_ref (1, Tk): the
     segment ids, if ``segmented``), dq_ref (Kq, Dp) <- dQ_i."""
@@ -125,8 +125,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling
         _, ds = _pair(q, k, v_ref[cols, :], do, lse, delta, i, j, t, causal, window, seg)
         return dq + dot(ds.astype(q.dtype), k, f) * scale  # S = q k^T scale: dQ_i += dS_ij k_j
 
-    dq = jax.lax.fori_loop(first_key_block(i, t, window), key_blocks_seen(i, t, causal), key_block,
-                           jnp.zeros((t.Kq, t.Dp), f))
+    dq = block_loop(first_key_block(i, t, window), key_blocks_seen(i, t, causal), key_block,
+                    jnp.zeros((t.Kq, t.Dp), f), interpreted)
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -135,13 +135,13 @@ def key_spec(t: Tiling, group: int = 1):
     return pl.BlockSpec((None, None, t.Kk, t.Dp), lambda b, h, j: (b, kv_head(h, group), j, 0))
 
 
-def backward_on(device: str, q, k, v, out, lse, dout, segments=None, *, causal: bool, block_q: int = 0,
-                block_k: int = 0, interpret=None, tuned=None, window: int = 0):
+def backward_on(device: str, q, k, v, out, lse, dout, segments=None, key_segments=None, *, causal: bool,
+                block_q: int = 0, block_k: int = 0, interpret=None, tuned=None, window: int = 0):
     """One platform's backward: q (B, H, T, Dh), k, v (B, Hkv, T, Dh) (products' dtype),
     out (B, H, T, Dh), lse (B, H, T), dout (B, H, T, Dh) -> dq (B, H, T, Dh), dk, dv
     (B, Hkv, T, Dh) in out's dtype: the delta pass, the dK/dV kernel (per query head,
     then summed over each group of G) and the dQ kernel, on ``device``'s tiles; ``segments``
-    (B, T): the forward's document ids, or None."""
+    (B, T): the forward's document ids, or None (``key_segments``: the keys' own, as the forward's)."""
     (B, H, T, Dh), Hkv, G = q.shape, k.shape[1], check_heads(q, k, v)
     t, how = plan(device, pallas_tune.Shape(T, Dh, q.dtype.name, causal, G), block_q, block_k,
                   interpret, tuned)
@@ -153,8 +153,9 @@ def backward_on(device: str, q, k, v, out, lse, dout, segments=None, *, causal: 
     delta = launch(functools.partial(_delta_kernel, products=q.dtype), (B, H, t.Nq),
                    [query_spec(t), query_spec(t)], query_spec(t, 1), rows,
                    "flash_attention_delta", how)(out, do)  # (B, H, Tq, 1)
-    segs = segment_inputs(segments, t)  # (B, 1, Tq, 1), (B, 1, 1, Tk), or ()
-    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5, window=window, segmented=bool(segs))
+    segs = segment_inputs(segments, t, key_segments)  # (B, 1, Tq, 1), (B, 1, 1, Tk), or ()
+    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5, window=window, segmented=bool(segs),
+                  interpreted=how.interpret is True)
     whole_q, whole_rows, whole_kv = head_spec(Tq, t.Dp), head_spec(Tq, 1), head_spec(Tk, t.Dp, G)
     partial_spec = pl.BlockSpec((None, None, t.Kk, t.Dp), lambda b, h, j: (b, h, j, 0))
     key_segs = pl.BlockSpec((None, None, 1, t.Kk), lambda b, h, j: (b, 0, 0, j))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.kernels.pallas.backward import backward_on
-from jaxformer.kernels.pallas.forward import check_heads, forward_on, pallas_attention_core
+from jaxformer.kernels.pallas.forward import check_heads, forward_on, pallas_attention_core, segment_args
 from jaxformer.kernels.pallas.platform import on_platform
 
 
@@ -37,6 +37,7 @@ class FlashRes(NamedTuple):
     blocks: jax.Array  # (block_q, block_k, 0) int32, empty: the requested block sizes (0: the device's)
     window: jax.Array  # (window, 0) int32, empty: the sliding window's width (0: none), read from its shape
     segments: jax.Array | None = None  # (B, T) int: each position's document (packed rows); None: one
+    key_segments: jax.Array | None = None  # (B, T) int: the keys' documents where the keys are other tokens
 
 
 class CausalFlashRes(FlashRes):
@@ -74,8 +75,8 @@ def flash_core_bwd(res: FlashRes, dout):
     block_q, block_k = res_blocks(res)
     branch = functools.partial(backward_on, causal=isinstance(res, CausalFlashRes),
                                block_q=block_q, block_k=block_k, window=res.window.shape[0])
-    segs = [] if res.segments is None else [res.segments]
-    return on_platform(branch, res.q, res.k, res.v, res.out, res.lse, dout, *segs)
+    return on_platform(branch, res.q, res.k, res.v, res.out, res.lse, dout,
+                       *segment_args(res.segments, res.key_segments))
 
 
 def _flash_fwd_rule(q, k, v, causal, block_q, block_k, compute_dtype, window, segments):

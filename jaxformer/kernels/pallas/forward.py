@@ -177,12 +177,25 @@ def query_blocks_seen(j, t: Tiling, window: int):
     return jnp.minimum(jax.lax.div(last, jnp.int32(t.Kq)) + 1, jnp.int32(t.Nq))
 
 
+def block_loop(lower, upper, body, init, interpreted: bool = False):
+    """jax.lax.fori_loop(lower, upper, body, init): a program's walk over blocks. Interpreted,
+    its bounds become traced values where they are constants (0, Nk: no causal mask, no window),
+    so it is a while loop as the causal walks are, not a scan: JAX's interpreter evaluates the
+    kernel's jaxpr (traced varying over no mesh axis) on inputs that vary under shard_map's
+    check of varying axes, which refuses a scan whose carry changes type. The compiled kernels
+    keep fori_loop's own choice."""
+    if interpreted:
+        zero = pl.program_id(0) * 0
+        lower, upper = zero + lower, zero + upper
+    return jax.lax.fori_loop(lower, upper, body, init)
+
+
 # ----------------------------------------------------------------------------
 # the forward kernel
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, t: Tiling, causal: bool, acc_dtype, window: int = 0,
-                    segmented: bool = False):
+                    segmented: bool = False, interpreted: bool = False):
     """Program (b, h, i): q_ref (Kq, Dp) = q_i; k_ref, v_ref (Tk, Dp) of key/value head
     h // G; refs: (qs_ref (Kq, 1), ks_ref (1, Tk): the segment ids, if ``segmented``),
     o_ref (Kq, Dp) <- O_i, lse_ref (Kq, 1) <- lse_i."""
@@ -207,7 +220,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, t: Tiling, causal: bool, acc_dty
 
     init = (jnp.full((t.Kq, 1), -jnp.inf, acc_dtype), jnp.zeros((t.Kq, 1), acc_dtype),
             jnp.zeros((t.Kq, t.Dp), acc_dtype))
-    m, l, acc = jax.lax.fori_loop(first_key_block(i, t, window), key_blocks_seen(i, t, causal), key_block, init)
+    m, l, acc = block_loop(first_key_block(i, t, window), key_blocks_seen(i, t, causal), key_block, init, interpreted)
     o_ref[...] = (acc / l).astype(o_ref.dtype)  # O_i = softmax(S_i) v
     lse_ref[...] = m + jnp.log(l)  # lse_i = log rowsum(exp(S_i))
 
@@ -230,14 +243,17 @@ def head_spec(length: int, width: int, group: int = 1):
     return pl.BlockSpec((None, None, length, width), lambda b, h, n: (b, kv_head(h, group), 0, 0))
 
 
-def segment_inputs(segments, t: Tiling):
+def segment_inputs(segments, t: Tiling, key_segments=None):
     """segments (B, T) int -> the query ids (B, 1, Tq, 1) and the key ids (B, 1, 1, Tk), int32,
-    padded with -1 (padded keys are masked anyway); () for None (no segment ids)."""
+    padded with -1 (padded keys are masked anyway); () for None (no segment ids). The keys' ids
+    are ``key_segments`` (B, T) where given: keys that are other tokens than the queries (a ring
+    visit's, jaxformer/model/parallel/ring_flash.py), ``segments`` then the queries' alone."""
     if segments is None:
         return ()
-    s = segments.astype(jnp.int32)[:, None, :, None]  # (B, 1, T, 1)
-    qs = jnp.pad(s, ((0, 0), (0, 0), (0, t.Nq * t.Kq - s.shape[2]), (0, 0)), constant_values=-1)
-    ks = jnp.pad(s, ((0, 0), (0, 0), (0, t.Nk * t.Kk - s.shape[2]), (0, 0)), constant_values=-1)
+    keys = segments if key_segments is None else key_segments
+    qs, ks = (a.astype(jnp.int32)[:, None, :, None] for a in (segments, keys))  # (B, 1, T, 1)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, t.Nq * t.Kq - qs.shape[2]), (0, 0)), constant_values=-1)
+    ks = jnp.pad(ks, ((0, 0), (0, 0), (0, t.Nk * t.Kk - ks.shape[2]), (0, 0)), constant_values=-1)
     return qs, jnp.swapaxes(ks, 2, 3)
 
 
@@ -268,7 +284,7 @@ def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype, how: Launch, wind
     whole_kv = head_spec(k.shape[2], t.Dp, H // k.shape[1])
     seg_specs = [query_segment_spec(t), whole_segment_spec(segs[1].shape[2:])] if segs else []
     kernel = functools.partial(_forward_kernel, t=t, causal=causal, acc_dtype=acc_dtype, window=window,
-                               segmented=bool(segs))
+                               segmented=bool(segs), interpreted=how.interpret is True)
     return launch(
         kernel, (B, H, t.Nq), in_specs=[query_spec(t), whole_kv, whole_kv] + seg_specs,
         out_specs=[query_spec(t), query_spec(t, 1)],
@@ -288,27 +304,37 @@ def check_heads(q, k, v) -> int:
     return q.shape[1] // k.shape[1]
 
 
-def forward_on(device: str, q, k, v, segments=None, *, causal: bool, block_q: int = 0, block_k: int = 0,
-               compute_dtype=None, interpret=None, tuned=None, window: int = 0):
+def forward_on(device: str, q, k, v, segments=None, key_segments=None, *, causal: bool, block_q: int = 0,
+               block_k: int = 0, compute_dtype=None, interpret=None, tuned=None, window: int = 0):
     """One platform's forward: q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh)
     in q's dtype, lse (B, H, T) in stats_dtype), padded to ``device``'s tiles inside
-    (``plan``; interpret and tuned as there); ``segments`` (B, T): document ids, or None."""
+    (``plan``; interpret and tuned as there); ``segments`` (B, T): document ids, or None
+    (``key_segments``: the keys' own, as ``segment_inputs`` takes them)."""
     T, Dh = q.shape[2:]
     G = check_heads(q, k, v)
     cd = jnp.dtype(compute_dtype or q.dtype)
     t, how = plan(device, pallas_tune.Shape(T, Dh, cd.name, causal, G), block_q, block_k, interpret, tuned)
     out, lse = flash_forward(*padded_inputs(q, k, v, t, cd), causal, t, q.dtype, how, window,
-                             segment_inputs(segments, t))
+                             segment_inputs(segments, t, key_segments))
     return out[:, :, :T, :Dh], lse[:, :, :T, 0]
 
 
 def pallas_attention_core(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0,
-                          compute_dtype=None, window: int = 0, segments=None):
+                          compute_dtype=None, window: int = 0, segments=None, key_segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (out (B, H, T, Dh) in q's dtype, lse
     (B, H, T) in stats_dtype): out = softmax(q k^T / sqrt(Dh)) v, query head h reading
     key/value head h // (H // Hkv), future masked if causal (and keys ``window`` or more
     back, a sliding window; another document's keys with ``segments`` (B, T)), by the forward
-    kernel of the platform lowered for. The raw kernel: no derivative (entry.flash_attention has)."""
+    kernel of the platform lowered for. The raw kernel: no derivative (entry.flash_attention has).
+    ``key_segments`` (B, T): the keys' ids where they are not the queries' (``segment_inputs``)."""
     branch = functools.partial(forward_on, causal=causal, block_q=block_q, block_k=block_k,
                                compute_dtype=compute_dtype, window=window)
-    return on_platform(branch, q, k, v, *([] if segments is None else [segments]))
+    return on_platform(branch, q, k, v, *segment_args(segments, key_segments))
+
+
+def segment_args(segments, key_segments=None) -> list:
+    """The ids a platform branch takes after its arrays: none, the queries' and keys' one
+    array, or the queries' and then the keys'."""
+    if segments is None:
+        return []
+    return [segments] if key_segments is None else [segments, key_segments]

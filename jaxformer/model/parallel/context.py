@@ -44,11 +44,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer.model.attention import Core, attention
 from jaxformer.model.block import BlockLayers, compose_block, model_feed_forward
 from jaxformer.model.config import ModelConfig
+from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.parallel.pieces import local_positions, site_piece_keys
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes, trace_mesh_with
 from jaxformer.model.parallel.ring import CONTEXT, check_context, ring_attention, to_zigzag
+from jaxformer.model.parallel.ring_flash import ring_flash_attention
 from jaxformer.model.rms_norm import rms_norm
 
 
@@ -82,7 +84,11 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
                                                       "tokens are split over context already)"),
                (config.dropout, "dropout (each device would draw its own tokens' masks)"),
                (impl not in RING_CORES, f"attention_impl {impl!r} (the ring's visits are the full or the "
-                                        "blockwise core's math: use attention_impl 'full' or 'blockwise')"),
+                                        "blockwise core's math, or the Pallas kernels: use attention_impl "
+                                        "'full', 'blockwise' or 'pallas')"),
+               (impl == "pallas" and config.sliding_window, f"sliding_window {config.sliding_window} with "
+                                                            "attention_impl 'pallas' (the kernels mask by a "
+                                                            "visit's own positions; use 'full' or 'blockwise')"),
                (impl == "blockwise" and any(m % min(block, m) for m in (n, 2 * n)),
                 f"attention_block {block} with pieces of {n} tokens (the ring's visits fold {n} or {2 * n} keys: "
                 f"the block must divide {n}, or be at least {2 * n})")]
@@ -99,15 +105,30 @@ def ring_core(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False
     return ring_attention(q, k, v, segments=segments, **ring_kwargs(spec, blockwise))
 
 
+def ring_flash_core(q, k, v, spec, key=None, segments=None):
+    """A core (cores.py's signature) inside shard_map over the context axis: ring_core's, every
+    visit the Pallas kernels (ring_flash.py; tiles spec.block_q x spec.block_k; no window, no
+    dropout: refused)."""
+    return ring_flash_attention(q, k, v, segments, ring_flash_spec(spec))
+
+
+def ring_flash_spec(spec):
+    """What ring_flash reads of a core's AttentionSpec: the mask rule, the products' dtype, the tiles."""
+    return AttentionSpec(causal=spec.causal, compute_dtype=spec.compute_dtype, block_q=spec.block_q,
+                         block_k=spec.block_k)
+
+
 def ring_kwargs(spec, blockwise: bool) -> dict:
     """What the ring reads of a core's AttentionSpec (both gradient sources' cores)."""
     return dict(causal=spec.causal, compute_dtype=spec.compute_dtype, softcap=spec.softcap, window=spec.window,
                 block=spec.block if blockwise else 0)
 
 
-# The ring's cores by ModelConfig.attention_impl: the full core's visits, or the blockwise core's
-# (keys attention_block at a time). Each reads k, v with their Hkv heads: fewer bytes travel.
-RING_CORES = {"full": Core(ring_core, True), "blockwise": Core(functools.partial(ring_core, blockwise=True), True)}
+# The ring's cores by ModelConfig.attention_impl: the full core's visits, the blockwise core's
+# (keys attention_block at a time), or the Pallas kernels'. Each reads k, v with their Hkv heads:
+# fewer bytes travel.
+RING_CORES = {"full": Core(ring_core, True), "blockwise": Core(functools.partial(ring_core, blockwise=True), True),
+              "pallas": Core(ring_flash_core, True)}
 
 
 def ring_core_of(config: ModelConfig) -> Core:

@@ -54,6 +54,9 @@ ring's hops plainly. Each step receives its chunk, then visits it: c - 1 hops, n
 kernel overlapping the next hop with this visit's products would send before visiting, and
 send one hop more, or peel the last step; on the CPUs that prove it there is nothing to hide.)
 
+``walk`` is that scan for any visit (its reverse pass, ``walk_back``, the backwards' ring:
+dK, dV travelling with their chunk); ring_flash.py walks it with the Pallas kernels as visits.
+
 ``ring_attention`` runs inside ``jax.shard_map`` over the axis; ``ring_attention_on_mesh``
 takes whole (B, H, T, Dh) arrays in natural order, reorders them, runs the shard_map (every
 other mesh axis replicated) and restores the order. A sequence that 2c does not divide
@@ -284,6 +287,48 @@ def switch_visit(kind, visit_kind, causal: bool, operand):
                                            functools.partial(visit_kind, LATER)], operand)
 
 
+def walk(visit_chunk, stats, held, causal: bool, axis_name: str = CONTEXT):
+    """The ring's walk on device i: stats = visit_chunk(stats, held, j, kind) for its own chunk
+    (j = i, kind SELF: step 0, no hop before it), then for steps s = 1 .. c - 1 the chunk of device
+    j = (i - s) mod c, received from the left neighbour (``send``) and visited by its kind
+    (EARLIER or LATER, ``switch_visit``). ``held``: the travelling arrays (k, v, the ids or None)."""
+    c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    stats = visit_chunk(stats, held, i, SELF)
+
+    def step(carry, s):
+        held, stats = carry
+        held = send(held, axis_name)  # device i - 1's chunk of the step before: device j's
+        j = holder(i, s, c)
+        visit_kind = lambda kind, stats: visit_chunk(stats, held, j, kind)  # noqa: E731
+        return (held, switch_visit(pair_kind(i, j), visit_kind, causal, stats)), None
+
+    (_, stats), _ = jax.lax.scan(step, (held, stats), jnp.arange(1, c))
+    return stats
+
+
+def walk_back(visit_chunk_bwd, grads, held, causal: bool, axis_name: str = CONTEXT):
+    """The walk's reverse pass (a backward's ring): grads = (dq, dK, dV) of device i's tokens,
+    grads = visit_chunk_bwd(grads, held, j, kind) for each chunk j as ``walk`` visits it, dq
+    staying home while dK, dV travel WITH their chunk: at step s device i receives (k_j, v_j,
+    the ids, dK_j, dV_j) from device i - 1 and adds its queries' share. After step c - 1 device
+    i holds chunk i + 1's gradients; one final hop brings every chunk's home: c - 1 hops of
+    k, v (and the ids), c of dK, dV."""
+    c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    grads = visit_chunk_bwd(grads, held, i, SELF)  # step 0, the own chunk
+
+    def step(carry, s):
+        held, (dq, dk, dv) = carry
+        # held = send(held): the chunk arrives with its gradients so far (device i - 1's share added)
+        held, (dk, dv) = send((held, (dk, dv)), axis_name)
+        j = holder(i, s, c)
+        visit_kind = lambda kind, grads: visit_chunk_bwd(grads, held, j, kind)  # noqa: E731
+        return (held, switch_visit(pair_kind(i, j), visit_kind, causal, (dq, dk, dv))), None
+
+    (_, (dq, dk, dv)), _ = jax.lax.scan(step, (held, grads), jnp.arange(1, c))
+    dk, dv = send((dk, dv), axis_name)  # the final hop: device i held chunk i + 1's gradients
+    return dq, dk, dv
+
+
 def ring_spec(causal: bool = True, compute_dtype=None, softcap: float = 0.0, window: int = 0) -> AttentionSpec:
     """What the ring's visits read: the mask rule (causal, a sliding ``window`` of W keys), the
     products' dtype and the scores' ``softcap`` (AttentionSpec's fields of the same names)."""
@@ -310,21 +355,11 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
     q_pos, f = positions(i), stats_dtype(q.dtype)
     row = q[..., 0]  # (B, H, T/c): the *_like arrays stay device i's own (varying over the axis), as q is
     init = (jnp.full_like(row, -jnp.inf, dtype=f), jnp.zeros_like(row, dtype=f), jnp.zeros_like(q, dtype=f))
-    held = (k, v, segments)
-    stats = visit(init, q, q_pos, segments, held, q_pos, spec, visited(SELF, n_local, causal, layout), block)  # step 0
 
-    def step(carry, s):
-        held, stats = carry
-        held = send(held, axis_name)  # device i - 1's chunk of the step before: device j's
-        j = holder(i, s, c)
+    def visit_chunk(stats, held, j, kind):
+        return visit(stats, q, q_pos, segments, held, positions(j), spec, visited(kind, n_local, causal, layout), block)
 
-        def visit_kind(kind, stats):
-            return visit(stats, q, q_pos, segments, held, positions(j), spec, visited(kind, n_local, causal, layout),
-                         block)
-
-        return (held, switch_visit(pair_kind(i, j), visit_kind, causal, stats)), None
-
-    (_, (m, l, acc)), _ = jax.lax.scan(step, (held, stats), jnp.arange(1, c))
+    m, l, acc = walk(visit_chunk, init, (k, v, segments), causal, axis_name)
     safe = jnp.where(l > 0, l, 1.0)  # l = 0 only on a wholly masked row (none arises): O = 0 there
     return (acc / safe[..., None]).astype(q.dtype), m + jnp.log(l)
 
