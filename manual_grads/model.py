@@ -88,7 +88,7 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     if context is not None:
         if tap is not None:
             raise ValueError(f"mesh axis context={context_size(context)}: a tap runs on one device; use context=1")
-        loss, grads = context_value_and_grad(params, batch, config, context)
+        loss, grads = context_value_and_grad(params, batch, config, context, key)
         return (loss, grads, None) if with_stats else (loss, grads)
     emb = embed_params(params)
 

@@ -9,9 +9,10 @@ the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's 
 2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) with the
 blockwise core (each ring visit's keys 2 at a time), the scores' soft cap and layers of two
 kinds (a sliding window with its own rotary base, then full attention) on context=4, and the Llama-like one (the full core) with remat "block" (each block's forward
-run again in the backward) on context=2 with packed documents whose boundaries cut through the
-chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split): the
-GPT-2-like one on data=2 x tensor=2 x context=2, the blockwise Llama-like one with documents and
+run again in the backward) and dropout 0.1 on context=2 with packed documents whose boundaries cut
+through the chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split):
+the GPT-2-like one with dropout 0.1 on data=2 x tensor=2 x context=2 (the dropout cases: one step
+key for every source, and the masks change the loss), the blockwise Llama-like one with documents and
 remat "block" on tensor=2 x context=4; a mixture of experts (the Llama-like one with 4 experts,
 2 a token, a shared expert, the load-balancing and z losses) with documents on expert=2 x
 context=2 (the batch's rows split over expert, the experts whole on each device inside the
@@ -41,11 +42,11 @@ B, T = 4, 16
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
 # (model, mesh axes, sizes, packed documents)
 CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama-blockwise", ("context",), (4,), False),
-         ("llama-remat", ("context",), (2,), True), ("moe", ("expert", "context"), (2, 2), True),
+         ("llama-remat-dropout", ("context",), (2,), True), ("moe", ("expert", "context"), (2, 2), True),
          ("llama-pallas", ("data", "context"), (2, 2), True)]
 # with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
 # rows split over it), attention the ring, the head's vocabulary split over tensor (V = 11 padded)
-TENSOR_CASES = [("gpt2", ("data", "tensor", "context"), (2, 2, 2), False),
+TENSOR_CASES = [("gpt2-dropout", ("data", "tensor", "context"), (2, 2, 2), False),
                 ("llama-blockwise-remat", ("tensor", "context"), (2, 4), True)]
 
 
@@ -66,7 +67,9 @@ def configs():
     # mixture of experts (4, 2 a token) with a shared expert, the load-balancing and z losses
     moe = llama.replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8, moe_aux_loss_coef=0.1,
                         router_z_loss_coef=0.01)
-    return {"gpt2": gpt2, "llama": llama, "llama-blockwise": blockwise, "llama-remat": llama.replace(remat="block"),
+    # dropout (0.1, one step key): each device draws its rows', heads' and tokens' piece of one device's masks
+    return {"gpt2": gpt2, "gpt2-dropout": gpt2.replace(dropout=0.1), "llama": llama, "llama-blockwise": blockwise,
+            "llama-remat-dropout": llama.replace(remat="block", dropout=0.1),
             "llama-pallas": llama.replace(attention_impl="pallas"),  # the kernels interpreted, in float64
             "llama-blockwise-remat": blockwise.replace(remat="block"), "moe": moe}
 
@@ -135,7 +138,11 @@ def run_cases() -> dict:
         batch = {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1)}
         if documents:
             batch["segments"] = jnp.asarray(DOCUMENTS)
-        loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config)
+        key = jax.random.PRNGKey(7) if config.dropout else None  # one step's dropout key, every source's
+        loss1, grads1 = jax.jit(manual_grads.value_and_grad, static_argnums=2)(params, batch, config, key)
+        if key is not None:  # the masks change the loss
+            out[f"{name}: dropout's effect"] = abs(float(loss1) - float(jax.jit(
+                manual_grads.value_and_grad, static_argnums=2)(params, batch, config)[0]))
         mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
         rows = P(batch_axes(mesh) or None)  # the rows over data (or expert), where the mesh has it
         sizes = dict(zip(names, shape))
@@ -143,7 +150,9 @@ def run_cases() -> dict:
         params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated
         batch = jax.device_put(batch, NamedSharding(mesh, rows))
         with jax.set_mesh(mesh):
-            for what, f in (("manual", manual_grads.value_and_grad), ("jax.grad", jax.value_and_grad(loss_fn))):
+            sources = (("manual", lambda p, b, c: manual_grads.value_and_grad(p, b, c, key)),
+                       ("jax.grad", jax.value_and_grad(lambda p, b, c: loss_fn(p, b, c, key=key))))
+            for what, f in sources:
                 lowered = jax.jit(f, static_argnums=2).lower(params, batch, config)
                 if config.attention_impl == "pallas":  # the kernels are in the program, not a stand-in
                     jaxpr = str(jax.make_jaxpr(f, static_argnums=2)(params, batch, config))
@@ -206,6 +215,8 @@ def test_whole_model_on_a_context_mesh_equals_one_device(results, case):
         assert results[f"{name}: {what} = one device"] <= TOL, (what, results[f"{name}: {what} = one device"])
         if configs()[case[0]].attention_impl == "pallas":  # the ring's visits are the kernels
             assert results[f"{name}: {what} pallas_calls"] > 0, what
+    if configs()[case[0]].dropout:  # one key for every source: the masks are one device's, and they act
+        assert results[f"{name}: dropout's effect"] > 1e-4
 
 
 @pytest.mark.parametrize("case", [LORA_CASE, LORA_TENSOR_CASE])
@@ -300,7 +311,8 @@ def refusal(config, c=2, seq_len=T, t=1) -> str:
 
 
 @pytest.mark.parametrize("changes, what", [
-    (dict(dropout=0.1), "dropout"),
+    (dict(dropout=0.1, attention_impl="blockwise"), "dropout with attention_impl 'blockwise' (one device's "
+                                                    "blockwise masks are drawn per block pair; use 'full')"),
     (dict(attention_impl="cudnn"), "attention_impl 'cudnn' (the ring's visits are the full or the blockwise "
                                    "core's math, or the Pallas kernels: use attention_impl 'full', 'blockwise' or "
                                    "'pallas')"),

@@ -35,15 +35,18 @@ ATTN_PROBS, ATTN_OUT, FFN_OUT = 0, 1, 2
 
 class Piece(NamedTuple):
     """Where a device's arrays sit in the whole ones its dropout masks cover (under shard_map):
-    for the batch rows, the heads, the tokens and the features, (the whole size, this device's
-    first index, or its (n,) indices one by one: a context axis' tokens), or None where the
-    device holds them all. A site's array is the residual
-    stream's or a LoRA adapter's input (B, T, D) (rows, tokens, features) or the attention
-    probabilities' (B, H, Tq, Tk) (rows, heads; their tokens whole: attention reads every token)."""
+    for the batch rows, the heads, the tokens, the features, the queries and the keys, (the whole
+    size, this device's first index, or its (n,) indices one by one: a context axis' tokens), or
+    None where the device holds them all. A site's array is the residual stream's or a LoRA
+    adapter's input (B, T, D) (rows, tokens, features) or the attention probabilities' (B, H, Tq,
+    Tk) (rows, heads, queries, keys: a ring visit's query and key positions; None where the
+    device holds every token's, as attention reads them all)."""
     rows: tuple | None = None
     heads: tuple | None = None
     tokens: tuple | None = None
     features: tuple | None = None
+    queries: tuple | None = None
+    keys: tuple | None = None
 
 
 class PieceKey(NamedTuple):
@@ -72,14 +75,15 @@ def keep_mask(key, rate, shape):
 def piece_uniform(key: PieceKey, shape):
     """jax.random.uniform(key.key, whole, float32)[this device's piece], shape ``shape``, drawn
     alone: the whole array's shape and the piece's first indices from key.piece (the stream's
-    (B, T, D): rows, tokens, features; the probabilities' (B, H, Tq, Tk): rows, heads). JAX's
+    (B, T, D): rows, tokens, features; the probabilities' (B, H, Tq, Tk): rows, heads, queries,
+    keys). JAX's
     partitionable threefry hashes each element's row-major index n as the two words
     (n >> 32, n mod 2^32) (jax.random's iota_2x32_shape); the uniform is the 23 high bits of
     the two outputs' xor as the mantissa of a float in [1, 2), minus 1."""
     if not jax.config.jax_threefry_partitionable:
         raise ValueError("a dropout mask on one device's piece needs jax_threefry_partitionable (JAX's default); "
                          "it is off")
-    axes = {3: ("rows", "tokens", "features"), 4: ("rows", "heads", None, None)}.get(len(shape))
+    axes = {3: ("rows", "tokens", "features"), 4: ("rows", "heads", "queries", "keys")}.get(len(shape))
     if axes is None:
         raise ValueError(f"a dropout mask on one device's piece masks (B, T, D) or (B, H, Tq, Tk) arrays, not {shape}")
     spans = [getattr(key.piece, a) if a else None for a in axes]

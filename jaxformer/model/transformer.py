@@ -33,7 +33,7 @@ from jaxformer.model.linear import linear
 from jaxformer.model.losses import cross_entropy
 from jaxformer.model.moe import ffn_output, moe_aux_loss
 from jaxformer.model.dropout import embed_key, layer_key
-from jaxformer.model.parallel.context import (context_blocks, context_mesh, context_size, ring_ordered,
+from jaxformer.model.parallel.context import (context_blocks, context_mesh, context_size, embed_context_key, ring_ordered,
                                               ring_positions)
 from jaxformer.model.parallel.ring import from_zigzag
 from jaxformer.model.parallel.tensor import tensor_blocks, tensor_mesh, tensor_size
@@ -100,7 +100,7 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
     validate_params(params, config)
     context = context_mesh()
     if context is not None:  # the sequence split over the mesh's context axis from the embedding on
-        return _context_features(params, inputs, config, layers, segments, context, ring_order)
+        return _context_features(params, inputs, config, layers, segments, context, ring_order, key)
     if not config.dropout:
         key = None
     ekey = None if key is None else embed_key(key, config.n_layers)
@@ -128,7 +128,8 @@ def features_and_stats(params, inputs, config: ModelConfig, layers: ModelLayers 
     return x, stats
 
 
-def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, segments, mesh, ring_order: bool):
+def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, segments, mesh, ring_order: bool,
+                      key=None):
     """features on ``mesh``'s context axis: the tokens (and document ids) in its zig-zag order
     from the embedding on (``ring_ordered``: already so with ``ring_order``), each at its global
     position, the blocks ring-attention context parallel; (x (B, T, D) returned in that order with
@@ -140,12 +141,15 @@ def _context_features(params, inputs, config: ModelConfig, layers: ModelLayers, 
                          "backward), not custom ones; use context=1")
     if not ring_order:
         inputs, segments = ring_ordered(inputs, mesh), ring_ordered(segments, mesh)
-    x = upcast(embed(params, inputs, config, None, ring_positions(inputs.shape[1], c)))  # no dropout: refused
+    T = inputs.shape[1]
+    # the embedding's dropout mask is one device's, its tokens reordered as the inputs are (embed_context_key)
+    x = upcast(embed(params, inputs, config, embed_context_key(key, config, T, c), ring_positions(T, c)))
+    key = key if config.dropout else None
     if tensor_mesh() is not None:  # a tensor axis beside: the blocks tensor parallel too, attention the ring
-        x, stats = ffn_output(tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel),
-                              config)
+        x, stats = ffn_output(tensor_blocks(params["blocks"], x, config, mesh, segments, config.sequence_parallel,
+                                            key), config)
     else:
-        x, stats = ffn_output(context_blocks(params["blocks"], x, config, mesh, segments), config)
+        x, stats = ffn_output(context_blocks(params["blocks"], x, config, mesh, segments, key), config)
     if config.norm != "post":
         x = pick_norm(layers, config)(params["ln_f"], x, config.ln_eps)
     return (x if ring_order else from_zigzag(x, c)), stats

@@ -44,7 +44,8 @@ from jax.sharding import PartitionSpec
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.moe import ffn_output, moe_aux_loss
-from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_size, global_stats,
+from jaxformer.model.parallel.context import (CONTEXT, check_context_model, context_layer_key, context_size,
+                                              embed_context_key, global_stats,
                                               local_positions, ring_core_of, ring_ordered,
                                               ring_positions, stream_spec)
 from jaxformer.model.precision import upcast
@@ -53,9 +54,10 @@ from jaxformer.model.parallel.pieces import site_piece_keys
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes
 from jaxformer.model.parallel.vocab import head_specs, padded
 from manual_grads.attention import attention_bwd, attention_fwd
+from manual_grads.dropout import dropout_bwd
 from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
 from manual_grads.head import head_loss_bwd, head_loss_fwd
-from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _in_norm_fwd, _post_sublayer_bwd,
+from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _branch_keys, _in_norm_fwd, _post_sublayer_bwd,
                                 _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd, with_dstats)
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
@@ -65,10 +67,11 @@ from manual_grads.parallel.vocab import vocab_head_loss_grads_local
 from manual_grads.remat import keeps_inputs
 
 
-def context_attention_fwd(p, x, config: ModelConfig, segments=None):
-    """context_attention with residuals: x (B, T/c, D), device i's tokens -> (y, AttentionRes)."""
+def context_attention_fwd(p, x, config: ModelConfig, segments=None, key=None):
+    """context_attention with residuals: x (B, T/c, D), device i's tokens -> (y, AttentionRes);
+    ``key``: the probabilities' dropout key (the ring draws each visit's piece of its mask)."""
     # attention(p, x, config, key, ring_core_of(config), segments, positions=local_positions(x.shape[1]))
-    return attention_fwd(p, x, config, None, segments, local_positions(x.shape[1]), ring_core_of(config),
+    return attention_fwd(p, x, config, key, segments, local_positions(x.shape[1]), ring_core_of(config),
                          ring_manual_of(config))
 
 
@@ -77,26 +80,28 @@ def context_attention_bwd(res, dy):
     return attention_bwd(res, dy, ring_core_bwd)
 
 
-def context_block_fwd(p, x, config: ModelConfig, segments=None):
+def context_block_fwd(p, x, config: ModelConfig, segments=None, key=None):
     """One block on device i: manual_grads/block.py's sequence with the ring's attention
-    (no dropout, no tap: refused), x and y device i's (B, T/c, D); with n_experts y is (y, the
-    MoE layer's MoeStats over device i's tokens)."""
-    if config.norm == "post":  # x1 = ln1(x + attn(x)); y = ln2(x1 + ffn(x1))
-        a, attn_res = context_attention_fwd(p["attn"], x, config, segments)
-        x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, None, None)
+    (no tap: refused), x and y device i's (B, T/c, D), ``key`` the layer's dropout key as device
+    i's piece (parallel.context.context_layer_key) or None; with n_experts y is (y, the MoE
+    layer's MoeStats over device i's tokens)."""
+    k_probs, k_attn, k_ffn = _branch_keys(config, key)
+    if config.norm == "post":  # x1 = ln1(x + drop(attn(x))); y = ln2(x1 + drop(ffn(x1)))
+        a, attn_res = context_attention_fwd(p["attn"], x, config, segments, k_probs)
+        x1, ln1_res, drop_attn = _post_sublayer_fwd(p, "attn", "ln1", x, a, config, k_attn, None)
         f, ffn_res = ffn_fwd(p["ffn"], x1, config)
         f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
-        y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, None, None)
+        y, ln2_res, drop_ffn = _post_sublayer_fwd(p, "ffn", "ln2", x1, f, config, k_ffn, None)
         res = PostBlockRes(attn_res, ln1_res, ffn_res, ln2_res, drop_attn, drop_ffn)
     else:
         h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, None)  # (B, T/c, D)
-        a, attn_res = context_attention_fwd(p["attn"], h1, config, segments)
-        a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, None, None, "attn", h1, p["attn"])
+        a, attn_res = context_attention_fwd(p["attn"], h1, config, segments, k_probs)
+        a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, k_attn, None, "attn", h1, p["attn"])
         x1 = x + a
         h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, None)
         f, ffn_res = ffn_fwd(p["ffn"], h2, config)
         f = f[0] if config.n_experts else f
-        f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, None, None, "ffn", h2, p["ffn"])
+        f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, k_ffn, None, "ffn", h2, p["ffn"])
         y = x1 + f
         res = PreBlockRes(ln1_res, attn_res, ln2_res, ffn_res, drop_attn, drop_ffn, ln1_post_res, ln2_post_res)
     return ((y, ffn_res.stats) if config.n_experts else y), res
@@ -130,22 +135,27 @@ class ContextBlocksRes(NamedTuple):
     blocks: dict | None = None  # remat "block" or mixed kinds: the stacked params, to run each block's forward again
     segments: jax.Array | None = None  # remat "block" or mixed kinds: the document ids (B, T) the blocks read
     config: ModelConfig | None = None  # static; remat "block" or mixed kinds only
+    key: jax.Array | None = None  # remat "block" or mixed kinds only: the dropout key the blocks drew from
 
 
-def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
+def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None, key=None):
     """context_blocks with residuals: the stacked blocks (L, ...), x (B, T, D) and segments
     (B, T) or None in the context axis' zig-zag order -> (y (B, T, D) in that order, ContextBlocksRes).
-    With remat "block" a layer keeps only its input; the backward runs its forward again."""
+    With remat "block" a layer keeps only its input; the backward runs its forward again. ``key``:
+    dropout's (None: none): each device draws its piece of layer l's masks (the residuals keep the
+    keys; the backward draws the masks again)."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
     stream, every = stream_spec(mesh), PartitionSpec(mesh.axis_names)
     remat, static = keeps_inputs(config), {}  # remat "block" or layers of several kinds
+    key = key if config.dropout else None
 
-    def step(x, p, l, segments):
+    def step(x, p, l, segments, key):
         p = site_piece_keys(p, x, mesh)  # LoRA dropout's keys: device i's rows and tokens
+        lkey = context_layer_key(key, l, x, mesh)  # the layer's masks: device i's rows and tokens
 
         def run(c):  # layer l's config (layer_kinds.per_layer)
-            y, res = context_block_fwd(p, x, c, segments)
+            y, res = context_block_fwd(p, x, c, segments, lkey)
             y, stats = ffn_output(y, config)  # with n_experts: the layer's statistics over device i's tokens
             if remat:
                 return y, ([x], stats)  # the block's input alone (its residuals are dropped)
@@ -153,18 +163,19 @@ def context_blocks_fwd(blocks, x, config: ModelConfig, mesh, segments=None):
             return y, (arrays, stats)
         return per_layer(config, l, run)
 
-    def fwd(blocks, x, segments):
-        y, (arrays, stats) = jax.lax.scan(lambda x, pl: step(x, *pl, segments), x,
+    def fwd(blocks, x, segments, key):
+        y, (arrays, stats) = jax.lax.scan(lambda x, pl: step(x, *pl, segments, key), x,
                                           (blocks, jnp.arange(config.n_layers)))
         # device s's residuals: row s; the statistics over every device's tokens (global_stats)
         return y, [a[None] for a in arrays], None if stats is None else global_stats(stats, mesh)
 
     # the blocks on each device's T/c tokens
-    y, arrays, stats = jax.shard_map(fwd, mesh=mesh, in_specs=(PartitionSpec(), stream, stream),
-                                     out_specs=(stream, every, PartitionSpec()), check_vma=False)(blocks, x, segments)
+    y, arrays, stats = jax.shard_map(fwd, mesh=mesh, in_specs=(PartitionSpec(), stream, stream, PartitionSpec()),
+                                     out_specs=(stream, every, PartitionSpec()), check_vma=False)(blocks, x, segments,
+                                                                                                  key)
     y = (y, stats) if config.n_experts else y
     if remat:
-        return y, ContextBlocksRes(arrays, None, mesh, blocks, segments, config)
+        return y, ContextBlocksRes(arrays, None, mesh, blocks, segments, config, key)
     return y, ContextBlocksRes(arrays, static["rest"], mesh)
 
 
@@ -180,7 +191,7 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
     n = math.prod(dict(mesh.shape)[a] for a in summed)
     dstats = None if dstats is None else jax.tree_util.tree_map(lambda d: d / n, dstats)
 
-    def bwd(arrays, dy, blocks, segments, dstats):
+    def bwd(arrays, dy, blocks, segments, dstats, key):
         def step(dy, xs):
             arrays, p, ds, l = xs
             dy = dy if ds is None else (dy, ds)
@@ -189,9 +200,10 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
                 return dx, dp
 
             p = site_piece_keys(p, arrays[0], mesh)
+            lkey = context_layer_key(key, l, arrays[0], mesh)
 
             def run(c):  # the block's forward again from its input (the same masks), for its residuals
-                dp, dx = context_block_bwd(context_block_fwd(p, arrays[0], c, segments)[1], dy)
+                dp, dx = context_block_bwd(context_block_fwd(p, arrays[0], c, segments, lkey)[1], dy)
                 return dx, dp
             return per_layer(res.config, l, run)  # layer l's config (layer_kinds.per_layer)
 
@@ -204,12 +216,13 @@ def context_blocks_bwd(res: ContextBlocksRes, dy):
         return grads, dx
 
     if not remat:  # the blocks' params are not read again: a scan over nothing but the residuals
-        return jax.shard_map(lambda arrays, dy, dstats: bwd(arrays, dy, None, None, dstats), mesh=mesh,
+        return jax.shard_map(lambda arrays, dy, dstats: bwd(arrays, dy, None, None, dstats, None), mesh=mesh,
                              in_specs=(every, stream, PartitionSpec()), out_specs=(PartitionSpec(), stream),
                              check_vma=False)(res.arrays, dy, dstats)
-    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, PartitionSpec(), stream, PartitionSpec()),
+    return jax.shard_map(bwd, mesh=mesh, in_specs=(every, stream, PartitionSpec(), stream, PartitionSpec(),
+                                                   PartitionSpec()),
                          out_specs=(PartitionSpec(), stream), check_vma=False)(res.arrays, dy, res.blocks,
-                                                                               res.segments, dstats)
+                                                                               res.segments, dstats, res.key)
 
 
 # ----------------------------------------------------------------------------
@@ -282,12 +295,13 @@ def context_embed_bwd(emb, inputs, at, dx, config: ModelConfig, mesh):
 # the whole composition
 
 
-def context_value_and_grad(params, batch, config: ModelConfig, mesh):
-    """manual_grads.value_and_grad's (loss, grads) on a mesh with a context axis (no dropout, no
-    experts, no tap: check_context_model refuses them), the model's lines in order
+def context_value_and_grad(params, batch, config: ModelConfig, mesh, key=None):
+    """manual_grads.value_and_grad's (loss, grads) on a mesh with a context axis (``key``:
+    dropout's, each device drawing its piece of one device's masks), the model's lines in order
     (jaxformer/model/transformer.py's features_and_stats on the context axis, loss_and_stats):
         ids, targets, mask, segments = ring_ordered(...)     the tokens in the context axis' order
-        x = tok_embed[ids] * s + positions[at]                at = ring_positions(T, c)
+        x = drop(tok_embed[ids] * s + positions[at])          at = ring_positions(T, c); the mask
+                                                              one device's, reordered (embed_context_key)
         x = context_blocks(blocks, x)                         the ring (tensor_blocks with a tensor axis)
         loss = CE(head(ln_f(x)), targets)                     each device's tokens
     and back, bottom to top."""
@@ -298,13 +312,16 @@ def context_value_and_grad(params, batch, config: ModelConfig, mesh):
     if config.norm != "post":
         top["ln_f"] = params["ln_f"]
     # forward
-    x, embed_res = embed_fwd(emb, inputs, config, None, at)  # (B, T, D); a tensor axis: the table's rows split
+    T, c = inputs.shape[1], context_size(mesh)
+    key = key if config.dropout else None
+    # (B, T, D); a tensor axis: the table's rows split; the dropout mask one device's, reordered as the tokens
+    x, embed_res = embed_fwd(emb, inputs, config, embed_context_key(key, config, T, c), at)
     x = upcast(x)
     tensor = axis_size(mesh, TENSOR) > 1  # a tensor axis beside: the blocks tensor parallel too (parallel/tensor.py)
     if tensor:
-        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel)
+        x, blocks_res = tensor_blocks_fwd(params["blocks"], x, config, mesh, segments, config.sequence_parallel, key)
     else:
-        x, blocks_res = context_blocks_fwd(params["blocks"], x, config, mesh, segments)
+        x, blocks_res = context_blocks_fwd(params["blocks"], x, config, mesh, segments, key)
     x, stats = ffn_output(x, config)  # with n_experts: the MoE layers' statistics over the whole batch
     # the final norm, the head and the loss, forward and backward; then the rest, in reverse
     loss, grads, dx = context_top_grads(top, x, targets, mask, config, mesh)
@@ -312,9 +329,12 @@ def context_value_and_grad(params, batch, config: ModelConfig, mesh):
         loss = loss + moe_aux_loss(stats, config)
         dx = (dx, moe_aux_loss_bwd(stats, config))
     grads["blocks"], dx = (tensor_blocks_bwd if tensor else context_blocks_bwd)(blocks_res, dx)  # x = blocks(x)
-    # x = tok_embed[ids] * s + positions[at]: with a tensor axis embed_bwd's vocab-parallel scatter
+    # x = drop(tok_embed[ids] * s + positions[at]): with a tensor axis embed_bwd's vocab-parallel scatter
     # into each device's V/t rows (its own shard_map); else each device's tokens into the whole table
-    grads.update(embed_bwd(embed_res, dx)[0] if tensor else context_embed_bwd(emb, inputs, at, dx, config, mesh))
+    if tensor:
+        grads.update(embed_bwd(embed_res, dx)[0])
+    else:  # x = drop(...): the whole array's mask, then each device's tokens' rows
+        grads.update(context_embed_bwd(emb, inputs, at, dropout_bwd(embed_res.drop, dx), config, mesh))
     d_head = grads.pop("head")
     if config.tie_embeddings:  # logits = x @ tok_embed^T (+ b): the two gradients of tok_embed add
         grads["tok_embed"] = grads["tok_embed"] + d_head.pop("w").T.astype(grads["tok_embed"].dtype)

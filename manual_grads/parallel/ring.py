@@ -43,7 +43,9 @@ import jax.numpy as jnp
 from jaxformer.model.cores import AttentionSpec, capped_scores, repeat_kv
 from jaxformer.model.parallel.context import ring_flash_spec, ring_kwargs
 from jaxformer.model.parallel.ring import (CONTEXT, ZIGZAG, chunk_positions, on_mesh, over_key_blocks, pair_mask,
-                                           part, ring_attention_fwd_stats, ring_spec, visit_keys, visited, walk_back)
+                                           part, ring_attention_fwd_stats, ring_spec, visit_dropout, visit_keys, visited,
+                                           walk_back)
+from jaxformer.model.dropout import keep_mask
 from jaxformer.model.parallel.ring_flash import RingFlashRes, ring_flash_bwd, ring_flash_fwd
 from jaxformer.model.precision import matmul
 from manual_grads.attention import ManualCore, sum_groups
@@ -62,23 +64,26 @@ class RingAttentionRes(NamedTuple):
     axis_name: str = CONTEXT  # static; the residual lives within one shard_map
     layout: str = ZIGZAG  # static
     block: int = 0  # static: the keys a visit walks at a time (0: all; the blockwise core's K)
+    key: object = None  # the probabilities' dropout key (a PieceKey on a mesh), spec.dropout its rate; None: none
 
 
 def ring_attention_fwd(q, k, v, causal: bool = True, segments=None, axis_name: str = CONTEXT,
                        layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
-                       block: int = 0):
+                       block: int = 0, dropout: float = 0.0, key=None):
     """Inside shard_map: ring_attention with residuals -> (O (B, H, T/c, Dh), RingAttentionRes)."""
     out, lse = ring_attention_fwd_stats(q, k, v, causal=causal, segments=segments, axis_name=axis_name,
                                         layout=layout, compute_dtype=compute_dtype, softcap=softcap, window=window,
-                                        block=block)
-    spec = ring_spec(causal, compute_dtype, softcap, window)
-    return out, RingAttentionRes(q, k, v, out, lse, segments, spec, axis_name, layout, block)
+                                        block=block, dropout=dropout, key=key)
+    spec = ring_spec(causal, compute_dtype, softcap, window, dropout)
+    return out, RingAttentionRes(q, k, v, out, lse, segments, spec, axis_name, layout, block, key)
 
 
-def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, block: int = 0):
+def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, block: int = 0,
+              drop=None):
     """Undoes ``visit``: add the block ``where`` (rows, columns; None: nothing) of the held chunk
     (k, v, ids) to grads = (dq (B, H, T/c, Dh), dK, dV (B, Hkv, T/c, Dh)), all in stats_dtype;
-    its keys whole or ``block`` at a time, as the forward folded them."""
+    its keys whole or ``block`` at a time, as the forward folded them; ``drop``: the forward's
+    visit_dropout (the same masks drawn again), or None."""
     if where is None:
         return grads
     r, col = where
@@ -97,9 +102,16 @@ def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionS
         # O = acc / l, acc = sum_j exp(S_j - m) v_j, l = sum_j rowsum exp(S_j - m): P_j = exp(S_j - lse)
         p = jnp.exp(capped - lse_r)
         p = p if mask is None else jnp.where(mask, p, 0.0)
-        dv_c = matmul(jnp.swapaxes(p, -1, -2), do_r, cd)  # O = P v
+        kept = None
+        if drop is not None:  # acc += drop(exp(S - m)) v (online_softmax_step's drop): the same mask again
+            rate, piece_key = drop(qp_r, kp_b)
+            kept = keep_mask(piece_key, rate, p.shape)
+        pd = p if kept is None else jnp.where(kept, p / (1.0 - spec.dropout), 0.0)
+        dv_c = matmul(jnp.swapaxes(pd, -1, -2), do_r, cd)  # O = drop(P) v
         dp = matmul(do_r, jnp.swapaxes(v_c, -1, -2).astype(f), cd)  # (B, H, rows, keys)
-        ds = p * (dp - d_r)  # P = softmax(S)
+        if kept is not None:  # drop(P) = P * keep / (1 - rate)
+            dp = jnp.where(kept, dp / (1.0 - spec.dropout), 0.0)
+        ds = p * (dp - d_r)  # P = softmax(S): D = rowsum(dO * O) = rowsum(dP * P) with the dropped O too
         if spec.softcap:  # S = softcap tanh(S / softcap): 1 - tanh^2 from the capped S itself
             ds = softcap_bwd(capped / spec.softcap, ds)
         dq_r = dq_r + matmul(ds, k_c.astype(f), cd) * scale  # S = q k^T / sqrt(Dh)
@@ -114,18 +126,19 @@ def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionS
 def ring_attention_bwd(res: RingAttentionRes, do):
     """Inside shard_map: dO (B, H, T/c, Dh) of this device's queries -> (dq (B, H, T/c, Dh),
     dk, dv (B, Hkv, T/c, Dh)) of its own tokens."""
-    q, k, v, out, lse, segments, spec, axis_name, layout, block = res
+    q, k, v, out, lse, segments, spec, axis_name, layout, block, key = res
     causal, f = spec.causal, lse.dtype
     c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     n_local = q.shape[2]
     positions = functools.partial(chunk_positions, T=n_local * c, c=c, layout=layout)
+    drop = visit_dropout(spec.dropout, key, n_local * c)  # the forward's masks, drawn again
     q_pos = positions(i)
     d = _softmax_correction(do, out)  # (B, H, T/c): D = rowsum(dO * O)
     grads = tuple(jnp.zeros_like(a, dtype=f) for a in (q, k, v))  # dq, dK, dV: device i's own, as q, k, v
 
     def visit_chunk_bwd(grads, held, j, kind):  # stats = visit(stats, ..., visited(kind)) of chunk j
         return visit_bwd(grads, q, do, lse, d, q_pos, segments, held, positions(j), spec,
-                         visited(kind, n_local, causal, layout), block)
+                         visited(kind, n_local, causal, layout), block, drop)
 
     # m, l, acc = walk(visit_chunk, init, (k, v, segments), ...): dK, dV travel with their chunk
     dq, dk, dv = walk_back(visit_chunk_bwd, grads, (k, v, segments), causal, axis_name)
@@ -134,12 +147,13 @@ def ring_attention_bwd(res: RingAttentionRes, do):
 
 def ring_attention_grads_on_mesh(q, k, v, do, mesh, causal: bool = True, segments=None, axis_name: str = CONTEXT,
                                  layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
-                                 block: int = 0):
+                                 block: int = 0, dropout: float = 0.0, key=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), dO (B, H, T, Dh), segments (B, T) or None, natural
     order -> (dq, dk, dv) in natural order: the manual forward and backward in one shard_map
     over the mesh's ``axis_name`` (jaxformer.model.parallel.ring.ring_attention_on_mesh's pair)."""
     def local(q, k, v, do, segments):
-        _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout, compute_dtype, softcap, window, block)
+        _, res = ring_attention_fwd(q, k, v, causal, segments, axis_name, layout, compute_dtype, softcap, window, block,
+                                    dropout, key)
         return ring_attention_bwd(res, do)
     return on_mesh(local, mesh, (q, k, v, do), segments, axis_name, layout, n_out=3)
 
@@ -147,7 +161,7 @@ def ring_attention_grads_on_mesh(q, k, v, do, mesh, causal: bool = True, segment
 def ring_core_fwd(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False):
     """The ring's pair as a manual core (manual_grads/attention.py's ``ManualCore`` signature),
     the forward's ``parallel.context.ring_core``: (O (B, H, T/c, Dh), RingAttentionRes)."""
-    return ring_attention_fwd(q, k, v, segments=segments, **ring_kwargs(spec, blockwise))
+    return ring_attention_fwd(q, k, v, segments=segments, key=key, **ring_kwargs(spec, blockwise))
 
 
 def ring_flash_core_fwd(q, k, v, spec, key=None, segments=None):

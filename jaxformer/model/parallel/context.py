@@ -21,6 +21,11 @@ them on its own T/c tokens unchanged (the model's own layers, no math written tw
 tokens are reordered once, as integers, before the embedding (``ring_ordered``), and the loss
 never puts them back: no (B, T, D) activation and no (B, T, V) logits on any device. ``forward``
 (the logits in natural order) reorders its logits back (``from_zigzag``).
+Dropout draws one device's masks, each device its piece (dropout.PieceKey): a block's masks over
+its rows and its tokens' global positions (``context_layer_key``), the probabilities' over each
+ring visit's query and key positions (ring.visit_dropout), the embedding's over each slot's
+natural position (``embed_context_key``), so a step on the mesh equals one device's with the same
+key (the full core's masks; the blockwise core's are drawn per block pair: refused).
 Packed documents' ids (B, T) are reordered and split like the tokens; the ring masks other
 documents' keys. The params are replicated: each device's gradient is its tokens' and rows'
 part, summed over the context axis and the batch axes (jax.grad: shard_map's transpose of a
@@ -47,7 +52,8 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
-from jaxformer.model.parallel.pieces import local_positions, site_piece_keys
+from jaxformer.model.dropout import Piece, PieceKey, embed_key, layer_key
+from jaxformer.model.parallel.pieces import device_rows, local_positions, site_piece_keys
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes, trace_mesh_with
 from jaxformer.model.parallel.ring import CONTEXT, check_context, ring_attention, to_zigzag
 from jaxformer.model.parallel.ring_flash import ring_flash_attention
@@ -82,7 +88,8 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
     impl, block, n = config.attention_impl, config.attention_block, seq_len // (2 * c)
     refused = [(t > 1 and config.sequence_parallel, f"sequence_parallel beside a tensor axis (tensor={t}: the "
                                                       "tokens are split over context already)"),
-               (config.dropout, "dropout (each device would draw its own tokens' masks)"),
+               (config.dropout and impl == "blockwise", "dropout with attention_impl 'blockwise' (one device's "
+                                                         "blockwise masks are drawn per block pair; use 'full')"),
                (impl not in RING_CORES, f"attention_impl {impl!r} (the ring's visits are the full or the "
                                         "blockwise core's math, or the Pallas kernels: use attention_impl "
                                         "'full', 'blockwise' or 'pallas')"),
@@ -101,8 +108,9 @@ def ring_core(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False
     """A core (cores.py's signature) inside shard_map over the context axis: q (B, H, T/c, Dh),
     k, v (B, Hkv, T/c, Dh) of this device's tokens -> O (B, H, T/c, Dh), its queries' attention
     over the whole sequence (ring.ring_attention with spec's mask rule, compute dtype and soft
-    cap; ``blockwise``: each visit's keys spec.block at a time; no dropout: ``key`` unread)."""
-    return ring_attention(q, k, v, segments=segments, **ring_kwargs(spec, blockwise))
+    cap; ``blockwise``: each visit's keys spec.block at a time; ``key``: the probabilities' dropout
+    key at spec.dropout, the full core's visits alone)."""
+    return ring_attention(q, k, v, segments=segments, key=key, **ring_kwargs(spec, blockwise))
 
 
 def ring_flash_core(q, k, v, spec, key=None, segments=None):
@@ -121,7 +129,7 @@ def ring_flash_spec(spec):
 def ring_kwargs(spec, blockwise: bool) -> dict:
     """What the ring reads of a core's AttentionSpec (both gradient sources' cores)."""
     return dict(causal=spec.causal, compute_dtype=spec.compute_dtype, softcap=spec.softcap, window=spec.window,
-                block=spec.block if blockwise else 0)
+                block=spec.block if blockwise else 0, dropout=spec.dropout)
 
 
 # The ring's cores by ModelConfig.attention_impl: the full core's visits, the blockwise core's
@@ -145,12 +153,34 @@ def context_attention(p, x, config: ModelConfig, key=None, segments=None):
 CONTEXT_LAYERS = BlockLayers(context_attention, model_feed_forward, layer_norm, rms_norm)
 
 
-def context_block(p, x, config: ModelConfig, segments=None):
+def context_block(p, x, config: ModelConfig, segments=None, key=None):
     """One block on device i (under shard_map): the model's compose_block with CONTEXT_LAYERS,
-    x and y device i's (B, T/c, D), ``segments`` its (B, T/c) ids or None. With n_experts
-    (y, the MoE layer's MoeStats over device i's tokens)."""
-    y, aux = compose_block(p, x, config, CONTEXT_LAYERS, None, segments)
+    x and y device i's (B, T/c, D), ``segments`` its (B, T/c) ids or None, ``key`` the layer's
+    dropout key as device i's piece (``context_layer_key``) or None. With n_experts (y, the MoE
+    layer's MoeStats over device i's tokens)."""
+    y, aux = compose_block(p, x, config, CONTEXT_LAYERS, key, segments)
     return (y, aux[1]) if config.n_experts else y
+
+
+def context_layer_key(key, l, x, mesh):
+    """Inside shard_map: layer l's dropout key (dropout.layer_key) as device i's PieceKey, x its
+    (B/n, T/c, D): its rows of the batch and its tokens' global positions (zig-zag), so that each
+    of the layer's masks is the piece of one device's it holds (the probabilities' too: the ring
+    draws each visit's queries and keys, ring.visit_dropout); None without a key."""
+    if key is None:
+        return None
+    b, n = x.shape[:2]
+    c = jax.lax.axis_size(CONTEXT)
+    return PieceKey(layer_key(key, l), Piece(rows=device_rows(b, mesh), tokens=(n * c, local_positions(n))))
+
+
+def embed_context_key(key, config: ModelConfig, T: int, c: int):
+    """The embedding's dropout key (dropout.embed_key) over the whole (B, T, D) array in the context
+    axis' zig-zag order: a PieceKey whose tokens are each slot's natural position
+    (``ring_positions``), so the mask is one device's, reordered as the tokens are; None without a key."""
+    if key is None or not config.dropout:
+        return None
+    return PieceKey(embed_key(key, config.n_layers), Piece(tokens=(T, ring_positions(T, c))))
 
 
 def global_stats(stats, mesh):
@@ -178,18 +208,21 @@ def ring_ordered(a, mesh):
     return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, stream_spec(mesh)))
 
 
-def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
+def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None, key=None):
     """The stacked blocks (leaves (L, ...)) on ``mesh``: x (B, T, D) -> (B, T, D), both in the
     context axis' zig-zag order (``ring_ordered``), the tokens split over the mesh's context axis,
-    the rows over its other axes; ``segments`` (B, T) int document ids in the same order, or None.
+    the rows over its other axes; ``segments`` (B, T) int document ids in the same order, or None;
+    ``key`` dropout's (each device draws its piece of one device's masks: ``context_layer_key``).
     With n_experts (y, the MoE layers' MoeStats stacked over L, over the whole batch: global_stats)."""
     c = context_size(mesh)
     check_context_model(config, c, x.shape[1], dict(mesh.shape).get(TENSOR, 1))
+    key = key if config.dropout else None
 
-    def local(blocks, x, segments):
+    def local(blocks, x, segments, key):
         def layer(p, x, l):  # layer l's config: its kind of attention (layer_kinds.per_layer)
             p = site_piece_keys(p, x, mesh)  # LoRA dropout's keys: device i's rows and tokens
-            return per_layer(config, l, lambda c: context_block(p, x, c, segments))
+            lkey = context_layer_key(key, l, x, mesh)
+            return per_layer(config, l, lambda c: context_block(p, x, c, segments, lkey))
         if config.remat == "block":  # JAX's grad keeps each block's input alone and runs it again
             layer = jax.checkpoint(layer)
         layers = (blocks, jnp.arange(config.n_layers))
@@ -200,5 +233,5 @@ def context_blocks(blocks, x, config: ModelConfig, mesh, segments=None):
 
     stream = stream_spec(mesh)  # x (B, T, D) and the ids (B, T) alike
     out_specs = (stream, PartitionSpec()) if config.n_experts else stream
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, stream), out_specs=out_specs)(
-        blocks, x, segments)
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), stream, stream, PartitionSpec()),
+                         out_specs=out_specs)(blocks, x, segments, key)

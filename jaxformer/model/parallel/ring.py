@@ -74,6 +74,7 @@ from jax.sharding import PartitionSpec
 
 from jaxformer.model.blockwise import online_softmax_step
 from jaxformer.model.cores import AttentionSpec, capped_scores, repeat_kv, segment_mask
+from jaxformer.model.dropout import Piece, PieceKey, active
 from jaxformer.model.parallel.regions import CONTEXT  # the mesh axis the sequence splits over
 from jaxformer.model.precision import stats_dtype
 
@@ -240,10 +241,22 @@ def over_key_blocks(fn, carry, keys, block: int):
     return carry, jax.tree_util.tree_map(lambda o: join_keys(o, 2), out)
 
 
-def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, block: int = 0):
+def visit_dropout(rate, key, T: int):
+    """The probabilities' dropout in the ring's visits: None without it (``dropout.active``), else
+    drop(q_pos, k_pos) -> (rate, a PieceKey) whose mask is the piece of one device's (B, H, T, T)
+    mask (cores.full's, drawn from ``key``) at those global query and key positions, and at the
+    rows and heads key's own piece names (a PieceKey's: the device's; a key's: all of them)."""
+    if not active(rate, key):
+        return None
+    base = key if isinstance(key, PieceKey) else PieceKey(key, Piece())
+    return lambda q_pos, k_pos: (rate, PieceKey(base.key, base.piece._replace(queries=(T, q_pos), keys=(T, k_pos))))
+
+
+def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, block: int = 0, drop=None):
     """Fold the block ``where`` (visited's (rows, columns), or None: nothing) of the held
     chunk (k, v (B, Hkv, T/c, Dh), its segment ids or None) into stats = (m, l, acc); its keys
-    whole (``block`` 0) or ``block`` at a time (``over_key_blocks``)."""
+    whole (``block`` 0) or ``block`` at a time (``over_key_blocks``). ``drop``: visit_dropout's
+    (the probabilities' dropout on the product alone, as online_softmax_step puts it), or None."""
     if where is None:
         return stats
     r, col = where
@@ -253,7 +266,8 @@ def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, bloc
     def fold(rows, keys):
         k_b, v_b, kp_b, ks_b = keys
         s = pair_scores(q_r, repeat_kv(k_b, G), qp_r, kp_b, spec, qs_r, ks_b)  # (B, H, rows, keys)
-        return online_softmax_step(rows, s, repeat_kv(v_b, G), spec.compute_dtype), None
+        return online_softmax_step(rows, s, repeat_kv(v_b, G), spec.compute_dtype,
+                                   None if drop is None else drop(qp_r, kp_b)), None
 
     rows = tuple(part(a, r, 2) for a in stats)
     block_stats, _ = over_key_blocks(fold, rows, visit_keys(chunk, k_pos, col), block)  # its rows' (m, l, acc)
@@ -329,26 +343,42 @@ def walk_back(visit_chunk_bwd, grads, held, causal: bool, axis_name: str = CONTE
     return dq, dk, dv
 
 
-def ring_spec(causal: bool = True, compute_dtype=None, softcap: float = 0.0, window: int = 0) -> AttentionSpec:
+def ring_spec(causal: bool = True, compute_dtype=None, softcap: float = 0.0, window: int = 0,
+              dropout: float = 0.0) -> AttentionSpec:
     """What the ring's visits read: the mask rule (causal, a sliding ``window`` of W keys), the
-    products' dtype and the scores' ``softcap`` (AttentionSpec's fields of the same names)."""
-    return AttentionSpec(causal=causal, compute_dtype=compute_dtype, softcap=softcap, window=window)
+    products' dtype, the scores' ``softcap`` and the probabilities' ``dropout`` rate
+    (AttentionSpec's fields of the same names)."""
+    return AttentionSpec(causal=causal, compute_dtype=compute_dtype, softcap=softcap, window=window, dropout=dropout)
+
+
+def check_ring_dropout(dropout: float, key, block: int) -> None:
+    """A ValueError in one line where the ring is asked for the probabilities' dropout with the
+    blockwise core's visits (one device's blockwise masks are drawn per block pair, not as one
+    (T, T) mask's pieces)."""
+    if block and active(dropout, key):
+        raise ValueError(f"ring attention: dropout {dropout} with the blockwise core's visits (block {block}) is not "
+                         "run yet: use the full core (block 0)")
 
 
 def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
                              layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
-                             block: int = 0):
+                             block: int = 0, dropout: float = 0.0, key=None):
     """Inside shard_map over ``axis_name``: this device's q (B, H, T/c, Dh), k, v (B, Hkv, T/c,
     Dh) and segment ids (B, T/c) or None, in ``layout`` -> (O (B, H, T/c, Dh), lse (B, H, T/c)
     in stats_dtype), the attention of its queries over the whole sequence; the products' inputs
     in ``compute_dtype`` (ModelConfig.compute_dtype; None: q's own), as every core's. ``softcap``
     caps the scores, ``window`` W lets a query read its W latest keys alone (``ring_spec``);
-    ``block`` K > 0 folds each visit's keys K at a time (the blockwise core), 0 all at once."""
-    spec = ring_spec(causal, compute_dtype, softcap, window)
+    ``block`` K > 0 folds each visit's keys K at a time (the blockwise core), 0 all at once.
+    ``dropout`` with a ``key`` (a PieceKey: the device's rows and heads) drops the probabilities
+    as the full core does on one device, each visit drawing its piece of that (T, T) mask
+    (``visit_dropout``; lse stays the undropped scores')."""
+    spec = ring_spec(causal, compute_dtype, softcap, window, dropout)
     c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     n_local = q.shape[2]
     T = n_local * c
     check_context(T, c, axis_name, layout)
+    check_ring_dropout(dropout, key, block)
+    drop = visit_dropout(dropout, key, T)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
     positions = functools.partial(chunk_positions, T=T, c=c, layout=layout)
@@ -357,7 +387,8 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
     init = (jnp.full_like(row, -jnp.inf, dtype=f), jnp.zeros_like(row, dtype=f), jnp.zeros_like(q, dtype=f))
 
     def visit_chunk(stats, held, j, kind):
-        return visit(stats, q, q_pos, segments, held, positions(j), spec, visited(kind, n_local, causal, layout), block)
+        return visit(stats, q, q_pos, segments, held, positions(j), spec, visited(kind, n_local, causal, layout), block,
+                     drop)
 
     m, l, acc = walk(visit_chunk, init, (k, v, segments), causal, axis_name)
     safe = jnp.where(l > 0, l, 1.0)  # l = 0 only on a wholly masked row (none arises): O = 0 there
@@ -365,12 +396,13 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
 
 
 def ring_attention(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
-                   layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0, block: int = 0):
+                   layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0, block: int = 0,
+                   dropout: float = 0.0, key=None):
     """Inside shard_map over ``axis_name``: ring_attention_fwd_stats' output alone,
     softmax(q k^T / sqrt(Dh)) v for this device's queries (B, H, T/c, Dh)."""
     return ring_attention_fwd_stats(q, k, v, causal=causal, segments=segments, axis_name=axis_name,
                                     layout=layout, compute_dtype=compute_dtype, softcap=softcap, window=window,
-                                    block=block)[0]
+                                    block=block, dropout=dropout, key=key)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -399,10 +431,12 @@ def on_mesh(local, mesh, arrays, segments, axis_name: str = CONTEXT, layout: str
 
 def ring_attention_on_mesh(q, k, v, mesh, causal: bool = True, segments=None, axis_name: str = CONTEXT,
                            layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
-                           block: int = 0):
+                           block: int = 0, dropout: float = 0.0, key=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh), segments (B, T) or None, natural token order ->
-    O (B, H, T, Dh) in natural order: ring_attention over the mesh's ``axis_name``."""
+    O (B, H, T, Dh) in natural order: ring_attention over the mesh's ``axis_name`` (``dropout``
+    with ``key``: one device's full core's mask, each visit its piece)."""
     def local(q, k, v, segments):
         return ring_attention(q, k, v, causal=causal, segments=segments, axis_name=axis_name, layout=layout,
-                              compute_dtype=compute_dtype, softcap=softcap, window=window, block=block)
+                              compute_dtype=compute_dtype, softcap=softcap, window=window, block=block,
+                              dropout=dropout, key=key)
     return on_mesh(local, mesh, (q, k, v), segments, axis_name, layout)

@@ -279,13 +279,16 @@ RING_LAYERS = BlockLayers(functools.partial(tensor_attention, ring=True), tensor
 
 def device_key(key, x, config: ModelConfig, mesh, sequence: bool) -> PieceKey:
     """A block's dropout key as device i's PieceKey (under shard_map over ``mesh``, x its (B/n, T, D) or, with
-    sequence parallelism, (B/n, T/t, D)): its rows of the batch (split over the batch axes, in
-    their order), its H/t heads, and with sequence parallelism its T/t tokens, so that each of
-    its masks is the piece of the one device's mask it holds (dropout.piece_uniform)."""
+    sequence parallelism, (B/n, T/t, D), or with a context axis beside (B/n, T/c, D)): its rows of
+    the batch (split over the batch axes, in their order), its H/t heads, and with sequence
+    parallelism its T/t tokens, on a context axis its tokens' global positions (zig-zag), so that
+    each of its masks is the piece of the one device's mask it holds (dropout.piece_uniform; the
+    ring draws each visit's queries and keys)."""
     t, i = jax.lax.axis_size(TENSOR), jax.lax.axis_index(TENSOR)
-    tokens = x.shape[1]
+    n, c = x.shape[1], axis_size(mesh, CONTEXT)
+    tokens = (n * c, local_positions(n)) if c > 1 else (t * n, i * n) if sequence else None
     return PieceKey(key, Piece(rows=device_rows(x.shape[0], mesh), heads=(config.n_heads, i * (config.n_heads // t)),
-                               tokens=(t * tokens, i * tokens) if sequence else None))
+                               tokens=tokens))
 
 
 def layer_device_key(key, l, x, config: ModelConfig, mesh, sequence: bool):
