@@ -7,7 +7,7 @@ a context axis, its blocks ring-attention context parallel (model/parallel/conte
 the GPT-2-like config (learned positions, pre layer norm, GELU, biases) on data=2 x context=2,
 the Llama-like one (post RMS norm, gated SiLU, rotary positions at each token's global position,
 2 key/value heads for 4 query heads, QK-norm, tied head, logits' soft cap, loss_chunk) with the
-blockwise core (each ring visit's keys 2 at a time), the scores' soft cap and layers of two
+blockwise core (each ring visit's keys 2 at a time; dropout 0.1, its masks one per block pair), the scores' soft cap and layers of two
 kinds (a sliding window with its own rotary base, then full attention) on context=4, and the Llama-like one (the full core) with remat "block" (each block's forward
 run again in the backward) and dropout 0.1 on context=2 with packed documents whose boundaries cut
 through the chunks; with a tensor axis beside (the blocks tensor parallel, the vocabulary split):
@@ -41,7 +41,7 @@ B, T = 4, 16
 # packed rows: boundaries inside the zig-zag pieces (n = 4 tokens on context=2)
 DOCUMENTS = [[0] * 5 + [1] * 11, [0] * 11 + [1] * 5, [0] * 3 + [1] * 6 + [2] * 7, [0] * 16]
 # (model, mesh axes, sizes, packed documents)
-CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama-blockwise", ("context",), (4,), False),
+CASES = [("gpt2", ("data", "context"), (2, 2), False), ("llama-blockwise-dropout", ("context",), (4,), False),
          ("llama-remat-dropout", ("context",), (2,), True), ("moe", ("expert", "context"), (2, 2), True),
          ("llama-pallas", ("data", "context"), (2, 2), True)]
 # with a tensor axis beside: the blocks tensor parallel (heads, key/value heads, MLP columns and
@@ -68,7 +68,8 @@ def configs():
     moe = llama.replace(bias=False, n_experts=4, experts_per_token=2, shared_expert_d_ff=8, moe_aux_loss_coef=0.1,
                         router_z_loss_coef=0.01)
     # dropout (0.1, one step key): each device draws its rows', heads' and tokens' piece of one device's masks
-    return {"gpt2": gpt2, "gpt2-dropout": gpt2.replace(dropout=0.1), "llama": llama, "llama-blockwise": blockwise,
+    return {"gpt2": gpt2, "gpt2-dropout": gpt2.replace(dropout=0.1), "llama": llama,
+            "llama-blockwise-dropout": blockwise.replace(dropout=0.1),
             "llama-remat-dropout": llama.replace(remat="block", dropout=0.1),
             "llama-pallas": llama.replace(attention_impl="pallas"),  # the kernels interpreted, in float64
             "llama-blockwise-remat": blockwise.replace(remat="block"), "moe": moe}
@@ -311,8 +312,6 @@ def refusal(config, c=2, seq_len=T, t=1) -> str:
 
 
 @pytest.mark.parametrize("changes, what", [
-    (dict(dropout=0.1, attention_impl="blockwise"), "dropout with attention_impl 'blockwise' (one device's "
-                                                    "blockwise masks are drawn per block pair; use 'full')"),
     (dict(attention_impl="cudnn"), "attention_impl 'cudnn' (the ring's visits are the full or the blockwise "
                                    "core's math, or the Pallas kernels: use attention_impl 'full', 'blockwise' or "
                                    "'pallas')"),

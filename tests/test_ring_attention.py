@@ -9,8 +9,9 @@ cores.full with the same random cotangent, each to 1e-10; cases: context=2 and 4
 zig-zag; packed documents whose boundaries cut through the chunks; 1 key/value head for 2
 query heads; non-causal with documents; the contiguous layout; the scores' soft cap with a
 sliding window, and the blockwise core's visits (keys 2 at a time) with and without them; the
-probabilities' dropout (0.25, context=4, documents, one key/value head) against one device's full
-core with the same key. The programs' collectives are
+probabilities' dropout (0.25) against one device's core with the same key: the full core's
+(context=4, documents, one key/value head), the blockwise core's (a mask per block pair: keys 2
+at a time on context=2 with documents, and blocks of 8 keys, wider than the pieces, on context=4). The programs' collectives are
 counted as lowered (sites) and in the jaxpr with each scan's trip count (hops actually sent).
 The Pallas kernels' ring (ring_flash.py, the kernels interpreted) runs three of those cases
 (context=4 causal with documents and one key/value head, context=2 non-causal with documents,
@@ -37,7 +38,8 @@ CAPPED_WINDOW = {"softcap": 2.0, "window": 6}  # the scores capped, a query read
 # visit's keys K at a time, the blockwise core's way)
 CASES = [(2, True, False, 2, ZIGZAG, {}), (4, True, False, 2, ZIGZAG, {}), (4, True, True, 2, ZIGZAG, CAPPED_WINDOW),
          (2, True, True, 1, ZIGZAG, {"block": 2, **CAPPED_WINDOW}), (4, False, True, 2, ZIGZAG, {"block": 2}),
-         (4, True, False, 1, CONTIGUOUS, {}), (4, True, True, 1, ZIGZAG, {"dropout": 0.25})]
+         (4, True, False, 1, CONTIGUOUS, {}), (4, True, True, 1, ZIGZAG, {"dropout": 0.25}),
+         (2, True, True, 1, ZIGZAG, {"block": 2, "dropout": 0.25}), (4, True, False, 2, ZIGZAG, {"block": 8, "dropout": 0.25})]
 DIFFS = ("output", "lse", "manual = one device", "jax.grad ring = one device", "manual = jax.grad ring")
 # The Pallas kernels' ring (ring_flash.py), interpreted: (context size, causal, segments, key/value heads, layout)
 PALLAS_CASES = [(4, True, True, 1, ZIGZAG), (2, False, True, 2, ZIGZAG), (4, True, False, 2, CONTIGUOUS)]
@@ -85,6 +87,7 @@ def run_cases() -> dict:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
+    from jaxformer.model.blockwise import blockwise
     from jaxformer.model.cores import AttentionSpec, capped_scores, full, repeat_kv
     from jaxformer.model.parallel.ring import (on_mesh, pair_mask, ring_attention, ring_attention_fwd_stats,
                                                ring_attention_on_mesh)
@@ -105,10 +108,15 @@ def run_cases() -> dict:
                              dropout=options.get("dropout", 0.0))
         key = jax.random.PRNGKey(5) if spec.dropout else None  # one device's (T, T) mask; each visit its piece
         options = dict(options, key=key) if key is not None else options
+        core = full
+        if spec.dropout and options.get("block"):  # the masks are one device's blockwise core's, a block pair each
+            spec = AttentionSpec(causal=causal, block=options["block"], dropout=spec.dropout)
+            core = lambda q, k, v, spec, key, segments: blockwise(  # noqa: E731
+                q, repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1]), spec, key, segments)
 
         @jax.jit
         def differences(q, k, v, do, segments):
-            one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, spec, key, segments=segments), q, k, v)
+            one, one_vjp = jax.vjp(lambda q, k, v: core(q, k, v, spec, key, segments), q, k, v)
             expected = one_vjp(do)
             scores = capped_scores(q, repeat_kv(k, H // hkv), spec)  # (B, H, T, T), natural order
             mask = pair_mask(jnp.arange(T), jnp.arange(T), spec, segments, segments)

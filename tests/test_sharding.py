@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
     except ValueError as e:
         errors["rows"] = str(e)
     for name, kwargs in [("batch", dict(batch_size=12)), ("product", dict(mesh="data=3,fsdp=2")),
-                         ("fsdp", dict(mesh="fsdp=3")), ("context", dict(mesh="context=2", model={"dropout": 0.1, "attention_impl": "blockwise"}))]:
+                         ("fsdp", dict(mesh="fsdp=3")), ("context", dict(mesh="context=2", model={"attention_impl": "pallas", "sliding_window": 4}))]:
         try:
             train(tiny_settings(corpus, steps=1, **kwargs), out + "-bad", progress=False)
         except ValueError as e:
@@ -113,9 +113,9 @@ def test_meshes_match_one_device(corpus, tmp_path):
     assert "data x fsdp = 3 x 2 = 6 devices, but 8 devices are in use" in errors["product"]
     assert "fsdp=3 does not divide the 8 devices" in errors["fsdp"]
     assert "has 6 rows, which do not divide over the 8 devices" in errors["rows"]
-    assert errors["context"] == ("mesh axis context=2: context parallelism does not run dropout with attention_impl "
-                                 "'blockwise' (one device's blockwise masks are drawn per block pair; use 'full') yet; "
-                                 "use context=1")
+    assert errors["context"] == ("mesh axis context=2: context parallelism does not run sliding_window 4 with "
+                                 "attention_impl 'pallas' (the kernels mask by a visit's own positions; use 'full' or "
+                                 "'blockwise') yet; use context=1")
     sharded = result["records"]
     for grads, kind in (("auto", ""), ("manual", ""), ("manual", "modern"), ("manual", "pallas")):
         single = train(tiny_settings(corpus, steps=STEPS, eval_every=STEPS, grads=grads, model=KINDS[kind]),

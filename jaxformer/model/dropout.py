@@ -40,13 +40,17 @@ class Piece(NamedTuple):
     None where the device holds them all. A site's array is the residual stream's or a LoRA
     adapter's input (B, T, D) (rows, tokens, features) or the attention probabilities' (B, H, Tq,
     Tk) (rows, heads, queries, keys: a ring visit's query and key positions; None where the
-    device holds every token's, as attention reads them all)."""
+    device holds every token's, as attention reads them all). ``block`` K > 0: the probabilities'
+    masks are the blockwise core's, one (B, H, K, K) mask per (query block, key block) pair
+    (``block_pair_key``), and queries and keys (the whole length, global positions one by one)
+    name each element's pair (position // K) and its place in the pair's block (position % K)."""
     rows: tuple | None = None
     heads: tuple | None = None
     tokens: tuple | None = None
     features: tuple | None = None
     queries: tuple | None = None
     keys: tuple | None = None
+    block: int = 0
 
 
 class PieceKey(NamedTuple):
@@ -86,7 +90,14 @@ def piece_uniform(key: PieceKey, shape):
     axes = {3: ("rows", "tokens", "features"), 4: ("rows", "heads", "queries", "keys")}.get(len(shape))
     if axes is None:
         raise ValueError(f"a dropout mask on one device's piece masks (B, T, D) or (B, H, Tq, Tk) arrays, not {shape}")
-    spans = [getattr(key.piece, a) if a else None for a in axes]
+    piece, data = key.piece, jax.random.key_data(key.key)
+    if len(shape) == 4 and piece.block:  # each element's block pair's key, its place in that pair's block
+        K, q_pos, k_pos = piece.block, piece.queries[1], piece.keys[1]
+        words = jax.vmap(jax.vmap(lambda i, j: jax.random.key_data(block_pair_key(key.key, i, j)), (None, 0)),
+                         (0, None))(q_pos // K, k_pos // K)  # (Tq, Tk, 2)
+        data = [jnp.broadcast_to(words[..., w], shape) for w in (0, 1)]
+        piece = piece._replace(queries=(K, q_pos % K), keys=(K, k_pos % K), block=0)
+    spans = [getattr(piece, a) if a else None for a in axes]
     whole = [n if span is None else span[0] for n, span in zip(shape, spans)]
     strides = [int(np.prod(whole[d + 1:], dtype=np.int64)) if d + 1 < len(whole) else 1 for d in range(len(whole))]
     hi = lo = jnp.zeros(shape, jnp.uint32)
@@ -100,7 +111,6 @@ def piece_uniform(key: PieceKey, shape):
         h, l = _mul_wide(index, stride)
         lo = lo + l
         hi = hi + h + (lo < l).astype(jnp.uint32)  # the carry where the low words' sum wrapped
-    data = jax.random.key_data(key.key)
     b1, b2 = threefry2x32_p.bind(data[0], data[1], hi, lo)
     bits = (b1 ^ b2) >> jnp.uint32(32 - 23) | jnp.uint32(np.float32(1.0).view(np.uint32))
     return jax.lax.max(jnp.float32(0), jax.lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1))

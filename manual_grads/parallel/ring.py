@@ -131,7 +131,7 @@ def ring_attention_bwd(res: RingAttentionRes, do):
     c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     n_local = q.shape[2]
     positions = functools.partial(chunk_positions, T=n_local * c, c=c, layout=layout)
-    drop = visit_dropout(spec.dropout, key, n_local * c)  # the forward's masks, drawn again
+    drop = visit_dropout(spec.dropout, key, n_local * c, block)  # the forward's masks, drawn again
     q_pos = positions(i)
     d = _softmax_correction(do, out)  # (B, H, T/c): D = rowsum(dO * O)
     grads = tuple(jnp.zeros_like(a, dtype=f) for a in (q, k, v))  # dq, dK, dV: device i's own, as q, k, v

@@ -25,7 +25,7 @@ Dropout draws one device's masks, each device its piece (dropout.PieceKey): a bl
 its rows and its tokens' global positions (``context_layer_key``), the probabilities' over each
 ring visit's query and key positions (ring.visit_dropout), the embedding's over each slot's
 natural position (``embed_context_key``), so a step on the mesh equals one device's with the same
-key (the full core's masks; the blockwise core's are drawn per block pair: refused).
+key (the full core's masks, or the blockwise core's, one per block pair).
 Packed documents' ids (B, T) are reordered and split like the tokens; the ring masks other
 documents' keys. The params are replicated: each device's gradient is its tokens' and rows'
 part, summed over the context axis and the batch axes (jax.grad: shard_map's transpose of a
@@ -88,8 +88,6 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
     impl, block, n = config.attention_impl, config.attention_block, seq_len // (2 * c)
     refused = [(t > 1 and config.sequence_parallel, f"sequence_parallel beside a tensor axis (tensor={t}: the "
                                                       "tokens are split over context already)"),
-               (config.dropout and impl == "blockwise", "dropout with attention_impl 'blockwise' (one device's "
-                                                         "blockwise masks are drawn per block pair; use 'full')"),
                (impl not in RING_CORES, f"attention_impl {impl!r} (the ring's visits are the full or the "
                                         "blockwise core's math, or the Pallas kernels: use attention_impl "
                                         "'full', 'blockwise' or 'pallas')"),
@@ -109,7 +107,7 @@ def ring_core(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False
     k, v (B, Hkv, T/c, Dh) of this device's tokens -> O (B, H, T/c, Dh), its queries' attention
     over the whole sequence (ring.ring_attention with spec's mask rule, compute dtype and soft
     cap; ``blockwise``: each visit's keys spec.block at a time; ``key``: the probabilities' dropout
-    key at spec.dropout, the full core's visits alone)."""
+    key at spec.dropout)."""
     return ring_attention(q, k, v, segments=segments, key=key, **ring_kwargs(spec, blockwise))
 
 

@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxformer.model.blockwise import online_softmax_step
+from jaxformer.model.blockwise import block_size, online_softmax_step
 from jaxformer.model.cores import AttentionSpec, capped_scores, repeat_kv, segment_mask
 from jaxformer.model.dropout import Piece, PieceKey, active
 from jaxformer.model.parallel.regions import CONTEXT  # the mesh axis the sequence splits over
@@ -241,15 +241,21 @@ def over_key_blocks(fn, carry, keys, block: int):
     return carry, jax.tree_util.tree_map(lambda o: join_keys(o, 2), out)
 
 
-def visit_dropout(rate, key, T: int):
+def visit_dropout(rate, key, T: int, block: int = 0):
     """The probabilities' dropout in the ring's visits: None without it (``dropout.active``), else
-    drop(q_pos, k_pos) -> (rate, a PieceKey) whose mask is the piece of one device's (B, H, T, T)
-    mask (cores.full's, drawn from ``key``) at those global query and key positions, and at the
-    rows and heads key's own piece names (a PieceKey's: the device's; a key's: all of them)."""
+    drop(q_pos, k_pos) -> (rate, a PieceKey) whose mask is the piece of one device's mask at those
+    global query and key positions, and at the rows and heads key's own piece names (a
+    PieceKey's: the device's; a key's: all of them). One device's mask: the full core's (B, H, T,
+    T), drawn from ``key``; with ``block`` K > 0 the blockwise core's, one (B, H, K', K') mask per
+    block pair (K' = blockwise.block_size(T, K): dropout.Piece's ``block``)."""
     if not active(rate, key):
         return None
     base = key if isinstance(key, PieceKey) else PieceKey(key, Piece())
-    return lambda q_pos, k_pos: (rate, PieceKey(base.key, base.piece._replace(queries=(T, q_pos), keys=(T, k_pos))))
+    pairs = block_size(T, block) if block else 0
+
+    def drop(q_pos, k_pos):
+        return rate, PieceKey(base.key, base.piece._replace(queries=(T, q_pos), keys=(T, k_pos), block=pairs))
+    return drop
 
 
 def visit(stats, q, q_pos, q_seg, chunk, k_pos, spec: AttentionSpec, where, block: int = 0, drop=None):
@@ -351,14 +357,6 @@ def ring_spec(causal: bool = True, compute_dtype=None, softcap: float = 0.0, win
     return AttentionSpec(causal=causal, compute_dtype=compute_dtype, softcap=softcap, window=window, dropout=dropout)
 
 
-def check_ring_dropout(dropout: float, key, block: int) -> None:
-    """A ValueError in one line where the ring is asked for the probabilities' dropout with the
-    blockwise core's visits (one device's blockwise masks are drawn per block pair, not as one
-    (T, T) mask's pieces)."""
-    if block and active(dropout, key):
-        raise ValueError(f"ring attention: dropout {dropout} with the blockwise core's visits (block {block}) is not "
-                         "run yet: use the full core (block 0)")
-
 
 def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
                              layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
@@ -370,15 +368,14 @@ def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axi
     caps the scores, ``window`` W lets a query read its W latest keys alone (``ring_spec``);
     ``block`` K > 0 folds each visit's keys K at a time (the blockwise core), 0 all at once.
     ``dropout`` with a ``key`` (a PieceKey: the device's rows and heads) drops the probabilities
-    as the full core does on one device, each visit drawing its piece of that (T, T) mask
-    (``visit_dropout``; lse stays the undropped scores')."""
+    as the full core (the blockwise core with ``block``) does on one device, each visit drawing
+    its piece of those masks (``visit_dropout``; lse stays the undropped scores')."""
     spec = ring_spec(causal, compute_dtype, softcap, window, dropout)
     c, i = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     n_local = q.shape[2]
     T = n_local * c
     check_context(T, c, axis_name, layout)
-    check_ring_dropout(dropout, key, block)
-    drop = visit_dropout(dropout, key, T)
+    drop = visit_dropout(dropout, key, T, block)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
     positions = functools.partial(chunk_positions, T=T, c=c, layout=layout)
