@@ -20,7 +20,7 @@ blocks (causal on the own chunk, nothing masked on an earlier one).
 Backward (each visit FlashAttention-2's backward kernels, kernels/pallas/backward.py), given the
 rows' GLOBAL O and lse: the kernels' P = exp(S - lse) is then the visit's block of the softmax
 over all T keys and their D = rowsum(dO * O) its correction, so a visit's dq, dK, dV are its
-share (a folded visit's pieces' shares summed back, ``unfold`` / ``pieces_sum``). dq stays home,
+share (a folded visit's pieces' shares summed back: ``unfold``, ``apart``). dq stays home,
 dK and dV travel with their chunk (ring.walk_back).
 
 Segment ids (packed documents): the kernels take the queries' ids and the keys' apart
@@ -39,8 +39,7 @@ import jax.numpy as jnp
 from jaxformer.kernels.pallas.entry import CausalFlashRes, FlashRes, flash_core_bwd
 from jaxformer.kernels.pallas.forward import pallas_attention_core
 from jaxformer.model.cores import AttentionSpec
-from jaxformer.model.parallel.ring import CONTEXT, SELF, ZIGZAG, check_context, part, visited, walk
-from jaxformer.model.parallel.ring import walk_back
+from jaxformer.model.parallel.ring import CONTEXT, SELF, ZIGZAG, check_context, part, visited, walk, walk_back
 from jaxformer.model.precision import stats_dtype
 
 
@@ -67,7 +66,7 @@ def repeat(a, f: int):
     return a if a is None or f == 1 else jnp.concatenate([a] * f)
 
 
-def pieces(a, f: int):
+def apart(a, f: int):
     """(f B, ...) -> (f, B, ...): a folded call's f results apart."""
     return a.reshape((f, a.shape[0] // f) + a.shape[1:])
 
@@ -94,7 +93,7 @@ def visit_fwd(q, k, v, q_seg, k_seg, causal: bool, spec: AttentionSpec):
     r = keys // rows  # the rows read each piece of keys: r outputs to merge
     out, lse = call(repeat(q, r), fold(k, r, 2), fold(v, r, 2), False, segments=repeat(q_seg, r),
                     key_segments=fold(k_seg, r, 1))
-    out, lse = pieces(out.astype(f), r), pieces(lse, r)
+    out, lse = apart(out.astype(f), r), apart(lse, r)
     return functools.reduce(lambda a, b: merge(*a, *b), zip(out[1:], lse[1:]), (out[0], lse[0]))
 
 
@@ -114,11 +113,11 @@ def visit_bwd(q, k, v, out, lse, do, q_seg, k_seg, causal: bool, spec: Attention
         r = rows // keys
         dq, dk, dv = call(fold(q, r, 2), repeat(k, r), repeat(v, r), *(fold(a, r, 2) for a in (out, lse, do)),
                           fold(q_seg, r, 1), repeat(k_seg, r), causal and r == 1)
-        return unfold(dq, r, 2), pieces(dk, r).sum(0), pieces(dv, r).sum(0)
+        return unfold(dq, r, 2), apart(dk, r).sum(0), apart(dv, r).sum(0)
     r = keys // rows  # out, lse = merge of call(repeat(q), fold(k), fold(v))'s pieces: each its block of P
     dq, dk, dv = call(repeat(q, r), fold(k, r, 2), fold(v, r, 2), *(repeat(a, r) for a in (out, lse, do)),
                       repeat(q_seg, r), fold(k_seg, r, 1), False)
-    return pieces(dq, r).sum(0), unfold(dk, r, 2), unfold(dv, r, 2)
+    return apart(dq, r).sum(0), unfold(dk, r, 2), unfold(dv, r, 2)
 
 
 class RingFlashRes(NamedTuple):
