@@ -4,7 +4,7 @@ for cuda and for tpu from this CPU machine, and a pairwise covering set of them 
 for a TPU v5e topology when jax[tpu] is installed (in subprocesses, so the TPU plugin stays
 out of this one), and for an H100 when JAX's CUDA plugin is (jaxformer/tools/aot/steps.py).
 A block size Triton cannot take fails the cuda lowering by name. The model is GPT-2's block at a small size:
-2 layers, width 128, two heads of 64, T = 128, batch 4."""
+2 layers (1 in the H100 mesh compile), width 128, two heads of 64, T = 128, batch 4."""
 
 import importlib.util
 import itertools
@@ -133,12 +133,14 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.tools.aot import steps as aot
 from jaxformer.training.optim import make_optimizer
 from jaxformer.training.settings import settings_for
-config = ModelConfig.from_dict(json.loads(sys.argv[1]))
-target, todo = sys.argv[2], [aot.Variant(*v[:3], tuple(v[3]) if v[3] else None) for v in json.loads(sys.argv[3])]
 optimizer = make_optimizer(**settings_for("gpt2").optimizer_kwargs())
-out = aot.run(config, todo, [target], optimizer, batch_size=int(sys.argv[4]))
-print(json.dumps({o.variant.name: dict(stage=o.stage, kernels=o.kernels, reason=o.reason, launches=o.launches,
-                                       memory=o.memory and o.memory._asdict()) for o in out}))
+results = []
+for config, todo, batch in json.loads(sys.argv[2]):
+    todo = [aot.Variant(*v[:3], tuple(v[3]) if v[3] else None) for v in todo]
+    out = aot.run(ModelConfig.from_dict(config), todo, [sys.argv[1]], optimizer, batch_size=batch)
+    results.append({o.variant.name: dict(stage=o.stage, kernels=o.kernels, reason=o.reason, launches=o.launches,
+                                         memory=o.memory and o.memory._asdict()) for o in out})
+print(json.dumps(results))
 """
 
 
@@ -157,7 +159,12 @@ def h100_compiler() -> bool:
 
 
 def compiled(target: str, todo, config=CONFIG, batch: int = B) -> dict:
-    """{variant name: outcome} of aot.run compiling ``todo`` for ``target`` in a subprocess
+    """{variant name: outcome} of aot.run compiling ``todo`` for ``target`` in a subprocess."""
+    return compiled_jobs(target, [(config, todo, batch)])[0]
+
+
+def compiled_jobs(target: str, jobs) -> list:
+    """compiled's result for each (config, todo, batch) of ``jobs``, all in one subprocess
     (JAX_PLATFORMS=cpu: the TPU plugin only compiles; no cloud metadata queries; the CUDA
     plugin's folder on its path where it sits apart)."""
     env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
@@ -165,9 +172,9 @@ def compiled(target: str, todo, config=CONFIG, batch: int = B) -> dict:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [CUDA_PLUGIN_DIR, env.get("PYTHONPATH")]))
         # a process with the plugin keeps its CPU executables out of the suite's shared cache
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    args = [json.dumps(config.to_dict()), target, json.dumps([list(v) for v in todo]), str(batch)]
-    done = subprocess.run([sys.executable, "-c", COMPILE, *args], env=env, capture_output=True, text=True,
-                          timeout=900)
+    jobs = [(config.to_dict(), [list(v) for v in todo], batch) for config, todo, batch in jobs]
+    done = subprocess.run([sys.executable, "-c", COMPILE, target, json.dumps(jobs)], env=env, capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -241,10 +248,13 @@ def skip_without_h100_compiler():
 
 def test_a_mesh_compiles_for_an_h100():
     """With JAX's CUDA plugin, XLA compiles for an H100 it does not have (a GPU target
-    config, no GPU opened): a data x fsdp mesh of four H100s (the manual step with the
-    Triton kernels at GPT-2's and SmolLM's sizes: test_the_gpu_steps_launches_and_memory)."""
+    config, no GPU opened): a data x fsdp mesh of four H100s, of CONFIG's model with one
+    layer (a GPU step unrolls the layers and compiles each one's kernels: 18 s for two, 9 s
+    for one; every leaf splits over fsdp along the same axis as with two; many layers: the
+    manual step with the Triton kernels at GPT-2's and SmolLM's sizes,
+    test_the_gpu_steps_launches_and_memory)."""
     skip_without_h100_compiler()
-    out = compiled("h100", [aot.Variant("full", "manual", "float32", aot.MESH)])
+    out = compiled("h100", [aot.Variant("full", "manual", "float32", aot.MESH)], CONFIG.replace(n_layers=1))
     assert all(o["stage"] == "compiled" and o["memory"]["temp"] > 0 and o["launches"] > 0
                for o in out.values()), out
 
@@ -265,10 +275,13 @@ def test_the_gpu_steps_launches_and_memory():
     Triton kernels a layer compiles for an H100, and launches no more kernels and plans no
     more temporaries than GPU_STEPS says (docs/benchmark.md, "Kernels per step")."""
     skip_without_h100_compiler()
-    for preset, (batch, seq_len, most_launches, most_mib) in GPU_STEPS.items():
-        config = get_preset(preset)
+    configs = {preset: get_preset(preset) for preset in GPU_STEPS}
+    outs = compiled_jobs("h100", [(configs[preset], [aot.Variant("pallas", "manual", "bfloat16")], batch)
+                                  for preset, (batch, *_) in GPU_STEPS.items()])  # one subprocess
+    for (preset, (batch, seq_len, most_launches, most_mib)), out in zip(GPU_STEPS.items(), outs, strict=True):
+        config = configs[preset]
         assert config.max_seq_len == seq_len
-        o = compiled("h100", [aot.Variant("pallas", "manual", "bfloat16")], config, batch)["manual_pallas_bf16"]
+        o = out["manual_pallas_bf16"]
         assert o["stage"] == "compiled" and o["kernels"] >= 4 * config.n_layers, (preset, o)
         temp_mib = o["memory"]["temp"] / 2**20
         assert 0.5 * most_launches < o["launches"] <= most_launches, (preset, o["launches"])

