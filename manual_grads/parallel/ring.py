@@ -45,11 +45,11 @@ from jaxformer.model.parallel.context import ring_flash_spec, ring_kwargs
 from jaxformer.model.parallel.ring import (CONTEXT, ZIGZAG, chunk_positions, on_mesh, over_key_blocks, pair_mask,
                                            part, ring_attention_fwd_stats, ring_spec, visit_dropout, visit_keys, visited,
                                            walk_back)
-from jaxformer.model.dropout import keep_mask
 from jaxformer.model.parallel.ring_flash import RingFlashRes, ring_flash_bwd, ring_flash_fwd
 from jaxformer.model.precision import matmul
 from manual_grads.attention import ManualCore, sum_groups
 from manual_grads.blockwise import _softmax_correction
+from manual_grads.dropout import DropoutRes, dropout_bwd
 from manual_grads.softcap import softcap_bwd
 
 
@@ -102,15 +102,11 @@ def visit_bwd(grads, q, do, lse, d, q_pos, q_seg, chunk, k_pos, spec: AttentionS
         # O = acc / l, acc = sum_j exp(S_j - m) v_j, l = sum_j rowsum exp(S_j - m): P_j = exp(S_j - lse)
         p = jnp.exp(capped - lse_r)
         p = p if mask is None else jnp.where(mask, p, 0.0)
-        kept = None
-        if drop is not None:  # acc += drop(exp(S - m)) v (online_softmax_step's drop): the same mask again
-            rate, piece_key = drop(qp_r, kp_b)
-            kept = keep_mask(piece_key, rate, p.shape)
-        pd = p if kept is None else jnp.where(kept, p / (1.0 - spec.dropout), 0.0)
-        dv_c = matmul(jnp.swapaxes(pd, -1, -2), do_r, cd)  # O = drop(P) v
+        # acc += drop(exp(S - m)) v (online_softmax_step's drop): the same mask, drawn again
+        drop_res = None if drop is None else DropoutRes(*reversed(drop(qp_r, kp_b)))  # (key, rate)
+        dv_c = matmul(jnp.swapaxes(dropout_bwd(drop_res, p), -1, -2), do_r, cd)  # O = drop(P) v
         dp = matmul(do_r, jnp.swapaxes(v_c, -1, -2).astype(f), cd)  # (B, H, rows, keys)
-        if kept is not None:  # drop(P) = P * keep / (1 - rate)
-            dp = jnp.where(kept, dp / (1.0 - spec.dropout), 0.0)
+        dp = dropout_bwd(drop_res, dp)  # drop(P) = P * keep / (1 - rate)
         ds = p * (dp - d_r)  # P = softmax(S): D = rowsum(dO * O) = rowsum(dP * P) with the dropped O too
         if spec.softcap:  # S = softcap tanh(S / softcap): 1 - tanh^2 from the capped S itself
             ds = softcap_bwd(capped / spec.softcap, ds)

@@ -63,10 +63,18 @@ def flash_core_fwd(q, k, v, causal: bool, block_q: int = 0, block_k: int = 0, co
                                window=window)
     segs = [] if segments is None else [segments]
     out, lse = on_platform(branch, q, k, v, *segs)  # (B, H, T, Dh), (B, H, T)
-    res_type = CausalFlashRes if causal else FlashRes
-    blocks = jnp.zeros((block_q, block_k, 0), jnp.int32)
-    return out, res_type(q.astype(cd), k.astype(cd), v.astype(cd), out, lse, blocks,
-                         jnp.zeros((window, 0), jnp.int32), segments)
+    return out, flash_res(q, k, v, out, lse, causal, block_q, block_k, cd, window, segments)
+
+
+def flash_res(q, k, v, out, lse, causal: bool, block_q: int = 0, block_k: int = 0, compute_dtype=None,
+              window: int = 0, segments=None, key_segments=None) -> FlashRes:
+    """The residual the backward kernels read (CausalFlashRes when causal): q, k, v in the
+    products' dtype (``compute_dtype``, or q's own), O, lse, the block sizes and the window as
+    empty arrays' shapes, the ids (``key_segments``: the keys' own, where they are other tokens)."""
+    cd = jnp.dtype(compute_dtype or q.dtype)
+    return (CausalFlashRes if causal else FlashRes)(q.astype(cd), k.astype(cd), v.astype(cd), out, lse,
+                                                    jnp.zeros((block_q, block_k, 0), jnp.int32),
+                                                    jnp.zeros((window, 0), jnp.int32), segments, key_segments)
 
 
 def flash_core_bwd(res: FlashRes, dout):

@@ -53,7 +53,7 @@ from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.dropout import Piece, PieceKey, embed_key, layer_key
-from jaxformer.model.parallel.pieces import device_rows, local_positions, site_piece_keys
+from jaxformer.model.parallel.pieces import device_piece, local_positions, site_piece_keys
 from jaxformer.model.parallel.regions import TENSOR, axis_size, token_axes, trace_mesh_with
 from jaxformer.model.parallel.ring import CONTEXT, check_context, ring_attention, to_zigzag
 from jaxformer.model.parallel.ring_flash import ring_flash_attention
@@ -165,11 +165,7 @@ def context_layer_key(key, l, x, mesh):
     (B/n, T/c, D): its rows of the batch and its tokens' global positions (zig-zag), so that each
     of the layer's masks is the piece of one device's it holds (the probabilities' too: the ring
     draws each visit's queries and keys, ring.visit_dropout); None without a key."""
-    if key is None:
-        return None
-    b, n = x.shape[:2]
-    c = jax.lax.axis_size(CONTEXT)
-    return PieceKey(layer_key(key, l), Piece(rows=device_rows(b, mesh), tokens=(n * c, local_positions(n))))
+    return None if key is None else PieceKey(layer_key(key, l), device_piece(x, mesh))
 
 
 def embed_context_key(key, config: ModelConfig, T: int, c: int):

@@ -30,6 +30,14 @@ def local_positions(n_local: int):
     return chunk_positions(jax.lax.axis_index(CONTEXT), n_local * c, c)
 
 
+def device_piece(x, mesh) -> Piece:
+    """Inside shard_map over ``mesh``: where device i's x (B/n, T, D), or (B/n, T/c, D) on a
+    context axis, sits in the whole (B, T, D) stream: its rows of the batch and, on a context
+    axis, its tokens' global positions (zig-zag)."""
+    b, n, c = x.shape[0], x.shape[1], axis_size(mesh, CONTEXT)
+    return Piece(rows=device_rows(b, mesh), tokens=(n * c, local_positions(n)) if c > 1 else None)
+
+
 def site_piece_keys(p, x, mesh) -> dict:
     """One layer's params with each LoRA site's dropout key as device i's dropout.PieceKey: its
     rows of the batch and, on a context axis, its tokens (their global positions, zig-zag). x is
@@ -40,8 +48,7 @@ def site_piece_keys(p, x, mesh) -> dict:
     sections = [s for s, sub in p.items() if isinstance(sub, dict) and "key" in sub.get(LORA, {})]
     if not sections:
         return p
-    b, n, c = x.shape[0], x.shape[1], axis_size(mesh, CONTEXT)
-    piece = Piece(rows=device_rows(b, mesh), tokens=(n * c, local_positions(n)) if c > 1 else None)
+    piece = device_piece(x, mesh)
     out = dict(p)
     for s in sections:
         site = p[s][LORA]

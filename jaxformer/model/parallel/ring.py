@@ -357,7 +357,6 @@ def ring_spec(causal: bool = True, compute_dtype=None, softcap: float = 0.0, win
     return AttentionSpec(causal=causal, compute_dtype=compute_dtype, softcap=softcap, window=window, dropout=dropout)
 
 
-
 def ring_attention_fwd_stats(q, k, v, *, causal: bool = True, segments=None, axis_name: str = CONTEXT,
                              layout: str = ZIGZAG, compute_dtype=None, softcap: float = 0.0, window: int = 0,
                              block: int = 0, dropout: float = 0.0, key=None):

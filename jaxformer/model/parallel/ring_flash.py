@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxformer.kernels.pallas.entry import CausalFlashRes, FlashRes, flash_core_bwd
+from jaxformer.kernels.pallas.entry import flash_core_bwd, flash_res
 from jaxformer.kernels.pallas.forward import pallas_attention_core
 from jaxformer.model.cores import AttentionSpec
 from jaxformer.model.parallel.ring import CONTEXT, SELF, ZIGZAG, check_context, part, visited, walk, walk_back
@@ -100,13 +100,9 @@ def visit_fwd(q, k, v, q_seg, k_seg, causal: bool, spec: AttentionSpec):
 def visit_bwd(q, k, v, out, lse, do, q_seg, k_seg, causal: bool, spec: AttentionSpec):
     """Undoes ``visit_fwd`` given the rows' global O, lse and dO (B, H, rows, ...) -> this visit's
     (dq (B, H, rows, Dh), dK, dV (B, Hkv, keys, Dh)): one call of the backward kernels."""
-    cd = jnp.dtype(spec.compute_dtype or q.dtype)
-    blocks, no_window = jnp.zeros((spec.block_q, spec.block_k, 0), jnp.int32), jnp.zeros((0, 0), jnp.int32)
-
     def call(q, k, v, out, lse, do, q_seg, k_seg, causal):
-        res = (CausalFlashRes if causal else FlashRes)(q.astype(cd), k.astype(cd), v.astype(cd), out, lse, blocks,
-                                                      no_window, q_seg, k_seg)
-        return flash_core_bwd(res, do)
+        return flash_core_bwd(flash_res(q, k, v, out, lse, causal, spec.block_q, spec.block_k, spec.compute_dtype,
+                                        segments=q_seg, key_segments=k_seg), do)
 
     rows, keys = q.shape[2], k.shape[2]
     if rows >= keys:  # out, lse = unfold(call(fold(q), repeat(k), repeat(v)))

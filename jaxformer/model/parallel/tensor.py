@@ -70,13 +70,13 @@ from jax.sharding import PartitionSpec
 from jaxformer.model.attention import QKNorm, attention, qk_norm_of
 from jaxformer.model.block import BlockLayers, compose_block
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.dropout import Piece, PieceKey, layer_key
+from jaxformer.model.dropout import PieceKey, layer_key
 from jaxformer.model.layer_kinds import per_layer
 from jaxformer.model.layer_norm import layer_norm
 from jaxformer.model.mlp import feed_forward
 from jaxformer.model.moe import moe
 from jaxformer.model.parallel.context import check_context_model, ring_core_of
-from jaxformer.model.parallel.pieces import device_rows, local_positions, site_piece_keys
+from jaxformer.model.parallel.pieces import device_piece, local_positions, site_piece_keys
 from jaxformer.model.lora import LORA, site_key
 from jaxformer.model.parallel.regions import (CONTEXT, TENSOR, axis_size, batch_axes, copy_to_tensor,
                                               gather_from_sequence, reduce_from_tensor, reduce_scatter_to_sequence,
@@ -285,10 +285,10 @@ def device_key(key, x, config: ModelConfig, mesh, sequence: bool) -> PieceKey:
     each of its masks is the piece of the one device's mask it holds (dropout.piece_uniform; the
     ring draws each visit's queries and keys)."""
     t, i = jax.lax.axis_size(TENSOR), jax.lax.axis_index(TENSOR)
-    n, c = x.shape[1], axis_size(mesh, CONTEXT)
-    tokens = (n * c, local_positions(n)) if c > 1 else (t * n, i * n) if sequence else None
-    return PieceKey(key, Piece(rows=device_rows(x.shape[0], mesh), heads=(config.n_heads, i * (config.n_heads // t)),
-                               tokens=tokens))
+    piece = device_piece(x, mesh)._replace(heads=(config.n_heads, i * (config.n_heads // t)))
+    if sequence and piece.tokens is None:  # its T/t tokens (no context axis beside: refused with it)
+        piece = piece._replace(tokens=(t * x.shape[1], i * x.shape[1]))
+    return PieceKey(key, piece)
 
 
 def layer_device_key(key, l, x, config: ModelConfig, mesh, sequence: bool):
