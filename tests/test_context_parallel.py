@@ -16,8 +16,9 @@ key for every source, and the masks change the loss), the blockwise Llama-like o
 remat "block" on tensor=2 x context=4; a mixture of experts (the Llama-like one with 4 experts,
 2 a token, a shared expert, the load-balancing and z losses) with documents on expert=2 x
 context=2 (the batch's rows split over expert, the experts whole on each device inside the
-ring); the Llama-like one with the Pallas kernels in the ring's visits (interpreted) and packed
-documents on data=2 x context=2; LoRA adapters over the full-core one with dropout on data=2 x
+ring); the Llama-like one with the Pallas kernels in the ring's visits (interpreted), packed
+documents and layers of two kinds (a sliding window of 6 keys, read on the global positions, then
+full attention) on data=2 x context=2; LoRA adapters over the full-core one with dropout on data=2 x
 context=2 and tensor=2 x context=2. Each mesh's loss and
 every gradient leaf, of manual_grads.value_and_grad and
 of jax.grad of loss_fn, against one device's manual ones, to 1e-10; the manual program's
@@ -71,7 +72,10 @@ def configs():
     return {"gpt2": gpt2, "gpt2-dropout": gpt2.replace(dropout=0.1), "llama": llama,
             "llama-blockwise-dropout": blockwise.replace(dropout=0.1),
             "llama-remat-dropout": llama.replace(remat="block", dropout=0.1),
-            "llama-pallas": llama.replace(attention_impl="pallas"),  # the kernels interpreted, in float64
+            # the kernels interpreted, in float64; layers of two kinds: a sliding window of 6 keys
+            # (the kernels read the tokens' global positions), then full attention
+            "llama-pallas": llama.replace(attention_impl="pallas", sliding_window=6,
+                                          layer_types=("sliding_attention", "full_attention")),
             "llama-blockwise-remat": blockwise.replace(remat="block"), "moe": moe}
 
 
@@ -315,8 +319,6 @@ def refusal(config, c=2, seq_len=T, t=1) -> str:
     (dict(attention_impl="cudnn"), "attention_impl 'cudnn' (the ring's visits are the full or the blockwise "
                                    "core's math, or the Pallas kernels: use attention_impl 'full', 'blockwise' or "
                                    "'pallas')"),
-    (dict(attention_impl="pallas", sliding_window=4), "sliding_window 4 with attention_impl 'pallas' (the kernels "
-                                                      "mask by a visit's own positions; use 'full' or 'blockwise')"),
     (dict(attention_impl="blockwise", attention_block=3), "attention_block 3 with pieces of 4 tokens (the ring's "
                                                           "visits fold 4 or 8 keys: the block must divide 4, or be "
                                                           "at least 8)"),

@@ -13,9 +13,10 @@ probabilities' dropout (0.25) against one device's core with the same key: the f
 (context=4, documents, one key/value head), the blockwise core's (a mask per block pair: keys 2
 at a time on context=2 with documents, and blocks of 8 keys, wider than the pieces, on context=4). The programs' collectives are
 counted as lowered (sites) and in the jaxpr with each scan's trip count (hops actually sent).
-The Pallas kernels' ring (ring_flash.py, the kernels interpreted) runs three of those cases
-(context=4 causal with documents and one key/value head, context=2 non-causal with documents,
-context=4 contiguous) against the same references, its collectives counted alike.
+The Pallas kernels' ring (ring_flash.py, the kernels interpreted) runs four cases against the
+same references (context=4 causal with documents and one key/value head, context=2 non-causal
+with documents, a sliding window of 6 on context=4 zig-zag with documents and contiguous
+without: the kernels read the tokens' global positions), its collectives counted alike.
 The layout's helpers (round trip, equal causal work, every unmasked pair inside the block a
 visit computes) and the refusals run in this process."""
 
@@ -41,8 +42,11 @@ CASES = [(2, True, False, 2, ZIGZAG, {}), (4, True, False, 2, ZIGZAG, {}), (4, T
          (4, True, False, 1, CONTIGUOUS, {}), (4, True, True, 1, ZIGZAG, {"dropout": 0.25}),
          (2, True, True, 1, ZIGZAG, {"block": 2, "dropout": 0.25}), (4, True, False, 2, ZIGZAG, {"block": 8, "dropout": 0.25})]
 DIFFS = ("output", "lse", "manual = one device", "jax.grad ring = one device", "manual = jax.grad ring")
-# The Pallas kernels' ring (ring_flash.py), interpreted: (context size, causal, segments, key/value heads, layout)
-PALLAS_CASES = [(4, True, True, 1, ZIGZAG), (2, False, True, 2, ZIGZAG), (4, True, False, 2, CONTIGUOUS)]
+# The Pallas kernels' ring (ring_flash.py), interpreted: (context size, causal, segments, key/value heads, layout,
+# options: a sliding window, read on the global positions)
+WINDOW = {"window": 6}  # wider than a piece (2 tokens on context=4): some visits see part of a row's keys, some none
+PALLAS_CASES = [(4, True, True, 1, ZIGZAG, {}), (2, False, True, 2, ZIGZAG, {}), (4, True, True, 2, ZIGZAG, WINDOW),
+                (4, True, False, 2, CONTIGUOUS, WINDOW)]
 PALLAS_DIFFS = ("output", "manual = one device", "jax.grad ring = one device")
 
 
@@ -170,11 +174,11 @@ def pallas_differences(devices, rng) -> dict:
     out, leaves = {}, jax.tree_util.tree_leaves
     jdiff = lambda a, b: max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(leaves(a), leaves(b), strict=True))  # noqa: E731
     for case in PALLAS_CASES:
-        c, causal, documents, hkv, layout = case
+        c, causal, documents, hkv, layout, options = case
         q, do = (jnp.asarray(rng.standard_normal((B, H, T, DH))) for _ in range(2))
         k, v = (jnp.asarray(rng.standard_normal((B, hkv, T, DH))) for _ in range(2))
         segments = jnp.asarray(DOCUMENTS) if documents else None
-        mesh, spec = Mesh(devices[:c], ("context",)), AttentionSpec(causal=causal)
+        mesh, spec = Mesh(devices[:c], ("context",)), AttentionSpec(causal=causal, **options)
 
         def ring(q, k, v, segments):
             local = lambda q, k, v, s: ring_flash_attention(q, k, v, s, spec, "context", layout)  # noqa: E731
@@ -187,7 +191,7 @@ def pallas_differences(devices, rng) -> dict:
 
         one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, spec, segments=segments), q, k, v)
         o, ring_vjp = jax.vjp(lambda q, k, v: jax.jit(ring)(q, k, v, segments), q, k, v)
-        name = "pallas " + case_name(c, causal, documents, hkv, layout, {})
+        name = "pallas " + case_name(*case)
         out.update({f"{name}: output": jdiff(o, one), f"{name}: jax.grad ring = one device": jdiff(ring_vjp(do), one_vjp(do)),
                     f"{name}: manual = one device": jdiff(jax.jit(manual)(q, k, v, do, segments), one_vjp(do))})
         for what, fn in (("forward", ring), ("manual", lambda q, k, v, s: manual(q, k, v, q, s))):
@@ -255,13 +259,13 @@ def test_collectives_are_the_ring_hops(results, case):
     assert results[f"{name}: manual arrays sent"] == (c - 1) * n + (c - 1) * (n + 2) + 2
 
 
-@pytest.mark.parametrize("case", PALLAS_CASES, ids=[case_name(*c, {}) for c in PALLAS_CASES])
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=[case_name(*c) for c in PALLAS_CASES])
 def test_pallas_ring_equals_one_device(results, case):
     """The Pallas kernels' ring (interpreted, float64): output, its backward and jax.grad through
     its custom_vjp equal one device's full core to 1e-10, and its collectives are the ring's
     hops, as the other cores' (test_collectives_are_the_ring_hops)."""
     c, _, documents, *_ = case
-    name, n = "pallas " + case_name(*case, {}), 3 if documents else 2
+    name, n = "pallas " + case_name(*case), 3 if documents else 2
     for what in PALLAS_DIFFS:
         assert results[f"{name}: {what}"] <= TOL, (what, results[f"{name}: {what}"])
     assert results[f"{name}: forward other collectives"] == results[f"{name}: manual other collectives"] == 0

@@ -52,7 +52,7 @@ from jaxformer.kernels.pallas import tune as pallas_tune
 from jaxformer.kernels.pallas.forward import (block_loop, check_heads, dot, first_key_block, first_query_block, head_spec,
                                               key_blocks_seen, kv_head, launch, pad, padded_inputs,
                                               query_blocks_seen, query_segment_spec, query_spec,
-                                              segment_inputs, tile_scores, whole_segment_spec)
+                                              segment_inputs, tile_ids, tile_scores, whole_segment_spec)
 from jaxformer.kernels.pallas.tiling import Tiling, plan
 
 
@@ -81,12 +81,12 @@ def _pair(q, k, v, do, lse, delta, i, j, t: Tiling, causal: bool, window: int = 
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling,
-                 causal: bool, scale: float, window: int = 0, segmented: bool = False, interpreted: bool = False):
+                 causal: bool, scale: float, window: int = 0, interpreted: bool = False):
     """Program (b, h, j): k_ref, v_ref (Kk, Dp) = k_j, v_j of key/value head h // G; q_ref,
-    do_ref (Tq, Dp), lse_ref, delta_ref (Tq, 1) of query head h; refs: (qs_ref (Tq, 1), ks_ref
-    (1, Kk): the segment ids, if ``segmented``), dk_ref, dv_ref (Kk, Dp) <- query head h's
-    share of dK_j, dV_j."""
-    qs_ref, ks_ref, dk_ref, dv_ref = refs if segmented else (None, None) + refs
+    do_ref (Tq, Dp), lse_ref, delta_ref (Tq, 1) of query head h; refs: the ids' (none, or the
+    query ids (Tq, 1) and the key ids (1, Kk), then with positions the same of the positions),
+    dk_ref, dv_ref (Kk, Dp) <- query head h's share of dK_j, dV_j."""
+    *ids, dk_ref, dv_ref = refs
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]  # (Kk, Dp)
     f = lse_ref.dtype
@@ -95,7 +95,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tili
         dk, dv = carry  # (Kk, Dp) each
         rows = pl.ds(i * t.Kq, t.Kq)
         q, do = q_ref[rows, :], do_ref[rows, :]  # (Kq, Dp)
-        seg = (qs_ref[rows, :], ks_ref[...]) if segmented else None  # (Kq, 1), (1, Kk)
+        seg = tile_ids(ids, lambda r: r[rows, :], lambda r: r[...])  # (Kq, 1), (1, Kk) each
         p, ds = _pair(q, k, v, do, lse_ref[rows, :], delta_ref[rows, :], i, j, t, causal, window, seg)
         dv = dv + dot(p.astype(q.dtype), do.astype(q.dtype), f, (0, 0))  # O = P v: dV_j += P_ij^T dO_i
         dk = dk + dot(ds.astype(q.dtype), q, f, (0, 0)) * scale  # S = q k^T scale: dK_j += dS_ij^T q_i
@@ -109,11 +109,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tili
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling, causal: bool,
-               scale: float, window: int = 0, segmented: bool = False, interpreted: bool = False):
+               scale: float, window: int = 0, interpreted: bool = False):
     """Program (b, h, i): q_ref, do_ref (Kq, Dp) = q_i, dO_i; lse_ref, delta_ref (Kq, 1);
-    k_ref, v_ref (Tk, Dp) of key/value head h // G; refs: (qs_ref (Kq, 1), ks_ref (1, Tk): the
-    segment ids, if ``segmented``), dq_ref (Kq, Dp) <- dQ_i."""
-    qs_ref, ks_ref, dq_ref = refs if segmented else (None, None) + refs
+    k_ref, v_ref (Tk, Dp) of key/value head h // G; refs: the ids' (none, or the query ids
+    (Kq, 1) and the key ids (1, Tk), then with positions the same of the positions),
+    dq_ref (Kq, Dp) <- dQ_i."""
+    *ids, dq_ref = refs
     i = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     f = lse.dtype
@@ -121,7 +122,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling
     def key_block(j, dq):
         cols = pl.ds(j * t.Kk, t.Kk)
         k = k_ref[cols, :]  # (Kk, Dp)
-        seg = (qs_ref[...], ks_ref[:, cols]) if segmented else None  # (Kq, 1), (1, Kk)
+        seg = tile_ids(ids, lambda r: r[...], lambda r: r[:, cols])  # (Kq, 1), (1, Kk) each
         _, ds = _pair(q, k, v_ref[cols, :], do, lse, delta, i, j, t, causal, window, seg)
         return dq + dot(ds.astype(q.dtype), k, f) * scale  # S = q k^T scale: dQ_i += dS_ij k_j
 
@@ -153,18 +154,17 @@ def backward_on(device: str, q, k, v, out, lse, dout, segments=None, key_segment
     delta = launch(functools.partial(_delta_kernel, products=q.dtype), (B, H, t.Nq),
                    [query_spec(t), query_spec(t)], query_spec(t, 1), rows,
                    "flash_attention_delta", how)(out, do)  # (B, H, Tq, 1)
-    segs = segment_inputs(segments, t, key_segments)  # (B, 1, Tq, 1), (B, 1, 1, Tk), or ()
-    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5, window=window, segmented=bool(segs),
-                  interpreted=how.interpret is True)
+    segs = segment_inputs(segments, t, key_segments)  # ((B, 1, Tq, 1), (B, 1, 1, Tk)) once or twice, or ()
+    static = dict(t=t, causal=causal, scale=1.0 / float(Dh) ** 0.5, window=window, interpreted=how.interpret is True)
     whole_q, whole_rows, whole_kv = head_spec(Tq, t.Dp), head_spec(Tq, 1), head_spec(Tk, t.Dp, G)
     partial_spec = pl.BlockSpec((None, None, t.Kk, t.Dp), lambda b, h, j: (b, h, j, 0))
     key_segs = pl.BlockSpec((None, None, 1, t.Kk), lambda b, h, j: (b, 0, 0, j))
-    dkdv_segs = [whole_segment_spec((Tq, 1)), key_segs] if segs else []
+    dkdv_segs = [whole_segment_spec((Tq, 1)), key_segs] * (len(segs) // 2)
     dk, dv = launch(functools.partial(_dkdv_kernel, **static), (B, H, t.Nk),
                     [whole_q, key_spec(t, G), key_spec(t, G), whole_q, whole_rows, whole_rows] + dkdv_segs,
                     [partial_spec] * 2, [jax.ShapeDtypeStruct((B, H, Tk, t.Dp), f)] * 2,
                     "flash_attention_dkdv", how)(q, k, v, do, lse, delta, *segs)  # (B, H, Tk, Dp) partials
-    dq_segs = [query_segment_spec(t), whole_segment_spec((1, Tk))] if segs else []
+    dq_segs = [query_segment_spec(t), whole_segment_spec((1, Tk))] * (len(segs) // 2)
     dq = launch(functools.partial(_dq_kernel, **static), (B, H, t.Nq),
                 [query_spec(t), whole_kv, whole_kv, query_spec(t), query_spec(t, 1), query_spec(t, 1)] + dq_segs,
                 query_spec(t), jax.ShapeDtypeStruct(q.shape, grad),

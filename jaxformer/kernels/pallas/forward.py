@@ -128,18 +128,29 @@ def tile_scores(q, k, i, j, t: Tiling, causal: bool, acc_dtype, window: int = 0,
     """q_i (Kq, Dp), k_j (Kk, Dp) -> s_ij (Kq, Kk) = q_i k_j^T / sqrt(Dh) in acc_dtype;
     MASK where the key is padding (position >= T) or, if causal, in the future, or with a
     sliding ``window`` W (causal) W or more positions back (key <= query - W), or with
-    ``seg`` (the query ids (Kq, 1), the key ids (1, Kk)) of another document."""
+    ``seg`` (the query ids (Kq, 1), the key ids (1, Kk)) of another document. A ``seg`` of
+    four (``tile_ids``: the ids, then the query positions (Kq, 1) and the key positions (1, Kk))
+    holds the tokens' global positions: the window reads those."""
     s = dot(q, k, acc_dtype, (1, 1)) * (1.0 / math.sqrt(t.Dh))  # (Kq, Kk)
     q_pos = i * t.Kq + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 0)  # (Kq, Kk)
     k_pos = j * t.Kk + jax.lax.broadcasted_iota(jnp.int32, (t.Kq, t.Kk), 1)
     visible = k_pos < t.T
     if causal:
         visible = visible & (k_pos <= q_pos)
+    if seg is not None and len(seg) == 4:  # positioned_ids: the window on the global positions
+        q_pos, k_pos = seg[2], seg[3]
     if window:
         visible = visible & (k_pos > q_pos - window)
     if seg is not None:
         visible = visible & (seg[0] == seg[1])
     return jnp.where(visible, s, MASK)
+
+
+def tile_ids(ids, query, key):
+    """The ids' refs of a kernel (``segment_inputs``' arrays: the queries' and the keys' ids, then
+    with positions the queries' and the keys' positions) read for one tile: each query ref by
+    ``query``, each key ref by ``key``, as ``tile_scores`` takes them; None without ids."""
+    return tuple(query(r) if n % 2 == 0 else key(r) for n, r in enumerate(ids)) or None
 
 
 def key_blocks_seen(i, t: Tiling, causal: bool):
@@ -195,11 +206,12 @@ def block_loop(lower, upper, body, init, interpreted: bool = False):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, t: Tiling, causal: bool, acc_dtype, window: int = 0,
-                    segmented: bool = False, interpreted: bool = False):
+                    interpreted: bool = False):
     """Program (b, h, i): q_ref (Kq, Dp) = q_i; k_ref, v_ref (Tk, Dp) of key/value head
-    h // G; refs: (qs_ref (Kq, 1), ks_ref (1, Tk): the segment ids, if ``segmented``),
-    o_ref (Kq, Dp) <- O_i, lse_ref (Kq, 1) <- lse_i."""
-    qs_ref, ks_ref, o_ref, lse_ref = refs if segmented else (None, None) + refs
+    h // G; refs: the ids' (none, or the query ids (Kq, 1) and the key ids (1, Tk), then with
+    positions the same of the positions: ``segment_inputs``), o_ref (Kq, Dp) <- O_i,
+    lse_ref (Kq, 1) <- lse_i."""
+    *ids, o_ref, lse_ref = refs
     i = pl.program_id(2)
     q = q_ref[...]  # (Kq, Dp)
 
@@ -207,7 +219,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, t: Tiling, causal: bool, acc_dty
         m, l, acc = carry  # (Kq, 1), (Kq, 1), (Kq, Dp)
         k = k_ref[pl.ds(j * t.Kk, t.Kk), :]  # (Kk, Dp)
         v = v_ref[pl.ds(j * t.Kk, t.Kk), :]
-        seg = (qs_ref[...], ks_ref[:, pl.ds(j * t.Kk, t.Kk)]) if segmented else None  # (Kq, 1), (1, Kk)
+        seg = tile_ids(ids, lambda r: r[...], lambda r: r[:, pl.ds(j * t.Kk, t.Kk)])  # (Kq, 1), (1, Kk) each
         s = tile_scores(q, k, i, j, t, causal, acc_dtype, window, seg)  # (Kq, Kk)
         # finite: MASK at worst; a row whose keys in this block are all masked (a window's first
         # block) gets a sum of exp(0) that the first visible key's alpha = exp(MASK - m) zeroes
@@ -243,14 +255,29 @@ def head_spec(length: int, width: int, group: int = 1):
     return pl.BlockSpec((None, None, length, width), lambda b, h, n: (b, kv_head(h, group), 0, 0))
 
 
+def positioned_ids(segments, positions, batch: int):
+    """Each token's document id (segments (B, T), or None: one document) beside its global
+    position (positions (T,)) -> (B, T, 2) int32: the ids the kernels take where a sliding window
+    must read positions other than the tokens' places in the call (a ring visit's chunks,
+    jaxformer/model/parallel/ring_flash.py). The kernels' block loops keep their window bounds on
+    the local places, so a key's global distance behind a query must be at least its local one
+    (so it is in a ring visit: its keys precede its queries, or are its own chunk's, in order)."""
+    pos = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, positions.shape[0]))
+    ids = jnp.zeros_like(pos) if segments is None else segments.astype(jnp.int32)
+    return jnp.stack([ids, pos], axis=-1)
+
+
 def segment_inputs(segments, t: Tiling, key_segments=None):
     """segments (B, T) int -> the query ids (B, 1, Tq, 1) and the key ids (B, 1, 1, Tk), int32,
     padded with -1 (padded keys are masked anyway); () for None (no segment ids). The keys' ids
     are ``key_segments`` (B, T) where given: keys that are other tokens than the queries (a ring
-    visit's, jaxformer/model/parallel/ring_flash.py), ``segments`` then the queries' alone."""
+    visit's, jaxformer/model/parallel/ring_flash.py), ``segments`` then the queries' alone.
+    ``positioned_ids``' (B, T, 2) give four: the ids as above, then the positions alike."""
     if segments is None:
         return ()
     keys = segments if key_segments is None else key_segments
+    if segments.ndim == 3:  # [id, position]: each column as a (B, T) array of its own
+        return sum((segment_inputs(segments[..., n], t, keys[..., n]) for n in (0, 1)), ())
     qs, ks = (a.astype(jnp.int32)[:, None, :, None] for a in (segments, keys))  # (B, 1, T, 1)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, t.Nq * t.Kq - qs.shape[2]), (0, 0)), constant_values=-1)
     ks = jnp.pad(ks, ((0, 0), (0, 0), (0, t.Nk * t.Kk - ks.shape[2]), (0, 0)), constant_values=-1)
@@ -278,13 +305,13 @@ def padded_inputs(q, k, v, t: Tiling, compute_dtype=None):
 def flash_forward(q, k, v, causal: bool, t: Tiling, out_dtype, how: Launch, window: int = 0, segs=()):
     """The forward kernel on padded inputs: q (B, H, Tq, Dp), k, v (B, Hkv, Tk, Dp) ->
     O (B, H, Tq, Dp) in ``out_dtype`` and lse (B, H, Tq, 1) in stats_dtype(out_dtype).
-    ``segs``: segment_inputs' (query ids, key ids), or () without segment ids."""
+    ``segs``: segment_inputs' (query ids, key ids[, query positions, key positions]), or ()."""
     B, H = q.shape[:2]
     acc_dtype = stats_dtype(out_dtype)
     whole_kv = head_spec(k.shape[2], t.Dp, H // k.shape[1])
-    seg_specs = [query_segment_spec(t), whole_segment_spec(segs[1].shape[2:])] if segs else []
+    seg_specs = [query_segment_spec(t), whole_segment_spec((1, k.shape[2]))] * (len(segs) // 2)
     kernel = functools.partial(_forward_kernel, t=t, causal=causal, acc_dtype=acc_dtype, window=window,
-                               segmented=bool(segs), interpreted=how.interpret is True)
+                               interpreted=how.interpret is True)
     return launch(
         kernel, (B, H, t.Nq), in_specs=[query_spec(t), whole_kv, whole_kv] + seg_specs,
         out_specs=[query_spec(t), query_spec(t, 1)],

@@ -91,9 +91,6 @@ def check_context_model(config: ModelConfig, c: int, seq_len: int, t: int = 1) -
                (impl not in RING_CORES, f"attention_impl {impl!r} (the ring's visits are the full or the "
                                         "blockwise core's math, or the Pallas kernels: use attention_impl "
                                         "'full', 'blockwise' or 'pallas')"),
-               (impl == "pallas" and config.sliding_window, f"sliding_window {config.sliding_window} with "
-                                                            "attention_impl 'pallas' (the kernels mask by a "
-                                                            "visit's own positions; use 'full' or 'blockwise')"),
                (impl == "blockwise" and any(m % min(block, m) for m in (n, 2 * n)),
                 f"attention_block {block} with pieces of {n} tokens (the ring's visits fold {n} or {2 * n} keys: "
                 f"the block must divide {n}, or be at least {2 * n})")]
@@ -113,15 +110,15 @@ def ring_core(q, k, v, spec, key=None, segments=None, *, blockwise: bool = False
 
 def ring_flash_core(q, k, v, spec, key=None, segments=None):
     """A core (cores.py's signature) inside shard_map over the context axis: ring_core's, every
-    visit the Pallas kernels (ring_flash.py; tiles spec.block_q x spec.block_k; no window, no
-    dropout: refused)."""
+    visit the Pallas kernels (ring_flash.py; tiles spec.block_q x spec.block_k, spec.window; no
+    dropout: ModelConfig refuses it with the kernels)."""
     return ring_flash_attention(q, k, v, segments, ring_flash_spec(spec))
 
 
 def ring_flash_spec(spec):
     """What ring_flash reads of a core's AttentionSpec: the mask rule, the products' dtype, the tiles."""
-    return AttentionSpec(causal=spec.causal, compute_dtype=spec.compute_dtype, block_q=spec.block_q,
-                         block_k=spec.block_k)
+    return AttentionSpec(causal=spec.causal, compute_dtype=spec.compute_dtype, window=spec.window,
+                         block_q=spec.block_q, block_k=spec.block_k)
 
 
 def ring_kwargs(spec, blockwise: bool) -> dict:

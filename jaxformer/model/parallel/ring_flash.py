@@ -24,8 +24,13 @@ share (a folded visit's pieces' shares summed back: ``unfold``, ``apart``). dq s
 dK and dV travel with their chunk (ring.walk_back).
 
 Segment ids (packed documents): the kernels take the queries' ids and the keys' apart
-(``key_segments``). A sliding window is refused (context.check_context_model): the kernels mask
-by a visit's local positions, and a window needs the global ones.
+(``key_segments``). A sliding window W reads the tokens' global positions: with one, each
+token's id goes to the kernels beside its global position (``forward.positioned_ids``, the
+chunk's ``ring.chunk_positions``), and each call masks keys W or more positions back by them.
+A visit whose keys all lie outside a row's window leaves that row lse = MASK + log(keys) (every
+score masked, finite), which the merge weighs e^(MASK - lse) = 0 beside its own chunk's visit,
+where the diagonal is always seen. The kernels' block loops skip by local places, which never
+skip a key the window sees: a visit's keys precede its queries by at least their local distance.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.kernels.pallas.entry import flash_core_bwd, flash_res
-from jaxformer.kernels.pallas.forward import pallas_attention_core
+from jaxformer.kernels.pallas.forward import pallas_attention_core, positioned_ids
 from jaxformer.model.cores import AttentionSpec
-from jaxformer.model.parallel.ring import CONTEXT, SELF, ZIGZAG, check_context, part, visited, walk, walk_back
+from jaxformer.model.parallel.ring import (CONTEXT, SELF, ZIGZAG, check_context, chunk_positions, part, visited, walk,
+                                           walk_back)
 from jaxformer.model.precision import stats_dtype
 
 
@@ -80,9 +86,10 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 def visit_fwd(q, k, v, q_seg, k_seg, causal: bool, spec: AttentionSpec):
     """q (B, H, rows, Dh), k, v (B, Hkv, keys, Dh), rows and keys n or 2n, their ids (B, rows),
-    (B, keys) or None -> (O (B, H, rows, Dh) in stats_dtype, lse (B, H, rows)): one kernel call."""
+    (B, keys) or None (with a window: ``positioned_ids``, (B, rows, 2) and (B, keys, 2)) ->
+    (O (B, H, rows, Dh) in stats_dtype, lse (B, H, rows)): one kernel call."""
     call = functools.partial(pallas_attention_core, block_q=spec.block_q, block_k=spec.block_k,
-                             compute_dtype=spec.compute_dtype)
+                             compute_dtype=spec.compute_dtype, window=spec.window)
     rows, keys = q.shape[2], k.shape[2]
     f = stats_dtype(q.dtype)
     if rows >= keys:  # each piece of rows reads the same keys
@@ -102,7 +109,7 @@ def visit_bwd(q, k, v, out, lse, do, q_seg, k_seg, causal: bool, spec: Attention
     (dq (B, H, rows, Dh), dK, dV (B, Hkv, keys, Dh)): one call of the backward kernels."""
     def call(q, k, v, out, lse, do, q_seg, k_seg, causal):
         return flash_core_bwd(flash_res(q, k, v, out, lse, causal, spec.block_q, spec.block_k, spec.compute_dtype,
-                                        segments=q_seg, key_segments=k_seg), do)
+                                        spec.window, q_seg, k_seg), do)
 
     rows, keys = q.shape[2], k.shape[2]
     if rows >= keys:  # out, lse = unfold(call(fold(q), repeat(k), repeat(v)))
@@ -114,6 +121,14 @@ def visit_bwd(q, k, v, out, lse, do, q_seg, k_seg, causal: bool, spec: Attention
     dq, dk, dv = call(repeat(q, r), fold(k, r, 2), fold(v, r, 2), *(repeat(a, r) for a in (out, lse, do)),
                       repeat(q_seg, r), fold(k_seg, r, 1), False)
     return apart(dq, r).sum(0), unfold(dk, r, 2), unfold(dv, r, 2)
+
+
+def chunk_ids(segments, index, n_local: int, c: int, spec: AttentionSpec, layout: str = ZIGZAG, batch: int = 1):
+    """The ids the kernels read for device ``index``'s chunk: its segments (B, T/c) or None, or with
+    spec.window each token's id beside its global position (``positioned_ids``, (B, T/c, 2))."""
+    if not spec.window:
+        return segments
+    return positioned_ids(segments, chunk_positions(index, n_local * c, c, layout), batch)
 
 
 class RingFlashRes(NamedTuple):
@@ -136,14 +151,16 @@ def ring_flash_fwd(q, k, v, segments=None, spec: AttentionSpec = AttentionSpec()
     c, n_local = jax.lax.axis_size(axis_name), q.shape[2]
     check_context(n_local * c, c, axis_name, layout)
     f = stats_dtype(q.dtype)
+    ids = functools.partial(chunk_ids, n_local=n_local, c=c, spec=spec, layout=layout, batch=q.shape[0])
+    q_ids = ids(segments, jax.lax.axis_index(axis_name))
 
     def visit_chunk(stats, held, j, kind):
         where = visited(kind, n_local, spec.causal, layout)
         if where is None:
             return stats
         (r, col), (k_j, v_j, ids_j) = where, held
-        block = visit_fwd(part(q, r, 2), part(k_j, col, 2), part(v_j, col, 2), part(segments, r, 1),
-                          part(ids_j, col, 1), spec.causal and kind == SELF, spec)
+        block = visit_fwd(part(q, r, 2), part(k_j, col, 2), part(v_j, col, 2), part(q_ids, r, 1),
+                          part(ids(ids_j, j), col, 1), spec.causal and kind == SELF, spec)
         rows = merge(part(stats[0], r, 2), part(stats[1], r, 2), *block)
         return tuple(a.at[:, :, r].set(b) for a, b in zip(stats, rows, strict=True))
 
@@ -158,6 +175,9 @@ def ring_flash_bwd(res: RingFlashRes, do):
     dk, dv (B, Hkv, T/c, Dh)) of its own tokens."""
     q, k, v, out, lse, segments, spec, axis_name, layout = res
     n_local, f = q.shape[2], lse.dtype
+    ids = functools.partial(chunk_ids, n_local=n_local, c=jax.lax.axis_size(axis_name), spec=spec, layout=layout,
+                            batch=q.shape[0])
+    q_ids = ids(segments, jax.lax.axis_index(axis_name))
 
     def visit_chunk_bwd(grads, held, j, kind):  # stats = visit_chunk(stats, held, j, kind)
         where = visited(kind, n_local, spec.causal, layout)
@@ -165,7 +185,7 @@ def ring_flash_bwd(res: RingFlashRes, do):
             return grads
         (r, col), (k_j, v_j, ids_j) = where, held
         shares = visit_bwd(part(q, r, 2), part(k_j, col, 2), part(v_j, col, 2), *(part(a, r, 2) for a in (out, lse, do)),
-                           part(segments, r, 1), part(ids_j, col, 1), spec.causal and kind == SELF, spec)
+                           part(q_ids, r, 1), part(ids(ids_j, j), col, 1), spec.causal and kind == SELF, spec)
         return tuple(g.at[:, :, w].add(s.astype(f)) for g, w, s in zip(grads, (r, col, col), shares, strict=True))
 
     grads = tuple(jnp.zeros_like(a, dtype=f) for a in (q, k, v))  # dq, dK, dV: device i's own, as q, k, v
@@ -179,7 +199,7 @@ def ring_flash_attention(q, k, v, segments=None, spec: AttentionSpec = Attention
                          layout: str = ZIGZAG):
     """Inside shard_map over ``axis_name``: softmax(q k^T / sqrt(Dh)) v for this device's queries
     (B, H, T/c, Dh) over the whole sequence, by the Pallas kernels; differentiable (JAX's grad
-    runs ``ring_flash_bwd``). ``spec``: causal, compute_dtype, block_q, block_k (no window)."""
+    runs ``ring_flash_bwd``). ``spec``: causal, compute_dtype, block_q, block_k, window."""
     return ring_flash_fwd(q, k, v, segments, spec, axis_name, layout)[0]
 
 
