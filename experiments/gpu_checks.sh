@@ -10,16 +10,21 @@
 # time limit in seconds (environment variable = default):
 #
 #   machine        MACHINE_S=45         nvidia-smi, Python, JAX and its devices, PyTorch, cores, load
-#   bench_gpt2     BENCH_GPT2_S=120     gpt2 bf16 B16 T1024, --attention full,pallas,cudnn, PyTorch
-#                                       eager and torch.compile (the contest of docs/benchmark.md)
-#   train_gpt2     TRAIN_GPT2_S=70      jaxformer train, gpt2 bf16 B16 T1024, pallas, TRAIN_STEPS=60 steps
-#   bench_smollm   BENCH_SMOLLM_S=150   smollm bf16 B8 T2048, --attention full,pallas,cudnn, PyTorch
+#   compare_cudnn  COMPARE_S=60         experiments/compare_grads.py, gpt2 and smollm at 2 layers, B4
+#                                       T128, attention_impl cudnn, bf16: the hand-derived step with
+#                                       cuDNN's kernels against jax.grad, both against float32 full attention
+#   bench_gpt2     BENCH_GPT2_S=120     gpt2 bf16 B16 T1024, --attention pallas,cudnn (the manual step
+#                                       with each, jax.grad with cuDNN's), PyTorch eager and
+#                                       torch.compile (the contest of docs/benchmark.md)
+#   train_gpt2     TRAIN_GPT2_S=70      jaxformer train, gpt2 bf16 B16 T1024, TRAIN_ATTENTION=cudnn,
+#                                       TRAIN_STEPS=60 steps
+#   bench_smollm   BENCH_SMOLLM_S=150   smollm bf16 B8 T2048, --attention pallas,cudnn, PyTorch
 #   profile_gpt2   PROFILE_S=110        experiments/step_profile.py at the gpt2 shape: where the
 #                                       manual + pallas step's and torch.compile's time goes
 #   bench_vocab    BENCH_VOCAB_S=80     the gpt2 shape with --vocab-size 50304 (GPT-2's 50257 tokens
 #                                       padded to 64), pallas and cudnn against PyTorch
 #   doctor         DOCTOR_S=75          jaxformer doctor --out OUT_DIR/doctor.json
-#   train_smollm   TRAIN_SMOLLM_S=100   jaxformer train, smollm bf16 B8 T2048, pallas, 60 steps
+#   train_smollm   TRAIN_SMOLLM_S=100   jaxformer train, smollm bf16 B8 T2048, TRAIN_ATTENTION, 60 steps
 #
 # and all of them under one deadline, TOTAL_S=470: a step gets the smaller of its own limit
 # and the time left (less 10 s for the kill below), and is skipped when fewer than MIN_S=20
@@ -63,7 +68,7 @@ rounds=(--rounds "${BENCH_ROUNDS:-3}" --steps "${BENCH_STEPS:-5}" --warmup "${BE
 smollm_rounds=(--rounds "${SMOLLM_ROUNDS:-2}" --steps "${SMOLLM_STEPS:-3}" --warmup 1)
 gpt2=(--preset gpt2 --compute-dtype bfloat16 --batch-size 16 --seq-len 1024)
 smollm=(--preset smollm --compute-dtype bfloat16 --batch-size 8 --seq-len 2048)
-train=(--attention-impl pallas --steps "$steps" --corpus default --eval-batches 1 --ckpt-every 0
+train=(--attention-impl "${TRAIN_ATTENTION:-cudnn}" --steps "$steps" --corpus default --eval-batches 1 --ckpt-every 0
        --keep-checkpoints 1 --log-every 10 --no-progress)
 read -ra doctor_extra <<< "${DOCTOR_EXTRA:-}"
 read -ra bench_extra <<< "${BENCH_EXTRA:-}"
@@ -97,14 +102,17 @@ machine() {
 export -f machine
 step machine "${MACHINE_S:-45}" bash -c machine
 
-step bench_gpt2 "${BENCH_GPT2_S:-120}" "$py" -m jaxformer bench "${gpt2[@]}" --attention full,pallas,cudnn \
+step compare_cudnn "${COMPARE_S:-60}" "$py" experiments/compare_grads.py --preset gpt2 smollm --n-layers 2 \
+  --attention-impl cudnn --compute-dtype bfloat16 --batch-size 4 --seq-len 128 --repeats 2 --out "$out/compare_cudnn"
+
+step bench_gpt2 "${BENCH_GPT2_S:-120}" "$py" -m jaxformer bench "${gpt2[@]}" --attention pallas,cudnn \
   "${rounds[@]}" --depths "${GPT2_DEPTHS:-none}" --out "$out/bench_gpt2" ${bench_extra[@]+"${bench_extra[@]}"}
 
 rm -rf "$out/train_gpt2" "$out/train_smollm"  # this script's own runs of a previous call
 step train_gpt2 "${TRAIN_GPT2_S:-70}" "$py" -m jaxformer train "${gpt2[@]}" "${train[@]}" \
   --out "$out/train_gpt2" ${train_extra[@]+"${train_extra[@]}"}
 
-step bench_smollm "${BENCH_SMOLLM_S:-150}" "$py" -m jaxformer bench "${smollm[@]}" --attention full,pallas,cudnn \
+step bench_smollm "${BENCH_SMOLLM_S:-150}" "$py" -m jaxformer bench "${smollm[@]}" --attention pallas,cudnn \
   "${smollm_rounds[@]}" --depths none --out "$out/bench_smollm" ${bench_extra[@]+"${bench_extra[@]}"}
 
 step profile_gpt2 "${PROFILE_S:-110}" "$py" experiments/step_profile.py "${gpt2[@]}" \

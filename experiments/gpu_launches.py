@@ -1,4 +1,4 @@
-"""The manual + Pallas bf16 train step compiled for an H100 without one (JAX's CUDA plugin,
+"""The manual bf16 train step (the Pallas kernels' attention, or cuDNN's) compiled for an H100 without one (JAX's CUDA plugin,
 deviceless; ``python -m jaxformer.tools.aot.plugin`` installs it): kernels launched per step
 and the bytes they read and write (jaxformer/tools/aot/launches.py), XLA's temporaries and
 the compile time, with the layers as
@@ -7,6 +7,7 @@ figures of docs/benchmark.md, "Kernels per step".
 
     PYTHONPATH=.venv/cuda-plugin python experiments/gpu_launches.py
     PYTHONPATH=.venv/cuda-plugin python experiments/gpu_launches.py --shapes gpt2:16:1024 --n-layers 12,30
+    PYTHONPATH=.venv/cuda-plugin python experiments/gpu_launches.py --attention pallas,cudnn --layers unrolled
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ def main(argv=None) -> int:
     parser.add_argument("--n-layers", default="", help="depths to compile each shape at (default: the preset's)")
     parser.add_argument("--vocab-size", type=int, default=0, help="default: the preset's")
     parser.add_argument("--layers", default="unrolled,scan", help="unrolled, scan or both")
+    parser.add_argument("--attention", default="pallas", help="pallas, cudnn or both (cuDNN: the library too)")
     args = parser.parse_args(argv)
     if missing(TARGETS["h100"]):
         parser.error(missing(TARGETS["h100"]))
     optimizer = make_optimizer(**settings_for("gpt2").optimizer_kwargs())
-    print("| shape | layers | kernels per step | GiB read + written | temp MiB | compile s |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| shape | layers | attention | kernels per step | GiB read + written | temp MiB | compile s |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for shape in args.shapes.split(","):
         preset, batch, seq_len = shape.split(":")
         base = get_preset(preset, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
@@ -44,10 +46,15 @@ def main(argv=None) -> int:
             config = base.replace(n_layers=depth)
             for how in args.layers.split(","):
                 remat.GPU_UNROLL = how == "unrolled"
-                o = aot.compile_for(config, aot.Variant("pallas", "manual", "bfloat16"), "h100", optimizer,
-                                    int(batch), int(seq_len))
-                print(f"| {preset} L{depth} B{batch} T{seq_len} V{config.vocab_size} | {how} | {o.launches:,} | "
-                      f"{o.traffic / 2**30:.1f} | {o.memory.temp / 2**20:,.0f} | {o.seconds:.1f} |", flush=True)
+                for attention in args.attention.split(","):
+                    o = aot.compile_for(config, aot.Variant(attention, "manual", "bfloat16"), "h100", optimizer,
+                                        int(batch), int(seq_len))
+                    if o.stage != "compiled":
+                        print(f"| {preset} L{depth} | {how} | {attention} | {o.stage}: {o.reason} |", flush=True)
+                        continue
+                    print(f"| {preset} L{depth} B{batch} T{seq_len} V{config.vocab_size} | {how} | {attention} | "
+                          f"{o.launches:,} | {o.traffic / 2**30:.1f} | {o.memory.temp / 2**20:,.0f} | {o.seconds:.1f} |",
+                          flush=True)
     return 0
 
 

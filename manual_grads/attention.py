@@ -20,7 +20,8 @@ Each core has its pair ``core_fwd(q, k, v, spec, key, segments=None) -> (O, res)
     full       the probabilities P (B, H, T, T) kept (below)
     blockwise  FlashAttention-2's backward over blocks, keeping O and lse (blockwise.py)
     pallas     the Pallas kernels' pair (jaxformer.kernels.pallas flash_core_fwd / _bwd)
-cudnn has none (cuDNN's kernel is differentiated by JAX's grad only) and is refused.
+    cudnn      cuDNN's fused attention kernels' pair (jaxformer.kernels.cudnn cudnn_fwd / _bwd: the
+               forward and backward kernels JAX's grad of the model's cudnn core launches)
 
 The full core, per head (k and v repeated to the H query heads inside it, kept with Hkv):
     S = q k^T / sqrt(Dh)                                   (B, H, T, T), masked by spec (and by
@@ -44,12 +45,14 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.kernels.cudnn import CudnnRes, cudnn_bwd, cudnn_fwd
 from jaxformer.kernels.pallas import FlashRes, flash_core_bwd, flash_core_fwd
 from jaxformer.model.attention import (CORES, Core, QKNorm, attention_spec, core_kv, merge_heads, merge_qkv,
                                        qk_norm_of, qkv_heads, qkv_weights, query_scale, split_heads,
                                        split_qkv, token_positions)
 from jaxformer.model.linear import linear
-from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, repeat_kv
+from jaxformer.model.cores import (AttentionSpec, attention_probs, capped_scores, check_cudnn, check_uncapped,
+                                   repeat_kv, segment_mask)
 from jaxformer.model.precision import cast, kept, matmul, upcast
 from jaxformer.model.quantized import columns
 from jaxformer.model.rotary import rope_spec, rope_tables
@@ -255,6 +258,17 @@ def flash_fwd(q, k, v, spec: AttentionSpec, key=None, segments=None):
                           segments)
 
 
+def cudnn_core_fwd(q, k, v, spec: AttentionSpec, key=None, segments=None):
+    """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O (B, H, T, Dh) in the products' dtype, CudnnRes):
+    the model's ``cudnn`` core as cuDNN's forward kernel keeping its softmax statistics; the
+    products' dtype, the documents' mask and the refusals as that core's (no dropout, no cap)."""
+    check_uncapped(spec, "cudnn")
+    dtype = jnp.dtype(spec.compute_dtype or q.dtype)
+    check_cudnn(dtype)
+    mask = None if segments is None else segment_mask(segments, segments)  # (B, 1, T, T)
+    return cudnn_fwd(q, k, v, spec.causal, spec.window, mask, dtype)
+
+
 # ----------------------------------------------------------------------------
 # the layer: projections around whichever core
 
@@ -265,20 +279,16 @@ class ManualCore(NamedTuple):
     res: type  # fwd's residual type: how attention_bwd finds bwd
 
 
-# The cores with a hand-derived backward, by attention_impl (every one of CORES but cudnn).
+# Each of CORES' pair, by attention_impl.
 MANUAL_CORES = {"full": ManualCore(full_core_fwd, full_core_bwd, FullCoreRes),
                 "blockwise": ManualCore(blockwise_core_fwd, blockwise_core_bwd, BlockwiseCoreRes),
-                "pallas": ManualCore(flash_fwd, flash_core_bwd, FlashRes)}
-
-CUDNN_REFUSED = ("attention_impl 'cudnn' has no hand-derived backward (cuDNN's kernel is "
-                 "differentiated by JAX's grad only): the manual gradient source cannot run "
-                 "it; use --grads auto, or attention_impl 'pallas' for a hand-written "
-                 "flash-attention backward")
+                "pallas": ManualCore(flash_fwd, flash_core_bwd, FlashRes),
+                "cudnn": ManualCore(cudnn_core_fwd, cudnn_bwd, CudnnRes)}
 
 
 class AttentionRes(NamedTuple):
     heads: HeadsRes  # x (B, T, D), wq, wk, wv; QK-norm's and rotary positions'
-    core: FullCoreRes | BlockwiseCoreRes | FlashRes  # the core's; only full's keeps the probabilities
+    core: FullCoreRes | BlockwiseCoreRes | FlashRes | CudnnRes  # the core's; only full's keeps the probabilities
     out: LinearRes  # the output projection's: x = merge_heads(O) (B, T, H Dh), w = wo (H Dh, D)
     lora_out: AdaptedRes | None = None  # the output projection's LoRA adapter's; None: none
 
@@ -290,7 +300,7 @@ def _proj(p, name):
 def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: Core | None = None,
                   manual: ManualCore | None = None, qk: QKNorm | None = None):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D),
-    around the core config.attention_impl names ("cudnn": ValueError, no manual backward).
+    around the core config.attention_impl names.
     ``key`` (full, blockwise): the probabilities' dropout key; ``segments`` (B, T): the
     documents of a packed row (the core's residual keeps what its backward needs of them);
     ``positions`` (T,): the tokens' rotary positions (the model's ``attention``'s); ``core``
@@ -298,8 +308,6 @@ def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: C
     parallelism's ring, whose backward ``attention_bwd`` is then given too); ``qk``: QK-norm's
     QKNorm where not qk_norm_of(config) (tensor parallelism's, its statistics over the axis)."""
     if manual is None:
-        if config.attention_impl not in MANUAL_CORES:
-            raise ValueError(CUDNN_REFUSED)
         core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
     (q, k, v), heads_res = heads_fwd(p, x, config, positions, qk)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key, segments)  # (B, H, T, Dh)

@@ -5,6 +5,7 @@ each core that runs on a CPU (full, blockwise, pallas in interpret mode), rotary
 import pytest
 from helpers import Layer, assert_layer_matches_vjp
 
+import jax
 import numpy as np
 
 from jaxformer.model.attention import CORES, attention
@@ -50,13 +51,16 @@ def test_qk_norm_alone_matches_autodiff(impl):
 
 
 def test_core_tables_name_every_impl():
-    """CORES names every ModelConfig.attention_impl, in order; MANUAL_CORES all but cudnn."""
-    assert tuple(CORES) == ATTENTION_IMPLS
-    assert tuple(MANUAL_CORES) == tuple(i for i in ATTENTION_IMPLS if i != "cudnn")
+    """CORES and MANUAL_CORES (each core's pair) name every ModelConfig.attention_impl, in order."""
+    assert tuple(CORES) == tuple(MANUAL_CORES) == ATTENTION_IMPLS
 
 
-def test_manual_cudnn_is_refused_by_name():
+def test_manual_cudnn_is_refused_off_a_gpu():
+    """cuDNN's pair traces on a CPU (its stand-ins) and refuses to run there, naming the backend;
+    its backward too."""
     config = ModelConfig(d_model=D, n_heads=H, attention_impl="cudnn", compute_dtype="bfloat16")
     p, x, _ = modern_params(0, H, True)
-    with pytest.raises(ValueError, match="attention_impl 'cudnn' has no hand-derived backward"):
+    with pytest.raises(ValueError, match="attention_impl 'cudnn' runs only on a GPU.*'cpu'"):
         attention_fwd(p, x, config)
+    with pytest.raises(ValueError, match="attention_impl 'cudnn' runs only on a GPU.*'cpu'"):
+        jax.jit(lambda p, x: attention_bwd(attention_fwd(p, x, config)[1], x)).lower(p, x)

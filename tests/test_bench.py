@@ -30,7 +30,7 @@ from jaxformer.training.settings import settings_for
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None  # the bench extra; CI installs it
 NO_TORCH = "PyTorch is not installed (pip install torch"
-JAX_NAMES = ["manual_full", "manual_blockwise", "manual_pallas", "auto_full", "auto_cudnn"]
+JAX_NAMES = ["manual_full", "manual_blockwise", "manual_pallas", "manual_cudnn", "auto_full", "auto_cudnn"]
 
 
 def run_main(args):
@@ -99,7 +99,7 @@ def test_report_records_every_contestant_and_why_some_are_skipped(quick_report):
     assert list(c) == JAX_NAMES + ["torch_eager", "torch_compile"]
     assert set(c["manual_pallas"]) == {"status", "reason", "error"}
     assert c["manual_pallas"]["status"] == "skipped" and "interpret mode" in c["manual_pallas"]["reason"]
-    assert "only on a GPU" in c["auto_cudnn"]["reason"]
+    assert "only on a GPU" in c["auto_cudnn"]["reason"] and "only on a GPU" in c["manual_cudnn"]["reason"]
     if HAS_TORCH:
         assert c["torch_compile"]["reason"] == "left out (--quick)"
     else:
@@ -111,7 +111,7 @@ def test_report_records_every_contestant_and_why_some_are_skipped(quick_report):
     assert report["settings"]["attention"] is None
     assert report["settings"]["torch_device"] == ("cpu" if HAS_TORCH else None)
     assert report["settings"]["torch_autocast"] is None
-    assert len(report["notes"]) == (3 if HAS_TORCH else 4)  # pallas, cudnn, torch (eager, compile)
+    assert len(report["notes"]) == (4 if HAS_TORCH else 5)  # pallas, cudnn's two, torch (eager, compile)
     md = format_markdown(report)
     assert "| JAX manual, pallas | skipped: left out on cpu by default" in md
 
@@ -121,7 +121,7 @@ def test_skip_lines_on_the_terminal(quick_run):
     lines = err.splitlines()
     assert "Traceback" not in err
     assert sum(line.startswith("manual_pallas: skipped: left out on cpu by default") for line in lines) == 1
-    assert sum(line.startswith("auto_cudnn: skipped: cuDNN's fused attention runs only on a GPU")
+    assert sum(line.startswith("manual_cudnn, auto_cudnn: skipped: cuDNN's fused attention runs only on a GPU")
                for line in lines) == 1
     if HAS_TORCH:
         assert "torch_compile: skipped: left out (--quick)" in lines
@@ -247,9 +247,9 @@ def test_cpu_default_leaves_out_pallas_and_cudnn_each_with_a_reason():
     run, skipped = select(None, "cpu", None, torch_device="cpu")
     assert names(run) == ["manual_full", "manual_blockwise", "auto_full", "torch_eager", "torch_compile"]
     reasons = {s.name: s.reason for s in skipped}
-    assert set(reasons) == {"manual_pallas", "auto_cudnn"}
+    assert set(reasons) == {"manual_pallas", "manual_cudnn", "auto_cudnn"}
     assert "interpret mode" in reasons["manual_pallas"] and "--attention" in reasons["manual_pallas"]
-    assert "only on a GPU" in reasons["auto_cudnn"]
+    assert "only on a GPU" in reasons["auto_cudnn"] and "only on a GPU" in reasons["manual_cudnn"]
 
 
 def test_gpu_default_runs_every_contestant_in_bfloat16():
@@ -259,8 +259,9 @@ def test_gpu_default_runs_every_contestant_in_bfloat16():
 
 def test_gpu_cudnn_needs_a_low_precision_compute_dtype():
     run, skipped = select(None, "gpu", None, torch_device="cuda")
-    assert "auto_cudnn" not in names(run)
-    assert skipped[0].name == "auto_cudnn" and "--compute-dtype bfloat16" in skipped[0].reason
+    assert "auto_cudnn" not in names(run) and "manual_cudnn" not in names(run)
+    assert [s.name for s in skipped] == ["manual_cudnn", "auto_cudnn"]
+    assert all("--compute-dtype bfloat16" in s.reason for s in skipped)
 
 
 def test_explicit_attention_list_runs_pallas_on_cpu_and_marks_the_rest_not_asked():
@@ -394,7 +395,7 @@ def test_sweep_writes_table_plot_and_rows(tmp_path):
     code, err = run_main(["--quick", "--shapes", "d_model=8,16", "--attention", "full", "--no-torch",
                           "--out", str(tmp_path)])
     assert code == 0, err
-    assert err.count("manual_blockwise, manual_pallas, auto_cudnn: skipped: not asked for") == 1
+    assert err.count("manual_blockwise, manual_pallas, manual_cudnn, auto_cudnn: skipped: not asked for") == 1
     sweep = json.loads((tmp_path / "report.json").read_text())
     assert sweep["axes"] == {"d_model": [8, 16]} and len(sweep["rows"]) == len(sweep["reports"]) == 2
     for row, d in zip(sweep["rows"], (8, 16)):

@@ -37,7 +37,7 @@ def test_candidate_meshes_of_a_tiny_model_and_why_the_others_are_refused():
     # the Pallas kernels run on each device's heads: the same meshes as the blockwise core's
     pallas = TINY.replace(attention_impl="pallas")
     assert aot_plan.candidate_meshes(pallas, 4) == aot_plan.candidate_meshes(blockwise, 4)
-    # cuDNN's attention has no hand-derived backward: no tensor axis with it
+    # cuDNN's attention runs on GPUs alone: no tensor axis with it (the region is proven on CPUs)
     cudnn = TINY.replace(attention_impl="cudnn", compute_dtype="bfloat16")
     assert aot_plan.candidate_meshes(cudnn, 4) == ["data=4,fsdp=1", "data=2,fsdp=2", "data=1,fsdp=4"]
     assert "does not run attention_impl 'cudnn'" in dict(aot_plan.refused_meshes(cudnn, 4))["data=2,fsdp=1,tensor=2"]

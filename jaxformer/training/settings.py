@@ -17,7 +17,7 @@ from jaxformer.observe.words import plural
 from jaxformer.training.fields import check_fields, setting
 from jaxformer.training.optim import DECAY_RULES, OPTIMIZERS, SCHEDULES, make_optimizer
 from jaxformer.training.sharding import parse_mesh
-from manual_grads.attention import CUDNN_REFUSED, MANUAL_CORES
+from manual_grads.attention import MANUAL_CORES
 
 GRAD_SOURCES = ("auto", "manual")
 PACKINGS = ("windows", "conversations")
@@ -189,8 +189,6 @@ class TrainSettings:
         if self.seq_len > max_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds the {self.preset} model's max_seq_len "
                              f"{max_len}{' (with the model overrides)' if self.model else ''}")
-        if self.grads == "manual" and self.model_config().attention_impl not in MANUAL_CORES:
-            raise ValueError(CUDNN_REFUSED)  # before any data is read, not when the step is traced
         if self.packing not in PACKINGS:
             raise ValueError(f"unknown packing {self.packing!r}; choose one of {', '.join(PACKINGS)}")
         if self.mix:
@@ -259,9 +257,9 @@ def settings_for(preset: str, **flags) -> TrainSettings:
 
 
 def default_grads(preset: str, model: dict) -> str:
-    """The gradient source of a run that names none: "manual" (the hand-derived backward),
-    "auto" (jax.grad) where there is none: the attention_impl of ``model`` (ModelConfig
-    overrides), else of the preset, is cudnn."""
+    """The gradient source of a run that names none: "manual" (the hand-derived backward)
+    wherever the attention_impl of ``model`` (ModelConfig overrides), else of the preset, has
+    a pair in MANUAL_CORES (every core has), else "auto" (jax.grad)."""
     attention_impl = model.get("attention_impl", PRESETS[preset].attention_impl)
     return "manual" if attention_impl in MANUAL_CORES else "auto"
 
@@ -274,8 +272,6 @@ def grads_text(grads, config: ModelConfig) -> str:
         return f"{name} (given to train as grad_fn, in place of settings.grads)"
     if grads == "manual":
         return "manual (the hand-derived backward, manual_grads; --grads auto for jax.grad)"
-    if config.attention_impl not in MANUAL_CORES:
-        return f"auto (jax.grad: attention_impl {config.attention_impl} has no hand-derived backward)"
     return "auto (jax.grad; --grads manual for the hand-derived backward, manual_grads)"
 
 

@@ -104,7 +104,8 @@ def check_tensor(config: ModelConfig, t: int, seq_len: int | None = None) -> Non
     if config.qk_norm and config.qk_norm_scope == "projection" and not split_kv(config, t):
         raise ValueError(f"mesh axis tensor={t} does not divide n_kv_heads {config.kv_heads}: with qk_norm_scope "
                          f"'projection' the tensor size must divide n_kv_heads (k's norm over its heads' features)")
-    refused = [(config.attention_impl == "cudnn", "attention_impl 'cudnn' (no hand-derived backward)")]
+    refused = [(config.attention_impl == "cudnn", "attention_impl 'cudnn' (cuDNN runs on GPUs alone, and the "
+                                                  "tensor region is proven on CPU devices)")]
     for on, what in refused:
         if on and t > 1:
             raise ValueError(f"mesh axis tensor={t}: tensor parallelism does not run {what} yet; use tensor=1")

@@ -92,8 +92,6 @@ def absent(variant: Variant, platform: str) -> str | None:
         return "cuDNN's fused attention runs only on a GPU"
     if variant.dtype == "float32":
         return "ModelConfig refuses cudnn with float32 products (cuDNN reads bfloat16 or float16)"
-    if variant.grads == "manual":
-        return "cudnn has no hand-derived backward (jax.grad only)"
     return None
 
 

@@ -14,8 +14,10 @@ capacity (the H100's 80 GB, as nvidia-smi counts it).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import os
+import pathlib
 import re
 from typing import NamedTuple
 
@@ -85,13 +87,31 @@ def cuda_plugin() -> str | None:
     return next((name for name in CUDA_PLUGINS if importlib.util.find_spec(name) is not None), None)
 
 
+def load_cudnn() -> None:
+    """Load the cuDNN library of the ``nvidia-cudnn-cu12`` package where one is on the path, as
+    JAX's CUDA plugin does when it starts a GPU backend. A CPU process that compiles for an H100
+    never starts one, and JAX reads cuDNN's version while tracing cuDNN's attention."""
+    try:
+        package = importlib.util.find_spec("nvidia.cudnn")
+    except ImportError:  # no nvidia package at all
+        return
+    for folder in package.submodule_search_locations if package else ():
+        try:
+            ctypes.cdll.LoadLibrary(str(pathlib.Path(folder) / "lib" / "libcudnn.so.9"))
+            return
+        except OSError:
+            continue
+
+
 def cudnn_problem() -> str | None:
     """Why JAX cannot trace cuDNN's attention here (one line), or None. It reads cuDNN's
     version through the CUDA plugin, which needs the plugin (jax-cuda12-plugin) and the
-    cuDNN library beside it (nvidia-cudnn-cu12; jax[cuda12] installs both)."""
+    cuDNN library beside it (nvidia-cudnn-cu12; jax[cuda12] installs both;
+    ``python -m jaxformer.tools.aot.plugin`` puts both in a folder of their own)."""
     plugin = cuda_plugin()
     if plugin is None:
         return "JAX's CUDA plugin is not installed (pip install 'jaxformer[cuda]')"
+    load_cudnn()
     try:
         importlib.import_module(f"{plugin}._versions").cudnn_get_version()
     except Exception as error:  # noqa: BLE001 - the plugin's own words: "cuDNN not found."
@@ -154,6 +174,8 @@ def compiling_for(target: Target):
     use (this machine's CPU): for a GPU target the context names the target's device there,
     on an empty mesh (a step's own mesh names it too: ``steps.build``). Elsewhere, and where
     JAX has no abstract devices, nothing."""
+    if target.platform == "cuda":
+        load_cudnn()  # cuDNN's attention reads the library's version while tracing
     device = abstract_device(target)
     if device is None:
         return contextlib.nullcontext()

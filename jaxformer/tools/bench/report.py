@@ -8,7 +8,8 @@ from pathlib import Path
 from jaxformer.observe.jsonsafe import json_safe, write_json
 
 LABELS = {"manual_full": "JAX manual, full", "manual_blockwise": "JAX manual, blockwise",
-          "manual_pallas": "JAX manual, pallas", "auto_full": "JAX jax.grad, full",
+          "manual_pallas": "JAX manual, pallas", "manual_cudnn": "JAX manual, cudnn",
+          "auto_full": "JAX jax.grad, full",
           "auto_cudnn": "JAX jax.grad, cudnn", "torch_eager": "PyTorch eager, SDPA",
           "torch_compile": "PyTorch torch.compile, SDPA"}
 RATIO_LABELS = {

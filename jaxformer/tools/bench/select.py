@@ -19,8 +19,8 @@ from typing import NamedTuple
 from jaxformer.model.config import ATTENTION_IMPLS as ATTENTION_CHOICES
 from manual_grads.attention import MANUAL_CORES
 
-MANUAL_IMPLS = tuple(MANUAL_CORES)  # attention with a hand-derived backward
-AUTO_IMPLS = ("full", "cudnn")  # attention jax.grad differentiates (cudnn: autodiff only)
+MANUAL_IMPLS = tuple(MANUAL_CORES)  # every attention: each core's pair in the hand-derived step
+AUTO_IMPLS = ("full", "cudnn")  # attention jax.grad differentiates in the contest (the reference, cuDNN's)
 TORCH_KINDS = ("torch_eager", "torch_compile")
 LOW_PRECISION = ("bfloat16", "float16")  # what cuDNN's fused attention reads
 TORCH_CPU_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"

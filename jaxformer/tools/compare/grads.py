@@ -181,6 +181,13 @@ class PresetReport:
         return dataclasses.asdict(self)
 
 
+def reference_config(config: ModelConfig) -> ModelConfig:
+    """The reference a mixed-precision run is judged against: ``config`` without its compute
+    dtype, cuDNN's attention (16-bit products only) as the full core's same math."""
+    same_math = {"attention_impl": "full"} if config.attention_impl == "cudnn" else {}
+    return config.replace(compute_dtype=None, **same_math)
+
+
 def is_mixed(config: ModelConfig, dtype: str) -> bool:
     """True when config.compute_dtype makes the products coarser than the params' dtype."""
     return config.compute_dtype is not None and config.compute_dtype != dtype
@@ -289,7 +296,7 @@ def run_comparison(config: ModelConfig, params, batch, *, name: str = "", repeat
     loss_ref = grads_ref = None
     if mixed:
         loss_ref, grads_ref = jax.jit(auto_fn, static_argnums=2)(
-            params, batch, config.replace(compute_dtype=None))
+            params, batch, reference_config(config))
         loss_ref = float(loss_ref)
 
     loss, leaves, failures = judge(loss_m, grads_m, loss_a, grads_a, tol, loss_ref, grads_ref)

@@ -7,7 +7,7 @@ returning ``Check`` rows: passed, failed, or not checked (and why).
   drawn and both gradients taken in one program (compare.judge: per-leaf relative error
   against check.tolerance_for).
 - training: TRAIN_STEPS steps of the tiny preset per attention implementation the
-  device has (training/step.py's factory, manual gradients; cuDNN has only jax.grad),
+  device has (training/step.py's factory, manual gradients; cuDNN's with bfloat16 products),
   from the same params.
 - bench: a few rounds of tools/bench/run.py's benchmark, tokens/s and MFU (observe/flops.py).
 
@@ -169,8 +169,8 @@ def gradient_checks(platform: str, quick: bool, seed: int) -> list[Check]:
 def train_impls(platform: str) -> list[tuple[str, str, str | None]]:
     """(attention_impl, gradient source, compute dtype) of each training run here."""
     impls = [("full", "manual", None), ("blockwise", "manual", None), ("pallas", "manual", None)]
-    if platform == "gpu":  # cuDNN: jax.grad only (no hand-derived backward), bfloat16 products
-        impls.append(("cudnn", "auto", "bfloat16"))
+    if platform == "gpu":  # cuDNN's kernels in the hand-derived step, bfloat16 products
+        impls.append(("cudnn", "manual", "bfloat16"))
     return impls
 
 
