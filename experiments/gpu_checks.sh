@@ -10,7 +10,7 @@
 # time limit in seconds (environment variable = default):
 #
 #   machine        MACHINE_S=45         nvidia-smi, Python, JAX and its devices, PyTorch, cores, load
-#   compare_cudnn  COMPARE_S=60         experiments/compare_grads.py, gpt2 and smollm at 2 layers, B4
+#   compare_cudnn  COMPARE_S=60         experiments/compare_grads.py, gpt2 and smollm at 1 layer, B2
 #                                       T128, attention_impl cudnn, bf16: the hand-derived step with
 #                                       cuDNN's kernels against jax.grad, both against float32 full attention
 #   bench_gpt2     BENCH_GPT2_S=120     gpt2 bf16 B16 T1024, --attention pallas,cudnn (the manual step
@@ -102,8 +102,8 @@ machine() {
 export -f machine
 step machine "${MACHINE_S:-45}" bash -c machine
 
-step compare_cudnn "${COMPARE_S:-60}" "$py" experiments/compare_grads.py --preset gpt2 smollm --n-layers 2 \
-  --attention-impl cudnn --compute-dtype bfloat16 --batch-size 4 --seq-len 128 --repeats 2 --out "$out/compare_cudnn"
+step compare_cudnn "${COMPARE_S:-60}" "$py" experiments/compare_grads.py --preset gpt2 smollm --n-layers 1 \
+  --attention-impl cudnn --compute-dtype bfloat16 --batch-size 2 --seq-len 128 --repeats 1 --out "$out/compare_cudnn"
 
 step bench_gpt2 "${BENCH_GPT2_S:-120}" "$py" -m jaxformer bench "${gpt2[@]}" --attention pallas,cudnn \
   "${rounds[@]}" --depths "${GPT2_DEPTHS:-none}" --out "$out/bench_gpt2" ${bench_extra[@]+"${bench_extra[@]}"}
