@@ -51,8 +51,7 @@ from jaxformer.model.attention import (CORES, Core, QKNorm, attention_spec, core
                                        qk_norm_of, qkv_heads, qkv_weights, query_scale, split_heads,
                                        split_qkv, token_positions)
 from jaxformer.model.linear import linear
-from jaxformer.model.cores import (AttentionSpec, attention_probs, capped_scores, check_cudnn, check_uncapped,
-                                   repeat_kv, segment_mask)
+from jaxformer.model.cores import AttentionSpec, attention_probs, capped_scores, cudnn_inputs, repeat_kv
 from jaxformer.model.precision import cast, kept, matmul, upcast
 from jaxformer.model.quantized import columns
 from jaxformer.model.rotary import rope_spec, rope_tables
@@ -262,10 +261,7 @@ def cudnn_core_fwd(q, k, v, spec: AttentionSpec, key=None, segments=None):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (O (B, H, T, Dh) in the products' dtype, CudnnRes):
     the model's ``cudnn`` core as cuDNN's forward kernel keeping its softmax statistics; the
     products' dtype, the documents' mask and the refusals as that core's (no dropout, no cap)."""
-    check_uncapped(spec, "cudnn")
-    dtype = jnp.dtype(spec.compute_dtype or q.dtype)
-    check_cudnn(dtype)
-    mask = None if segments is None else segment_mask(segments, segments)  # (B, 1, T, T)
+    dtype, mask = cudnn_inputs(q, spec, segments)
     return cudnn_fwd(q, k, v, spec.causal, spec.window, mask, dtype)
 
 

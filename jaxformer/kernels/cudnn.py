@@ -35,8 +35,18 @@ from jax._src.cudnn import fused_attention_stablehlo as fa  # the custom_vjp who
 
 from jaxformer.kernels.refused import refused
 
+LAYOUT = fa._normalize_layout("BTNH")  # cuDNN's (batch, time, heads, head width), as the model's cudnn core passes
+
 OFF_GPU = ("attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); the program "
            "is lowered for {platform}: use 'pallas', 'blockwise' or 'full'")
+
+
+def not_lowered(error: Exception) -> str:
+    """The one line of a cuda lowering that cannot trace cuDNN's attention here: no CUDA plugin
+    (RuntimeError: JAX reads cuDNN's version from it), a shape cuDNN refuses, a JAX without the rules."""
+    hint = (" (JAX reads cuDNN's version from its CUDA plugin while tracing: pip install "
+            "'jaxformer[cuda]')") if isinstance(error, RuntimeError) else ""
+    return f"attention_impl 'cudnn' cannot be lowered for cuda here: {error}{hint}"
 
 
 class CudnnRes(NamedTuple):
@@ -68,11 +78,10 @@ def cudnn_static(q, causal: bool, window: int, bias) -> tuple:
     1/sqrt(Dh), seed 42, no dropout, (has bias, exports the bias's gradient), the mask type
     (causal or none), the BTNH layout, the window (None: none), cuDNN's version, no residual
     returned. Raises RuntimeError where JAX cannot read cuDNN's version (no CUDA plugin)."""
-    layout = fa._normalize_layout("BTNH")
     has_bias = bias is not None
-    variadic_args = (has_bias, has_bias and fa.should_export_dbias(bias.shape, q.shape, layout))
+    variadic_args = (has_bias, has_bias and fa.should_export_dbias(bias.shape, q.shape, LAYOUT))
     mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-    return (1.0 / float(q.shape[-1]) ** 0.5, 42, 0.0, variadic_args, mask_type, layout.value, window or None,
+    return (1.0 / float(q.shape[-1]) ** 0.5, 42, 0.0, variadic_args, mask_type, LAYOUT.value, window or None,
             fa.check_cudnn_version(), False)
 
 
@@ -83,7 +92,7 @@ def cudnn_args(q, k, v, causal: bool, window: int = 0, mask=None):
     local_window_size=(window - 1, 0))`` hands them: the mask an additive bias (0 or a large
     negative number), no sequence lengths, offsets or page tables (empty placeholders)."""
     bias = fa.combine_bias_and_mask(None, mask, q.dtype)
-    fa.check_layout(q, k, v, bias, None, None, None, None, None, None, fa._normalize_layout("BTNH"))
+    fa.check_layout(q, k, v, bias, None, None, None, None, None, None, LAYOUT)
     unused = jnp.zeros(0, dtype=q.dtype)
     arrays = (q, k, v, unused if bias is None else bias, unused, unused, unused, unused, unused, unused)
     return arrays, cudnn_static(q, causal, window, bias)
@@ -104,7 +113,7 @@ def cudnn_fwd(q, k, v, causal: bool, window: int = 0, mask=None, compute_dtype=N
         arrays, static = cudnn_args(*btnh, causal, window, mask)
         fwd, _ = _rules()
     except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a JAX without the rules
-        message = f"attention_impl 'cudnn' cannot be lowered for cuda here: {error}"
+        message = not_lowered(error)
         out = jax.lax.platform_dependent(q, cuda=lambda q: refused(out_shape, ValueError, message),
                                          default=lambda q: refused(out_shape, ValueError, OFF_GPU))
         return jnp.swapaxes(out, 1, 2), res(btnh)  # (q, k, v) alone: the backward refuses too

@@ -26,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxformer.kernels.cudnn import OFF_GPU, not_lowered
 from jaxformer.kernels.pallas import flash_attention
 from jaxformer.kernels.refused import refused
 from jaxformer.model.dropout import dropout
@@ -175,22 +176,25 @@ def cudnn(q, k, v, spec: AttentionSpec, key=None, segments=None):
     only). ``segments`` (B, T) go in as its boolean ``mask`` (B, 1, T, T) (cuDNN adds it as a
     bias: a (B, T, T) array, unlike the other cores). No dropout, no softcap (ModelConfig
     refuses them)."""
+    dtype, mask = cudnn_inputs(q, spec, segments)
+    q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
+    return jnp.swapaxes(cudnn_core(q, k, v, spec.causal, spec.window, mask), 1, 2)  # (B, H, T, Dh)
+
+
+def cudnn_inputs(q, spec: AttentionSpec, segments=None):
+    """What the cudnn core reads besides q, k, v, after its refusals (a soft cap; products not in
+    bfloat16 or float16): (the products' dtype, the documents' mask (B, 1, T, T) or None).
+    The manual pair's forward (manual_grads.attention.cudnn_core_fwd) reads the same."""
     check_uncapped(spec, "cudnn")
     dtype = jnp.dtype(spec.compute_dtype or q.dtype)
     check_cudnn(dtype)
-    q, k, v = (jnp.swapaxes(a, 1, 2).astype(dtype) for a in (q, k, v))  # (B, T, H, Dh), cuDNN's layout
-    mask = None if segments is None else segment_mask(segments, segments)  # (B, 1, T, T)
-    return jnp.swapaxes(cudnn_core(q, k, v, spec.causal, spec.window, mask), 1, 2)  # (B, H, T, Dh)
+    return dtype, None if segments is None else segment_mask(segments, segments)
 
 
 def local_window(window: int):
     """jax.nn.dot_product_attention's local_window_size for our window W: (W - 1, 0), its
     left side counting the keys before the query (W keys with the query's own); None: no window."""
     return (window - 1, 0) if window else None
-
-
-OFF_GPU = ("attention_impl 'cudnn' runs only on a GPU (cuDNN's fused attention); the program "
-           "is lowered for {platform}: use 'pallas', 'blockwise' or 'full'")
 
 
 def cudnn_core(q, k, v, causal, window: int = 0, mask=None):
@@ -206,9 +210,7 @@ def cudnn_core(q, k, v, causal, window: int = 0, mask=None):
             return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn",
                                                 local_window_size=local_window(window))
         except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a shape cuDNN refuses
-            hint = (" (JAX reads cuDNN's version from its CUDA plugin while tracing: pip install "
-                    "'jaxformer[cuda]')") if isinstance(error, RuntimeError) else ""
-            return _refused(q, f"attention_impl 'cudnn' cannot be lowered for cuda here: {error}{hint}")
+            return _refused(q, not_lowered(error))
 
     return jax.lax.platform_dependent(q, k, v, cuda=on_cuda, default=lambda q, k, v: _refused(q, OFF_GPU))
 

@@ -131,6 +131,14 @@ def chunk_ids(segments, index, n_local: int, c: int, spec: AttentionSpec, layout
     return positioned_ids(segments, chunk_positions(index, n_local * c, c, layout), batch)
 
 
+def ring_ids(q, segments, spec: AttentionSpec, axis_name: str, layout: str):
+    """Inside shard_map: (this device's queries' ids, ids(segments, j): a held chunk j's ids), as
+    ``chunk_ids`` gives them to the kernels; q (B, H, T/c, Dh) names the batch and T/c."""
+    ids = functools.partial(chunk_ids, n_local=q.shape[2], c=jax.lax.axis_size(axis_name), spec=spec, layout=layout,
+                            batch=q.shape[0])
+    return ids(segments, jax.lax.axis_index(axis_name)), ids
+
+
 class RingFlashRes(NamedTuple):
     q: jax.Array  # (B, H, T/c, Dh) this device's queries
     k: jax.Array  # (B, Hkv, T/c, Dh) its own key/value chunk (the backward sends it round again)
@@ -151,8 +159,7 @@ def ring_flash_fwd(q, k, v, segments=None, spec: AttentionSpec = AttentionSpec()
     c, n_local = jax.lax.axis_size(axis_name), q.shape[2]
     check_context(n_local * c, c, axis_name, layout)
     f = stats_dtype(q.dtype)
-    ids = functools.partial(chunk_ids, n_local=n_local, c=c, spec=spec, layout=layout, batch=q.shape[0])
-    q_ids = ids(segments, jax.lax.axis_index(axis_name))
+    q_ids, ids = ring_ids(q, segments, spec, axis_name, layout)
 
     def visit_chunk(stats, held, j, kind):
         where = visited(kind, n_local, spec.causal, layout)
@@ -175,9 +182,7 @@ def ring_flash_bwd(res: RingFlashRes, do):
     dk, dv (B, Hkv, T/c, Dh)) of its own tokens."""
     q, k, v, out, lse, segments, spec, axis_name, layout = res
     n_local, f = q.shape[2], lse.dtype
-    ids = functools.partial(chunk_ids, n_local=n_local, c=jax.lax.axis_size(axis_name), spec=spec, layout=layout,
-                            batch=q.shape[0])
-    q_ids = ids(segments, jax.lax.axis_index(axis_name))
+    q_ids, ids = ring_ids(q, segments, spec, axis_name, layout)
 
     def visit_chunk_bwd(grads, held, j, kind):  # stats = visit_chunk(stats, held, j, kind)
         where = visited(kind, n_local, spec.causal, layout)

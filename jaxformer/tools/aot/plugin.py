@@ -24,6 +24,7 @@ import jax  # the plugin must match the installed jax exactly
 ENV = "JAXFORMER_AOT_CUDA_PLUGIN"
 PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt")
 CUDNN = "nvidia-cudnn-cu12>=9.8,<10"  # at least the version the plugin was built against
+CUDNN_LIBRARY = os.path.join("lib", "libcudnn.so.9")  # inside the package's folder, nvidia/cudnn
 
 
 def default_dir() -> str:
@@ -45,7 +46,7 @@ def cudnn_apart_problem() -> str | None:
     folder = plugin_dir()
     if not folder:
         return "JAX's CUDA plugin is not installed apart (python -m jaxformer.tools.aot.plugin)"
-    if not os.path.isfile(os.path.join(folder, "nvidia", "cudnn", "lib", "libcudnn.so.9")):
+    if not os.path.isfile(os.path.join(folder, "nvidia", "cudnn", CUDNN_LIBRARY)):
         return f"the cuDNN library is not in {folder} (python -m jaxformer.tools.aot.plugin installs it)"
     return None
 

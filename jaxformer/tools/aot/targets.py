@@ -17,12 +17,13 @@ import contextlib
 import ctypes
 import importlib.util
 import os
-import pathlib
 import re
 from typing import NamedTuple
 
 import jax
 from jax.experimental import topologies
+
+from jaxformer.tools.aot.plugin import CUDNN_LIBRARY
 
 GiB = 2**30
 
@@ -97,7 +98,7 @@ def load_cudnn() -> None:
         return
     for folder in package.submodule_search_locations if package else ():
         try:
-            ctypes.cdll.LoadLibrary(str(pathlib.Path(folder) / "lib" / "libcudnn.so.9"))
+            ctypes.cdll.LoadLibrary(os.path.join(folder, CUDNN_LIBRARY))
             return
         except OSError:
             continue
