@@ -259,23 +259,25 @@ def test_a_mesh_compiles_for_an_h100():
                for o in out.values()), out
 
 
-# The manual + Pallas bf16 step compiled for an H100 at GPT-2 small's and SmolLM's shapes
-# (make_optimizer's AdamW with clipping and a cosine schedule; jax 0.10.2): kernels launched per
-# step (launches.py: the layer loops counted per trip) and XLA's temporaries, MiB. Before the
-# layers were unrolled on a GPU and the norm and activation residuals kept in bfloat16 they were 1,431 /
-# 3,385 launches and 7,899 / 16,836 MiB; before the input projections' outputs and the products'
-# input cotangents were rounded to bfloat16, 5,631 / 9,541 MiB; before the gated MLP kept [gate | up]
-# as one residual, SmolLM's 2,292 launches (experiments/gpu_launches.py prints them). A change
-# that adds kernels or memory fails here; one that removes them lowers the figures.
-GPU_STEPS = {"gpt2": (16, 1024, 726, 5_262), "smollm": (8, 2048, 1_817, 8_866)}
+# The manual + Pallas bf16 step compiled for an H100 at GPT-2 small's and SmolLM's shapes, each
+# with two of its layers (make_optimizer's AdamW with clipping and a cosine schedule; jax 0.10.2):
+# kernels launched per step (launches.py: the layer loops counted per trip) and XLA's
+# temporaries, MiB. A GPU step unrolls its layers, each compiled as the others are, so two hold
+# every layer's kernels and the seam between layers, and a change that adds a kernel or a kept
+# residual to a layer adds it twice here; the whole depths (12 and 30 layers: 726 / 1,817
+# launches, 5,262 / 8,866 MiB) compile three times as long and are printed by
+# experiments/gpu_launches.py (docs/benchmark.md, "Kernels per step"). A change that adds
+# kernels or memory fails here; one that removes them lowers the figures.
+GPU_STEPS = {"gpt2": (16, 1024, 252, 1_038), "smollm": (8, 2048, 229, 798)}
+GPU_STEP_LAYERS = 2
 
 
 def test_the_gpu_steps_launches_and_memory():
-    """GPT-2 small (B16 T1024) and SmolLM-135M (B8 T2048): the manual step with the four
-    Triton kernels a layer compiles for an H100, and launches no more kernels and plans no
-    more temporaries than GPU_STEPS says (docs/benchmark.md, "Kernels per step")."""
+    """GPT-2 small (B16 T1024) and SmolLM-135M (B8 T2048), two layers each: the manual step with
+    the four Triton kernels a layer compiles for an H100, and launches no more kernels and plans
+    no more temporaries than GPU_STEPS says."""
     skip_without_h100_compiler()
-    configs = {preset: get_preset(preset) for preset in GPU_STEPS}
+    configs = {preset: get_preset(preset, n_layers=GPU_STEP_LAYERS) for preset in GPU_STEPS}
     outs = compiled_jobs("h100", [(configs[preset], [aot.Variant("pallas", "manual", "bfloat16")], batch)
                                   for preset, (batch, *_) in GPU_STEPS.items()])  # one subprocess
     for (preset, (batch, seq_len, most_launches, most_mib)), out in zip(GPU_STEPS.items(), outs, strict=True):
