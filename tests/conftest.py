@@ -11,7 +11,8 @@
 - XLA's CPU fusion emitters are off (``--xla_cpu_use_fusion_emitters=false``: the
   elemental emitter XLA used before them), which halves the compile time of a
   model's gradient at the suite's sizes; again both sides of every comparison,
-  and the subprocesses the tests start, compile the same way.
+  and the subprocesses the tests start, compile the same way. Only where the installed
+  XLA has the flag (xla_flags.py: jaxlib 0.11 aborts at its name).
 - JAX's in-memory caches are cleared after each test module (``jax.clear_caches``): every
   compiled CPU program holds memory mappings of its code for as long as a cache keeps it,
   and a worker that runs several hundred tests accumulates tens of thousands of them
@@ -40,6 +41,8 @@ import os
 import shutil
 import tempfile
 
+from xla_flags import legacy_emitter_flag
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite's runs cache what they measure (the CPU peak) apart from the user's cache: a
 # folder for each of pytest's processes, removed at its end
@@ -49,8 +52,8 @@ JIT_CACHE = os.environ.get("JAXFORMER_TEST_JIT_CACHE") or tempfile.mkdtemp(prefi
 os.environ["JAXFORMER_TEST_JIT_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = JIT_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")  # the subprocesses' too
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):  # where this XLA has the flag
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + legacy_emitter_flag()).strip()
 
 import jax  # noqa: E402
 

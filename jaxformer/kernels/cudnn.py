@@ -72,6 +72,15 @@ def _rules():
     return vjp.fwd, vjp.bwd
 
 
+def exports_dbias(bias, q) -> bool:
+    """Whether JAX's cuDNN attention has its backward kernel compute the gradient of ``bias``,
+    the additive bias a boolean mask becomes (the model's documents): JAX 0.10 asks
+    ``should_export_dbias`` (yes for every shape); later JAXes compute it only for a bias or a
+    mask that can carry a gradient, never for a boolean mask's."""
+    ask = getattr(fa, "should_export_dbias", None)
+    return ask is not None and ask(bias.shape, q.shape, LAYOUT)
+
+
 def cudnn_static(q, causal: bool, window: int, bias) -> tuple:
     """The custom_vjp's static arguments for q (B, T, H, Dh) and the bias (or None), as
     ``jax.nn.dot_product_attention(..., implementation="cudnn")`` passes them: scale
@@ -79,7 +88,7 @@ def cudnn_static(q, causal: bool, window: int, bias) -> tuple:
     (causal or none), the BTNH layout, the window (None: none), cuDNN's version, no residual
     returned. Raises RuntimeError where JAX cannot read cuDNN's version (no CUDA plugin)."""
     has_bias = bias is not None
-    variadic_args = (has_bias, has_bias and fa.should_export_dbias(bias.shape, q.shape, LAYOUT))
+    variadic_args = (has_bias, has_bias and exports_dbias(bias, q))
     mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
     return (1.0 / float(q.shape[-1]) ** 0.5, 42, 0.0, variadic_args, mask_type, LAYOUT.value, window or None,
             fa.check_cudnn_version(), False)
