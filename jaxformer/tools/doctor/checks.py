@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import re
 from typing import Callable, NamedTuple
 
 import jax
@@ -87,17 +88,19 @@ def worst(rels: dict) -> tuple[str, float]:
 
 
 def compile_check(lowered, platform: str):
-    """``lowered`` compiled with the platform's CHECK_COMPILE_OPTIONS; without them where
-    the compiler refuses one by name (an XLA that no longer has it)."""
-    options = CHECK_COMPILE_OPTIONS.get(platform)
-    if not options:
-        return lowered.compile()
-    try:
-        return lowered.compile(options)
-    except Exception as e:  # noqa: BLE001 - only the refusal of an option is retried
-        if "No such compile option" not in str(e):
-            raise
-        return lowered.compile()
+    """``lowered`` compiled with the platform's CHECK_COMPILE_OPTIONS, less each one the
+    compiler refuses by name (an XLA that no longer has it: jaxlib 0.11's CPU compiler has no
+    ``xla_cpu_use_fusion_emitters``, and still takes the other two)."""
+    options = dict(CHECK_COMPILE_OPTIONS.get(platform) or {})
+    while options:
+        try:
+            return lowered.compile(dict(options))
+        except Exception as e:  # noqa: BLE001 - only the refusal of an option is retried
+            refused = re.search(r"No such compile option: '([\w.]+)'", str(e))
+            if refused is None or refused.group(1) not in options:
+                raise
+            del options[refused.group(1)]
+    return lowered.compile()
 
 
 # ----------------------------------------------------------------------------
