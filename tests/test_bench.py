@@ -28,6 +28,8 @@ from jaxformer.tools.bench.report import format_markdown
 from jaxformer.tools.bench.select import Spec, select
 from jaxformer.training.settings import settings_for
 
+pytestmark = pytest.mark.xdist_group("test_bench")  # one worker: its module fixture (quick_run) runs once
+
 HAS_TORCH = importlib.util.find_spec("torch") is not None  # the bench extra; CI installs it
 NO_TORCH = "PyTorch is not installed (pip install torch"
 JAX_NAMES = ["manual_full", "manual_blockwise", "manual_pallas", "manual_cudnn", "auto_full", "auto_cudnn"]

@@ -12,6 +12,8 @@ from jaxformer.checkpoints import checkpoint
 from jaxformer.cli.main import main
 from helpers import one_line_error
 
+pytestmark = pytest.mark.xdist_group("test_cli")  # one worker: its module fixture (run_dir) runs once
+
 
 def _train_args(corpus, out, *extra):
     return ["train", "--preset", "tiny", "--corpus", corpus, "--steps", "3", "--out", str(out),

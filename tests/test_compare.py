@@ -27,6 +27,8 @@ from jaxformer.tools.compare import fd as compare_fd
 from jaxformer.tools.compare import report as compare_report
 from jaxformer.tools.compare import leaves
 
+pytestmark = pytest.mark.xdist_group("test_compare")  # one worker: its module fixture (good_run) runs once
+
 ROOT = Path(__file__).resolve().parents[1]
 PERTURBED = ("blocks", "ffn", "w_in")  # the leaf the broken gradient source gets wrong
 PERTURBED_PATH = "blocks.ffn.w_in"

@@ -21,6 +21,8 @@ from jaxformer.cli.main import main
 from jaxformer.kernels.pallas import entry as pallas_entry
 from jaxformer.tools.doctor import checks
 
+pytestmark = pytest.mark.xdist_group("test_doctor")  # one worker: its module fixture (healthy) runs once
+
 VERDICT = "doctor: 8 checks passed, 0 failed, 3 not checked on cpu"
 
 

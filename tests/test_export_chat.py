@@ -21,6 +21,8 @@ from test_gguf import tiny_hf_tensors, tiny_tokenizer_meta, write_tiny  # noqa: 
 from jaxformer.cli.main import main  # noqa: E402
 from jaxformer.formats.run_source import base_name  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("test_export_chat")  # one worker: its module fixture (lora_run) runs once
+
 QUESTION, ANSWER = "where did the cat sit?", "On the mat."
 MAX_NEW = 16
 

@@ -19,6 +19,8 @@ from jaxformer.training.loop import train
 from jaxformer.training.settings import TrainSettings
 from jaxformer.training.step import state_template
 
+pytestmark = pytest.mark.xdist_group("test_lora_train")  # one worker: its module fixture (runs) runs once
+
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,in", lora_dropout=0.1, steps=6,
             batch_size=4, seq_len=16, lr=0.02, eval_every=3, ckpt_every=3)
 

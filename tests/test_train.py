@@ -16,6 +16,8 @@ from jaxformer.training.optim import make_optimizer
 from jaxformer.training.settings import settings_for
 from jaxformer.training.step import TrainState, grad_source, init_state, make_train_step
 
+pytestmark = pytest.mark.xdist_group("test_train")  # one worker: its module fixture (run) runs once
+
 
 @pytest.fixture(scope="module")
 def run(corpus, tmp_path_factory):
