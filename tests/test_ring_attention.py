@@ -72,16 +72,17 @@ def ppermutes_sent(jaxpr, times: int = 1) -> int:
 
 def collectives(fn, *args) -> dict:
     """fn(*args)'s collectives: each kind's sites in the lowered StableHLO, and the arrays its
-    ppermutes send when run (``ppermutes_sent``)."""
+    ppermutes send when run (``ppermutes_sent``); one trace read both ways."""
     import re
 
     import jax
 
+    traced = jax.jit(fn).trace(*args)
     kinds = re.findall(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)",
-                       jax.jit(fn).lower(*args).as_text())
+                       traced.lower().as_text())
     return {"permute sites": kinds.count("collective_permute"),
             "other collectives": len(kinds) - kinds.count("collective_permute"),
-            "arrays sent": ppermutes_sent(jax.make_jaxpr(fn)(*args).jaxpr)}
+            "arrays sent": ppermutes_sent(traced.jaxpr.jaxpr)}
 
 
 def run_cases() -> dict:
@@ -172,7 +173,7 @@ def pallas_differences(devices, rng) -> dict:
     from jaxformer.model.parallel.ring_flash import ring_flash_attention, ring_flash_bwd, ring_flash_fwd
 
     out, leaves = {}, jax.tree_util.tree_leaves
-    jdiff = lambda a, b: max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(leaves(a), leaves(b), strict=True))  # noqa: E731
+    jdiff = lambda a, b: jnp.max(jnp.stack([jnp.max(jnp.abs(u - v)) for u, v in zip(leaves(a), leaves(b), strict=True)]))  # noqa: E731
     for case in PALLAS_CASES:
         c, causal, documents, hkv, layout, options = case
         q, do = (jnp.asarray(rng.standard_normal((B, H, T, DH))) for _ in range(2))
@@ -189,11 +190,16 @@ def pallas_differences(devices, rng) -> dict:
                 return ring_flash_bwd(ring_flash_fwd(q, k, v, s, spec, "context", layout)[1], do)
             return on_mesh(local, mesh, (q, k, v, do), segments, layout=layout, n_out=3)
 
-        one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, spec, segments=segments), q, k, v)
-        o, ring_vjp = jax.vjp(lambda q, k, v: jax.jit(ring)(q, k, v, segments), q, k, v)
+        @jax.jit
+        def differences(q, k, v, do, segments):  # one program: one device's core, the ring, its two backwards
+            one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, spec, segments=segments), q, k, v)
+            expected = one_vjp(do)
+            o, ring_vjp = jax.vjp(lambda q, k, v: ring(q, k, v, segments), q, k, v)
+            return {"output": jdiff(o, one), "jax.grad ring = one device": jdiff(ring_vjp(do), expected),
+                    "manual = one device": jdiff(manual(q, k, v, do, segments), expected)}
+
         name = "pallas " + case_name(*case)
-        out.update({f"{name}: output": jdiff(o, one), f"{name}: jax.grad ring = one device": jdiff(ring_vjp(do), one_vjp(do)),
-                    f"{name}: manual = one device": jdiff(jax.jit(manual)(q, k, v, do, segments), one_vjp(do))})
+        out.update({f"{name}: {what}": float(d) for what, d in differences(q, k, v, do, segments).items()})
         for what, fn in (("forward", ring), ("manual", lambda q, k, v, s: manual(q, k, v, q, s))):
             out.update({f"{name}: {what} {kind}": n for kind, n in collectives(fn, q, k, v, segments).items()})
     return out
@@ -215,20 +221,24 @@ def bfloat16_errors(devices, rng) -> dict:
     mesh, bf16, segments = Mesh(devices[:4], ("context",)), jnp.bfloat16, jnp.asarray(DOCUMENTS)
     q, do = (jnp.asarray(rng.standard_normal((B, H, T, DH))) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((B, 1, T, DH))) for _ in range(2))
-    err = lambda a, b: max(float(jnp.max(jnp.abs(x.astype(jnp.float64) - y))) for x, y in zip(a, b))  # noqa: E731
-    ref, ref_vjp = jax.vjp(lambda q, k, v: full(q, k, v, AttentionSpec(causal=True), segments=segments), q, k, v)
-    ref_grads = ref_vjp(do)
-    q32, k32, v32, do32 = (a.astype(jnp.float32) for a in (q, k, v, do))
-    ring = lambda dtype: (lambda q, k, v: ring_attention_on_mesh(q, k, v, mesh, True, segments,  # noqa: E731
-                                                                 compute_dtype=dtype))
-    out, ring_vjp = jax.vjp(ring(bf16), q32, k32, v32)
-    one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, AttentionSpec(causal=True, compute_dtype=bf16),
-                                                segments=segments), q32, k32, v32)
-    manual = ring_attention_grads_on_mesh(q32, k32, v32, do32, mesh, True, segments, compute_dtype=bf16)
-    return {"bf16 ring output": err([out], [ref]), "bf16 one device output": err([one], [ref]),
-            "bf16 ring manual grads": err(manual, ref_grads), "bf16 ring jax.grad": err(ring_vjp(do32), ref_grads),
-            "bf16 one device grads": err(one_vjp(do32), ref_grads),
-            "bf16 ring - f32 ring": err([out], [ring(None)(q32, k32, v32).astype(jnp.float64)])}
+    err = lambda a, b: jnp.max(jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float64) - y)) for x, y in zip(a, b)]))  # noqa: E731
+
+    @jax.jit
+    def errors(q, k, v, do):  # one program (op by op, its dozens of eager dispatches took 25 s)
+        ref, ref_vjp = jax.vjp(lambda q, k, v: full(q, k, v, AttentionSpec(causal=True), segments=segments), q, k, v)
+        ref_grads = ref_vjp(do)
+        q32, k32, v32, do32 = (a.astype(jnp.float32) for a in (q, k, v, do))
+        ring = lambda dtype: (lambda q, k, v: ring_attention_on_mesh(q, k, v, mesh, True, segments,  # noqa: E731
+                                                                     compute_dtype=dtype))
+        out, ring_vjp = jax.vjp(ring(bf16), q32, k32, v32)
+        one, one_vjp = jax.vjp(lambda q, k, v: full(q, k, v, AttentionSpec(causal=True, compute_dtype=bf16),
+                                                    segments=segments), q32, k32, v32)
+        manual = ring_attention_grads_on_mesh(q32, k32, v32, do32, mesh, True, segments, compute_dtype=bf16)
+        return {"bf16 ring output": err([out], [ref]), "bf16 one device output": err([one], [ref]),
+                "bf16 ring manual grads": err(manual, ref_grads), "bf16 ring jax.grad": err(ring_vjp(do32), ref_grads),
+                "bf16 one device grads": err(one_vjp(do32), ref_grads),
+                "bf16 ring - f32 ring": err([out], [ring(None)(q32, k32, v32).astype(jnp.float64)])}
+    return {what: float(e) for what, e in errors(q, k, v, do).items()}
 
 
 @pytest.fixture(scope="module")
