@@ -21,6 +21,8 @@ import pytest
 
 from jaxformer.tools.aot.plugin import cudnn_apart_problem, plugin_dir
 
+pytestmark = pytest.mark.xdist_group("test_cudnn_pair")  # one worker: its module fixture (lowered) runs once
+
 SCRIPT = r"""
 import json, re, sys
 import jax, jax.numpy as jnp

@@ -6,6 +6,8 @@ import pytest
 import manual_grads
 from jaxformer.tools import memory
 
+pytestmark = pytest.mark.xdist_group("test_memory")  # one worker: its module fixture (temp_bytes) runs once
+
 # Small, yet each option's saving is plain in the plan: the logits (B, T, V) and the
 # attention probabilities (B, H, T, T) per layer both weigh on the peak.
 SHAPE = dict(seq_len=64, d_model=16, n_heads=4, n_layers=2, vocab_size=512, attention_block=16)

@@ -24,6 +24,8 @@ from jaxformer.observe.tb import read_scalars
 from jaxformer.observe.metrics import read_metrics
 from helpers import write_corpus
 
+pytestmark = pytest.mark.xdist_group("test_report")  # one worker: its module fixture (cli_run) runs once
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
