@@ -9,16 +9,20 @@ type, window, layout, dropout, the kernels' settings) and the same operand and r
 causal with grouped key/value heads, a sliding window, packed documents (the mask as cuDNN's
 bias) and non-causal. The numbers are cuDNN's on a GPU (experiments/gpu_checks.sh compares
 the two sources there). One subprocess with JAX's CUDA plugin and the cuDNN library on its
-path (``python -m jaxformer.tools.aot.plugin`` installs both apart, as for tests/test_aot.py)."""
+path (``python -m jaxformer.tools.aot.plugin`` installs both apart, as for tests/test_aot.py).
+In this process: the rules' arguments follow the signature of the installed JAX's custom_vjp
+(``rule_args``; it changed in JAX 0.12), checked on stand-in signatures."""
 
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
+from jaxformer.kernels import cudnn
 from jaxformer.tools.aot.plugin import cudnn_apart_problem, plugin_dir
 
 pytestmark = pytest.mark.xdist_group("test_cudnn_pair")  # one worker: its module fixture (lowered) runs once
@@ -96,3 +100,27 @@ def test_the_pair_launches_what_jax_grad_launches(lowered, case):
 
 def test_the_comparison_sees_a_setting(lowered):
     assert lowered["window 17 against 16"] is False
+
+
+def test_the_rules_arguments_follow_the_signature_of_this_jax(monkeypatch):
+    """JAX's cuDNN custom_vjp changes its signature between versions (0.12 added the score
+    modifier's arguments): rule_args orders the named values by the signature it finds, passes
+    what a newer JAX adds unused as jax.nn does, and refuses in one line an argument it does not
+    know, or static arguments that do not come last (the rules' calls rely on it)."""
+    def fun(query, key, value, score_mod_args, scale, score_mod, cudnn_version):
+        pass
+
+    fake = types.SimpleNamespace(fun=fun, fwd=None, bwd=None, nondiff_argnums=(4, 5, 6))
+    monkeypatch.setattr(cudnn.fa, "_dot_product_attention", fake)
+    named = dict(cudnn_version=9, scale=0.5, value="v", key="k", query="q")
+    assert cudnn.rule_args(named) == (("q", "k", "v", ()), (0.5, None, 9))
+
+    def newer(query, key, value, block_mask, scale, cudnn_version):
+        pass
+
+    fake.fun, fake.nondiff_argnums = newer, (4, 5)
+    with pytest.raises(NotImplementedError, match=r"takes block_mask, which the hand-derived source does not pass"):
+        cudnn.rule_args(named)
+    fake.fun, fake.nondiff_argnums = fun, (1, 5, 6)
+    with pytest.raises(NotImplementedError, match="static arguments among its arrays"):
+        cudnn.rule_args(named)

@@ -27,6 +27,7 @@ CPU process can still trace and export the cuda program.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import NamedTuple
 
 import jax
@@ -63,13 +64,39 @@ class CausalCudnnRes(CudnnRes):
     pass
 
 
-def _rules():
-    """JAX's cuDNN attention custom_vjp's (forward rule, backward rule)."""
+# the custom_vjp's array arguments in every JAX version the pair knows (cudnn_args)
+ARRAYS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
+          "page_table_v")
+# what newer JAXes' cuDNN attention takes besides, as jax.nn.dot_product_attention passes it
+# when unused (JAX 0.12's score modifier, flex attention's: none)
+UNUSED_NEWER = {"score_mod_args": (), "score_mod": None}
+
+
+def _custom_vjp():
+    """JAX's cuDNN attention custom_vjp, with the rules and the signature the pair reads."""
     vjp = getattr(fa, "_dot_product_attention", None)
-    if vjp is None or not hasattr(vjp, "fwd") or not hasattr(vjp, "bwd"):
+    if vjp is None or not all(hasattr(vjp, a) for a in ("fwd", "bwd", "fun", "nondiff_argnums")):
         raise NotImplementedError(f"this JAX ({jax.__version__}) has no cuDNN attention custom_vjp whose rules "
                                   "the hand-derived source can call: use --grads auto with attention_impl 'cudnn'")
-    return vjp.fwd, vjp.bwd
+    return vjp
+
+
+def rule_args(values: dict) -> tuple[tuple, tuple]:
+    """(the arrays, the static arguments) of JAX's cuDNN attention custom_vjp, each in the
+    order of its signature, from ``values`` by parameter name (and UNUSED_NEWER): the signature
+    differs between JAX versions (0.12 added the score modifier's two). The static ones come
+    last in every version, so the forward rule takes (*arrays, *static), the backward rule
+    (*static, residual, cotangent)."""
+    vjp = _custom_vjp()
+    names = list(inspect.signature(vjp.fun).parameters)
+    n_static = len(vjp.nondiff_argnums)
+    unknown = [n for n in names if n not in values and n not in UNUSED_NEWER]
+    if unknown or tuple(vjp.nondiff_argnums) != tuple(range(len(names) - n_static, len(names))):
+        what = ", ".join(unknown) if unknown else "static arguments among its arrays"
+        raise NotImplementedError(f"this JAX's ({jax.__version__}) cuDNN attention takes {what}, which the "
+                                  "hand-derived source does not pass: use --grads auto with attention_impl 'cudnn'")
+    args = tuple(values[n] if n in values else UNUSED_NEWER[n] for n in names)
+    return args[:len(names) - n_static], args[len(names) - n_static:]
 
 
 def exports_dbias(bias, q) -> bool:
@@ -81,30 +108,30 @@ def exports_dbias(bias, q) -> bool:
     return ask is not None and ask(bias.shape, q.shape, LAYOUT)
 
 
-def cudnn_static(q, causal: bool, window: int, bias) -> tuple:
-    """The custom_vjp's static arguments for q (B, T, H, Dh) and the bias (or None), as
+def cudnn_static(q, causal: bool, window: int, bias) -> dict:
+    """The custom_vjp's static arguments by name for q (B, T, H, Dh) and the bias (or None), as
     ``jax.nn.dot_product_attention(..., implementation="cudnn")`` passes them: scale
     1/sqrt(Dh), seed 42, no dropout, (has bias, exports the bias's gradient), the mask type
     (causal or none), the BTNH layout, the window (None: none), cuDNN's version, no residual
     returned. Raises RuntimeError where JAX cannot read cuDNN's version (no CUDA plugin)."""
     has_bias = bias is not None
-    variadic_args = (has_bias, has_bias and exports_dbias(bias, q))
-    mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-    return (1.0 / float(q.shape[-1]) ** 0.5, 42, 0.0, variadic_args, mask_type, LAYOUT.value, window or None,
-            fa.check_cudnn_version(), False)
+    return dict(scale=1.0 / float(q.shape[-1]) ** 0.5, seed=42, dropout_rate=0.0,
+                variadic_args=(has_bias, has_bias and exports_dbias(bias, q)),
+                mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK, layout=LAYOUT.value,
+                sliding_window_length=window or None, cudnn_version=fa.check_cudnn_version(), return_residual=False)
 
 
-def cudnn_args(q, k, v, causal: bool, window: int = 0, mask=None):
+def cudnn_args(q, k, v, causal: bool, window: int = 0, mask=None) -> dict:
     """q (B, T, H, Dh), k, v (B, T, Hkv, Dh) in a 16-bit dtype, mask (B, 1, T, T) bool or None
-    -> (the arrays, the static arguments) the cuDNN custom_vjp takes, as
+    -> every argument the cuDNN custom_vjp takes, by parameter name (rule_args orders them), as
     ``jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn",
     local_window_size=(window - 1, 0))`` hands them: the mask an additive bias (0 or a large
     negative number), no sequence lengths, offsets or page tables (empty placeholders)."""
     bias = fa.combine_bias_and_mask(None, mask, q.dtype)
     fa.check_layout(q, k, v, bias, None, None, None, None, None, None, LAYOUT)
     unused = jnp.zeros(0, dtype=q.dtype)
-    arrays = (q, k, v, unused if bias is None else bias, unused, unused, unused, unused, unused, unused)
-    return arrays, cudnn_static(q, causal, window, bias)
+    arrays = dict(zip(ARRAYS, (q, k, v, unused if bias is None else bias) + (unused,) * 6, strict=True))
+    return {**arrays, **cudnn_static(q, causal, window, bias)}
 
 
 def cudnn_fwd(q, k, v, causal: bool, window: int = 0, mask=None, compute_dtype=None):
@@ -119,8 +146,8 @@ def cudnn_fwd(q, k, v, causal: bool, window: int = 0, mask=None, compute_dtype=N
     res = functools.partial(CausalCudnnRes if causal else CudnnRes, jnp.zeros((q.shape[1], 0, q.shape[3]), q.dtype),
                             window=jnp.zeros((window, 0), jnp.int32))
     try:
-        arrays, static = cudnn_args(*btnh, causal, window, mask)
-        fwd, _ = _rules()
+        arrays, static = rule_args(cudnn_args(*btnh, causal, window, mask))
+        fwd = _custom_vjp().fwd
     except (RuntimeError, NotImplementedError) as error:  # no CUDA plugin here; a JAX without the rules
         message = not_lowered(error)
         out = jax.lax.platform_dependent(q, cuda=lambda q: refused(out_shape, ValueError, message),
@@ -145,13 +172,13 @@ def cudnn_bwd(res: CudnnRes, dout):
     if len(saved) == 3:  # the forward could not trace cuDNN: refused again, in the cotangents' place
         grads = refused(shapes, ValueError, OFF_GPU)
     else:
-        static = cudnn_static(saved[0], isinstance(res, CausalCudnnRes), res.window.shape[-2],
-                              saved[3] if saved[3].size else None)
+        named = cudnn_static(saved[0], isinstance(res, CausalCudnnRes), res.window.shape[-2],
+                             saved[3] if saved[3].size else None)
+        static = rule_args({name: None for name in ARRAYS} | named)[1]  # the arrays' places unread here
         do = jnp.swapaxes(dout, 1, 2).astype(saved[0].dtype)  # (B, T, H, Dh)
 
         def on_cuda(saved, do):
-            _, bwd = _rules()
-            return tuple(bwd(*static, saved, do)[:3])  # dq, dk, dv; the bias's gradient and the rest dropped
+            return tuple(_custom_vjp().bwd(*static, saved, do)[:3])  # dq, dk, dv; the bias's gradient and the rest dropped
 
         grads = jax.lax.platform_dependent(saved, do, cuda=on_cuda,
                                            default=lambda saved, do: refused(shapes, ValueError, OFF_GPU))
