@@ -177,8 +177,8 @@ def cudnn_bwd(res: CudnnRes, dout):
         static = rule_args({name: None for name in ARRAYS} | named)[1]  # the arrays' places unread here
         do = jnp.swapaxes(dout, 1, 2).astype(saved[0].dtype)  # (B, T, H, Dh)
 
-        def on_cuda(saved, do):
-            return tuple(_custom_vjp().bwd(*static, saved, do)[:3])  # dq, dk, dv; the bias's gradient and the rest dropped
+        def on_cuda(saved, do):  # dq, dk, dv; the bias's gradient and the rest dropped
+            return tuple(_custom_vjp().bwd(*static, saved, do)[:3])
 
         grads = jax.lax.platform_dependent(saved, do, cuda=on_cuda,
                                            default=lambda saved, do: refused(shapes, ValueError, OFF_GPU))
