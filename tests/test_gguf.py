@@ -8,7 +8,13 @@ GGUF loading, its greedy continuation, a chat answer through the command, manual
 == custom_vjp on its weights in float64, and the README's fine-tune loop through the commands
 (prepare, train, generate --run --chat, export, both exports read back by transformers and
 PEFT). A tiny GGUF written here with gguf.GGUFWriter (F32 and Q8_0) proves the q/k permutation
-undone."""
+undone.
+
+The tests that sample from or train the real model compile with XLA's optimizations
+(``optimized``; tests/conftest.py turns them off for the suite): their few programs of 30 blocks
+of 576 run long, and unoptimized they ran 2-4x slower than they compile (a chat's 24 tokens took
+16 s, 4.5 s optimized). Their comparisons are against transformers' and PEFT's own (torch)
+results and the learned answer, not between two programs of the suite."""
 
 from __future__ import annotations
 
@@ -85,6 +91,15 @@ def hf_model(real, parsed_once):
     return torch, model.eval()
 
 
+@pytest.fixture
+def optimized():
+    """XLA's optimizations on for one test (the module docstring says why), then off again."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 def test_real_model_config(real):
     _, params, config, chat = real
     assert (config.n_layers, config.d_model, config.n_heads, config.kv_heads, config.d_ff) == (30, 576, 9, 3, 1536)
@@ -116,7 +131,7 @@ def test_real_tokenizer_matches_transformers(real, hf_model, parsed_once):
     assert chat.tokenizer.encode(text).tolist() == theirs(text)["input_ids"]
 
 
-def test_real_greedy_continuation(real, hf_model):
+def test_real_greedy_continuation(real, hf_model, optimized):
     _, params, config, chat = real
     torch, model = hf_model
     ids = chat.tokenizer.encode("The capital of Germany is")
@@ -127,7 +142,7 @@ def test_real_greedy_continuation(real, hf_model):
     assert chat.tokenizer.decode(ours).startswith(" Berlin")
 
 
-def test_generate_chat_answers_paris(real, capsys, monkeypatch):
+def test_generate_chat_answers_paris(real, capsys, monkeypatch, optimized):
     """The command, over the module's load of the file (load_model is read_hf and read_chat,
     proven above; the bad-file case below goes through it)."""
     from jaxformer.cli import generate
@@ -141,7 +156,7 @@ def test_generate_chat_answers_paris(real, capsys, monkeypatch):
     assert code == 0 and "Paris" in out, out
 
 
-def test_generate_chat_converses_over_stdin(real, capsys, monkeypatch):
+def test_generate_chat_converses_over_stdin(real, capsys, monkeypatch, optimized):
     """``--chat`` without a message: one user turn per line of stdin, each answered with the
     whole conversation in the template (the second question only makes sense after the first)."""
     import io
@@ -186,7 +201,7 @@ def test_real_weights_manual_grads_equal_jax_grad_float64(real):
 LAYERS = 3
 
 
-def test_real_model_fine_tune_loop_chats_and_exports(real, hf_model, tmp_path, capsys, monkeypatch):
+def test_real_model_fine_tune_loop_chats_and_exports(real, hf_model, tmp_path, capsys, monkeypatch, optimized):
     """The README's fine-tune loop on the real model, through the commands: `prepare` renders
     examples/chats.jsonl (a made-up fact: the capital of Zorbia is Quillhaven) with the
     file's template; `train --init-from` trains rank-8 q, v adapters by the LoRA recipe for
