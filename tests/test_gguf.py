@@ -11,9 +11,9 @@ PEFT). A tiny GGUF written here with gguf.GGUFWriter (F32 and Q8_0) proves the q
 undone.
 
 The tests that sample from or train the real model compile with XLA's optimizations
-(``optimized``; tests/conftest.py turns them off for the suite): their few programs of 30 blocks
-of 576 run long, and unoptimized they ran 2-4x slower than they compile (a chat's 24 tokens took
-16 s, 4.5 s optimized). Their comparisons are against transformers' and PEFT's own (torch)
+(``optimized``; tests/conftest.py turns them off for the suite): their few programs, of 30 blocks
+of width 576, run long, and without the optimizations they ran 2 to 4 times as long (a chat's
+24 tokens took 16 s, 4.5 s optimized), where compiling them took about a second either way. Their comparisons are against transformers' and PEFT's own (torch)
 results and the learned answer, not between two programs of the suite."""
 
 from __future__ import annotations
