@@ -64,9 +64,6 @@ class CausalCudnnRes(CudnnRes):
     pass
 
 
-# the custom_vjp's array arguments in every JAX version the pair knows (cudnn_args)
-ARRAYS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
-          "page_table_v")
 # what newer JAXes' cuDNN attention takes besides, as jax.nn.dot_product_attention passes it
 # when unused (JAX 0.12's score modifier, flex attention's: none)
 UNUSED_NEWER = {"score_mod_args": (), "score_mod": None}
@@ -81,22 +78,28 @@ def _custom_vjp():
     return vjp
 
 
-def rule_args(values: dict) -> tuple[tuple, tuple]:
-    """(the arrays, the static arguments) of JAX's cuDNN attention custom_vjp, each in the
-    order of its signature, from ``values`` by parameter name (and UNUSED_NEWER): the signature
-    differs between JAX versions (0.12 added the score modifier's two). The static ones come
-    last in every version, so the forward rule takes (*arrays, *static), the backward rule
-    (*static, residual, cotangent)."""
+def _ordered(values: dict, static: bool) -> tuple:
+    """The custom_vjp's array arguments (``static`` False) or its static ones, in the order of
+    its signature, from ``values`` by parameter name (and UNUSED_NEWER): the signature differs
+    between JAX versions (0.12 added the score modifier's two). The static ones come last in
+    every version, so the forward rule takes (*arrays, *static), the backward rule (*static,
+    residual, cotangent)."""
     vjp = _custom_vjp()
     names = list(inspect.signature(vjp.fun).parameters)
-    n_static = len(vjp.nondiff_argnums)
+    first = len(names) - len(vjp.nondiff_argnums)  # the first static argument's place
+    names = names[first:] if static else names[:first]
     unknown = [n for n in names if n not in values and n not in UNUSED_NEWER]
-    if unknown or tuple(vjp.nondiff_argnums) != tuple(range(len(names) - n_static, len(names))):
+    if unknown or tuple(vjp.nondiff_argnums) != tuple(range(first, first + len(vjp.nondiff_argnums))):
         what = ", ".join(unknown) if unknown else "static arguments among its arrays"
         raise NotImplementedError(f"this JAX's ({jax.__version__}) cuDNN attention takes {what}, which the "
                                   "hand-derived source does not pass: use --grads auto with attention_impl 'cudnn'")
-    args = tuple(values[n] if n in values else UNUSED_NEWER[n] for n in names)
-    return args[:len(names) - n_static], args[len(names) - n_static:]
+    return tuple(values[n] if n in values else UNUSED_NEWER[n] for n in names)
+
+
+def rule_args(values: dict) -> tuple[tuple, tuple]:
+    """(the arrays, the static arguments) of JAX's cuDNN attention custom_vjp from ``values`` by
+    parameter name, each in the order of the installed JAX's signature (``_ordered``)."""
+    return _ordered(values, static=False), _ordered(values, static=True)
 
 
 def exports_dbias(bias, q) -> bool:
@@ -130,8 +133,9 @@ def cudnn_args(q, k, v, causal: bool, window: int = 0, mask=None) -> dict:
     bias = fa.combine_bias_and_mask(None, mask, q.dtype)
     fa.check_layout(q, k, v, bias, None, None, None, None, None, None, LAYOUT)
     unused = jnp.zeros(0, dtype=q.dtype)
-    arrays = dict(zip(ARRAYS, (q, k, v, unused if bias is None else bias) + (unused,) * 6, strict=True))
-    return {**arrays, **cudnn_static(q, causal, window, bias)}
+    return dict(query=q, key=k, value=v, bias=unused if bias is None else bias, q_seqlen=unused, kv_seqlen=unused,
+                q_offsets=unused, kv_offsets=unused, page_table_k=unused, page_table_v=unused,
+                **cudnn_static(q, causal, window, bias))
 
 
 def cudnn_fwd(q, k, v, causal: bool, window: int = 0, mask=None, compute_dtype=None):
@@ -172,9 +176,8 @@ def cudnn_bwd(res: CudnnRes, dout):
     if len(saved) == 3:  # the forward could not trace cuDNN: refused again, in the cotangents' place
         grads = refused(shapes, ValueError, OFF_GPU)
     else:
-        named = cudnn_static(saved[0], isinstance(res, CausalCudnnRes), res.window.shape[-2],
-                             saved[3] if saved[3].size else None)
-        static = rule_args({name: None for name in ARRAYS} | named)[1]  # the arrays' places unread here
+        static = _ordered(cudnn_static(saved[0], isinstance(res, CausalCudnnRes), res.window.shape[-2],
+                                       saved[3] if saved[3].size else None), static=True)
         do = jnp.swapaxes(dout, 1, 2).astype(saved[0].dtype)  # (B, T, H, Dh)
 
         def on_cuda(saved, do):  # dq, dk, dv; the bias's gradient and the rest dropped
