@@ -20,11 +20,14 @@
 #                                       TRAIN_STEPS=60 steps
 #   bench_smollm   BENCH_SMOLLM_S=150   smollm bf16 B8 T2048, --attention pallas,cudnn, PyTorch
 #   profile_gpt2   PROFILE_S=110        experiments/step_profile.py at the gpt2 shape: where the
-#                                       manual + pallas step's and torch.compile's time goes
+#                                       manual + cudnn step's and torch.compile's time goes
 #   bench_vocab    BENCH_VOCAB_S=80     the gpt2 shape with --vocab-size 50304 (GPT-2's 50257 tokens
 #                                       padded to 64), pallas and cudnn against PyTorch
 #   doctor         DOCTOR_S=75          jaxformer doctor --out OUT_DIR/doctor.json
 #   train_smollm   TRAIN_SMOLLM_S=100   jaxformer train, smollm bf16 B8 T2048, TRAIN_ATTENTION, 60 steps
+#   profile_norms  PROFILE_NORMS_S=60   the manual + cudnn step profiled again with its norms as XLA's
+#                                       fusions (--norms xla): against profile_gpt2's, what the norms'
+#                                       Pallas kernels (manual_grads/norms.py) buy
 #
 # and all of them under one deadline, TOTAL_S=470: a step gets the smaller of its own limit
 # and the time left (less 10 s for the kill below), and is skipped when fewer than MIN_S=20
@@ -116,7 +119,7 @@ step bench_smollm "${BENCH_SMOLLM_S:-150}" "$py" -m jaxformer bench "${smollm[@]
   "${smollm_rounds[@]}" --depths none --out "$out/bench_smollm" ${bench_extra[@]+"${bench_extra[@]}"}
 
 step profile_gpt2 "${PROFILE_S:-110}" "$py" experiments/step_profile.py "${gpt2[@]}" \
-  --contestants "${PROFILE_CONTESTANTS:-manual_pallas,torch_compile}" --steps 5 --top 30 \
+  --contestants "${PROFILE_CONTESTANTS:-manual_cudnn,torch_compile}" --steps 5 --top 30 \
   ${profile_extra[@]+"${profile_extra[@]}"}
 
 step bench_vocab "${BENCH_VOCAB_S:-80}" "$py" -m jaxformer bench "${gpt2[@]}" --vocab-size 50304 \
@@ -128,6 +131,9 @@ step doctor "${DOCTOR_S:-75}" "$py" -m jaxformer doctor --out "$out/doctor.json"
 
 step train_smollm "${TRAIN_SMOLLM_S:-100}" "$py" -m jaxformer train "${smollm[@]}" "${train[@]}" \
   --out "$out/train_smollm" ${train_extra[@]+"${train_extra[@]}"}
+
+step profile_norms "${PROFILE_NORMS_S:-60}" "$py" experiments/step_profile.py "${gpt2[@]}" \
+  --contestants manual_cudnn --norms xla --steps 5 --top 30 ${profile_extra[@]+"${profile_extra[@]}"}
 
 echo "== done in $SECONDS s"
 cat "$out/steps.txt"

@@ -27,6 +27,7 @@ from jaxformer import get_preset, init_params
 from jaxformer.tools.bench.contestants import make_contestants
 from jaxformer.tools.bench.select import TORCH_KINDS, Spec, torch_device
 from jaxformer.data.batching import random_batch
+from manual_grads import norms, remat
 
 
 def kernel_family(name: str) -> str:
@@ -122,10 +123,12 @@ def main() -> None:
     p.add_argument("--unroll-max-layers", type=int, default=None,
                    help="manual_grads.remat.UNROLL_MAX_LAYERS for this run: models of at most this many "
                         "layers run their blocks as a Python loop rather than a lax.scan")
+    p.add_argument("--norms", choices=("kernels", "xla"), default="kernels",
+                   help="the manual step's norms on a GPU: the Pallas kernels (manual_grads.norms, the "
+                        "default) or XLA's fusions")
     a = p.parse_args()
+    norms.GPU_KERNELS = a.norms == "kernels"
     if a.unroll_max_layers is not None:
-        from manual_grads import remat
-
         remat.UNROLL_MAX_LAYERS = a.unroll_max_layers
     overrides = {"compute_dtype": a.compute_dtype, "max_seq_len": a.seq_len}
     if a.n_layers:

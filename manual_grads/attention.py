@@ -313,9 +313,10 @@ def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: C
     return y, AttentionRes(heads_res, core_res, out_res, lora_res)
 
 
-def attention_bwd(res: AttentionRes, dy, core_bwd: Callable | None = None):
+def attention_bwd(res: AttentionRes, dy, core_bwd: Callable | None = None, narrow_ok: bool = False):
     """dy (B, T, D) -> (dp with p's keys, dx (B, T, D)); ``core_bwd``: the backward of a core
-    given to attention_fwd (else found by the residual's type in MANUAL_CORES)."""
+    given to attention_fwd (else found by the residual's type in MANUAL_CORES); ``narrow_ok``:
+    dx may stay in the products' 16-bit compute dtype (its consumer upcasts), else in dy's."""
     heads_res, core_res, out_res, lora_res = res
     core_bwd = core_bwd or next(c.bwd for c in MANUAL_CORES.values() if isinstance(core_res, c.res))
     H, Dh = core_res.q.shape[-3], core_res.q.shape[-1]  # every core keeps q as (..., H, T or K, Dh)
@@ -330,7 +331,7 @@ def attention_bwd(res: AttentionRes, dy, core_bwd: Callable | None = None):
     dk, dv = sum_groups(dk, Hkv), sum_groups(dv, Hkv)  # (B, Hkv, T, Dh)
     # q, k, v = rotate_qk(split_qkv(x @ [wq | wk | wv] + [bq | bk | bv]))
     dp, dx = heads_bwd(heads_res, dq, dk, dv)  # dx (B, T, D)
-    dx = widened(dx, dy)
+    dx = dx if narrow_ok else widened(dx, dy)
     dp["wo"] = d_out["w"]
     if d_lora:  # the output projection's adapter beside the input projections'
         dp["lora"] = {**dp.get("lora", {}), **d_lora["lora"]}

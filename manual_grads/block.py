@@ -7,8 +7,8 @@
 
 pre, output and sandwich share one pair (``pre_block_fwd``, ``pre_block_bwd``): a norm that
 the layout lacks keeps None in PreBlockRes and its step is skipped both ways.
-ln is layer norm, or RMS norm with norm_type "rms" (``norm_fwd``, the scale offset by
-norm_offset; the backward follows the residual's type). ffn is mlp.py's pair, plain or gated. drop is dropout, only with
+ln is layer norm, or RMS norm with norm_type "rms" (norms.py's ``norm_fwd``, the scale offset by
+norm_offset; the backward follows the residual's type; on a GPU Pallas kernels). ffn is mlp.py's pair, plain or gated. drop is dropout, only with
 the layer's key (jaxformer/model/dropout.py names the keys); the residuals keep the keys
 and redraw each mask in the backward.
 
@@ -30,36 +30,16 @@ from typing import NamedTuple
 from jaxformer.model.block import input_norms, output_norms
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.dropout import ATTN_OUT, ATTN_PROBS, FFN_OUT, active, sub_key
-from jaxformer.model.precision import kept
+from jaxformer.model.lora import LORA
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
-from manual_grads.layer_norm import LayerNormRes, layer_norm_bwd, layer_norm_fwd
+from manual_grads.layer_norm import LayerNormRes
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes
 from manual_grads.moe import MoeRes
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
-from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
+from manual_grads.norms import norm_bwd, norm_fwd
+from manual_grads.rms_norm import RMSNormRes
 from manual_grads.tap import tap_backward, tap_forward
-
-# ----------------------------------------------------------------------------
-# the norm: layer norm or RMS norm, as config.norm_type says
-
-
-def norm_fwd(p, x, config: ModelConfig):
-    """The norm config.norm_type names (the model's ``pick_norm``): x (..., D) -> y, res; the
-    normalized x kept as ``precision.kept`` says (bfloat16 under a bfloat16 compute dtype:
-    the backward reads it in float32)."""
-    if config.norm_type == "rms":
-        y, res = rms_norm_fwd(p, x, config.ln_eps, config.norm_offset)
-    else:
-        y, res = layer_norm_fwd(p, x, config.ln_eps)
-    return y, res._replace(xhat=kept(res.xhat, config.compute_dtype))  # bfloat16 under its policy
-
-
-def norm_bwd(res, dy):
-    """Undoes whichever norm made ``res``: dy (..., D) -> (dp, dx)."""
-    if isinstance(res, RMSNormRes):
-        return rms_norm_bwd(res, dy)
-    return layer_norm_bwd(res, dy)
 
 # ----------------------------------------------------------------------------
 # the residual block
@@ -123,7 +103,9 @@ def _in_norm_fwd(p, name, x, config: ModelConfig, tap):
     """ln1 or ln2 on a sublayer's input where the layout has them: (h, res or None)."""
     if not input_norms(config):
         return x, None
-    h, res = norm_fwd(p[name], x, config)  # (B, T, D)
+    # only the sublayer's products read h (not a LoRA adapter's dropout, nor a tap)
+    products_only = tap is None and not any(LORA in p[stage] for stage in ("attn", "ffn"))
+    h, res = norm_fwd(p[name], x, config, products_only)  # (B, T, D)
     tap_forward(tap, name, x, h, p[name])
     return h, res
 
@@ -190,8 +172,14 @@ def _sublayer_bwd(res: PreBlockRes, stage, stage_bwd, norm, dy, grads, tap):
     """Undoes one residual sublayer, y = x + drop(<norm>_post(<stage>(<norm>(x)))) (a norm the
     layout lacks is None in ``res``): dy (B, T, D) -> dx, the gradients into ``grads``."""
     d, seen = _branch_bwd(getattr(res, f"{norm}_post"), getattr(res, f"drop_{stage}"), f"{norm}_post", dy, grads, tap)
-    grads[stage], dh = stage_bwd(getattr(res, stage), d)  # <stage>(h)
+    # without a tap, h = <norm>(x) and y = x + branch are undone in one pass (norms.py), which
+    # reads dh in the products' dtype
+    fused = tap is None and getattr(res, norm) is not None
+    grads[stage], dh = stage_bwd(getattr(res, stage), d, narrow_ok=fused)  # <stage>(h)
     tap_backward(tap, stage, seen, grads[stage], dh)
+    if fused:
+        grads[norm], dx = norm_bwd(getattr(res, norm), dh, skip=dy)  # h = <norm>(x); y = x + branch
+        return dx
     dx_branch = _norm_bwd(getattr(res, norm), norm, dh, grads, tap)  # h = <norm>(x)
     dx = dy + dx_branch  # y = x + branch: the skip's gradient and the branch's add
     tap_backward(tap, f"{stage} residual", dx_branch, None, dx)

@@ -28,13 +28,18 @@ class LayerNormRes(NamedTuple):
     has_bias: jax.Array | None = None  # (0,) empty when p has a bias (ModelConfig.bias), else None
 
 
+def layer_norm_res(p, xhat, rstd) -> LayerNormRes:
+    """What the backward keeps of a layer norm with params p, given its statistics."""
+    if "bias" not in p:
+        return LayerNormRes(xhat, rstd, p["scale"])
+    return LayerNormRes(xhat, rstd, p["scale"], jnp.zeros((0,), p["bias"].dtype))
+
+
 def layer_norm_fwd(p, x, eps):
     """p = {"scale": (D,), "bias": (D,) (optional)}; x (..., D) -> y (..., D)."""
     xhat, rstd = layer_norm_stats(x, eps)  # (..., D), (..., 1): kept for the backward
     y = xhat * p["scale"]
-    if "bias" not in p:
-        return y, LayerNormRes(xhat, rstd, p["scale"])
-    return y + p["bias"], LayerNormRes(xhat, rstd, p["scale"], jnp.zeros((0,), p["bias"].dtype))
+    return (y if "bias" not in p else y + p["bias"]), layer_norm_res(p, xhat, rstd)
 
 
 def layer_norm_bwd(res: LayerNormRes, dy):
@@ -45,7 +50,7 @@ def layer_norm_bwd(res: LayerNormRes, dy):
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
     """
     xhat, rstd, scale, has_bias = res
-    D = xhat.shape[-1]
+    dy = upcast(dy)  # a 16-bit dy (a product's input cotangent) multiplies in float32
     # dscale = sum(dy * xhat), dbias = sum(dy), over every leading dim: (D,) each, in one reduction
     dscale, dbias = column_sums(dy * xhat, dy)
     dxhat = dy * scale  # (..., D)

@@ -66,17 +66,18 @@ def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     return y, FeedForwardRes(inp_res, act_res, out_res, lora_in, lora_out)
 
 
-def feed_forward_bwd(res, dy):
-    """dy (..., D) -> (dp with p's keys, dx (..., D))."""
+def feed_forward_bwd(res, dy, narrow_ok: bool = False):
+    """dy (..., D) -> (dp with p's keys, dx (..., D)); ``narrow_ok``: dx may stay in the
+    products' 16-bit compute dtype (its consumer upcasts it), else it is in dy's (``widened``)."""
     if isinstance(res, GatedFeedForwardRes):
-        return gated_feed_forward_bwd(res, dy)
+        return gated_feed_forward_bwd(res, dy, narrow_ok)
     d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
     dl_out, da_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(a) A) B
     dh = activation_bwd(res.act, add_dx(da, da_lora))  # a = act(upcast(h))
     dh = kept(dh, res.inp.x.dtype)  # h = kept(h): a bfloat16 value's cotangent is bfloat16
     d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
     dl_in, dx_lora = adapted_bwd(res.lora_in, dh)  # h = h + s (drop(x) A) B
-    dx = widened(add_dx(dx, dx_lora), dy)
+    dx = add_dx(dx, dx_lora) if narrow_ok else widened(add_dx(dx, dx_lora), dy)
     dp = {"w_in": d_in["w"], "w_out": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)
         dp["b_in"] = d_in["b"]
@@ -100,8 +101,9 @@ def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     return y, GatedFeedForwardRes(inp_res, gu, Activation(activation_name), out_res, lora_in, lora_out)
 
 
-def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
-    """dy (..., D) -> ({w_gate, w_up, w_down, b_gate?, b_up?, b_down?}, dx (..., D))."""
+def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy, narrow_ok: bool = False):
+    """dy (..., D) -> ({w_gate, w_up, w_down, b_gate?, b_up?, b_down?}, dx (..., D));
+    ``narrow_ok`` as feed_forward_bwd's."""
     d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
     dl_out, dm_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(m) A) B
     dm = upcast(add_dx(dm, dm_lora))  # (a bfloat16 product cotangent under a bfloat16 policy)
@@ -113,7 +115,7 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy):
     dgu = kept(dgu, res.inp.x.dtype)  # gu = kept(gu): a bfloat16 value's cotangent is bfloat16
     d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
     dl_in, dx_lora = adapted_bwd(res.lora_in, dgu)  # gu = gu + LoRA's [delta_gate | delta_up]
-    dx = widened(add_dx(dx, dx_lora), dy)
+    dx = add_dx(dx, dx_lora) if narrow_ok else widened(add_dx(dx, dx_lora), dy)
     dw_gate, dw_up = jnp.split(d_in["w"], 2, axis=1)  # w = [w_gate | w_up] (gate_up_weights), (D, F) each
     dp = {"w_gate": dw_gate, "w_up": dw_up, "w_down": d_out["w"], **_lora_grads(dl_in, dl_out)}
     if "b" in d_in:  # the layer has biases (ModelConfig.bias)

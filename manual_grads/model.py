@@ -40,7 +40,7 @@ from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
 from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
-from manual_grads.block import norm_bwd, norm_fwd
+from manual_grads.norms import norm_bwd, norm_fwd
 from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.parallel.context import context_value_and_grad

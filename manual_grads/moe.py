@@ -184,11 +184,12 @@ def ffn_fwd(p, x, config):
     return feed_forward_fwd(p, x, config.activation, config.compute_dtype)
 
 
-def ffn_bwd(res, dy):
-    """Undoes ffn_fwd: dy (..., D) -> (dp, dx)."""
+def ffn_bwd(res, dy, narrow_ok: bool = False):
+    """Undoes ffn_fwd: dy (..., D) -> (dp, dx); ``narrow_ok`` as mlp.py's feed_forward_bwd
+    (the MoE layer's dx is in its own dtype either way)."""
     if isinstance(res, MoeRes):
         return moe_bwd(res, dy)
-    return feed_forward_bwd(res, dy)
+    return feed_forward_bwd(res, dy, narrow_ok)
 
 
 def moe_aux_loss_bwd(stats: MoeStats, config, dloss=1.0) -> MoeStats:

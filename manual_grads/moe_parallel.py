@@ -200,6 +200,6 @@ def ffn_fwd(p, x, config):
     return moe_layer_fwd(p, x, config) if config.n_experts else _moe.ffn_fwd(p, x, config)
 
 
-def ffn_bwd(res, dy):
-    """Undoes ffn_fwd."""
-    return moe_parallel_bwd(res, dy) if isinstance(res, ParallelMoeRes) else _moe.ffn_bwd(res, dy)
+def ffn_bwd(res, dy, narrow_ok: bool = False):
+    """Undoes ffn_fwd (``narrow_ok`` as moe.py's ffn_bwd)."""
+    return moe_parallel_bwd(res, dy) if isinstance(res, ParallelMoeRes) else _moe.ffn_bwd(res, dy, narrow_ok)

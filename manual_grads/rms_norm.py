@@ -38,13 +38,23 @@ def rms_norm_fwd(p, x, eps, offset=0.0, axis_name: str | None = None):
     where ``offset`` is not 0. ``axis_name``: x (and the scale) are this device's part of each
     row's features, split over that mesh axis (the model's rms_norm_stats)."""
     xhat, rstd = rms_norm_stats(x, eps, axis_name)  # (..., D), (..., 1): kept for the backward
+    res = rms_norm_res(p, xhat, rstd, offset, axis_name)
+    if "scale" not in p:
+        return xhat, res
+    if not offset:
+        return xhat * p["scale"], res
+    return xhat * (res.offset + upcast(p["scale"])), res
+
+
+def rms_norm_res(p, xhat, rstd, offset=0.0, axis_name: str | None = None) -> RMSNormRes:
+    """What the backward keeps of an RMS norm with params p, given its statistics (the
+    offset in rstd's dtype, the statistics')."""
     split = None if axis_name is None else SplitAxis(axis_name)
     if "scale" not in p:
-        return xhat, RMSNormRes(xhat, rstd, None, split=split)
+        return RMSNormRes(xhat, rstd, None, split=split)
     if not offset:
-        return xhat * p["scale"], RMSNormRes(xhat, rstd, p["scale"], split=split)
-    kept = jnp.asarray(offset, xhat.dtype)
-    return xhat * (kept + upcast(p["scale"])), RMSNormRes(xhat, rstd, p["scale"], kept, split)
+        return RMSNormRes(xhat, rstd, p["scale"], split=split)
+    return RMSNormRes(xhat, rstd, p["scale"], jnp.asarray(offset, rstd.dtype), split)
 
 
 def rms_norm_bwd(res: RMSNormRes, dy):
@@ -60,6 +70,7 @@ def rms_norm_bwd(res: RMSNormRes, dy):
     """
     xhat, rstd, scale, offset, split = res
     D = xhat.shape[-1]
+    dy = upcast(dy)  # a 16-bit dy (a product's input cotangent) multiplies in float32
     if scale is None:
         dxhat = dy  # y = xhat
     elif offset is None:

@@ -268,7 +268,7 @@ def test_a_mesh_compiles_for_an_h100():
 # launches, 5,262 / 8,866 MiB) compile three times as long and are printed by
 # experiments/gpu_launches.py (docs/benchmark.md, "Kernels per step"). A change that adds
 # kernels or memory fails here; one that removes them lowers the figures.
-GPU_STEPS = {"gpt2": (16, 1024, 252, 1_038), "smollm": (8, 2048, 229, 798)}
+GPU_STEPS = {"gpt2": (16, 1024, 238, 1_013), "smollm": (8, 2048, 216, 749)}
 GPU_STEP_LAYERS = 2
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import manual_grads
 from jaxformer.checkpoints import checkpoint, runs
-from manual_grads import block as manual_block
+from manual_grads import norms as manual_norms
 from jaxformer.checkpoints.checkpoint import CheckpointError
 from jaxformer.model.config import get_preset
 from jaxformer.model.params import init_params
@@ -235,7 +235,7 @@ def test_diagnosis_names_the_forward_stage(params):
 
 def test_diagnosis_names_the_backward_stage(params, monkeypatch):
     calls = []
-    real = manual_block.layer_norm_bwd
+    real = manual_norms.layer_norm_bwd
 
     def nan_in_the_last_call(res, dy):  # the backward reaches blocks[0].ln1 last
         dp, dx = real(res, dy)
@@ -244,7 +244,7 @@ def test_diagnosis_names_the_backward_stage(params, monkeypatch):
             dp = dict(dp, scale=dp["scale"].at[0].set(jnp.nan))
         return dp, dx
 
-    monkeypatch.setattr(manual_block, "layer_norm_bwd", nan_in_the_last_call)
+    monkeypatch.setattr(manual_norms, "layer_norm_bwd", nan_in_the_last_call)
     d = diagnose.diagnose_batch(params, _batch(), CONFIG)
     assert d.first.startswith("backward: blocks[0].ln1 dscale is non-finite; its input gradient has min")
 

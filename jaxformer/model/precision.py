@@ -31,9 +31,15 @@ def kept(x, compute_dtype):
     activation's input), as the manual forward keeps it; and the output of a product that only
     elementwise work and other products read (the q/k/v and feed-forward input projections,
     rounded after their bias as autocast returns them; docs/design.md, "Mixed precision")."""
+    return x.astype(kept_dtype(x.dtype, compute_dtype))
+
+
+def kept_dtype(dtype, compute_dtype):
+    """The dtype ``kept`` gives an x of ``dtype``: the compute dtype where that is a 16-bit
+    float, else ``dtype``."""
     if compute_dtype is None or jnp.dtype(compute_dtype).itemsize >= 4:
-        return x
-    return x.astype(compute_dtype)
+        return jnp.dtype(dtype)
+    return jnp.dtype(compute_dtype)
 
 
 def matmul(a, b, compute_dtype=None):

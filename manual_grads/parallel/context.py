@@ -58,9 +58,10 @@ from manual_grads.dropout import dropout_bwd
 from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
 from manual_grads.head import head_loss_bwd, head_loss_fwd
 from manual_grads.block import (PostBlockRes, PreBlockRes, _branch_fwd, _branch_keys, _in_norm_fwd, _post_sublayer_bwd,
-                                _post_sublayer_fwd, _sublayer_bwd, norm_bwd, norm_fwd, with_dstats)
+                                _post_sublayer_fwd, _sublayer_bwd, with_dstats)
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
+from manual_grads.norms import norm_bwd, norm_fwd
 from manual_grads.parallel.ring import ring_core_bwd, ring_manual_of
 from manual_grads.parallel.tensor import join_arrays, split_arrays, tensor_blocks_bwd, tensor_blocks_fwd
 from manual_grads.parallel.vocab import vocab_head_loss_grads_local
@@ -75,9 +76,10 @@ def context_attention_fwd(p, x, config: ModelConfig, segments=None, key=None):
                          ring_manual_of(config))
 
 
-def context_attention_bwd(res, dy):
-    """dy (B, T/c, D) -> (dp with p's keys: device i's tokens' part, dx (B, T/c, D))."""
-    return attention_bwd(res, dy, ring_core_bwd)
+def context_attention_bwd(res, dy, narrow_ok: bool = False):
+    """dy (B, T/c, D) -> (dp with p's keys: device i's tokens' part, dx (B, T/c, D));
+    ``narrow_ok`` as attention_bwd's."""
+    return attention_bwd(res, dy, ring_core_bwd, narrow_ok)
 
 
 def context_block_fwd(p, x, config: ModelConfig, segments=None, key=None):

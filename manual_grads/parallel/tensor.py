@@ -166,8 +166,9 @@ def tensor_attention_fwd(p, x, config: ModelConfig, segments=None, sequence: boo
     return (y + p["bo"] if "bo" in p else y), TensorAttentionRes(res, config, "bo" in p, sequence)
 
 
-def tensor_attention_bwd(res: TensorAttentionRes, dy):
-    """dy (B, T, D) -> (dp with p's keys: device i's slices of the split leaves, dx (B, T, D))."""
+def tensor_attention_bwd(res: TensorAttentionRes, dy, narrow_ok: bool = False):
+    """dy (B, T, D) -> (dp with p's keys: device i's slices of the split leaves, dx (B, T, D));
+    dx in dy's dtype whatever ``narrow_ok`` allows (the devices' parts are summed in it)."""
     config, t = res.config, jax.lax.axis_size(TENSOR)
     # y = leave(attention(local, enter(x), local_config)) + bo
     ring = isinstance(res.attn.core, RING_RES)  # the ring's core (a context axis beside)
@@ -207,8 +208,9 @@ def tensor_feed_forward_fwd(p, x, config: ModelConfig, sequence: bool = False):
     return (y + p[bias] if bias in p else y), TensorFeedForwardRes(res, bias if bias in p else None, sequence)
 
 
-def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy):
-    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D))."""
+def tensor_feed_forward_bwd(res: TensorFeedForwardRes, dy, narrow_ok: bool = False):
+    """dy (B, T, D) -> (dp with p's keys, dx (B, T, D)); dx in dy's dtype whatever ``narrow_ok``
+    allows (the devices' parts are summed in it)."""
     # y = leave(feed_forward(local, enter(x))) + b
     if isinstance(res.ffn, MoeRes):  # y = leave(moe(moe_local_params(p), enter(x)))
         dp, dh = moe_bwd(res.ffn, leave_bwd(dy, res.sequence))

@@ -1,0 +1,112 @@
+"""The block's norm, layer norm or RMS norm as config.norm_type says, forward and backward;
+on a GPU through the Pallas kernels of jaxformer/kernels/pallas/norm.py.
+
+XLA compiles a norm to several kernels on a GPU, each reading the row again (the kernels'
+module says which). The kernels read each row once each way, and the backward adds the skip
+connection's gradient in the same pass (``skip``). Which runs is the platform the program is
+lowered for (``jax.lax.platform_dependent``): "cuda" and "rocm" the kernels, any other the
+XLA code of layer_norm.py and rms_norm.py, so a CPU or TPU program is as it was. Both give
+the same values to rounding (tests/test_norm_kernel.py proves the kernels equal to that code
+in interpret mode, float64 and float32). Only inputs with float32 statistics take the
+kernels (Triton has no fast float64), and not an RMS norm split over a mesh axis
+(tensor parallelism's). On a mesh a kernel runs per shard of the batch (kernels/shards.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.kernels.pallas.norm import norm_backward, norm_forward
+from jaxformer.kernels.shards import per_example_shards
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.precision import kept, kept_dtype, stats_dtype
+from manual_grads.layer_norm import column_sums, layer_norm_bwd, layer_norm_fwd, layer_norm_res
+from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd, rms_norm_res
+
+GPU_KERNELS = True  # False: the XLA code on a GPU too (``jaxformer bench --norm-kernels off``)
+
+
+def _kernels(dtype) -> bool:
+    """Whether a norm of ``dtype`` inputs takes the kernels on a GPU: float32 statistics."""
+    return GPU_KERNELS and stats_dtype(dtype) == jnp.float32
+
+
+def _on_gpu(kernel_branch, xla_branch, *args, after=lambda *outs: outs):
+    """after(*kernel_branch(*args)) where the program is lowered for "cuda" or "rocm" (the
+    kernel per shard of the batch on a mesh, ``after`` on the whole), else xla_branch(*args)."""
+    def gpu(*args):
+        return after(*per_example_shards(kernel_branch, *args))
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=xla_branch)
+
+
+def _xla_norm_fwd(p, x, config: ModelConfig):
+    if config.norm_type == "rms":
+        y, res = rms_norm_fwd(p, x, config.ln_eps, config.norm_offset)
+    else:
+        y, res = layer_norm_fwd(p, x, config.ln_eps)
+    return y, res._replace(xhat=kept(res.xhat, config.compute_dtype))  # bfloat16 under its policy
+
+
+def norm_fwd(p, x, config: ModelConfig, products_only: bool = False):
+    """The norm config.norm_type names (the model's ``pick_norm``): x (..., D) -> y, res; the
+    normalized x kept as ``precision.kept`` says (bfloat16 under a bfloat16 compute dtype:
+    the backward reads it in float32). ``products_only``: only products read y, each cast to
+    the compute dtype, so y is written in it where ``precision.kept`` keeps that (the cast done
+    once, in the norm's pass; the products' input cotangents come back in it too)."""
+    y_dtype = kept_dtype(stats_dtype(x.dtype), config.compute_dtype) if products_only else None
+
+    def xla(x):
+        y, res = _xla_norm_fwd(p, x, config)
+        return (y if y_dtype is None else y.astype(y_dtype)), res
+
+    if not _kernels(x.dtype):
+        return xla(x)
+    rms = config.norm_type == "rms"
+    offset = config.norm_offset if rms else 0.0
+
+    def kernel(x):
+        return norm_forward(x, p.get("scale"), p.get("bias"), eps=config.ln_eps, rms=rms, offset=offset,
+                            y_dtype=y_dtype, kept_dtype=kept_dtype(stats_dtype(x.dtype), config.compute_dtype))
+
+    def xla_arrays(x):
+        y, res = xla(x)
+        return y, res.xhat, res.rstd
+
+    y, xhat, rstd = _on_gpu(kernel, xla_arrays, x)
+    return y, (rms_norm_res(p, xhat, rstd, offset) if rms else layer_norm_res(p, xhat, rstd))
+
+
+def _xla_norm_bwd(res, dy, skip=None):
+    dp, dx = (rms_norm_bwd if isinstance(res, RMSNormRes) else layer_norm_bwd)(res, dy)
+    return dp, (dx if skip is None else dx + skip)
+
+
+def norm_bwd(res, dy, skip=None):
+    """Undoes whichever norm made ``res``: dy (..., D) -> (dp, dx); ``skip`` (..., D): the
+    gradient of a skip connection around the norm's sublayer, added to dx (y = skip + ...)."""
+    rms = isinstance(res, RMSNormRes)
+    if not _kernels(res.rstd.dtype) or (rms and res.split is not None):
+        return _xla_norm_bwd(res, dy, skip)
+    offset = res.offset if rms else None
+    scale = res.scale if offset is None else offset + res.scale.astype(offset.dtype)  # y = xhat (offset + scale)
+    has_skip = skip is not None
+
+    def kernel(dy, xhat, rstd, *skip):
+        return norm_backward(dy, xhat, rstd, scale, rms=rms, skip=skip[0] if has_skip else None)
+
+    def xla(dy, xhat, rstd, *skip):
+        dp, dx = _xla_norm_bwd(res._replace(xhat=xhat, rstd=rstd), dy, skip[0] if has_skip else None)
+        zeros = jnp.zeros(dx.shape[-1:], dx.dtype)  # the kernel branch's sums, of a norm without them too
+        return dx, dp.get("scale", zeros).astype(dx.dtype), dp.get("bias", zeros).astype(dx.dtype)
+
+    def sums(dx, dscale, dbias):  # each program's column sums, on a mesh each shard's: (D,) each
+        return (dx, *column_sums(dscale, dbias))
+
+    dx, dscale, dbias = _on_gpu(kernel, xla, dy, res.xhat, res.rstd, *([skip] if has_skip else []), after=sums)
+    if res.scale is None:
+        return {}, dx
+    dp = {"scale": dscale.astype(res.scale.dtype)}
+    if not rms and res.has_bias is not None:
+        dp["bias"] = dbias.astype(res.scale.dtype)
+    return dp, dx
