@@ -24,7 +24,7 @@ from jaxformer.model.precision import kept, kept_dtype, stats_dtype
 from manual_grads.layer_norm import column_sums, layer_norm_bwd, layer_norm_fwd, layer_norm_res
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd, rms_norm_res
 
-GPU_KERNELS = True  # False: the XLA code on a GPU too (``jaxformer bench --norm-kernels off``)
+GPU_KERNELS = True  # False: the XLA code on a GPU too (experiments/step_profile.py and gpu_launches.py --norms xla)
 
 
 def _kernels(dtype) -> bool:

@@ -85,8 +85,8 @@ def _forward_kernel(*refs, D: int, C: int, eps: float, rms: bool, offset: float,
     cols = [slice(c, c + C) for c in range(0, D, C)]
     xs = [x_ref[:, c].astype(sd) for c in cols]  # (R, C) each: the row block, read once
     top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1, keepdims=True) for x in xs])
-    bad = functools.reduce(jnp.maximum, [jnp.max(jnp.where(jnp.isfinite(x), 0.0, 1.0).astype(sd), axis=1,
-                                                 keepdims=True) for x in xs]) > 0
+    bad = functools.reduce(jnp.maximum, [jnp.max((~jnp.isfinite(x)).astype(sd), axis=1, keepdims=True)
+                                         for x in xs]) > 0  # (R, 1): a non-finite value in the row
     s = row_scale(top, bad, sd)  # (R, 1)
     xs = [x * s for x in xs]  # xs = x * s
     if rms:
