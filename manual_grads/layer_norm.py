@@ -26,6 +26,7 @@ class LayerNormRes(NamedTuple):
     rstd: jax.Array  # (..., 1) 1 / sqrt(var + eps), float32 or wider
     scale: jax.Array  # (D,)
     has_bias: jax.Array | None = None  # (0,) empty when p has a bias (ModelConfig.bias), else None
+    kernels: object | None = None  # static: norms.py's KERNELS where the forward ran the GPU kernels
 
 
 def layer_norm_res(p, xhat, rstd) -> LayerNormRes:
@@ -49,7 +50,7 @@ def layer_norm_bwd(res: LayerNormRes, dy):
     gradient reaches x directly and through the mean and the variance:
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
     """
-    xhat, rstd, scale, has_bias = res
+    xhat, rstd, scale, has_bias, _ = res
     dy = upcast(dy)  # a 16-bit dy (a product's input cotangent) multiplies in float32
     # dscale = sum(dy * xhat), dbias = sum(dy), over every leading dim: (D,) each, in one reduction
     dscale, dbias = column_sums(dy * xhat, dy)

@@ -3,16 +3,22 @@ on a GPU through the Pallas kernels of jaxformer/kernels/pallas/norm.py.
 
 XLA compiles a norm to several kernels on a GPU, each reading the row again (the kernels'
 module says which). The kernels read each row once each way, and the backward adds the skip
-connection's gradient in the same pass (``skip``). Which runs is the platform the program is
-lowered for (``jax.lax.platform_dependent``): "cuda" and "rocm" the kernels, any other the
-XLA code of layer_norm.py and rms_norm.py, so a CPU or TPU program is as it was. Both give
-the same values to rounding (tests/test_norm_kernel.py proves the kernels equal to that code
-in interpret mode, float64 and float32). Only inputs with float32 statistics take the
-kernels (Triton has no fast float64), and not an RMS norm split over a mesh axis
-(tensor parallelism's). On a mesh a kernel runs per shard of the batch (kernels/shards.py).
+connection's gradient in the same pass (``skip``). They come with the attention's kernels:
+where config.attention_impl is "pallas" or "cudnn" (a program with custom calls already:
+``jax.export`` asks for them to be allowed, a multi-platform export cannot hold them), the
+forward takes them and marks its residual (``KERNELS``), and the backward of a marked residual
+takes them too; with "full" or "blockwise" the step holds no custom call, as before. Which runs
+then is the platform the program is lowered for (``jax.lax.platform_dependent``): "cuda" and
+"rocm" the kernels, any other the XLA code of layer_norm.py and rms_norm.py, so a CPU or TPU
+program is as it was. Both give the same values to rounding (tests/test_norm_kernel.py proves
+the kernels equal to that code in interpret mode, float64 and float32). Only inputs with
+float32 statistics take the kernels (Triton has no fast float64). On a mesh a kernel runs per
+shard of the batch (kernels/shards.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +31,23 @@ from manual_grads.layer_norm import column_sums, layer_norm_bwd, layer_norm_fwd,
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd, rms_norm_res
 
 GPU_KERNELS = True  # False: the XLA code on a GPU too (experiments/step_profile.py and gpu_launches.py --norms xla)
+KERNEL_ATTENTION = ("pallas", "cudnn")  # the attention_impl values whose steps take the norms' kernels
 
 
-def _kernels(dtype) -> bool:
-    """Whether a norm of ``dtype`` inputs takes the kernels on a GPU: float32 statistics."""
-    return GPU_KERNELS and stats_dtype(dtype) == jnp.float32
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class GpuKernels:
+    """A norm residual's mark (a static node): its forward chose the kernels for a GPU, and so
+    does its backward."""
+
+
+KERNELS = GpuKernels()
+
+
+def _kernels(config: ModelConfig, dtype) -> bool:
+    """Whether a norm of ``dtype`` inputs takes the kernels on a GPU: the attention runs a
+    kernel, and the statistics are float32."""
+    return GPU_KERNELS and config.attention_impl in KERNEL_ATTENTION and stats_dtype(dtype) == jnp.float32
 
 
 def _on_gpu(kernel_branch, xla_branch, *args, after=lambda *outs: outs):
@@ -60,7 +78,7 @@ def norm_fwd(p, x, config: ModelConfig, products_only: bool = False):
         y, res = _xla_norm_fwd(p, x, config)
         return (y if y_dtype is None else y.astype(y_dtype)), res
 
-    if not _kernels(x.dtype):
+    if not _kernels(config, x.dtype):
         return xla(x)
     rms = config.norm_type == "rms"
     offset = config.norm_offset if rms else 0.0
@@ -74,7 +92,8 @@ def norm_fwd(p, x, config: ModelConfig, products_only: bool = False):
         return y, res.xhat, res.rstd
 
     y, xhat, rstd = _on_gpu(kernel, xla_arrays, x)
-    return y, (rms_norm_res(p, xhat, rstd, offset) if rms else layer_norm_res(p, xhat, rstd))
+    res = rms_norm_res(p, xhat, rstd, offset) if rms else layer_norm_res(p, xhat, rstd)
+    return y, res._replace(kernels=KERNELS)  # the backward takes them too
 
 
 def _xla_norm_bwd(res, dy, skip=None):
@@ -86,7 +105,7 @@ def norm_bwd(res, dy, skip=None):
     """Undoes whichever norm made ``res``: dy (..., D) -> (dp, dx); ``skip`` (..., D): the
     gradient of a skip connection around the norm's sublayer, added to dx (y = skip + ...)."""
     rms = isinstance(res, RMSNormRes)
-    if not _kernels(res.rstd.dtype) or (rms and res.split is not None):
+    if res.kernels is None:  # the forward ran XLA's code
         return _xla_norm_bwd(res, dy, skip)
     offset = res.offset if rms else None
     scale = res.scale if offset is None else offset + res.scale.astype(offset.dtype)  # y = xhat (offset + scale)

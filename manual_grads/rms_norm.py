@@ -31,6 +31,7 @@ class RMSNormRes(NamedTuple):
     scale: jax.Array | None  # (D,), or None when p has no scale (ModelConfig.norm_scale False)
     offset: jax.Array | None = None  # () the offset, in xhat's dtype; None: the scale applied as it is
     split: SplitAxis | None = None  # static: x is this device's part of each row's features
+    kernels: object | None = None  # static: norms.py's KERNELS where the forward ran the GPU kernels
 
 
 def rms_norm_fwd(p, x, eps, offset=0.0, axis_name: str | None = None):
@@ -68,7 +69,7 @@ def rms_norm_bwd(res: RMSNormRes, dy):
     With ``res.split`` the mean in rstd was over every device's features, and so is the mean
     of dxhat * xhat: psum(sum(dxhat * xhat)) / (t D), the same all-reduce as the forward's.
     """
-    xhat, rstd, scale, offset, split = res
+    xhat, rstd, scale, offset, split, _ = res
     D = xhat.shape[-1]
     dy = upcast(dy)  # a 16-bit dy (a product's input cotangent) multiplies in float32
     if scale is None:
