@@ -19,11 +19,12 @@ from xla_flags import legacy_emitter_flag
 import manual_grads
 from jaxformer.cli.main import main
 from jaxformer.kernels.pallas import entry as pallas_entry
+from jaxformer.kernels.pallas import norm as norm_kernels
 from jaxformer.tools.doctor import checks
 
 pytestmark = pytest.mark.xdist_group("test_doctor")  # one worker: its module fixture (healthy) runs once
 
-VERDICT = "doctor: 8 checks passed, 0 failed, 3 not checked on cpu"
+VERDICT = "doctor: 9 checks passed, 0 failed, 3 not checked on cpu"
 
 
 def run_doctor(out):
@@ -57,6 +58,7 @@ def test_quick_report_names_the_device_the_checks_and_what_it_could_not_check(he
         "pallas float32 (interpret mode)": "passed",
         "pallas bfloat16 (interpret mode)": "passed",
         "cudnn bfloat16": "not checked",
+        "norm kernels float32 (interpret mode)": "passed",
         "manual vs jax.grad, float32": "passed",
         "full, manual grads": "passed",
         "blockwise, manual grads": "passed",
@@ -89,9 +91,10 @@ def test_quick_report_states_the_measurements_and_their_bounds(healthy):
 
 def test_a_wrong_kernel_backward_and_wrong_manual_gradients_fail(tmp_path, monkeypatch):
     """dQ of the kernel's backward (the rule jax.grad runs through flash_attention) off
-    by 10%, every manual gradient leaf off by 0.1%: those three checks fail by name, the
-    rest still run and pass (Adam does not mind gradients scaled by 1.001), exit 1."""
-    right_bwd, right_vg = pallas_entry.flash_core_bwd, manual_grads.value_and_grad
+    by 10%, every manual gradient leaf off by 0.1%, the norms' backward kernel's dx off by
+    0.1%: those four checks fail by name, the rest still run and pass (Adam does not mind
+    gradients scaled by 1.001), exit 1."""
+    right_bwd, right_vg, right_norm = pallas_entry.flash_core_bwd, manual_grads.value_and_grad, norm_kernels.norm_backward
 
     def wrong_bwd(res, dout):
         dq, dk, dv = right_bwd(res, dout)
@@ -101,16 +104,22 @@ def test_a_wrong_kernel_backward_and_wrong_manual_gradients_fail(tmp_path, monke
         loss, grads = right_vg(*args, **kwargs)
         return loss, jax.tree_util.tree_map(lambda g: g * 1.001, grads)
 
+    def wrong_norm(*args, **kwargs):
+        dx, dscale, dbias = right_norm(*args, **kwargs)
+        return dx * 1.001, dscale, dbias
+
     monkeypatch.setattr(pallas_entry, "flash_core_bwd", wrong_bwd)
+    monkeypatch.setattr(norm_kernels, "norm_backward", wrong_norm)
     monkeypatch.setattr(manual_grads, "value_and_grad", wrong_vg)
     code, text, report = run_doctor(tmp_path / "broken.json")
     assert code == 1, text
     failed = {name for name, status in statuses(report).items() if status == "failed"}
     assert failed == {"pallas float32 (interpret mode)", "pallas bfloat16 (interpret mode)",
-                      "manual vs jax.grad, float32"}, text
+                      "norm kernels float32 (interpret mode)", "manual vs jax.grad, float32"}, text
     assert "passed: worst rel 1.0e-01 (dq) > 1e-05" not in text and "failed: worst rel 1.0e-01 (dq) > 1e-05" in text
     assert "failed: worst leaf rel 1.0e-03" in text and " of 20 leaves over (tok_embed, pos_embed" in text
-    assert report["summary"]["verdict"] == "doctor: 5 checks passed, 3 failed, 3 not checked on cpu"
+    assert "failed: worst rel 1.0e-03 (layer dx) > 1e-05" in text or "failed: worst rel 1.0e-03 (rms dx) > 1e-05" in text
+    assert report["summary"]["verdict"] == "doctor: 5 checks passed, 4 failed, 3 not checked on cpu"
 
 
 def test_bad_flags_are_one_error_line(capsys):

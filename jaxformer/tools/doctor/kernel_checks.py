@@ -4,7 +4,9 @@ probabilities, model/cores.py), forward output and the three input gradients of 
 jax.vjp, causal. On a GPU or a TPU the Pallas kernels (kernels/pallas/entry.py) run
 compiled, Triton or Mosaic, and the lowered program must hold their KERNELS_PER_STEP custom
 calls; on a GPU cuDNN's fused attention too. On a CPU neither exists: the same kernels run in
-interpret mode instead."""
+interpret mode instead. Then the norms' kernels (kernels/pallas/norm.py, the hand-derived step's
+layer norms and RMS norms beside those attention kernels on a GPU) against manual_grads' XLA
+code, forward and backward."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.kernels.pallas import norm as norm_kernels
 from jaxformer.model.cores import AttentionSpec, cudnn, flash, full, repeat_kv
 from jaxformer.tools.doctor.checks import (FAILED, NO_CUDNN, NOT_CHECKED, PASSED, Check, compile_check,
                                            judged, worst)
 from manual_grads import check
+from manual_grads.layer_norm import layer_norm_bwd, layer_norm_fwd
+from manual_grads.rms_norm import rms_norm_bwd, rms_norm_fwd
 
 # Relative error allowed for a kernel's output and gradients against full attention in
 # float32. float32: round-off only (unit 6e-8), the kernel and the layer summing the same
@@ -33,6 +38,10 @@ KERNEL_CALLS = {"gpu": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}  # a co
 KERNEL_NAMES = {"gpu": "Triton", "tpu": "Mosaic"}
 KERNELS_PER_STEP = 4  # forward, delta, dK/dV, dQ: one of each in a forward + vjp
 NO_PALLAS = "no GPU/TPU (Pallas compiles for cuda/rocm/tpu only; cpu runs interpret mode)"
+# The norms' kernels against the XLA code in float32: the two sum a row in different orders
+# (2e-7 to 6e-7 measured in interpret mode, tests/test_norm_kernel.py), so 1e-5 as for attention.
+NORM_TOL = 1e-5
+NORM_CALLS = 4  # a layer norm's and an RMS norm's forward and backward
 
 
 class KernelShape(NamedTuple):
@@ -152,4 +161,55 @@ def kernel_checks(platform: str, quick: bool, seed: int) -> list[Check]:
                 yardstick)])
         else:
             out.append(Check("kernels", "cudnn bfloat16", NOT_CHECKED, NO_CUDNN))
+    if platform != "tpu":  # a TPU's step keeps XLA's norms
+        out += norm_check(platform, seed)
     return out
+
+
+def norm_pair(x, dy, skip, scale, bias, rms: bool, interpret: bool):
+    """One norm forward and backward, by the kernels (``interpret``: on a CPU) and by
+    manual_grads' XLA code: ({y, xhat, rstd, dx, dscale, dbias} each)."""
+    offset = 1.0 if rms else 0.0
+    y, xhat, rstd = norm_kernels.norm_forward(x, scale, None if rms else bias, eps=1e-5, rms=rms, offset=offset,
+                                              interpret=interpret)
+    dx, ds, db = norm_kernels.norm_backward(dy, xhat, rstd, offset + scale, rms=rms, skip=skip, interpret=interpret)
+    got = {"y": y, "xhat": xhat, "rstd": rstd, "dx": dx, "dscale": ds.sum(axis=0), "dbias": db.sum(axis=0)}
+    if rms:
+        y, res = rms_norm_fwd({"scale": scale}, x, 1e-5, offset)
+        dp, dx = rms_norm_bwd(res, dy)
+        dp["bias"] = dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+    else:
+        y, res = layer_norm_fwd({"scale": scale, "bias": bias}, x, 1e-5)
+        dp, dx = layer_norm_bwd(res, dy)
+    ref = {"y": y, "xhat": res.xhat, "rstd": res.rstd, "dx": dx + skip, "dscale": dp["scale"], "dbias": dp["bias"]}
+    return ref, got
+
+
+def norm_check(platform: str, seed: int) -> list[Check]:
+    """The norms' kernels (a layer norm with a bias, an RMS norm with Gemma's offset, each with
+    a skip connection's gradient; rows of 96 features, one of them large) against the XLA code
+    in float32, compiled on a GPU (two Triton calls each), in interpret mode elsewhere."""
+    compiled = platform == "gpu"
+    name = f"norm kernels float32 ({'Triton' if compiled else 'interpret mode'})"
+    rng = np.random.default_rng(seed)
+    x, dy, skip = (jnp.asarray(rng.standard_normal((2, 40, 96)), jnp.float32) for _ in range(3))
+    x = x.at[0, 3].multiply(1e4) + 0.5
+    scale, bias = (jnp.asarray(1.0 + 0.3 * rng.standard_normal(96), jnp.float32) for _ in range(2))
+
+    def run():
+        errors, calls = {}, 0
+        for rms in (False, True):
+            pair = jax.jit(functools.partial(norm_pair, rms=rms, interpret=not compiled))
+            lowered = pair.lower(x, dy, skip, scale, bias)
+            ref, got = jax.device_get(compile_check(lowered, platform)(x, dy, skip, scale, bias))
+            errors.update({f"{'rms' if rms else 'layer'} {k}": v for k, v in rels(ref, got).items()})
+            calls += lowered.as_text().count(KERNEL_CALLS["gpu"])
+        at, rel = worst(errors)
+        ok = bool(rel <= NORM_TOL) and (not compiled or calls >= NORM_CALLS)
+        detail = f"worst rel {rel:.1e} ({at}) {'<=' if rel <= NORM_TOL else '>'} {NORM_TOL:.0e}"
+        if compiled:
+            detail += f"; {calls} Triton kernel calls compiled" + ("" if calls >= NORM_CALLS else
+                                                                    f", not {NORM_CALLS}: the kernels did not compile")
+        return [Check("kernels", name, PASSED if ok else FAILED, detail, {"rel": errors, "tolerance": NORM_TOL})]
+
+    return judged("kernels", name, run)

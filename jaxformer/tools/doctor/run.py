@@ -74,7 +74,8 @@ def section_titles(p: str, quick: bool, seed: int) -> dict:
     b = bench_settings(p, quick, seed)
     return {
         "kernels": f"attention kernels vs full attention ({kernel_shape(p, quick).text()}; out, dq, dk, dv "
-                   f"of one jax.vjp; rel = ||got - full|| / ||full||, full in float32, matmul precision highest)",
+                   f"of one jax.vjp; rel = ||got - full|| / ||full||, full in float32, matmul precision highest; "
+                   f"then the norms' kernels vs the XLA norms)",
         "gradients": f"manual gradients vs jax.grad (GPT-2-shaped {shape_text(config, B, T)}; float32, "
                      f"matmul precision highest; rel per parameter leaf)",
         "training": f"training ({TRAIN_STEPS} steps of the tiny preset, B{tB} T{tT}, adam lr 1e-2 on one batch; "
