@@ -50,7 +50,7 @@ def layer_norm_bwd(res: LayerNormRes, dy):
     gradient reaches x directly and through the mean and the variance:
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
     """
-    xhat, rstd, scale, has_bias, _ = res
+    xhat, rstd, scale, has_bias = res.xhat, res.rstd, res.scale, res.has_bias
     dy = upcast(dy)  # a 16-bit dy (a product's input cotangent) multiplies in float32
     # dscale = sum(dy * xhat), dbias = sum(dy), over every leading dim: (D,) each, in one reduction
     dscale, dbias = column_sums(dy * xhat, dy)

@@ -69,7 +69,7 @@ def rms_norm_bwd(res: RMSNormRes, dy):
     With ``res.split`` the mean in rstd was over every device's features, and so is the mean
     of dxhat * xhat: psum(sum(dxhat * xhat)) / (t D), the same all-reduce as the forward's.
     """
-    xhat, rstd, scale, offset, split, _ = res
+    xhat, rstd, scale, offset, split = res.xhat, res.rstd, res.scale, res.offset, res.split
     D = xhat.shape[-1]
     dy = upcast(dy)  # a 16-bit dy (a product's input cotangent) multiplies in float32
     if scale is None:
