@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxformer import get_preset, init_params
 from jaxformer.data.batching import random_batch
@@ -180,3 +182,22 @@ def test_manual_step_with_the_kernels_is_the_xla_one(monkeypatch, preset, change
     loss, grads = jax.jit(functools.partial(manual_model.value_and_grad, config=config))(params, batch)
     assert abs(float(loss) - float(loss0)) <= 1e-12 * abs(float(loss0))
     assert_trees_close(grads0, grads)
+
+
+def test_the_kernels_lower_for_cuda_inside_shard_map():
+    """Inside a user's jax.shard_map (its check of varying axes on), both kernels lower for cuda:
+    their outputs vary over the mesh axes their row input does, as shard_map's check asks of a
+    kernel's outputs."""
+    mesh = jax.make_mesh((1,), ("context",))
+
+    def f(x, w):
+        y, xhat, rstd = K.norm_forward(x, w, None, eps=1e-5, rms=True)
+        return K.norm_backward(y, xhat, rstd, w, rms=True, skip=x)[0]
+
+    rows, whole = NamedSharding(mesh, P(None, "context")), NamedSharding(mesh, P())
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "context"), P()), out_specs=P(None, "context")))
+    args = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32, sharding=rows), jax.ShapeDtypeStruct((32,), jnp.float32,
+                                                                                                 sharding=whole)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = jax.export.export(g, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    assert text.count("@__gpu$xla.gpu.triton") == 2

@@ -22,9 +22,11 @@ SmolLM's 576 is 9 x 64. A forward program takes R rows (R x D at most ``TILE`` e
 a backward program walks every G-th block of R rows, so its column sums are one (1, D) row a
 program, not one a block.
 
-Where they run: the manual step calls them on a GPU only (manual_grads/norm_kernel.py, through
-``jax.lax.platform_dependent``); ``interpret=True`` runs them anywhere, for the proofs. Nothing
-here is tuned on a GPU yet: R, G and the warps are untimed choices.
+Where they run: the manual step calls them on a GPU only (manual_grads/norms.py, through
+``jax.lax.platform_dependent``); ``interpret=True`` runs them anywhere, for the proofs. Under
+jax.shard_map their outputs vary over the mesh axes their row input does (shard_map's check of
+varying axes asks it of a kernel). Nothing here is tuned on a GPU yet: R, G, the warps and
+stages are untimed choices.
 """
 
 from __future__ import annotations
@@ -132,12 +134,12 @@ def norm_forward(x, scale, bias, *, eps: float, rms: bool, offset: float = 0.0, 
     kernel = functools.partial(_forward_kernel, D=D, C=C, eps=float(eps), rms=rms, offset=float(offset), sd=sd,
                                has_scale=scale is not None, has_bias=bias is not None)
     rows = pl.BlockSpec((R, D), lambda i: (i, 0))
+    shape = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x).mat)  # varying as x
     y, xhat, rstd = pl.pallas_call(
         kernel, grid=(N // R,), interpret=interpret, name="norm_forward",
         in_specs=[rows] + [pl.BlockSpec((1, D), lambda i: (0, 0))] * len(params),
         out_specs=[rows, rows, pl.BlockSpec((R, 1), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((N, D), y_dtype), jax.ShapeDtypeStruct((N, D), kept_dtype),
-                   jax.ShapeDtypeStruct((N, 1), sd)],
+        out_shape=[shape((N, D), y_dtype), shape((N, D), kept_dtype), shape((N, 1), sd)],
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
     )(x.reshape(N, D), *params)
     return y.reshape(x.shape), xhat.reshape(x.shape), rstd.reshape(*lead, 1)
@@ -200,12 +202,12 @@ def norm_backward(dy, xhat, rstd, scale, *, rms: bool, offset: float = 0.0, skip
     kernel = functools.partial(_backward_kernel, D=D, C=C, R=R, steps=blocks // G, G=G, rms=rms,
                                offset=float(offset), sd=sd, has_scale=scale is not None, has_skip=skip is not None)
     whole = [pl.BlockSpec(a.shape, lambda i: (0, 0)) for a in inputs]
+    shape = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(dy).mat)  # varying as dy
     sums = pl.BlockSpec((1, D), lambda i: (i, 0))
     dx, dscale, dbias = pl.pallas_call(
         kernel, grid=(G,), interpret=interpret, name="norm_backward",
         in_specs=whole, out_specs=[pl.BlockSpec((N, D), lambda i: (0, 0)), sums, sums],
-        out_shape=[jax.ShapeDtypeStruct((N, D), sd), jax.ShapeDtypeStruct((G, D), sd),
-                   jax.ShapeDtypeStruct((G, D), sd)],
+        out_shape=[shape((N, D), sd), shape((G, D), sd), shape((G, D), sd)],
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=BACKWARD_STAGES),
     )(*inputs)
     return dx.reshape(dy.shape), dscale, dbias
