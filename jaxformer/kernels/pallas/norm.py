@@ -7,7 +7,7 @@ These kernels hold a block of rows in registers instead:
 
     forward   x (N, D) -> y (N, D), xhat (N, D), rstd (N, 1): x read once
     backward  dy, xhat, rstd (and the skip connection's gradient) -> dx (N, D) and each
-              program's column sums of dy xhat and dy (P, D): each input read once
+              program's column sums of dy xhat and dy (G, D): each input read once
 
 The math is the model's, step for step (jaxformer/model/layer_norm.py ``row_scale`` and
 ``layer_norm_stats``, jaxformer/model/rms_norm.py ``rms_norm_stats``; the backward is
