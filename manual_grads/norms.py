@@ -72,7 +72,8 @@ def norm_fwd(p, x, config: ModelConfig, products_only: bool = False):
     the backward reads it in float32). ``products_only``: only products read y, each cast to
     the compute dtype, so y is written in it where ``precision.kept`` keeps that (the cast done
     once, in the norm's pass; the products' input cotangents come back in it too)."""
-    y_dtype = kept_dtype(stats_dtype(x.dtype), config.compute_dtype) if products_only else None
+    narrow = kept_dtype(stats_dtype(x.dtype), config.compute_dtype)  # the compute dtype if 16-bit
+    y_dtype = narrow if products_only else None
 
     def xla(x):
         y, res = _xla_norm_fwd(p, x, config)
@@ -85,7 +86,7 @@ def norm_fwd(p, x, config: ModelConfig, products_only: bool = False):
 
     def kernel(x):
         return norm_forward(x, p.get("scale"), p.get("bias"), eps=config.ln_eps, rms=rms, offset=offset,
-                            y_dtype=y_dtype, kept_dtype=kept_dtype(stats_dtype(x.dtype), config.compute_dtype))
+                            y_dtype=y_dtype, kept_dtype=narrow)
 
     def xla_arrays(x):
         y, res = xla(x)

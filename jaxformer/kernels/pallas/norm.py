@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxformer.kernels.pallas.forward import stats_dtype
+
 TILE = 4096  # a program's rows x features at most: a forward block of R rows holds R x D values
 MAX_CHUNK = 256  # the widest column chunk C
 # The backward's programs at most (G), each writing one row of column sums: enough threads in
@@ -48,11 +50,6 @@ MAX_CHUNK = 256  # the widest column chunk C
 PROGRAMS = 1024
 WARPS = 4
 BACKWARD_STAGES = 2
-
-
-def stats_dtype(dtype):
-    """float32, or the input's dtype when wider (jaxformer.model.precision's rule)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def chunk(D: int) -> int:
@@ -145,17 +142,14 @@ def norm_forward(x, scale, bias, *, eps: float, rms: bool, offset: float = 0.0, 
     return y.reshape(x.shape), xhat.reshape(x.shape), rstd.reshape(*lead, 1)
 
 
-def _backward_kernel(*refs, D: int, C: int, R: int, steps: int, G: int, rms: bool, offset: float, sd,
-                     has_scale: bool, has_skip: bool):
+def _backward_kernel(*refs, D: int, C: int, R: int, steps: int, G: int, rms: bool, sd, has_scale: bool,
+                     has_skip: bool):
     dy_ref, xhat_ref, rstd_ref, refs = refs[0], refs[1], refs[2], list(refs[3:])
     scale_ref = refs.pop(0) if has_scale else None
     skip_ref = refs.pop(0) if has_skip else None
     dx_ref, dscale_ref, dbias_ref = refs
     cols = [slice(c, c + C) for c in range(0, D, C)]
-    scales = [None] * len(cols)
-    if has_scale:
-        scales = [scale_ref[:, c].astype(sd) for c in cols]
-        scales = [offset + w for w in scales] if offset else scales
+    scales = [scale_ref[:, c].astype(sd) for c in cols] if has_scale else [None] * len(cols)
     program = pl.program_id(0)
 
     def block(step, sums):
@@ -185,12 +179,13 @@ def _backward_kernel(*refs, D: int, C: int, R: int, steps: int, G: int, rms: boo
         dbias_ref[:, c] = b
 
 
-def norm_backward(dy, xhat, rstd, scale, *, rms: bool, offset: float = 0.0, skip=None, interpret: bool = False):
-    """The backward of ``norm_forward``: dy (..., D), xhat (..., D), rstd (..., 1) ->
+def norm_backward(dy, xhat, rstd, scale, *, rms: bool, skip=None, interpret: bool = False):
+    """The backward of ``norm_forward``: dy (..., D), xhat (..., D), rstd (..., 1), ``scale``
+    (D,) as y = xhat * scale applied it (an RMS norm's offset added: offset + scale), or None ->
     dx (..., D) in stats_dtype (plus ``skip`` (..., D) where given), and each program's column
     sums of dy xhat and dy, (G, D) each in stats_dtype: summed over their first axis they are
     dscale and dbias. (Left to the caller: on a mesh each shard's programs add theirs.)"""
-    *lead, D = dy.shape
+    D = dy.shape[-1]
     N = dy.size // D
     sd = stats_dtype(jnp.result_type(dy.dtype, xhat.dtype, rstd.dtype))
     C, R = chunk(D), rows_per_block(N, D)
@@ -199,8 +194,8 @@ def norm_backward(dy, xhat, rstd, scale, *, rms: bool, offset: float = 0.0, skip
     inputs = [dy.reshape(N, D), xhat.reshape(N, D), rstd.reshape(N, 1)]
     inputs += [scale.reshape(1, D)] if scale is not None else []
     inputs += [skip.reshape(N, D)] if skip is not None else []
-    kernel = functools.partial(_backward_kernel, D=D, C=C, R=R, steps=blocks // G, G=G, rms=rms,
-                               offset=float(offset), sd=sd, has_scale=scale is not None, has_skip=skip is not None)
+    kernel = functools.partial(_backward_kernel, D=D, C=C, R=R, steps=blocks // G, G=G, rms=rms, sd=sd,
+                               has_scale=scale is not None, has_skip=skip is not None)
     whole = [pl.BlockSpec(a.shape, lambda i: (0, 0)) for a in inputs]
     shape = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(dy).mat)  # varying as dy
     sums = pl.BlockSpec((1, D), lambda i: (i, 0))
