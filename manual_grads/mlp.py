@@ -3,7 +3,8 @@ of jaxformer/model/mlp.py's ``feed_forward`` and ``gated_feed_forward``.
 
     plain: h = x @ w_in + b_in;  a = act(h);  y = a @ w_out + b_out
     (under a bfloat16 compute dtype h is rounded to it, as autocast returns a product, and
-    the activation reads it in float32: precision.kept)
+    the activation reads it in float32: precision.kept; with a bias the activation's residual
+    is the product x @ w_in, and the backward adds b_in to it again: FeedForwardRes.act_bias)
     gated: [gate | up] = x @ [w_gate | w_up] + [b_gate | b_up];  a = act(gate);  m = a * up;
            y = m @ w_down + b_down
 
@@ -33,6 +34,9 @@ class FeedForwardRes(NamedTuple):
     out: LinearRes  # act(h) (..., F), w_out (F, D)
     lora_in: AdaptedRes | None = None  # the LoRA adapters' of w_in; None: none
     lora_out: AdaptedRes | None = None  # of w_out
+    act_bias: jax.Array | None = None  # b_in where ``act`` holds the product before its bias (the
+    # product's own output, which memory holds anyway) and the backward adds it again: the forward
+    # then writes act(h) alone, not h as well; None: ``act`` is the activation's residual as it is
 
 
 @jax.tree_util.register_static
@@ -58,11 +62,16 @@ def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     (w_gate, w_up, w_down) runs gated_feed_forward_fwd."""
     if "w_gate" in p:
         return gated_feed_forward_fwd(p, x, activation_name, compute_dtype)
-    h, inp_res = linear_fwd(_lin(p, "in"), x, compute_dtype, narrow=True)  # (..., F)
+    b = p.get("b_in")
+    xw, inp_res = linear_fwd({"w": p["w_in"]}, x, compute_dtype, narrow=True)  # (..., F) kept(x @ w_in)
+    inp_res = inp_res._replace(b=b)  # h = linear(x, w_in, b_in, narrow=True): the bias added below
+    h = xw if b is None else xw + b
     h, lora_in = adapted_fwd(p, ("w_in",), x, h, compute_dtype)  # + LoRA's
     a, act_res = activation_fwd(activation_name, upcast(kept(h, compute_dtype)), compute_dtype)  # (..., F)
     y, out_res = linear_fwd(_lin(p, "out"), a, compute_dtype)  # (..., D)
     y, lora_out = adapted_fwd(p, ("w_out",), a, y, compute_dtype)  # + LoRA's
+    if b is not None and lora_in is None and act_res._fields == ("x",):  # a residual of h itself (not tanh's y)
+        return y, FeedForwardRes(inp_res, type(act_res)(xw), out_res, lora_in, lora_out, act_bias=b)
     return y, FeedForwardRes(inp_res, act_res, out_res, lora_in, lora_out)
 
 
@@ -73,7 +82,10 @@ def feed_forward_bwd(res, dy, narrow_ok: bool = False):
         return gated_feed_forward_bwd(res, dy, narrow_ok)
     d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
     dl_out, da_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(a) A) B
-    dh = activation_bwd(res.act, add_dx(da, da_lora))  # a = act(upcast(h))
+    act = res.act
+    if res.act_bias is not None:  # h = xw + b_in, with xw kept: h as the forward rounded it, again
+        act = type(act)(kept(upcast(act.x) + res.act_bias, act.x.dtype))
+    dh = activation_bwd(act, add_dx(da, da_lora))  # a = act(upcast(kept(h)))
     dh = kept(dh, res.inp.x.dtype)  # h = kept(h): a bfloat16 value's cotangent is bfloat16
     d_in, dx = linear_bwd(res.inp, dh)  # h = x @ w_in + b_in
     dl_in, dx_lora = adapted_bwd(res.lora_in, dh)  # h = h + s (drop(x) A) B
@@ -107,11 +119,16 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy, narrow_ok: bool = False
     d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
     dl_out, dm_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(m) A) B
     dm = upcast(add_dx(dm, dm_lora))  # (a bfloat16 product cotangent under a bfloat16 policy)
-    gate, up = jnp.split(upcast(res.gu), 2, axis=-1)  # gate, up = split(kept(gu))
+    gate_up = upcast(res.gu).reshape(res.gu.shape[:-1] + (2, -1))  # (..., 2, F): the two halves of gu
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]  # gate, up = split(kept(gu))
     a, act_res = activation_fwd(res.act.name, gate)  # act(upcast(gate)), recomputed with its residual
     da, dup = dm * up, dm * a  # m = a * upcast(up)
     dgate = activation_bwd(act_res, da)  # a = act(upcast(gate))
-    dgu = jnp.concatenate([dgate, dup], axis=-1)  # gate, up = split(kept(gu))  (..., 2F)
+    # gate, up = split(kept(gu)): dgu = [dgate | dup] (..., 2F), written as a select over the two
+    # halves rather than a concatenate, which a GPU's XLA compiles as a copy of its own (one for
+    # each of the two products that read dgu); the select writes dgu where dgate and dup are computed
+    first = jax.lax.broadcasted_iota(jnp.int32, gate_up.shape[-2:], 0) == 0  # (2, F): the gate's half
+    dgu = jnp.where(first, dgate[..., None, :], dup[..., None, :]).reshape(res.gu.shape)
     dgu = kept(dgu, res.inp.x.dtype)  # gu = kept(gu): a bfloat16 value's cotangent is bfloat16
     d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
     dl_in, dx_lora = adapted_bwd(res.lora_in, dgu)  # gu = gu + LoRA's [delta_gate | delta_up]

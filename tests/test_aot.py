@@ -143,6 +143,7 @@ for config, todo, batch in json.loads(sys.argv[2]):
     todo = [aot.Variant(*v[:3], tuple(v[3]) if v[3] else None) for v in todo]
     out = aot.run(ModelConfig.from_dict(config), todo, [sys.argv[1]], optimizer, batch_size=batch)
     results.append({o.variant.name: dict(stage=o.stage, kernels=o.kernels, reason=o.reason, launches=o.launches,
+                                         traffic=o.traffic,
                                          memory=o.memory and o.memory._asdict()) for o in out})
 print(json.dumps(results))
 """
@@ -265,26 +266,28 @@ def test_a_mesh_compiles_for_an_h100():
 
 # The manual + Pallas bf16 step compiled for an H100 at GPT-2 small's and SmolLM's shapes, each
 # with two of its layers (make_optimizer's AdamW with clipping and a cosine schedule; jax 0.10.2):
-# kernels launched per step (launches.py: the layer loops counted per trip) and XLA's
-# temporaries, MiB. A GPU step unrolls its layers, each compiled as the others are, so two hold
-# every layer's kernels and the seam between layers, and a change that adds a kernel or a kept
-# residual to a layer adds it twice here; the whole depths (12 and 30 layers: 652 / 1,664
-# launches, 5,238 / 8,867 MiB) compile three times as long and are printed by
+# kernels launched per step (launches.py: the layer loops counted per trip), XLA's temporaries
+# and the MiB those kernels read and write (launches.traffic). A GPU step unrolls its layers, each
+# compiled as the others are, so two hold every layer's kernels and the seam between layers, and
+# a change that adds a kernel, a kept residual or a pass over memory to a layer adds it twice
+# here; the whole depths (12 and 30 layers: 652 / 1,605 launches, 5,238 / 8,819 MiB of
+# temporaries, 50.3 / 96.6 GiB moved) compile three times as long and are printed by
 # experiments/gpu_launches.py (docs/benchmark.md, "Kernels per step"). A change that adds
-# kernels or memory fails here; one that removes them lowers the figures.
-GPU_STEPS = {"gpt2": (16, 1024, 238, 1_013), "smollm": (8, 2048, 216, 750)}
+# kernels, memory or traffic fails here; one that removes them lowers the figures.
+GPU_STEPS = {"gpt2": (16, 1024, 238, 1_013, 9_102), "smollm": (8, 2048, 214, 714, 6_478)}
 GPU_STEP_LAYERS = 2
 
 
 def test_the_gpu_steps_launches_and_memory():
     """GPT-2 small (B16 T1024) and SmolLM-135M (B8 T2048), two layers each: the manual step with
     the four Triton kernels a layer compiles for an H100, and launches no more kernels and plans
-    no more temporaries than GPU_STEPS says."""
+    no more temporaries and moves no more bytes than GPU_STEPS says."""
     skip_without_h100_compiler()
     configs = {preset: get_preset(preset, n_layers=GPU_STEP_LAYERS) for preset in GPU_STEPS}
     outs = compiled_jobs("h100", [(configs[preset], [aot.Variant("pallas", "manual", "bfloat16")], batch)
                                   for preset, (batch, *_) in GPU_STEPS.items()])  # one subprocess
-    for (preset, (batch, seq_len, most_launches, most_mib)), out in zip(GPU_STEPS.items(), outs, strict=True):
+    for (preset, (batch, seq_len, most_launches, most_mib, most_traffic)), out in zip(GPU_STEPS.items(), outs,
+                                                                                      strict=True):
         config = configs[preset]
         assert config.max_seq_len == seq_len
         o = out["manual_pallas_bf16"]
@@ -292,6 +295,8 @@ def test_the_gpu_steps_launches_and_memory():
         temp_mib = o["memory"]["temp"] / 2**20
         assert 0.5 * most_launches < o["launches"] <= most_launches, (preset, o["launches"])
         assert 0.5 * most_mib < round(temp_mib) <= most_mib, (preset, temp_mib)
+        traffic_mib = o["traffic"] / 2**20
+        assert 0.5 * most_traffic < round(traffic_mib) <= most_traffic, (preset, traffic_mib)
 
 
 def test_cudnn_compiles_for_an_h100():
