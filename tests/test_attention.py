@@ -1,10 +1,11 @@
 """manual_grads.attention against jax.vjp of jaxformer.model.attention, in float64."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import Layer, assert_layer_matches_vjp, attention_params
 
-from jaxformer.model.attention import attention
+from jaxformer.model.attention import attention, merge_qkv, split_qkv
 from jaxformer.model.config import ModelConfig
 from manual_grads.attention import attention_bwd, attention_fwd, softmax_bwd
 
@@ -53,3 +54,16 @@ def test_softmax_bwd_rows_sum_to_zero():
     ds = np.asarray(softmax_bwd(probs, rng.standard_normal(probs.shape)))
     np.testing.assert_allclose(ds.sum(-1), 0.0, atol=1e-14)
     assert np.all(ds[..., np.triu_indices(4, 1)[0], np.triu_indices(4, 1)[1]] == 0.0)
+
+
+def test_merge_qkv_undoes_split_qkv_bit_for_bit():
+    """merge_qkv, the q/k/v backward's merge (grouped heads: concat_features, a select of padded
+    parts rather than a concatenate), is split_qkv's inverse exactly, negative zeros included."""
+    rng = np.random.default_rng(0)
+    for H, Hkv in ((4, 4), (4, 2), (4, 1)):
+        qkv = rng.standard_normal((2, 3, (H + 2 * Hkv) * 5))
+        qkv[0, 0, ::7] = -0.0
+        q, k, v = split_qkv(jnp.asarray(qkv), H, Hkv)
+        merged = np.asarray(merge_qkv(q, k, v))
+        assert merged.shape == qkv.shape and (merged == qkv).all(), (H, Hkv)
+        assert (np.signbit(merged) == np.signbit(qkv)).all(), (H, Hkv)

@@ -28,6 +28,7 @@ import math
 from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.model.blockwise import blockwise
 from jaxformer.model.cores import AttentionSpec, cudnn, cudnn_core, flash, full, repeat_kv  # noqa: F401
@@ -104,8 +105,23 @@ def merge_qkv(q, k, v):
     """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) -> (B, T, (H + 2 Hkv) Dh), the inverse of split_qkv."""
     B, H, T, Dh = q.shape
     if k.shape[1] != H:
-        return jnp.concatenate([merge_heads(q), merge_heads(k), merge_heads(v)], axis=-1)
+        return concat_features([merge_heads(q), merge_heads(k), merge_heads(v)])
     return jnp.stack([q, k, v]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * H * Dh)
+
+
+def concat_features(parts):
+    """``jnp.concatenate(parts, axis=-1)``, written as a select of the parts each padded to the
+    whole width: a GPU's XLA fuses the parts' producers (the backward's rotary positions, the
+    heads' transposes) into one kernel that writes the whole, where it compiled a concatenate as a
+    copy kernel of its own, once for each product that reads it."""
+    widths = [a.shape[-1] for a in parts]
+    col = np.arange(sum(widths))  # a constant of the program, not a kernel
+    out, start = None, 0
+    for a, width in zip(parts, widths):
+        padded = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(start, sum(widths) - start - width)])
+        out = padded if out is None else jnp.where(col >= start, padded, out)
+        start += width
+    return out
 
 
 def qkv_heads(p, x, n_heads, compute_dtype=None, n_kv_heads=0):
