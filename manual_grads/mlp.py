@@ -47,13 +47,17 @@ class Activation:
 
 
 class GatedFeedForwardRes(NamedTuple):
-    inp: LinearRes  # x (..., D), [w_gate | w_up] (D, 2F)
+    inp: LinearRes  # x (..., D), w None: [w_gate | w_up] (D, 2F) is rebuilt from the two below
     gu: jax.Array  # (..., 2F) [gate | up], kept: bfloat16 under a bfloat16 policy, else as computed; one
     # buffer that the backward splits (two residuals would each be a copy of half of it)
     act: Activation  # static: the activation of the gate, which the backward recomputes
     out: LinearRes  # act(gate) * up (..., F), w_down (F, D)
     lora_in: AdaptedRes | None = None  # the LoRA adapters' of [w_gate | w_up]; None: none
     lora_out: AdaptedRes | None = None  # of w_down
+    # the layer's own w_gate and w_up (D, F), kept by name (remat.ParamRef) where [w_gate | w_up]
+    # would be a float32 copy of both, kept for every layer; the backward puts them side by side again
+    w_gate: jax.Array | None = None
+    w_up: jax.Array | None = None
 
 
 def feed_forward_fwd(p, x, activation_name, compute_dtype=None):
@@ -110,7 +114,8 @@ def gated_feed_forward_fwd(p, x, activation_name, compute_dtype=None):
     m = a * upcast(up)
     y, out_res = linear_fwd(_lin(p, "down"), m, compute_dtype)  # (..., D)
     y, lora_out = adapted_fwd(p, ("w_down",), m, y, compute_dtype)  # + LoRA's
-    return y, GatedFeedForwardRes(inp_res, gu, Activation(activation_name), out_res, lora_in, lora_out)
+    return y, GatedFeedForwardRes(inp_res._replace(w=None), gu, Activation(activation_name), out_res, lora_in,
+                                  lora_out, p["w_gate"], p["w_up"])
 
 
 def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy, narrow_ok: bool = False):
@@ -130,7 +135,8 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy, narrow_ok: bool = False
     first = jax.lax.broadcasted_iota(jnp.int32, gate_up.shape[-2:], 0) == 0  # (2, F): the gate's half
     dgu = jnp.where(first, dgate[..., None, :], dup[..., None, :]).reshape(res.gu.shape)
     dgu = kept(dgu, res.inp.x.dtype)  # gu = kept(gu): a bfloat16 value's cotangent is bfloat16
-    d_in, dx = linear_bwd(res.inp, dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
+    w, _ = gate_up_weights({"w_gate": res.w_gate, "w_up": res.w_up})  # (D, 2F)
+    d_in, dx = linear_bwd(res.inp._replace(w=w), dgu)  # gu = x @ [w_gate | w_up] + [b_gate | b_up]
     dl_in, dx_lora = adapted_bwd(res.lora_in, dgu)  # gu = gu + LoRA's [delta_gate | delta_up]
     dx = add_dx(dx, dx_lora) if narrow_ok else widened(add_dx(dx, dx_lora), dy)
     dw_gate, dw_up = jnp.split(d_in["w"], 2, axis=1)  # w = [w_gate | w_up] (gate_up_weights), (D, F) each
