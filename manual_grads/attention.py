@@ -57,7 +57,7 @@ from jaxformer.model.quantized import columns
 from jaxformer.model.rotary import rope_spec, rope_tables
 from manual_grads.blockwise import BlockwiseCoreRes, blockwise_core_bwd, blockwise_core_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
-from manual_grads.linear import LinearRes, linear_bwd, linear_fwd, widened
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd, wide, widened
 from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd
 from manual_grads.rotary import RopeRes, rope_bwd, rope_fwd
@@ -323,7 +323,7 @@ def attention_bwd(res: AttentionRes, dy, core_bwd: Callable | None = None, narro
     Hkv = heads_res.qkv.wk.shape[1] // Dh
     # y = merge_heads(O) @ wo + bo
     d_out, do = linear_bwd(out_res, dy)  # do (B, T, H Dh)
-    d_lora, do_lora = adapted_bwd(lora_res, dy)  # y = y + s (drop(merge_heads(O)) A) B
+    d_lora, do_lora = adapted_bwd(lora_res, wide(dy))  # y = y + s (drop(merge_heads(O)) A) B
     do = add_dx(do, do_lora)
     # O = core(q, k, v)
     dq, dk, dv = core_bwd(core_res, split_heads(do, H))  # dq (B, H, T, Dh); dk, dv with the core's heads

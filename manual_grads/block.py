@@ -34,10 +34,11 @@ from jaxformer.model.lora import LORA
 from manual_grads.attention import AttentionRes, attention_bwd, attention_fwd
 from manual_grads.dropout import DropoutRes, dropout_bwd, dropout_fwd
 from manual_grads.layer_norm import LayerNormRes
+from manual_grads.linear import Cotangent, LinearRes, wide
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes
 from manual_grads.moe import MoeRes
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
-from manual_grads.norms import norm_bwd, norm_fwd
+from manual_grads.norms import cotangent_feeds, norm_bwd, norm_fwd
 from manual_grads.rms_norm import RMSNormRes
 from manual_grads.tap import tap_backward, tap_forward
 
@@ -84,7 +85,7 @@ def _branch_keys(config: ModelConfig, key):
 def with_dstats(res, dy):
     """A block's (res, dy): with n_experts dy is (dy, dstats), and the cotangents of the MoE
     layer's statistics join its residual (moe.py's backward reads them there)."""
-    if not isinstance(dy, tuple):
+    if not isinstance(dy, tuple) or isinstance(dy, Cotangent):
         return res, dy
     dy, dstats = dy
     return res._replace(ffn=res.ffn._replace(dstats=dstats)), dy
@@ -160,25 +161,57 @@ def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
 
 
 def pre_block_bwd(res: PreBlockRes, dy, tap=None):
+    """dy (B, T, D), or the Cotangent the norm above wrote for this block's feed-forward (then dx is
+    one too, for the block below's) -> (grads, dx)."""
     grads = {}
     # y = x1 + drop(ln2_post(ffn(ln2(x1)))): x1 gets dy through the skip and through the branch
-    dx1 = _sublayer_bwd(res, "ffn", ffn_bwd, "ln2", dy, grads, tap)
+    dx1 = _sublayer_bwd(res, "ffn", ffn_bwd, "ln2", dy, grads, tap, _feeds(res, "attn", "ln1"))
     # x1 = x + drop(ln1_post(attn(ln1(x))))
-    dx = _sublayer_bwd(res, "attn", attention_bwd, "ln1", dx1, grads, tap)
+    below = (None if dy.narrow is None else dy.narrow.dtype, dy.sums is not None) if isinstance(dy, Cotangent) else None
+    dx = _sublayer_bwd(res, "attn", attention_bwd, "ln1", dx1, grads, tap, below)
     return grads, dx
 
 
-def _sublayer_bwd(res: PreBlockRes, stage, stage_bwd, norm, dy, grads, tap):
+def _feeds(res: PreBlockRes, stage, norm):
+    """norms.norm_bwd's ``feeds`` for the norm backward whose dx is ``stage``'s output cotangent:
+    what the stage's output projection reads of it (its narrow copy, its sums for the bias), or
+    None where the stage reads dy as computed (dropout or a norm on the branch, a MoE layer)."""
+    out = getattr(getattr(res, stage), "out", None) or getattr(getattr(res, stage), "out_res", None)
+    if not isinstance(out, LinearRes) or getattr(res, f"{norm}_post") is not None or \
+            getattr(res, f"drop_{stage}") is not None:
+        return None
+    narrow = out.x.dtype if out.x.dtype.itemsize < 4 else None  # the products' compute dtype, if 16-bit
+    return narrow, out.b is not None
+
+
+def top_feeds(config: ModelConfig, dtype, key=None, tap=None):
+    """norms.norm_bwd's ``feeds`` for the final norm's backward, whose dx is the top block's
+    output gradient: where every block is the pre layout's with a dense feed-forward, no dropout
+    drawn and no tap, its output projection's (the blocks then pass a Cotangent down, each
+    block's ln1 writing the one below's); else None (plain arrays throughout)."""
+    if tap is not None or config.norm != "pre" or config.n_experts or active(config.dropout, key):
+        return None
+    return cotangent_feeds(config, config.linear_biases.mlp, dtype)
+
+
+def _sublayer_bwd(res: PreBlockRes, stage, stage_bwd, norm, dy, grads, tap, feeds=None):
     """Undoes one residual sublayer, y = x + drop(<norm>_post(<stage>(<norm>(x)))) (a norm the
-    layout lacks is None in ``res``): dy (B, T, D) -> dx, the gradients into ``grads``."""
-    d, seen = _branch_bwd(getattr(res, f"{norm}_post"), getattr(res, f"drop_{stage}"), f"{norm}_post", dy, grads, tap)
+    layout lacks is None in ``res``): dy (B, T, D) -> dx, the gradients into ``grads``. A Cotangent
+    dy (norms.norm_bwd's): the stage's output projection reads its narrow copy and sums; ``feeds``:
+    dx a Cotangent for the stage below (where the norm's backward runs fused with the skip)."""
+    post, drop = getattr(res, f"{norm}_post"), getattr(res, f"drop_{stage}")
+    if isinstance(dy, Cotangent) and post is None and drop is None and tap is None:
+        d, seen = dy, dy.wide  # y = x + stage(...): the stage's output gradient is dy itself
+    else:
+        d, seen = _branch_bwd(post, drop, f"{norm}_post", wide(dy), grads, tap)
+    dy = wide(dy)
     # without a tap, h = <norm>(x) and y = x + branch are undone in one pass (norms.py), which
     # reads dh in the products' dtype
     fused = tap is None and getattr(res, norm) is not None
     grads[stage], dh = stage_bwd(getattr(res, stage), d, narrow_ok=fused)  # <stage>(h)
     tap_backward(tap, stage, seen, grads[stage], dh)
     if fused:
-        grads[norm], dx = norm_bwd(getattr(res, norm), dh, skip=dy)  # h = <norm>(x); y = x + branch
+        grads[norm], dx = norm_bwd(getattr(res, norm), dh, skip=dy, feeds=feeds)  # h = <norm>(x); y = x + branch
         return dx
     dx_branch = _norm_bwd(getattr(res, norm), norm, dh, grads, tap)  # h = <norm>(x)
     dx = dy + dx_branch  # y = x + branch: the skip's gradient and the branch's add

@@ -25,6 +25,22 @@ from jaxformer.model.precision import cast, kept, matmul, upcast
 from jaxformer.model.quantized import dense
 
 
+class Cotangent(NamedTuple):
+    """A product's output cotangent as a norm's backward writes it for that product (the block's
+    residual stream, manual_grads/norms.py): ``wide`` (..., O) as computed (float32 under a bfloat16
+    policy); ``narrow``, its copy in the product's 16-bit compute dtype, which the products read
+    (None: they read ``wide``); ``sums``, its column sums (O,), the bias gradient (None: the layer
+    has no bias). Written in the norm's own pass, so no kernel of its own reads ``wide`` again."""
+    wide: jax.Array
+    narrow: jax.Array | None = None
+    sums: jax.Array | None = None
+
+
+def wide(dy):
+    """dy as computed: a Cotangent's ``wide``, any other array itself."""
+    return dy.wide if isinstance(dy, Cotangent) else dy
+
+
 class LinearRes(NamedTuple):
     x: jax.Array  # (..., I) the input, in the compute dtype
     w: jax.Array  # (I, O), in the params' dtype
@@ -51,10 +67,12 @@ def linear_bwd(res: LinearRes, dy, round_dx=True):
     Undoes ``y = x @ w + b``: dw = x^T dy and db = sum(dy), both summed over
     every leading dim; dx = dy @ w^T, rounded to a 16-bit compute dtype (the dtype x is kept in:
     ``precision.kept``) unless ``round_dx`` is False (the head's dx, the blocks' first cotangent).
+    A Cotangent dy: the products read its narrow copy and db is its sums.
     """
     x, w, b = res
     cd = backward_dtype(x, w)
     I, O = w.shape
+    cot, dy = (dy, dy.wide if dy.narrow is None else dy.narrow) if isinstance(dy, Cotangent) else (None, dy)
     x2, dy2 = x.reshape(-1, I), dy.reshape(-1, O)  # (N, I), (N, O)
     dw = matmul(x2.T, dy2, cd)  # (I, O)
     # y = matmul(x, dense(w)): dx through the same dequantized w (w itself when float)
@@ -64,6 +82,9 @@ def linear_bwd(res: LinearRes, dy, round_dx=True):
         dx = kept(dx, x.dtype)  # half the bytes to write and read back)
     if b is None:
         return {"w": dw.astype(w.dtype)}, dx
+    if cot is not None and cot.sums is not None:  # summed in the norm's pass
+        return {"w": dw.astype(w.dtype), "b": cot.sums.astype(w.dtype)}, dx
+    dy2 = dy2 if cot is None else cot.wide.reshape(-1, O)  # the sum of dy as computed, not of its copy
     db = upcast(dy2).sum(axis=0)  # (O,), summed in float32 or wider (dy2 may be a bfloat16 cotangent)
     return {"w": dw.astype(w.dtype), "b": db.astype(w.dtype)}, dx
 
@@ -73,4 +94,4 @@ def widened(dx, dy):
     rounded it narrower (float32 under a bfloat16 policy: the residual stream's dtype, the
     layer input's own); XLA fuses the cast into dx's consumer, so the product still writes
     bfloat16."""
-    return dx.astype(jnp.promote_types(dx.dtype, dy.dtype))
+    return dx.astype(jnp.promote_types(dx.dtype, wide(dy).dtype))

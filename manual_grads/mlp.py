@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxformer.model.mlp import gate_up_weights
 from jaxformer.model.precision import kept, upcast
 from manual_grads.activations import activation_bwd, activation_fwd
-from manual_grads.linear import LinearRes, linear_bwd, linear_fwd, widened
+from manual_grads.linear import LinearRes, linear_bwd, linear_fwd, wide, widened
 from manual_grads.lora import AdaptedRes, add_dx, adapted_bwd, adapted_fwd
 
 
@@ -85,7 +85,7 @@ def feed_forward_bwd(res, dy, narrow_ok: bool = False):
     if isinstance(res, GatedFeedForwardRes):
         return gated_feed_forward_bwd(res, dy, narrow_ok)
     d_out, da = linear_bwd(res.out, dy)  # y = a @ w_out + b_out
-    dl_out, da_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(a) A) B
+    dl_out, da_lora = adapted_bwd(res.lora_out, wide(dy))  # y = y + s (drop(a) A) B
     act = res.act
     if res.act_bias is not None:  # h = xw + b_in, with xw kept: h as the forward rounded it, again
         act = type(act)(kept(upcast(act.x) + res.act_bias, act.x.dtype))
@@ -122,7 +122,7 @@ def gated_feed_forward_bwd(res: GatedFeedForwardRes, dy, narrow_ok: bool = False
     """dy (..., D) -> ({w_gate, w_up, w_down, b_gate?, b_up?, b_down?}, dx (..., D));
     ``narrow_ok`` as feed_forward_bwd's."""
     d_out, dm = linear_bwd(res.out, dy)  # y = m @ w_down + b_down, m = a * up
-    dl_out, dm_lora = adapted_bwd(res.lora_out, dy)  # y = y + s (drop(m) A) B
+    dl_out, dm_lora = adapted_bwd(res.lora_out, wide(dy))  # y = y + s (drop(m) A) B
     dm = upcast(add_dx(dm, dm_lora))  # (a bfloat16 product cotangent under a bfloat16 policy)
     gate_up = upcast(res.gu).reshape(res.gu.shape[:-1] + (2, -1))  # (..., 2, F): the two halves of gu
     gate, up = gate_up[..., 0, :], gate_up[..., 1, :]  # gate, up = split(kept(gu))

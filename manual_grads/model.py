@@ -39,9 +39,11 @@ from jaxformer.model.parallel.tensor import tensor_mesh, tensor_size
 from jaxformer.model.params import validate_params
 from jaxformer.model.precision import upcast
 from jaxformer.model.validate import check_precision, validate_batch
+from manual_grads.block import top_feeds
 from manual_grads.embedding import embed_bwd, embed_fwd, embed_params
 from manual_grads.norms import norm_bwd, norm_fwd
 from manual_grads.head import head_loss_bwd, head_loss_fwd
+from manual_grads.linear import wide
 from manual_grads.moe import moe_aux_loss_bwd
 from manual_grads.parallel.context import context_value_and_grad
 from manual_grads.parallel.tensor import tensor_blocks_bwd, tensor_blocks_fwd
@@ -129,7 +131,8 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
     if d_head:
         grads["head"] = d_head
     if config.norm != "post":
-        grads["ln_f"], dh = norm_bwd(ln_f_res, dx)  # x = ln_f(x)
+        feeds = top_feeds(config, dx.dtype, key, tap) if mesh is None else None
+        grads["ln_f"], dh = norm_bwd(ln_f_res, dx, feeds=feeds)  # x = ln_f(x)
         tap_backward(tap, "ln_f", dx, grads["ln_f"], dh)
         dx = dh
     if stats is not None:  # loss = cross entropy + moe_aux_loss(stats)
@@ -138,6 +141,7 @@ def _value_and_grad(params, batch, config: ModelConfig, key=None, tap=None, with
         grads["blocks"], dx = tensor_blocks_bwd(blocks_res, dx)  # (B, T, D)
     else:
         grads["blocks"], dx = blocks_bwd(params["blocks"], blocks_res, dx, config, tap, key, segments, unroll)
+    dx = wide(dx)  # (a Cotangent from the lowest block's ln1: its array)
     d_embed, _ = embed_bwd(embed_res, dx)  # x = drop(tok_embed[inputs] + positions)
     tap_backward(tap, "embed", dx, d_embed)
     if config.tie_embeddings:  # tok_embed feeds the embedding and the head: the two gradients add

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxformer.model.moe import Dispatch, MoeStats, dispatch, grouped_matmul, moe_stats, route
 from jaxformer.model.precision import cast, stats_dtype, upcast
 from manual_grads.activations import activation_bwd, activation_fwd
-from manual_grads.linear import LinearRes, backward_dtype, linear_bwd, linear_fwd
+from manual_grads.linear import LinearRes, backward_dtype, linear_bwd, linear_fwd, wide
 from manual_grads.mlp import feed_forward_bwd, feed_forward_fwd
 from manual_grads.shared_expert import SharedExpertRes, shared_expert_bwd, shared_expert_fwd
 
@@ -188,7 +188,7 @@ def ffn_bwd(res, dy, narrow_ok: bool = False):
     """Undoes ffn_fwd: dy (..., D) -> (dp, dx); ``narrow_ok`` as mlp.py's feed_forward_bwd
     (the MoE layer's dx is in its own dtype either way)."""
     if isinstance(res, MoeRes):
-        return moe_bwd(res, dy)
+        return moe_bwd(res, wide(dy))  # (a norm's Cotangent: the MoE layer reads dy as computed)
     return feed_forward_bwd(res, dy, narrow_ok)
 
 

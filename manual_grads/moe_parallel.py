@@ -43,7 +43,7 @@ from jaxformer.model.moe_parallel import (EXPERT_AXIS, EXPERT_WEIGHTS, Exchange,
 from jaxformer.model.precision import cast, upcast
 from manual_grads import moe as _moe
 from manual_grads.activations import activation_fwd
-from manual_grads.linear import linear_bwd
+from manual_grads.linear import linear_bwd, wide
 from manual_grads.moe import ExpertRes, MoeRes, experts_bwd, grouped_matmul, router_bwd
 from manual_grads.shared_expert import shared_expert_bwd, shared_expert_fwd
 
@@ -202,4 +202,4 @@ def ffn_fwd(p, x, config):
 
 def ffn_bwd(res, dy, narrow_ok: bool = False):
     """Undoes ffn_fwd (``narrow_ok`` as moe.py's ffn_bwd)."""
-    return moe_parallel_bwd(res, dy) if isinstance(res, ParallelMoeRes) else _moe.ffn_bwd(res, dy, narrow_ok)
+    return moe_parallel_bwd(res, wide(dy)) if isinstance(res, ParallelMoeRes) else _moe.ffn_bwd(res, dy, narrow_ok)

@@ -13,7 +13,8 @@ then is the platform the program is lowered for (``jax.lax.platform_dependent``)
 program is as it was. Both give the same values to rounding (tests/test_norm_kernel.py proves
 the kernels equal to that code in interpret mode, float64 and float32). Only inputs with
 float32 statistics take the kernels (Triton has no fast float64). On a mesh a kernel runs per
-shard of the batch (kernels/shards.py).
+shard of the batch (kernels/shards.py). Where the backward's dx is a product's output cotangent
+(``feeds``), the kernel also writes what that product reads of it (a ``linear.Cotangent``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import jax.numpy as jnp
 from jaxformer.kernels.pallas.norm import norm_backward, norm_forward
 from jaxformer.kernels.shards import per_example_shards
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.precision import kept, kept_dtype, stats_dtype
+from jaxformer.model.precision import kept, kept_dtype, stats_dtype, upcast
 from manual_grads.layer_norm import column_sums, layer_norm_bwd, layer_norm_fwd, layer_norm_res
+from manual_grads.linear import Cotangent
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd, rms_norm_res
 
 GPU_KERNELS = True  # False: the XLA code on a GPU too (experiments/step_profile.py and gpu_launches.py --norms xla)
@@ -102,28 +104,57 @@ def _xla_norm_bwd(res, dy, skip=None):
     return dp, (dx if skip is None else dx + skip)
 
 
-def norm_bwd(res, dy, skip=None):
+def _xla_cotangent(dx, feeds):
+    """The Cotangent ``feeds`` asks of dx, in XLA's code."""
+    narrow, bias = feeds
+    D = dx.shape[-1]
+    return Cotangent(dx, None if narrow is None else dx.astype(narrow),
+                     upcast(dx).reshape(-1, D).sum(axis=0) if bias else None)
+
+
+def cotangent_feeds(config: ModelConfig, bias: bool, dtype=jnp.float32):
+    """The ``feeds`` of a norm backward whose dx (of ``dtype``) is the output cotangent of a product
+    (a sublayer's output projection, ``bias`` whether it has one): (its compute dtype where that is
+    narrower than dtype's statistics, else None; bias)."""
+    narrow = kept_dtype(stats_dtype(dtype), config.compute_dtype)
+    return (None if narrow == stats_dtype(dtype) else narrow), bias
+
+
+def norm_bwd(res, dy, skip=None, feeds=None):
     """Undoes whichever norm made ``res``: dy (..., D) -> (dp, dx); ``skip`` (..., D): the
-    gradient of a skip connection around the norm's sublayer, added to dx (y = skip + ...)."""
+    gradient of a skip connection around the norm's sublayer, added to dx (y = skip + ...).
+    ``feeds`` (``cotangent_feeds``): dx is the output cotangent of the product that reads it next,
+    returned as a Cotangent with what that product reads, made in the same pass (the kernels'):
+    its copy in the product's compute dtype, the column sums for its bias."""
     rms = isinstance(res, RMSNormRes)
     if res.kernels is None:  # the forward ran XLA's code
-        return _xla_norm_bwd(res, dy, skip)
+        dp, dx = _xla_norm_bwd(res, dy, skip)
+        return dp, (dx if feeds is None else _xla_cotangent(dx, feeds))
     offset = res.offset if rms else None
     scale = res.scale if offset is None else offset + res.scale.astype(offset.dtype)  # y = xhat (offset + scale)
     has_skip = skip is not None
+    narrow, bias = feeds or (None, False)
 
     def kernel(dy, xhat, rstd, *skip):
-        return norm_backward(dy, xhat, rstd, scale, rms=rms, skip=skip[0] if has_skip else None)
+        return norm_backward(dy, xhat, rstd, scale, rms=rms, skip=skip[0] if has_skip else None,
+                             narrow_dtype=narrow, dx_sums=bias)
 
     def xla(dy, xhat, rstd, *skip):
         dp, dx = _xla_norm_bwd(res._replace(xhat=xhat, rstd=rstd), dy, skip[0] if has_skip else None)
         zeros = jnp.zeros(dx.shape[-1:], dx.dtype)  # the kernel branch's sums, of a norm without them too
-        return dx, dp.get("scale", zeros).astype(dx.dtype), dp.get("bias", zeros).astype(dx.dtype)
+        cot = _xla_cotangent(dx, (narrow, bias))
+        more = ([cot.narrow] if narrow is not None else []) + ([cot.sums.astype(dx.dtype)] if bias else [])
+        return dx, dp.get("scale", zeros).astype(dx.dtype), dp.get("bias", zeros).astype(dx.dtype), *more
 
-    def sums(dx, dscale, dbias):  # each program's column sums, on a mesh each shard's: (D,) each
-        return (dx, *column_sums(dscale, dbias))
+    def sums(dx, dscale, dbias, *more):  # each program's column sums, on a mesh each shard's: (D,) each
+        narrow_copy = more[:1] if narrow is not None else ()
+        dscale, dbias, *dx_sums = column_sums(dscale, dbias, *more[len(narrow_copy):])  # one reduction
+        return (dx, dscale, dbias, *narrow_copy, *dx_sums)
 
-    dx, dscale, dbias = _on_gpu(kernel, xla, dy, res.xhat, res.rstd, *([skip] if has_skip else []), after=sums)
+    dx, dscale, dbias, *more = _on_gpu(kernel, xla, dy, res.xhat, res.rstd, *([skip] if has_skip else []),
+                                       after=sums)
+    if feeds is not None:
+        dx = Cotangent(dx, more[0] if narrow is not None else None, more[-1] if bias else None)
     if res.scale is None:
         return {}, dx
     dp = {"scale": dscale.astype(res.scale.dtype)}

@@ -270,11 +270,11 @@ def test_a_mesh_compiles_for_an_h100():
 # and the MiB those kernels read and write (launches.traffic). A GPU step unrolls its layers, each
 # compiled as the others are, so two hold every layer's kernels and the seam between layers, and
 # a change that adds a kernel, a kept residual or a pass over memory to a layer adds it twice
-# here; the whole depths (12 and 30 layers: 652 / 1,426 launches, 5,238 / 8,773 MiB of
-# temporaries, 50.3 / 92.5 GiB moved) compile three times as long and are printed by
+# here; the whole depths (12 and 30 layers: 604 / 1,366 launches, 5,238 / 8,791 MiB of
+# temporaries, 49.3 / 90.4 GiB moved) compile three times as long and are printed by
 # experiments/gpu_launches.py (docs/benchmark.md, "Kernels per step"). A change that adds
 # kernels, memory or traffic fails here; one that removes them lowers the figures.
-GPU_STEPS = {"gpt2": (16, 1024, 238, 1_013, 9_102), "smollm": (8, 2048, 204, 714, 6_201)}
+GPU_STEPS = {"gpt2": (16, 1024, 230, 1_014, 8_958), "smollm": (8, 2048, 200, 732, 6_075)}
 GPU_STEP_LAYERS = 2
 
 

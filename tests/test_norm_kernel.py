@@ -154,6 +154,27 @@ def test_backward_reads_a_bfloat16_gradient_in_float32():
     close(dbias.sum(axis=0), dp["bias"], TOL[jnp.float32] * 24)
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["alone", "skip"])
+def test_backward_writes_the_next_products_copy_and_sums(skip):
+    """Asked for them, the backward also writes dx's bfloat16 copy (the next products' input:
+    dx rounded, bit for bit) and each program's column sums of dx (the next bias's gradient),
+    beside the same dx and sums as without them."""
+    x, scale, bias, dy, g = rows(jnp.float32, 48, seed=3)
+    x = x.at[2, 4, 5].set(1.0)
+    _, res = reference_fwd("layer", x, scale, bias)
+    args = (dy, res.xhat, res.rstd, scale)
+    kw = dict(rms=False, skip=g if skip else None, interpret=True)
+    dx0, dscale0, dbias0 = K.norm_backward(*args, **kw)
+    dx, dscale, dbias, narrow, sums = K.norm_backward(*args, narrow_dtype=jnp.bfloat16, dx_sums=True, **kw)
+    for got, want in ((dx, dx0), (dscale, dscale0), (dbias, dbias0)):
+        assert bool(jnp.all(got == want))
+    assert narrow.dtype == jnp.bfloat16 and bool(jnp.all(narrow == dx.astype(jnp.bfloat16)))
+    assert sums.shape == dscale.shape
+    close(sums.sum(axis=0), dx.reshape(-1, 48).astype(jnp.float64).sum(axis=0), TOL[jnp.float32] * 24)
+    only_sums = K.norm_backward(*args, dx_sums=True, **kw)
+    assert len(only_sums) == 4 and bool(jnp.all(only_sums[3] == sums))
+
+
 def kernels_everywhere(monkeypatch):
     """manual_grads/norms.py's GPU branch on this CPU: the kernels in interpret mode, for
     float64 inputs and full attention too (a GPU takes them for float32 statistics, beside

@@ -7,7 +7,8 @@ These kernels hold a block of rows in registers instead:
 
     forward   x (N, D) -> y (N, D), xhat (N, D), rstd (N, 1): x read once
     backward  dy, xhat, rstd (and the skip connection's gradient) -> dx (N, D) and each
-              program's column sums of dy xhat and dy (G, D): each input read once
+              program's column sums of dy xhat and dy (G, D): each input read once; where
+              asked, dx's copy in the next products' dtype and its column sums too
 
 The math is the model's, step for step (jaxformer/model/layer_norm.py ``row_scale`` and
 ``layer_norm_stats``, jaxformer/model/rms_norm.py ``rms_norm_stats``; the backward is
@@ -143,11 +144,13 @@ def norm_forward(x, scale, bias, *, eps: float, rms: bool, offset: float = 0.0, 
 
 
 def _backward_kernel(*refs, D: int, C: int, R: int, steps: int, G: int, rms: bool, sd, has_scale: bool,
-                     has_skip: bool):
+                     has_skip: bool, has_narrow: bool, has_sums: bool):
     dy_ref, xhat_ref, rstd_ref, refs = refs[0], refs[1], refs[2], list(refs[3:])
     scale_ref = refs.pop(0) if has_scale else None
     skip_ref = refs.pop(0) if has_skip else None
-    dx_ref, dscale_ref, dbias_ref = refs
+    dx_ref, dscale_ref, dbias_ref = refs[:3]
+    narrow_ref = refs[3] if has_narrow else None
+    dxsum_ref = refs[-1] if has_sums else None
     cols = [slice(c, c + C) for c in range(0, D, C)]
     scales = [scale_ref[:, c].astype(sd) for c in cols] if has_scale else [None] * len(cols)
     program = pl.program_id(0)
@@ -164,27 +167,39 @@ def _backward_kernel(*refs, D: int, C: int, R: int, steps: int, G: int, rms: boo
         else:  # dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))
             m1 = sum(jnp.sum(g, axis=1, keepdims=True) for g in dxhats) / D
             dxs = [rstd * (g - m1 - xh * m2) for g, xh in zip(dxhats, xhats)]
+        outs = []
         for c, dx in zip(cols, dxs):
             if has_skip:  # y = skip + norm(x): the skip connection's gradient adds
                 dx = dx + skip_ref[rows, c].astype(sd)
-            dx_ref[rows, c] = dx.astype(dx_ref.dtype)
+            dx = dx.astype(dx_ref.dtype)
+            dx_ref[rows, c] = dx
+            if has_narrow:  # the copy the next products read, rounded from the dx written
+                narrow_ref[rows, c] = dx.astype(narrow_ref.dtype)
+            outs.append(dx.astype(sd))
         dscale = [a + jnp.sum(dy * xh, axis=0, keepdims=True) for a, dy, xh in zip(sums[0], dys, xhats)]
         dbias = [a + jnp.sum(dy, axis=0, keepdims=True) for a, dy in zip(sums[1], dys)]
-        return dscale, dbias
+        dxsum = [a + jnp.sum(dx, axis=0, keepdims=True) for a, dx in zip(sums[2], outs)] if has_sums else sums[2]
+        return dscale, dbias, dxsum
 
     zeros = [jnp.zeros((1, C), sd) for _ in cols]
-    dscale, dbias = jax.lax.fori_loop(0, steps, block, (zeros, zeros))
+    dscale, dbias, dxsum = jax.lax.fori_loop(0, steps, block, (zeros, zeros, zeros if has_sums else []))
     for c, a, b in zip(cols, dscale, dbias):
         dscale_ref[:, c] = a
         dbias_ref[:, c] = b
+    for c, a in zip(cols, dxsum):
+        dxsum_ref[:, c] = a
 
 
-def norm_backward(dy, xhat, rstd, scale, *, rms: bool, skip=None, interpret: bool = False):
+def norm_backward(dy, xhat, rstd, scale, *, rms: bool, skip=None, narrow_dtype=None, dx_sums: bool = False,
+                  interpret: bool = False):
     """The backward of ``norm_forward``: dy (..., D), xhat (..., D), rstd (..., 1), ``scale``
     (D,) as y = xhat * scale applied it (an RMS norm's offset added: offset + scale), or None ->
     dx (..., D) in stats_dtype (plus ``skip`` (..., D) where given), and each program's column
     sums of dy xhat and dy, (G, D) each in stats_dtype: summed over their first axis they are
-    dscale and dbias. (Left to the caller: on a mesh each shard's programs add theirs.)"""
+    dscale and dbias. (Left to the caller: on a mesh each shard's programs add theirs.)
+    For the products dx feeds next, in the same pass: ``narrow_dtype``, dx's copy in that dtype
+    (dx rounded to it); ``dx_sums``, each program's column sums of dx (G, D), the bias gradient of
+    the product whose output's gradient dx is. Returned after the three, in that order, where asked."""
     D = dy.shape[-1]
     N = dy.size // D
     sd = stats_dtype(jnp.result_type(dy.dtype, xhat.dtype, rstd.dtype))
@@ -195,14 +210,21 @@ def norm_backward(dy, xhat, rstd, scale, *, rms: bool, skip=None, interpret: boo
     inputs += [scale.reshape(1, D)] if scale is not None else []
     inputs += [skip.reshape(N, D)] if skip is not None else []
     kernel = functools.partial(_backward_kernel, D=D, C=C, R=R, steps=blocks // G, G=G, rms=rms, sd=sd,
-                               has_scale=scale is not None, has_skip=skip is not None)
+                               has_scale=scale is not None, has_skip=skip is not None,
+                               has_narrow=narrow_dtype is not None, has_sums=dx_sums)
     whole = [pl.BlockSpec(a.shape, lambda i: (0, 0)) for a in inputs]
     shape = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(dy).mat)  # varying as dy
-    sums = pl.BlockSpec((1, D), lambda i: (i, 0))
-    dx, dscale, dbias = pl.pallas_call(
-        kernel, grid=(G,), interpret=interpret, name="norm_backward",
-        in_specs=whole, out_specs=[pl.BlockSpec((N, D), lambda i: (0, 0)), sums, sums],
-        out_shape=[shape((N, D), sd), shape((G, D), sd), shape((G, D), sd)],
+    rows, sums = pl.BlockSpec((N, D), lambda i: (0, 0)), pl.BlockSpec((1, D), lambda i: (i, 0))
+    out_specs, out_shape = [rows, sums, sums], [shape((N, D), sd), shape((G, D), sd), shape((G, D), sd)]
+    if narrow_dtype is not None:
+        out_specs, out_shape = out_specs + [rows], out_shape + [shape((N, D), narrow_dtype)]
+    if dx_sums:
+        out_specs, out_shape = out_specs + [sums], out_shape + [shape((G, D), sd)]
+    dx, dscale, dbias, *more = pl.pallas_call(
+        kernel, grid=(G,), interpret=interpret, name="norm_backward", in_specs=whole, out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=BACKWARD_STAGES),
     )(*inputs)
-    return dx.reshape(dy.shape), dscale, dbias
+    if narrow_dtype is not None:
+        more[0] = more[0].reshape(dy.shape)
+    return (dx.reshape(dy.shape), dscale, dbias, *more)
