@@ -180,8 +180,7 @@ def _feeds(res: PreBlockRes, stage, norm):
     if not isinstance(out, LinearRes) or getattr(res, f"{norm}_post") is not None or \
             getattr(res, f"drop_{stage}") is not None:
         return None
-    narrow = out.x.dtype if out.x.dtype.itemsize < 4 else None  # the products' compute dtype, if 16-bit
-    return narrow, out.b is not None
+    return cotangent_feeds(out.x.dtype, out.b is not None)  # x is kept in the products' compute dtype
 
 
 def top_feeds(config: ModelConfig, dtype, key=None, tap=None):
@@ -191,7 +190,7 @@ def top_feeds(config: ModelConfig, dtype, key=None, tap=None):
     block's ln1 writing the one below's); else None (plain arrays throughout)."""
     if tap is not None or config.norm != "pre" or config.n_experts or active(config.dropout, key):
         return None
-    return cotangent_feeds(config, config.linear_biases.mlp, dtype)
+    return cotangent_feeds(config.compute_dtype, config.linear_biases.mlp, dtype)
 
 
 def _sublayer_bwd(res: PreBlockRes, stage, stage_bwd, norm, dy, grads, tap, feeds=None):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxformer.kernels.pallas.norm import norm_backward, norm_forward
 from jaxformer.kernels.shards import per_example_shards
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.precision import kept, kept_dtype, stats_dtype, upcast
+from jaxformer.model.precision import kept, kept_dtype, stats_dtype
 from manual_grads.layer_norm import column_sums, layer_norm_bwd, layer_norm_fwd, layer_norm_res
 from manual_grads.linear import Cotangent
 from manual_grads.rms_norm import RMSNormRes, rms_norm_bwd, rms_norm_fwd, rms_norm_res
@@ -107,16 +107,14 @@ def _xla_norm_bwd(res, dy, skip=None):
 def _xla_cotangent(dx, feeds):
     """The Cotangent ``feeds`` asks of dx, in XLA's code."""
     narrow, bias = feeds
-    D = dx.shape[-1]
-    return Cotangent(dx, None if narrow is None else dx.astype(narrow),
-                     upcast(dx).reshape(-1, D).sum(axis=0) if bias else None)
+    return Cotangent(dx, None if narrow is None else dx.astype(narrow), column_sums(dx)[0] if bias else None)
 
 
-def cotangent_feeds(config: ModelConfig, bias: bool, dtype=jnp.float32):
+def cotangent_feeds(compute_dtype, bias: bool, dtype=jnp.float32):
     """The ``feeds`` of a norm backward whose dx (of ``dtype``) is the output cotangent of a product
-    (a sublayer's output projection, ``bias`` whether it has one): (its compute dtype where that is
-    narrower than dtype's statistics, else None; bias)."""
-    narrow = kept_dtype(stats_dtype(dtype), config.compute_dtype)
+    (a sublayer's output projection, ``bias`` whether it has one; its products run in
+    ``compute_dtype``): (that dtype where it is narrower than dtype's statistics, else None; bias)."""
+    narrow = kept_dtype(stats_dtype(dtype), compute_dtype)
     return (None if narrow == stats_dtype(dtype) else narrow), bias
 
 
