@@ -38,6 +38,8 @@ from jaxformer.model.transformer import forward
 from manual_grads import check
 
 gguf = pytest.importorskip("gguf")
+# one worker: its module fixtures (the real model read, and loaded by transformers) run once
+pytestmark = pytest.mark.xdist_group("test_gguf")
 WHEEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and 42 is a number."
 

@@ -92,9 +92,10 @@ SCRIPT = textwrap.dedent("""
         else:
             assert params["tok_embed"].sharding.is_fully_replicated
     # a run checkpointed on one mesh resumes on another
-    first = train(tiny_settings(corpus, steps=steps - 1, mesh="data=2,fsdp=4", ckpt_every=1),
+    # (jax.grad's: the loop's one run of it on an fsdp mesh; the default would be the manual step)
+    first = train(tiny_settings(corpus, steps=steps - 1, mesh="data=2,fsdp=4", ckpt_every=1, grads="auto"),
                   f"{out}/resumed", progress=False).records
-    rest = train(tiny_settings(corpus, steps=steps, eval_every=steps, mesh="data=1,fsdp=8"),
+    rest = train(tiny_settings(corpus, steps=steps, eval_every=steps, mesh="data=1,fsdp=8", grads="auto"),
                  f"{out}/resumed", resume=True, progress=False).records
     out_records["resumed"] = first + rest
     print(json.dumps({"errors": errors, "records": out_records}))
