@@ -121,9 +121,9 @@ def test_auto_grads_flag_gives_the_manual_curve_and_resumes_with_it(corpus, run_
     assert 'grads = "auto"' in (tmp_path / "a" / "config.toml").read_text()
 
 
-def test_grads_default_is_manual_and_auto_where_manual_has_no_backward():
-    """The hand-derived backward is the default gradient source. attention_impl cudnn has none:
-    its runs default to jax.grad, and --grads manual with it is refused before any data is read."""
+def test_grads_default_is_manual_for_every_attention():
+    """The hand-derived backward is the default gradient source, with cuDNN's attention too (its
+    kernels are a pair of the hand-derived step); --grads auto chooses jax.grad, and says so."""
     from jaxformer.cli import train as cli_train
     from jaxformer.cli.main import build_parser
     from jaxformer.training.settings import grads_text

@@ -22,7 +22,7 @@ from jaxformer.tools.bench.select import ATTENTION_CHOICES, parse_attention
 from jaxformer.tools.bench.sweep_report import format_sweep_summary, write_sweep_reports
 
 DESCRIPTION = ("Benchmark one training step (gradients + AdamW) on the device JAX sees: manual "
-               "gradients (full, blockwise, pallas attention), jax.grad (full, cudnn), and the same "
+               "gradients (full, blockwise, pallas, cudnn attention), jax.grad (full, cudnn), and the same "
                "model in PyTorch (eager, torch.compile; SDPA) when it is installed.")
 
 EPILOG = """\
@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for --preset gpt2, whose real 50257 tokens nanoGPT pads to 50304)")
     p.add_argument("--attention", type=attention_list, metavar="LIST",
                    help=f"attention implementations to race, comma-separated from "
-                        f"{','.join(ATTENTION_CHOICES)} (manual grads: full, blockwise, pallas; "
+                        f"{','.join(ATTENTION_CHOICES)} (manual grads: each; "
                         f"jax.grad: full, cudnn). Default: all on a GPU; all but cudnn on a TPU; on CPU full,blockwise "
                         f"(pallas runs in slow interpret mode there, cudnn not at all)")
     p.add_argument("--shapes", type=shapes, metavar="GRID",

@@ -45,7 +45,7 @@ class ModelConfig:
     # --- memory: how the forward and the manual backward trade memory for compute
     attention_impl: str = "full"  # full: (B, H, T, T) probabilities; blockwise: online softmax over key blocks
     # (pallas: the same as one Pallas kernel, for the platform lowered for: Triton on a GPU, Mosaic on a TPU,
-    # CPU interpret mode; cudnn: cuDNN's, GPU, autodiff only)
+    # CPU interpret mode; cudnn: cuDNN's, GPU, with its pair in the hand-derived step and under autodiff)
     attention_block: int = 128  # query and key block size of blockwise attention (any T works)
     pallas_block_q: int = 0  # pallas: query block size; 0 takes the device's default (jaxformer/kernels/pallas/)
     pallas_block_k: int = 0  # pallas: key block size; 0 takes the device's default (jaxformer/kernels/pallas/)

@@ -38,8 +38,7 @@ class TrainSettings:
     preset: str = setting("tiny", "model shape and training recipe: a key of config.PRESETS")
     model: dict = setting(None, "ModelConfig fields overriding the preset's", factory=dict)
     grads: str = setting("manual", "gradient source: the hand-derived backward (manual, manual_grads) "
-                         "or jax.grad (auto; --attention-impl cudnn's default: it has no hand-derived "
-                         "backward)", group="", choices=GRAD_SOURCES)
+                         "or jax.grad (auto)", group="", choices=GRAD_SOURCES)
     steps: int = setting(100, "total training steps (optimizer calls) of the run", group="", minimum=1,
                          metavar="N")
     corpus: str = setting("default", '"default" (built-in English text), "stdlib" (Python sources) '
