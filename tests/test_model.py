@@ -87,7 +87,7 @@ def test_presets_match_the_original_systems():
 def test_param_layout(norm, positions):
     config = ModelConfig(**TINY, norm=norm, positions=positions)
     V, D, F, L, S = 11, 12, 20, 2, 9
-    params = jf.init_params(jax.random.PRNGKey(0), config)
+    params = jax.eval_shape(lambda: jf.init_params(jax.random.PRNGKey(0), config))  # the tree and shapes
     ln = {"scale": (L, D), "bias": (L, D)}
     expected = {
         "tok_embed": (V, D),
@@ -127,9 +127,9 @@ def test_everything_follows_the_params_dtype(dtype):
     config = ModelConfig(**TINY, positions="sinusoidal")
     params = jf.init_params(jax.random.PRNGKey(0), config, dtype=dtype)
     chex.assert_trees_all_equal_dtypes(params, jax.tree_util.tree_map(lambda x: jnp.zeros((), dtype), params))
-    batch = batch_for(config)
-    assert jf.forward(params, batch["inputs"], config).dtype == dtype
-    assert jf.loss_fn(params, batch, config).dtype == dtype
+    batch = batch_for(config)  # the dtypes as the forward and the loss trace them
+    assert jax.eval_shape(lambda p, x: jf.forward(p, x, config), params, batch["inputs"]).dtype == dtype
+    assert jax.eval_shape(lambda p, b: jf.loss_fn(p, b, config), params, batch).dtype == dtype
 
 
 # ---------------------------------------------------------------------------- forward
