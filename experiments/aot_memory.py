@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     config = get_preset("gpt2", vocab_size=args.vocab_size, max_seq_len=max(1024, args.seq_len))
     optimizer = make_optimizer(**settings_for("gpt2").optimizer_kwargs())
     todo = aot.variants(attentions=("full", "blockwise", "pallas"), dtypes=(args.dtype,), meshes=(None,))
-    cudnn = aot.variants(attentions=("cudnn",), grads=("auto",), dtypes=(args.dtype,), meshes=(None,))
+    cudnn = aot.variants(attentions=("cudnn",), dtypes=(args.dtype,), meshes=(None,))  # its pair and jax.grad
     shape = dict(batch_size=args.batch_size, seq_len=args.seq_len)
     print(f"gpt2 (vocab {config.vocab_size}), {args.dtype} products, batch {args.batch_size} x {args.seq_len}",
           flush=True)
