@@ -294,7 +294,7 @@ def _proj(p, name):
 
 
 def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: Core | None = None,
-                  manual: ManualCore | None = None, qk: QKNorm | None = None):
+                  manual: ManualCore | None = None, qk: QKNorm | None = None, out_bias: bool = True):
     """p = {wq, bq, wk, bk, wv, bv, wo, bo, q_norm?, k_norm?}; x (B, T, D) -> y (B, T, D),
     around the core config.attention_impl names.
     ``key`` (full, blockwise): the probabilities' dropout key; ``segments`` (B, T): the
@@ -302,13 +302,17 @@ def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: C
     ``positions`` (T,): the tokens' rotary positions (the model's ``attention``'s); ``core``
     and ``manual``: a core and its pair given in place of attention_impl's (context
     parallelism's ring, whose backward ``attention_bwd`` is then given too); ``qk``: QK-norm's
-    QKNorm where not qk_norm_of(config) (tensor parallelism's, its statistics over the axis)."""
+    QKNorm where not qk_norm_of(config) (tensor parallelism's, its statistics over the axis);
+    ``out_bias`` False: y without the output projection's bias bo, which the caller adds (the
+    block's norm after the residual add, norms.add_norm_fwd); the residual keeps bo for its gradient."""
     if manual is None:
         core, manual = CORES[config.attention_impl], MANUAL_CORES[config.attention_impl]
     (q, k, v), heads_res = heads_fwd(p, x, config, positions, qk)  # q (B, H, T, Dh), k, v (B, Hkv, T, Dh)
     o, core_res = manual.fwd(q, *core_kv(core, q, k, v), attention_spec(config), key, segments)  # (B, H, T, Dh)
     h = merge_heads(o)  # (B, T, H Dh)
-    y, out_res = linear_fwd(_proj(p, "o"), h, config.compute_dtype)  # (B, T, D)
+    out = _proj(p, "o")
+    y, out_res = linear_fwd(out if out_bias else {"w": out["w"]}, h, config.compute_dtype)  # (B, T, D)
+    out_res = out_res._replace(b=out.get("b"))  # (y's bias added by the caller where not out_bias)
     y, lora_res = adapted_fwd(p, ("wo",), h, y, config.compute_dtype)  # + LoRA's on wo
     return y, AttentionRes(heads_res, core_res, out_res, lora_res)
 

@@ -16,6 +16,10 @@ Where a value feeds both a residual branch and the skip connection, the two
 gradients add. The residual's type (PreBlockRes or PostBlockRes) tells the
 backward which block it undoes.
 
+In the pre layout (no dropout drawn on the attention's output, no LoRA on it, no tap) ln2's
+forward also writes x1 (norms.add_norm_fwd: on a GPU one kernel reads x and the attention's
+product and writes x1 = x + (a + bo) beside ln2's output); the attention leaves bo to it.
+
 This is the one manual composition of the block (its forward's twin is
 jaxformer/model/block.py's ``compose_block``): custom_vjp.py registers it as the
 block's rule, remat.py scans it over the layers, and the diagnosis
@@ -38,7 +42,7 @@ from manual_grads.linear import Cotangent, LinearRes, wide
 from manual_grads.mlp import FeedForwardRes, GatedFeedForwardRes
 from manual_grads.moe import MoeRes
 from manual_grads.moe_parallel import ffn_bwd, ffn_fwd
-from manual_grads.norms import cotangent_feeds, norm_bwd, norm_fwd
+from manual_grads.norms import add_norm_fwd, cotangent_feeds, norm_bwd, norm_fwd
 from manual_grads.rms_norm import RMSNormRes
 from manual_grads.tap import tap_backward, tap_forward
 
@@ -104,9 +108,7 @@ def _in_norm_fwd(p, name, x, config: ModelConfig, tap):
     """ln1 or ln2 on a sublayer's input where the layout has them: (h, res or None)."""
     if not input_norms(config):
         return x, None
-    # only the sublayer's products read h (not a LoRA adapter's dropout, nor a tap)
-    products_only = tap is None and not any(LORA in p[stage] for stage in ("attn", "ffn"))
-    h, res = norm_fwd(p[name], x, config, products_only)  # (B, T, D)
+    h, res = norm_fwd(p[name], x, config, _products_only(p, tap))  # (B, T, D)
     tap_forward(tap, name, x, h, p[name])
     return h, res
 
@@ -144,14 +146,31 @@ def _branch_bwd(norm_res, drop, name, dy, grads, tap):
     return d, d
 
 
+def _products_only(p, tap) -> bool:
+    """Whether only the sublayers' products read an input norm's output (not a LoRA adapter's
+    dropout, nor a tap)."""
+    return tap is None and not any(LORA in p[stage] for stage in ("attn", "ffn"))
+
+
+def _add_in_norm(p, config: ModelConfig, tap, k_attn) -> bool:
+    """Whether x1 = x + attention(...) is written by ln2's forward (norms.add_norm_fwd): the pre
+    layout with the attention's output as it is (no dropout drawn on it, no LoRA on wo, no tap)."""
+    return config.norm == "pre" and tap is None and k_attn is None and LORA not in p["attn"]
+
+
 def pre_block_fwd(p, x, config: ModelConfig, tap=None, key=None, segments=None):
     k_probs, k_attn, k_ffn = _branch_keys(config, key)
     h1, ln1_res = _in_norm_fwd(p, "ln1", x, config, tap)  # (B, T, D)
-    a, attn_res = attention_fwd(p["attn"], h1, config, k_probs, segments)  # (B, T, D)
-    a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, k_attn, tap, "attn", h1, p["attn"])
-    x1 = x + a  # (B, T, D)
-    tap_forward(tap, "attn residual", a, x1)
-    h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, tap)  # (B, T, D)
+    if _add_in_norm(p, config, tap, k_attn):  # one pass: the sum and its norm (a GPU's kernel)
+        a, attn_res = attention_fwd(p["attn"], h1, config, k_probs, segments, out_bias=False)  # without bo
+        h2, ln2_res, x1 = add_norm_fwd(p["ln2"], x, a, p["attn"].get("bo"), config, _products_only(p, tap))
+        ln1_post_res = drop_attn = None  # x1 = x + (a + bo), h2 = ln2(x1): (B, T, D)
+    else:
+        a, attn_res = attention_fwd(p["attn"], h1, config, k_probs, segments)  # (B, T, D)
+        a, ln1_post_res, drop_attn = _branch_fwd(p, "ln1_post", a, config, k_attn, tap, "attn", h1, p["attn"])
+        x1 = x + a  # (B, T, D)
+        tap_forward(tap, "attn residual", a, x1)
+        h2, ln2_res = _in_norm_fwd(p, "ln2", x1, config, tap)  # (B, T, D)
     f, ffn_res = ffn_fwd(p["ffn"], h2, config)  # (B, T, D)
     f = f[0] if config.n_experts else f  # the MoE layer's statistics stay on ffn_res
     f, ln2_post_res, drop_ffn = _branch_fwd(p, "ln2_post", f, config, k_ffn, tap, "ffn", h2, p["ffn"])

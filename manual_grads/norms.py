@@ -14,7 +14,8 @@ program is as it was. Both give the same values to rounding (tests/test_norm_ker
 the kernels equal to that code in interpret mode, float64 and float32). Only inputs with
 float32 statistics take the kernels (Triton has no fast float64). On a mesh a kernel runs per
 shard of the batch (kernels/shards.py). Where the backward's dx is a product's output cotangent
-(``feeds``), the kernel also writes what that product reads of it (a ``linear.Cotangent``).
+(``feeds``), the kernel also writes what that product reads of it (a ``linear.Cotangent``); where
+the forward's input is a residual sum (``add_norm_fwd``), the kernel writes the sum too.
 """
 
 from __future__ import annotations
@@ -68,35 +69,56 @@ def _xla_norm_fwd(p, x, config: ModelConfig):
     return y, res._replace(xhat=kept(res.xhat, config.compute_dtype))  # bfloat16 under its policy
 
 
+def residual_sum(x, branch, bias=None):
+    """The residual stream's sum where a sublayer's output projection leaves its bias to the
+    norm after it (``add_norm_fwd``): x + (branch + bias), as x + linear(...) rounds it."""
+    return x + (branch if bias is None else branch + bias)
+
+
 def norm_fwd(p, x, config: ModelConfig, products_only: bool = False):
     """The norm config.norm_type names (the model's ``pick_norm``): x (..., D) -> y, res; the
     normalized x kept as ``precision.kept`` says (bfloat16 under a bfloat16 compute dtype:
     the backward reads it in float32). ``products_only``: only products read y, each cast to
     the compute dtype, so y is written in it where ``precision.kept`` keeps that (the cast done
     once, in the norm's pass; the products' input cotangents come back in it too)."""
-    narrow = kept_dtype(stats_dtype(x.dtype), config.compute_dtype)  # the compute dtype if 16-bit
+    y, res, _ = _norm_fwd(p, (x,), config, products_only)
+    return y, res
+
+
+def add_norm_fwd(p, x, branch, bias, config: ModelConfig, products_only: bool = False):
+    """s = residual_sum(x, branch, bias) and norm_fwd's (y, res) of it: (y, res, s). Where the
+    norm runs as a kernel, the kernel reads x and the branch and writes s in its own pass (XLA
+    wrote s in a kernel of its own, which the norm then read again); else XLA's code of the two."""
+    return _norm_fwd(p, (x, branch) + (() if bias is None else (bias,)), config, products_only)
+
+
+def _norm_fwd(p, parts, config: ModelConfig, products_only: bool):
+    """(y, res, s): norm_fwd's of s = residual_sum(*parts) (parts (x,): s is x)."""
+    narrow = kept_dtype(stats_dtype(jnp.result_type(*parts)), config.compute_dtype)  # the compute dtype if 16-bit
     y_dtype = narrow if products_only else None
+    bias = parts[2] if len(parts) == 3 else None  # (D,): closed over, not split over a mesh
 
-    def xla(x):
-        y, res = _xla_norm_fwd(p, x, config)
-        return (y if y_dtype is None else y.astype(y_dtype)), res
+    def xla(x, *branch):
+        s = residual_sum(x, *branch, bias) if branch else x
+        y, res = _xla_norm_fwd(p, s, config)
+        return (y if y_dtype is None else y.astype(y_dtype)), res, s
 
-    if not _kernels(config, x.dtype):
-        return xla(x)
+    if not _kernels(config, jnp.result_type(*parts)):
+        return xla(*parts[:2])
     rms = config.norm_type == "rms"
     offset = config.norm_offset if rms else 0.0
 
-    def kernel(x):
+    def kernel(x, *branch):  # (y, xhat, rstd), and s where there is a branch
         return norm_forward(x, p.get("scale"), p.get("bias"), eps=config.ln_eps, rms=rms, offset=offset,
-                            y_dtype=y_dtype, kept_dtype=narrow)
+                            y_dtype=y_dtype, kept_dtype=narrow, add=branch[0] if branch else None, add_bias=bias)
 
-    def xla_arrays(x):
-        y, res = xla(x)
-        return y, res.xhat, res.rstd
+    def xla_arrays(x, *branch):
+        y, res, s = xla(x, *branch)
+        return (y, res.xhat, res.rstd) + ((s,) if branch else ())
 
-    y, xhat, rstd = _on_gpu(kernel, xla_arrays, x)
+    y, xhat, rstd, *s = _on_gpu(kernel, xla_arrays, *parts[:2])
     res = rms_norm_res(p, xhat, rstd, offset) if rms else layer_norm_res(p, xhat, rstd)
-    return y, res._replace(kernels=KERNELS)  # the backward takes them too
+    return y, res._replace(kernels=KERNELS), (s[0] if s else parts[0])  # the backward takes the kernels too
 
 
 def _xla_norm_bwd(res, dy, skip=None):

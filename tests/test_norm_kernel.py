@@ -99,6 +99,24 @@ def test_forward_is_the_models(dtype, kind):
     np.testing.assert_allclose(np.asarray(rstd), np.asarray(res.rstd), rtol=TOL[dtype])  # 1e-200 to 316
 
 
+@pytest.mark.parametrize("kind", ["layer", "rms-noscale"])
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32], ids=["float64", "float32"])
+def test_forward_of_the_residual_sum(dtype, kind):
+    """Given the branch and its bias (``add``, ``add_bias``), the forward writes the residual
+    stream's sum x + (branch + bias) bit for bit as the model computes it, and the norm of that
+    sum bit for bit as the kernel normalizes the sum given whole; without a bias, x + branch."""
+    x, scale, bias, branch, _ = rows(dtype, 48, seed=4)
+    b = 0.7 * bias[::-1]
+    for add_bias, want in ((b, x + (branch + b)), (None, x + branch)):
+        y0, xhat0, rstd0 = jax.jit(functools.partial(kernel_fwd, kind))(want, scale, bias)
+        y, xhat, rstd, s = jax.jit(functools.partial(kernel_fwd, kind))(x, scale, bias, add=branch,
+                                                                        add_bias=add_bias)
+        assert s.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(want))  # NaN where the sum's is
+        for got, ref in ((y, y0), (xhat, xhat0), (rstd, rstd0)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 def test_forward_writes_the_dtypes_asked():
     """y and the kept input in bfloat16 (a product's input and a bfloat16 policy's residual):
     the float32 values rounded once, so within half a bfloat16 step of them."""

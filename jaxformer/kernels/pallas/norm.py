@@ -5,7 +5,8 @@ mean, the variance, then one kernel for each output), each reading the row again
 backward to three or four (the row means of dxhat and dxhat xhat, dx, the columns' sums).
 These kernels hold a block of rows in registers instead:
 
-    forward   x (N, D) -> y (N, D), xhat (N, D), rstd (N, 1): x read once
+    forward   x (N, D) -> y (N, D), xhat (N, D), rstd (N, 1): x read once; where asked, x is
+              the residual stream's sum x + (branch + bias), written beside the three
     backward  dy, xhat, rstd (and the skip connection's gradient) -> dx (N, D) and each
               program's column sums of dy xhat and dy (G, D): each input read once; where
               asked, dx's copy in the next products' dtype and its column sums too
@@ -83,13 +84,23 @@ def row_scale(top, bad, dtype):
 
 
 def _forward_kernel(*refs, D: int, C: int, eps: float, rms: bool, offset: float, sd, has_scale: bool,
-                    has_bias: bool):
+                    has_bias: bool, has_add: bool, has_add_bias: bool):
     x_ref, refs = refs[0], list(refs[1:])
+    add_ref = refs.pop(0) if has_add else None
     scale_ref = refs.pop(0) if has_scale else None
     bias_ref = refs.pop(0) if has_bias else None
-    y_ref, xhat_ref, rstd_ref = refs
+    add_bias_ref = refs.pop(0) if has_add_bias else None
+    y_ref, xhat_ref, rstd_ref = refs[:3]
     cols = [slice(c, c + C) for c in range(0, D, C)]
-    xs = [x_ref[:, c].astype(sd) for c in cols]  # (R, C) each: the row block, read once
+    xs = [x_ref[:, c] for c in cols]  # (R, C) each: the row block, read once
+    if has_add:  # the residual stream's sum, x + (branch + bias), rounded as the model rounds it
+        branches = [add_ref[:, c] for c in cols]
+        if has_add_bias:
+            branches = [b + add_bias_ref[:, c] for b, c in zip(branches, cols)]
+        xs = [x + b for x, b in zip(xs, branches)]
+        for c, x in zip(cols, xs):
+            refs[3][:, c] = x
+    xs = [x.astype(sd) for x in xs]
     top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1, keepdims=True) for x in xs])
     bad = functools.reduce(jnp.maximum, [jnp.max((~jnp.isfinite(x)).astype(sd), axis=1, keepdims=True)
                                          for x in xs]) > 0  # (R, 1): a non-finite value in the row
@@ -118,29 +129,40 @@ def _forward_kernel(*refs, D: int, C: int, eps: float, rms: bool, offset: float,
 
 
 def norm_forward(x, scale, bias, *, eps: float, rms: bool, offset: float = 0.0, y_dtype=None, kept_dtype=None,
-                 interpret: bool = False):
+                 add=None, add_bias=None, interpret: bool = False):
     """x (..., D) -> (y (..., D) in ``y_dtype``, xhat (..., D) in ``kept_dtype``, rstd (..., 1)),
     both dtypes stats_dtype(x) unless given. ``scale`` (D,) or None (an RMS norm without one),
     ``bias`` (D,) or None; ``rms``: RMS norm (no mean, no bias), else layer norm; ``offset``:
-    the scale applied as (offset + scale) (RMS norm)."""
+    the scale applied as (offset + scale) (RMS norm). ``add`` (..., D), ``add_bias`` (D,) or
+    None: the norm of s = x + (add + add_bias) instead, s returned fourth, in the dtype the
+    model's sum has (x and add read once, s written once: no pass of its own over memory)."""
     *lead, D = x.shape
     N = x.size // D
+    if add is not None:
+        s_dtype = jnp.result_type(x, add, *([add_bias] if add_bias is not None else []))
+        x, add = x.astype(s_dtype), add.astype(s_dtype)
+        add_bias = None if add_bias is None else add_bias.astype(s_dtype)
     sd = stats_dtype(x.dtype)
     C, R = chunk(D), rows_per_block(N, D)
     y_dtype, kept_dtype = y_dtype or sd, kept_dtype or sd
-    params = [p.reshape(1, D) for p in (scale, bias) if p is not None]
+    params = [p.reshape(1, D) for p in (scale, bias, add_bias) if p is not None]
     kernel = functools.partial(_forward_kernel, D=D, C=C, eps=float(eps), rms=rms, offset=float(offset), sd=sd,
-                               has_scale=scale is not None, has_bias=bias is not None)
+                               has_scale=scale is not None, has_bias=bias is not None, has_add=add is not None,
+                               has_add_bias=add_bias is not None)
     rows = pl.BlockSpec((R, D), lambda i: (i, 0))
     shape = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x).mat)  # varying as x
-    y, xhat, rstd = pl.pallas_call(
+    out_specs = [rows, rows, pl.BlockSpec((R, 1), lambda i: (i, 0))]
+    out_shape = [shape((N, D), y_dtype), shape((N, D), kept_dtype), shape((N, 1), sd)]
+    if add is not None:
+        out_specs, out_shape = out_specs + [rows], out_shape + [shape((N, D), x.dtype)]
+    y, xhat, rstd, *s = pl.pallas_call(
         kernel, grid=(N // R,), interpret=interpret, name="norm_forward",
-        in_specs=[rows] + [pl.BlockSpec((1, D), lambda i: (0, 0))] * len(params),
-        out_specs=[rows, rows, pl.BlockSpec((R, 1), lambda i: (i, 0))],
-        out_shape=[shape((N, D), y_dtype), shape((N, D), kept_dtype), shape((N, 1), sd)],
+        in_specs=[rows] * (2 if add is not None else 1) + [pl.BlockSpec((1, D), lambda i: (0, 0))] * len(params),
+        out_specs=out_specs, out_shape=out_shape,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
-    )(x.reshape(N, D), *params)
-    return y.reshape(x.shape), xhat.reshape(x.shape), rstd.reshape(*lead, 1)
+    )(x.reshape(N, D), *([add.reshape(N, D)] if add is not None else []), *params)
+    out = (y.reshape(x.shape), xhat.reshape(x.shape), rstd.reshape(*lead, 1))
+    return out + (s[0].reshape(x.shape),) if add is not None else out
 
 
 def _backward_kernel(*refs, D: int, C: int, R: int, steps: int, G: int, rms: bool, sd, has_scale: bool,
