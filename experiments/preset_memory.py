@@ -4,6 +4,9 @@ free memory before the first step), compiled, never run, so no weights are built
 
     python experiments/preset_memory.py NAME [BATCH] [SEQ_LEN] [GRADS]    # default 1 512 auto
 
+GRADS defaults to auto, jax.grad's step (docs/models.md's column); `jaxformer train` plans the
+manual step by default: GRADS manual gives its figure.
+
 (`jaxformer train` itself takes the vocabulary from its tokenizer; this keeps the preset's.)
 """
 import sys, time
