@@ -312,7 +312,8 @@ def attention_fwd(p, x, config, key=None, segments=None, positions=None, core: C
     h = merge_heads(o)  # (B, T, H Dh)
     out = _proj(p, "o")
     y, out_res = linear_fwd(out if out_bias else {"w": out["w"]}, h, config.compute_dtype)  # (B, T, D)
-    out_res = out_res._replace(b=out.get("b"))  # (y's bias added by the caller where not out_bias)
+    if not out_bias:  # y's bias added by the caller; the residual keeps it for db
+        out_res = out_res._replace(b=out.get("b"))
     y, lora_res = adapted_fwd(p, ("wo",), h, y, config.compute_dtype)  # + LoRA's on wo
     return y, AttentionRes(heads_res, core_res, out_res, lora_res)
 

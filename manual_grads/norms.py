@@ -81,7 +81,7 @@ def norm_fwd(p, x, config: ModelConfig, products_only: bool = False):
     the backward reads it in float32). ``products_only``: only products read y, each cast to
     the compute dtype, so y is written in it where ``precision.kept`` keeps that (the cast done
     once, in the norm's pass; the products' input cotangents come back in it too)."""
-    y, res, _ = _norm_fwd(p, (x,), config, products_only)
+    y, res, _ = _norm_fwd(p, x, config, products_only)
     return y, res
 
 
@@ -89,22 +89,24 @@ def add_norm_fwd(p, x, branch, bias, config: ModelConfig, products_only: bool = 
     """s = residual_sum(x, branch, bias) and norm_fwd's (y, res) of it: (y, res, s). Where the
     norm runs as a kernel, the kernel reads x and the branch and writes s in its own pass (XLA
     wrote s in a kernel of its own, which the norm then read again); else XLA's code of the two."""
-    return _norm_fwd(p, (x, branch) + (() if bias is None else (bias,)), config, products_only)
+    return _norm_fwd(p, x, config, products_only, branch, bias)
 
 
-def _norm_fwd(p, parts, config: ModelConfig, products_only: bool):
-    """(y, res, s): norm_fwd's of s = residual_sum(*parts) (parts (x,): s is x)."""
-    narrow = kept_dtype(stats_dtype(jnp.result_type(*parts)), config.compute_dtype)  # the compute dtype if 16-bit
+def _norm_fwd(p, x, config: ModelConfig, products_only: bool, branch=None, bias=None):
+    """(y, res, s): norm_fwd's of s = residual_sum(x, branch, bias); without a branch s is x. The
+    rows (x, branch) go to the kernel per shard of a mesh; bias (D,) is closed over."""
+    rows = (x,) if branch is None else (x, branch)
+    dtype = jnp.result_type(*rows, *(() if bias is None else (bias,)))  # s's
+    narrow = kept_dtype(stats_dtype(dtype), config.compute_dtype)  # the compute dtype if 16-bit
     y_dtype = narrow if products_only else None
-    bias = parts[2] if len(parts) == 3 else None  # (D,): closed over, not split over a mesh
 
     def xla(x, *branch):
         s = residual_sum(x, *branch, bias) if branch else x
         y, res = _xla_norm_fwd(p, s, config)
         return (y if y_dtype is None else y.astype(y_dtype)), res, s
 
-    if not _kernels(config, jnp.result_type(*parts)):
-        return xla(*parts[:2])
+    if not _kernels(config, dtype):
+        return xla(*rows)
     rms = config.norm_type == "rms"
     offset = config.norm_offset if rms else 0.0
 
@@ -116,9 +118,9 @@ def _norm_fwd(p, parts, config: ModelConfig, products_only: bool):
         y, res, s = xla(x, *branch)
         return (y, res.xhat, res.rstd) + ((s,) if branch else ())
 
-    y, xhat, rstd, *s = _on_gpu(kernel, xla_arrays, *parts[:2])
+    y, xhat, rstd, *s = _on_gpu(kernel, xla_arrays, *rows)
     res = rms_norm_res(p, xhat, rstd, offset) if rms else layer_norm_res(p, xhat, rstd)
-    return y, res._replace(kernels=KERNELS), (s[0] if s else parts[0])  # the backward takes the kernels too
+    return y, res._replace(kernels=KERNELS), (s[0] if s else x)  # the backward takes the kernels too
 
 
 def _xla_norm_bwd(res, dy, skip=None):

@@ -90,7 +90,7 @@ def _forward_kernel(*refs, D: int, C: int, eps: float, rms: bool, offset: float,
     scale_ref = refs.pop(0) if has_scale else None
     bias_ref = refs.pop(0) if has_bias else None
     add_bias_ref = refs.pop(0) if has_add_bias else None
-    y_ref, xhat_ref, rstd_ref = refs[:3]
+    y_ref, xhat_ref, rstd_ref, *sum_ref = refs  # sum_ref: [s's block] with has_add
     cols = [slice(c, c + C) for c in range(0, D, C)]
     xs = [x_ref[:, c] for c in cols]  # (R, C) each: the row block, read once
     if has_add:  # the residual stream's sum, x + (branch + bias), rounded as the model rounds it
@@ -99,7 +99,7 @@ def _forward_kernel(*refs, D: int, C: int, eps: float, rms: bool, offset: float,
             branches = [b + add_bias_ref[:, c] for b, c in zip(branches, cols)]
         xs = [x + b for x, b in zip(xs, branches)]
         for c, x in zip(cols, xs):
-            refs[3][:, c] = x
+            sum_ref[0][:, c] = x
     xs = [x.astype(sd) for x in xs]
     top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1, keepdims=True) for x in xs])
     bad = functools.reduce(jnp.maximum, [jnp.max((~jnp.isfinite(x)).astype(sd), axis=1, keepdims=True)
