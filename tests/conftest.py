@@ -13,6 +13,13 @@
   model's gradient at the suite's sizes; again both sides of every comparison,
   and the subprocesses the tests start, compile the same way. Only where the installed
   XLA has the flag (xla_flags.py: jaxlib 0.11 aborts at its name).
+- XLA's CPU code generation runs as one LLVM module (``--xla_cpu_parallel_codegen_split_count=1``),
+  not split into up to 32 parts compiled on a thread pool: with a worker on each of the
+  machine's cores the threads had no core to run on, and each part paid its own setup. The
+  same modules on 2 cores (test_model_options, test_segments, test_moe, test_train,
+  test_softcap, test_guarantees, test_stopping, test_hf_llama; ``pytest -n 2``): 191 s and 375 CPU-s
+  against 228 s and 446; test_modern_options with test_lora 164 s against 183 (2026-11-30). It
+  changes how XLA compiles, not what: the notebooks print the same.
 - JAX's in-memory caches are cleared after each test module (``jax.clear_caches``): every
   compiled CPU program holds memory mappings of its code for as long as a cache keeps it,
   and a worker that runs several hundred tests accumulates tens of thousands of them
@@ -41,7 +48,7 @@ import os
 import shutil
 import tempfile
 
-from xla_flags import legacy_emitter_flag
+from xla_flags import suite_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite's runs cache what they measure (the CPU peak) apart from the user's cache: a
@@ -52,8 +59,9 @@ JIT_CACHE = os.environ.get("JAXFORMER_TEST_JIT_CACHE") or tempfile.mkdtemp(prefi
 os.environ["JAXFORMER_TEST_JIT_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"] = JIT_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")  # the subprocesses' too
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):  # where this XLA has the flag
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + legacy_emitter_flag()).strip()
+for flag in suite_flags().split():  # those this XLA has; a flag the caller's XLA_FLAGS set keeps its value
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 import jax  # noqa: E402
 

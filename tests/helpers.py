@@ -23,7 +23,7 @@ from jaxformer.model.config import PRESETS
 from jaxformer.tools.compare import grads as compare
 from jaxformer.training.settings import settings_for
 from manual_grads import check, custom_vjp, value_and_grad
-from xla_flags import legacy_emitter_flag
+from xla_flags import suite_flags
 
 # ---------------------------------------------------------------- a manual layer against jax.vjp
 
@@ -330,7 +330,7 @@ def run_cases_on_8_devices(module: str) -> dict:
     most of the run; the settings conftest.py gives the suite halve it)."""
     tests = pathlib.Path(__file__).resolve().parent
     flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             f"--xla_llvm_disable_expensive_passes=true {legacy_emitter_flag()}").strip()
+             f"--xla_llvm_disable_expensive_passes=true {suite_flags()}").strip()
     env = {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_X64": "1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "true",
            "PATH": "/usr/bin:/bin"}
     code = f"import sys; sys.path.insert(0, {str(tests)!r}); import json, {module} as t; " \

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
-from xla_flags import legacy_emitter_flag
+from xla_flags import suite_flags
 
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
@@ -58,7 +58,7 @@ NONDETERMINISTIC = build_notebooks.NONDETERMINISTIC
 # agree to 3e-17 and each run repeats bit for bit. Adam's update g / (|g| + eps) turns a rounding
 # difference in a gradient component near eps = 1e-8 into one up to 1 / (4 eps) = 2.5e7 times
 # larger: the parameters differ by 2e-15 after the first step, by 2e-10 after the second.
-FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "true", "XLA_FLAGS": legacy_emitter_flag()}
+FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "true", "XLA_FLAGS": suite_flags()}
 NEEDS_XLA_OPTIMIZATIONS = {"02_training"}
 ROUNDOFF = re.compile(r"(?<![\w.])-?(?:\d(?:\.\d+)?e-0*(?:9|[1-9]\d+)|0(?:\.0+)?e[+-]0+)\b")
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
